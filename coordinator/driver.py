@@ -1,0 +1,233 @@
+"""The driver of one job attempt: the coordinator's side of the RPC world.
+
+The coordinator is rank 0; stage k is rank k+1. Per step it sends one RPC to
+each stage (inputs to the first, targets to the last, the LR to all) and gets
+one answer back from each, so control costs O(stages) messages per step, and
+activations never pass through here. Step s+1 is sent while step s runs, so
+the first stage never waits for its inputs.
+
+Every wait has a deadline and names what it waited for, and a worker process
+that dies ends the attempt within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from safetensors.torch import save_file
+
+from coordinator.data import DataStream
+from coordinator.lr import lr_at
+from coordinator.plan import Plan
+from gpipe.errors import JobFailed
+from worker import attempt as remote
+from worker.stage import StageConfig
+
+STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    step_time_s: float
+    samples_per_s: float
+    grad_norm: float | None
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Attempt:
+    """Runs `plan` on stages that join the RPC world at `master`."""
+
+    def __init__(self, plan: Plan, master: str, store_host: str, store_port: int,
+                 alive_check: Callable[[], str | None], device_of: Callable[[int], str],
+                 on_step: Callable[[StepMetrics], None]):
+        self.plan, self.spec = plan, plan.spec
+        self.master = master
+        self.store_host, self.store_port = store_host, store_port
+        self.alive_check = alive_check  # returns why a worker is gone, or None
+        self.device_of = device_of
+        self.on_step = on_step
+        self._done: queue.Queue[tuple[Any, int]] = queue.Queue()
+
+    # -- waiting -------------------------------------------------------------
+
+    def _stage_name(self, k: int) -> str:
+        start, end = self.plan.bounds[k]
+        layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
+        return f"stage {k} ({layers})"
+
+    def _check_alive(self) -> None:
+        why = self.alive_check()
+        if why:
+            raise JobFailed(why)
+
+    def _result(self, what: str, k: int, fut: torch.futures.Future) -> Any:
+        try:
+            value = fut.wait()
+        except Exception as e:
+            time.sleep(0.3)  # a dead process is the likelier cause: let it be seen
+            self._check_alive()
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise JobFailed(f"lost contact with {self._stage_name(k)} {what}: {first}") from None
+        if isinstance(value, dict) and value.get("error"):
+            raise JobFailed(f"{self._stage_name(k)} failed {what}: {value['error']}")
+        return value
+
+    def _wait_all(self, futs: dict[int, torch.futures.Future], timeout: float, what: str) -> dict[int, Any]:
+        q: queue.Queue[int] = queue.Queue()
+        for k, f in futs.items():
+            f.add_done_callback(lambda _f, k=k: q.put(k))
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < len(futs):
+            try:
+                k = q.get(timeout=0.1)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    pending = ", ".join(self._stage_name(k) for k in futs if k not in out)
+                    raise JobFailed(f"timed out after {timeout:.0f}s {what}, waiting for {pending}") from None
+                continue
+            out[k] = self._result(what, k, futs[k])
+        return out
+
+    # -- the attempt ---------------------------------------------------------
+
+    def join(self) -> None:
+        """Start this end of the RPC world, while watching that the workers are alive."""
+        spec = self.spec
+        opts = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"gpipe://{self.master}", rpc_timeout=spec.start_timeout_s, num_worker_threads=8,
+        )
+        err: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                rpc.init_rpc("coordinator", rank=0, world_size=spec.stages + 1, rpc_backend_options=opts)
+            except BaseException as e:
+                err.append(e)
+
+        t = threading.Thread(target=init, name="rpc-init", daemon=True)
+        t.start()
+        deadline = time.monotonic() + spec.start_timeout_s
+        while t.is_alive():
+            t.join(0.1)
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise JobFailed(f"timed out after {spec.start_timeout_s:.0f}s waiting for the workers to join")
+        if err:
+            raise JobFailed(f"the RPC world could not start: {str(err[0]).splitlines()[0]}")
+
+    def build(self) -> dict[int, Any]:
+        spec = self.spec
+        futs = {}
+        for k, (start, end) in enumerate(self.plan.bounds):
+            cfg = StageConfig(
+                stage=k, stages=spec.stages, start=start, end=end,
+                model_factory=spec.model.factory, model_args=spec.model.args,
+                optimizer=spec.optimizer.name, optimizer_args=spec.optimizer.torch_kwargs(),
+                loss=spec.loss, schedule=spec.schedule, chunks=spec.chunks,
+                activation_checkpoint=spec.activation_checkpoint, seed=spec.seed,
+                clip_grad_norm=spec.clip_grad_norm, device=self.device_of(k),
+                step_timeout_s=spec.step_timeout_s, store_host=self.store_host,
+                store_port=self.store_port, import_paths=self.plan.import_paths,
+            )
+            futs[k] = rpc.rpc_async(f"stage{k}", remote.build_stage, args=(asdict(cfg), self.plan.stage_state(k)),
+                                    timeout=spec.start_timeout_s)
+        return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
+
+    def train(self, first_step: int = 0) -> None:
+        """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends."""
+        spec = self.spec
+        stream = DataStream(self.plan.dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed)
+        last = spec.stages - 1
+        pending: dict[int, dict[int, torch.futures.Future]] = {}
+        results: dict[int, dict[int, Any]] = {}
+        q: queue.Queue[tuple[int, int]] = queue.Queue()
+        issued, finished = first_step, first_step
+        t_prev = time.perf_counter()
+        deadline = time.monotonic() + spec.step_timeout_s + 10.0
+
+        while finished < spec.steps:
+            while issued < spec.steps and issued - finished < STEPS_AHEAD:
+                xs, ys, sizes = stream.micro_batches(issued)
+                lr = lr_at(spec, issued)
+                futs = {}
+                for k in range(spec.stages):
+                    args = (issued, lr, xs if k == 0 else None, ys if k == last else None, sizes)
+                    f = rpc.rpc_async(f"stage{k}", remote.run_step, args=args, timeout=0)
+                    f.add_done_callback(lambda _f, s=issued, k=k: q.put((s, k)))
+                    futs[k] = f
+                pending[issued], results[issued] = futs, {}
+                issued += 1
+            try:
+                s, k = q.get(timeout=0.1)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    waiting = ", ".join(self._stage_name(k) for k in pending[finished] if k not in results[finished])
+                    raise JobFailed(
+                        f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}"
+                    ) from None
+                continue
+            results[s][k] = self._result(f"at step {s}", k, pending[s][k])
+            while finished in results and len(results[finished]) == spec.stages:
+                now = time.perf_counter()
+                self._report(finished, results.pop(finished), now - t_prev)
+                del pending[finished]
+                t_prev = now
+                finished += 1
+                deadline = time.monotonic() + spec.step_timeout_s + 10.0
+
+    def _report(self, step: int, per_stage: dict[int, Any], step_time: float) -> None:
+        spec = self.spec
+        loss = per_stage[spec.stages - 1]["loss_sum"] / spec.data.batch_size
+        stages = [{k: v for k, v in per_stage[k].items() if k not in ("loss_sum", "grad_norm")}
+                  for k in range(spec.stages)]
+        self.on_step(StepMetrics(
+            step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
+            samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
+            grad_norm=per_stage[0]["grad_norm"], stages=stages,
+        ))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights, gathered from the stages."""
+        futs = {k: rpc.rpc_async(f"stage{k}", remote.get_state, timeout=self.spec.start_timeout_s)
+                for k in range(self.spec.stages)}
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._wait_all(futs, self.spec.start_timeout_s, "while sending its weights").values():
+            merged.update(part)
+        return merged
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a safetensors file atomically: a temporary name, fsync, rename."""
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
+    """Leave the RPC world; True if it was left within `timeout`."""
+    t = threading.Thread(target=lambda: rpc.shutdown(graceful=graceful), daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")

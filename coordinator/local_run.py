@@ -1,0 +1,105 @@
+"""`gpipe-coordinator run job.yaml`: the whole job on this machine, nothing else to start.
+
+It plans the job (every check that needs the model runs here, before any
+process starts), starts one worker process per stage on loopback, drives them,
+and writes <state-dir>/<name>/: plan.json, metrics.jsonl, logs/ and, at the
+end, model.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from coordinator.driver import Attempt, StepMetrics, save_weights, shutdown, write_json
+from coordinator.local import LocalWorkers
+from coordinator.plan import make_plan
+from coordinator.progress import Progress
+from coordinator.spec import JobSpec
+from gpipe import net
+from gpipe.errors import JobFailed, SpecError
+
+HOST = "127.0.0.1"  # local workers talk over loopback only
+
+
+def device_for(spec: JobSpec, stage: int) -> str:
+    if spec.device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SpecError("device: cuda was asked for, but this machine has no CUDA device")
+    return f"cuda:{stage % torch.cuda.device_count()}"
+
+
+def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = True) -> Path:
+    """Train `spec` with local workers; return the job's output directory."""
+    plan = make_plan(spec, job_dir)
+    devices = [device_for(spec, k) for k in range(spec.stages)]
+    out = state_dir / spec.name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("")
+    except OSError as e:
+        raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
+    torch.set_num_threads(1)  # the cores belong to the stages
+    net.bind_to(HOST)
+    store, port = net.bound_store(HOST, spec.start_timeout_s)
+    workers = LocalWorkers(spec.stages, f"{HOST}:{port}", HOST, out / "logs", spec.start_timeout_s,
+                           plan.import_paths)
+    write_json(out / "plan.json", {
+        "balance": plan.balance,
+        "stages": [
+            {"stage": k, "layers": list(b), "device": devices[k], "cores": w.cores, "threads": workers.threads,
+             "params": sum(v.numel() for v in plan.stage_state(k).values())}
+            for k, (b, w) in enumerate(zip(plan.bounds, workers.workers, strict=True))
+        ],
+        "spec": spec.model_dump(mode="json"),
+    })
+    print(f"{spec.name}: {spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
+          f"schedule {spec.schedule}, {workers.threads} thread(s) per stage", file=sys.stderr, flush=True)
+
+    def alive() -> str | None:
+        dead = workers.dead()
+        if not dead:
+            return None
+        k = dead[0][0]
+        why = workers.describe_exit(k)
+        line = workers.last_error_line(k)
+        return f"{why}: {line}" if line else why
+
+    bar = Progress(spec.steps, enabled=progress)
+    metrics = open(out / "metrics.jsonl", "a")
+
+    def on_step(m: StepMetrics) -> None:
+        if m.step % spec.log_every == 0 or m.step == spec.steps - 1:
+            metrics.write(json.dumps(asdict(m)) + "\n")
+            metrics.flush()
+        bar.update(m.step, m.loss, m.samples_per_s)
+
+    attempt = Attempt(plan, f"{HOST}:{port}", HOST, port, alive, devices.__getitem__, on_step)
+    ok = False
+    try:
+        attempt.join()
+        attempt.build()
+        t0 = time.monotonic()
+        attempt.train()
+        save_weights(attempt.state(), out / "model.safetensors")
+        ok = True
+        print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s; weights in {out / 'model.safetensors'}",
+              file=sys.stderr, flush=True)
+    finally:
+        bar.close()
+        metrics.close()
+        if ok:
+            ok = shutdown(graceful=True) and workers.wait(30)
+        if not ok:
+            workers.kill()
+            shutdown(graceful=False, timeout=5)
+        del store
+    if not ok:
+        raise JobFailed("the workers did not shut down cleanly")
+    return out

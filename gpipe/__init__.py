@@ -1,0 +1,1 @@
+"""gpipe: what the coordinator and the workers share (schedules, factories, RNG, networking)."""

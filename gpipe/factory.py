@@ -1,0 +1,46 @@
+"""Resolve 'module:function' strings and registered short names to callables."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Short names for the factories that ship with gpipe.
+REGISTRY: dict[str, str] = {
+    "mlp": "gpipe.builtins:mlp",
+    "random_regression": "gpipe.builtins:random_regression",
+    "cross_entropy": "gpipe.losses:cross_entropy",
+    "mse": "gpipe.losses:mse",
+}
+
+
+def add_import_paths(paths: Sequence[str]) -> None:
+    """Let user modules next to the job file be imported, as Python does for a script."""
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def resolve(ref: str) -> Callable[..., Any]:
+    """Return the callable named by `ref`; raise LookupError with a one-line reason."""
+    target = REGISTRY.get(ref, ref)
+    if ":" not in target:
+        known = ", ".join(sorted(REGISTRY))
+        raise LookupError(f"{ref!r} is neither 'module:function' nor a registered name ({known})")
+    mod_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise LookupError(f"cannot import module {e.name!r}") from None
+    except Exception as e:  # a user module that fails while importing
+        raise LookupError(f"importing {mod_name!r} raised {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise LookupError(f"module {mod_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise LookupError(f"{target!r} is not callable")
+    return obj

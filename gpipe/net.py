@@ -1,0 +1,91 @@
+"""Networking for the RPC and c10d ports: bind them to one interface only.
+
+torch's RPC agent and its TCPStore execute or trust what they receive, so they
+must listen on the cluster network alone. TensorPipe and gloo pick their
+interface from TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME; a TCPStore master
+binds to every interface unless it is handed a listening socket, which is what
+`bound_store` does. The `gpipe://` rendezvous lets `rpc.init_rpc` use that
+store instead of opening its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+from datetime import timedelta
+from urllib.parse import parse_qs, urlparse
+
+import torch.distributed as dist
+
+_SIOCGIFADDR = 0x8915
+_master_stores: dict[int, dist.TCPStore] = {}
+_sockets: dict[int, socket.socket] = {}
+
+
+def resolve_ip(host: str) -> str:
+    """The IPv4 address of `host`."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+
+
+def iface_for(host: str) -> str:
+    """The name of the network interface that owns `host`'s address."""
+    ip = resolve_ip(host)
+    if ip.startswith("127."):
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+            except OSError:
+                continue
+            if addr == ip:
+                return name
+    raise ValueError(f"no network interface on this machine has address {ip} ({host})")
+
+
+def bind_to(host: str) -> None:
+    """Make this process's TensorPipe and gloo listen on `host`'s interface only."""
+    ifname = iface_for(host)
+    os.environ["TP_SOCKET_IFNAME"] = ifname
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+
+
+def bound_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
+    """A TCPStore master listening on `host` only; returns it and its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((resolve_ip(host), 0))
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(),
+        use_libuv=True, timeout=timedelta(seconds=timeout),
+    )
+    _master_stores[port] = store
+    _sockets[port] = sock  # the store serves on this fd: keep it open
+    return store, port
+
+
+def client_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def _rendezvous(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs):
+    """`gpipe://host:port`: rank 0 uses the store `bound_store` made; others connect to it."""
+    u = urlparse(url)
+    q = {k: v[0] for k, v in parse_qs(u.query).items()}
+    rank, world_size = int(q["rank"]), int(q["world_size"])
+    store = _master_stores.get(u.port) if rank == 0 else None
+    if store is None:
+        store = client_store(u.hostname or "", u.port or 0, timeout.total_seconds())
+    yield store, rank, world_size
+    raise RuntimeError("gpipe:// rendezvous cannot re-rendezvous; start a new attempt")
+
+
+dist.register_rendezvous_handler("gpipe", _rendezvous)

@@ -1,0 +1,42 @@
+"""Randomness that does not depend on where the model is cut.
+
+Layer l, on micro-batch i of step s, draws from the default generator seeded
+with `layer_seed(seed, s, i, l)`. So dropout masks are the same for any stage
+count and balance, the same as on one device, and the same when activation
+checkpointing recomputes a forward in the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    # splitmix64: spreads nearby integers over the 64-bit range.
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def layer_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
+    """The seed of layer `layer` on micro-batch `micro_batch` of step `step`."""
+    h = _mix(seed)
+    for v in (step, micro_batch, layer):
+        h = _mix(h ^ v)
+    return h >> 1  # torch takes seeds below 2**63
+
+
+def seeded_forward(
+    layers: Iterable[tuple[int, nn.Module]], x: torch.Tensor, seed: int, step: int, micro_batch: int
+) -> torch.Tensor:
+    """Run (global index, layer) pairs in order, seeding each layer's randomness."""
+    for index, layer in layers:
+        torch.manual_seed(layer_seed(seed, step, micro_batch, index))
+        x = layer(x)
+    return x

@@ -1,0 +1,67 @@
+"""Activation memory: the bytes a stage holds for its backward, counted exactly.
+
+Autograd's saved-tensor hooks see every tensor kept for backward; the stage
+adds what it stashes itself (a micro-batch's input and output). Storages are
+counted once however many tensors view them, and parameters not at all, so the
+figure is the activation memory the schedule and checkpointing decide, on any
+device, without sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ActivationMeter:
+    def __init__(self, params: list[torch.Tensor]):
+        self._skip = {p.untyped_storage().data_ptr() for p in params}
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
+        self.current = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def hold(self, t: torch.Tensor) -> _Held:
+        """Count `t` until the returned handle is dropped."""
+        return _Held(self, t)
+
+    def _add(self, ptr: int, nbytes: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            self._live[ptr] = [nbytes, 1]
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+
+    def _drop(self, ptr: int) -> None:
+        entry = self._live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[ptr]
+            self.current -= entry[0]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context under which autograd's saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self.hold, _Held.unpack)
+
+
+class _Held:
+    __slots__ = ("tensor", "_meter", "_ptr")
+
+    def __init__(self, meter: ActivationMeter, t: torch.Tensor):
+        self.tensor = t
+        self._meter: ActivationMeter | None = None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in meter._skip:
+            self._meter, self._ptr = meter, ptr
+            meter._add(ptr, storage.nbytes())
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+    def __del__(self) -> None:
+        if self._meter is not None:
+            self._meter._drop(self._ptr)

@@ -1,0 +1,245 @@
+"""One pipeline stage: its layers, its optimizer, and the step that runs a schedule.
+
+The stage gets everything it needs from the coordinator (the layer range, the
+initial weights, each step's inputs or targets and LR), so it can be thrown
+away and rebuilt at any time.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe import schedule
+from gpipe.factory import add_import_paths, resolve
+from gpipe.net import client_store
+from gpipe.rng import seeded_forward
+from worker.channel import Receiver, Sender
+from worker.memory import ActivationMeter
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+@dataclass
+class StageConfig:
+    """What the coordinator tells a stage when it builds it (plain types only)."""
+
+    stage: int
+    stages: int
+    start: int  # first layer (global index in the un-partitioned nn.Sequential)
+    end: int  # one past the last layer
+    model_factory: str
+    model_args: dict[str, Any]
+    optimizer: str
+    optimizer_args: dict[str, Any]
+    loss: str
+    schedule: str
+    chunks: int
+    activation_checkpoint: str
+    seed: int
+    clip_grad_norm: float | None
+    device: str
+    step_timeout_s: float
+    store_host: str
+    store_port: int
+    import_paths: list[str] = field(default_factory=list)
+
+
+def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
+    """The stage's slice of the model, holding the coordinator's weights.
+
+    The factory runs on the meta device, so no full model is materialised here;
+    a model that cannot be built there (or keeps plain tensors that are no
+    parameters or buffers) is built on the CPU instead.
+    """
+    factory = resolve(cfg.model_factory)
+
+    def sliced(model: nn.Sequential) -> nn.Sequential:
+        return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
+
+    layers = None
+    try:
+        with torch.device("meta"):
+            layers = sliced(factory(**cfg.model_args))
+        layers = layers.to_empty(device=device)
+        if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
+            layers = None
+    except Exception:
+        layers = None
+    if layers is None:
+        layers = sliced(factory(**cfg.model_args)).to(device)
+    own = dict(layers.named_parameters()) | dict(layers.named_buffers())
+    if set(own) != set(state):
+        raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
+    with torch.no_grad():
+        for name, t in own.items():
+            t.copy_(state[name])
+    return layers
+
+
+class Stage:
+    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        add_import_paths(cfg.import_paths)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
+        self.layers = build_layers(cfg, state, self.device)
+        self.indexed = [(int(n), m) for n, m in self.layers.named_children()]
+        params = [p for p in self.layers.parameters() if p.requires_grad]
+        self.params = params
+        self.optimizer = OPTIMIZERS[cfg.optimizer](params, **cfg.optimizer_args) if params else None
+        self.loss_fn = resolve(cfg.loss) if self.last else None
+        self.meter = ActivationMeter(list(self.layers.parameters()))
+        self._init_data_plane()
+
+    def _init_data_plane(self) -> None:
+        cfg = self.cfg
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.step_timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=cfg.stage, world_size=cfg.stages,
+            timeout=timedelta(seconds=cfg.step_timeout_s),
+        )
+        ranks = list(range(cfg.stages))
+        # One group per direction, so each communicator carries one ordered stream.
+        forward = dist.new_group(ranks, backend=backend)
+        backward = dist.new_group(ranks, backend=backend)
+        k = cfg.stage
+        self.recv_act = None if self.first else Receiver(k - 1, forward, self.device, f"stage {k - 1}'s activation")
+        self.send_act = None if self.last else Sender(k + 1, forward, self.device, f"activation to stage {k + 1}")
+        self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient")
+        self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}")
+
+    def checkpointed(self, mb: int) -> bool:
+        mode = self.cfg.activation_checkpoint
+        return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
+
+    def step(
+        self, step: int, lr: float, inputs: list[torch.Tensor] | None,
+        targets: list[torch.Tensor] | None, sizes: list[int],
+    ) -> dict[str, Any]:
+        """Run one step of the schedule, then the optimizer; return the step's figures."""
+        cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
+        chunks, batch = len(sizes), sum(sizes)
+        t_step = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.recv_act:
+            self.recv_act.expect(chunks)
+        self.meter.reset_peak()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        stash: dict[int, tuple[Any, ...]] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        timeline: list[tuple[str, int, float, float]] = []
+        busy = 0.0
+
+        def forward(mb: int, x: torch.Tensor) -> torch.Tensor:
+            y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
+            if self.last:
+                target = targets[mb].to(dev, non_blocking=True)  # type: ignore[index]
+                y = self.loss_fn(y, target)  # type: ignore[misc]
+            return y
+
+        for action in schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks):
+            mb = action.micro_batch
+            if action.kind == "F":
+                if self.first:
+                    x = inputs[mb].to(dev, non_blocking=True)  # type: ignore[index]
+                else:
+                    x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]
+                    if x.is_floating_point():
+                        x.requires_grad_()
+                t0 = time.perf_counter()
+                ckpt = self.checkpointed(mb)
+                with torch.no_grad() if ckpt else self.meter.hooks():
+                    y = forward(mb, x)
+                # The next stage sends a gradient back for every floating-point activation.
+                wants_grad = not self.last and y.is_floating_point()
+                if self.last:
+                    loss_sum += y.detach().double() * sizes[mb]
+                else:
+                    self.send_act.send(mb, y.detach())  # type: ignore[union-attr]
+                    if wants_grad:
+                        self.recv_grad.expect(1)  # type: ignore[union-attr]
+                held_x = self.meter.hold(x) if not self.first else None
+                stash[mb] = (x, held_x, None if ckpt else y, wants_grad)
+            else:
+                x, held_x, y, wants_grad = stash.pop(mb)
+                grad = self.recv_grad.get(mb, timeout) if wants_grad else None  # type: ignore[union-attr]
+                t0 = time.perf_counter()
+                if y is None:  # checkpointed: recompute the forward, replaying its randomness
+                    with self.meter.hooks():
+                        y = forward(mb, x)
+                if self.last:
+                    (y * (sizes[mb] / batch)).backward()
+                elif grad is not None and y.requires_grad:
+                    torch.autograd.backward(y, grad)
+                del y, held_x
+                if not self.first and x.is_floating_point():
+                    g = x.grad if x.grad is not None else torch.zeros_like(x)
+                    self.send_grad.send(mb, g)  # type: ignore[union-attr]
+            t1 = time.perf_counter()
+            busy += t1 - t0
+            timeline.append((action.kind, mb, t0 - t_step, t1 - t_step))
+
+        for sender in (self.send_act, self.send_grad):
+            if sender:
+                sender.flush(timeout)
+        t0 = time.perf_counter()
+        grad_norm = self._clip() if cfg.clip_grad_norm else None
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        busy += time.perf_counter() - t0
+        step_s = time.perf_counter() - t_step
+        return {
+            "stage": cfg.stage,
+            "loss_sum": float(loss_sum) if self.last else None,
+            "grad_norm": grad_norm,
+            "busy_s": busy,
+            "idle_s": max(0.0, step_s - busy),
+            "activation_peak_bytes": self.meter.peak,
+            "peak_memory_bytes": self._peak_memory(),
+            "timeline": timeline,
+        }
+
+    def _clip(self) -> float:
+        """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
+        dist.all_reduce(sq)  # the norm is over all stages' parameters, not this stage's
+        norm = float(sq.sqrt())
+        coef = self.cfg.clip_grad_norm / (norm + 1e-6)  # type: ignore[operator]
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The stage's parameters and buffers on the CPU, under the un-partitioned model's names."""
+        own = dict(self.layers.named_parameters()) | dict(self.layers.named_buffers())
+        return {name: t.detach().to("cpu", copy=True) for name, t in own.items()}
+
+    def close(self) -> None:
+        for ch in (self.recv_act, self.send_act, self.recv_grad, self.send_grad):
+            if ch:
+                ch.close()
