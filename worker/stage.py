@@ -235,9 +235,8 @@ class Stage:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The stage's parameters and buffers on the CPU, under the un-partitioned model's names."""
-        own = dict(self.layers.named_parameters()) | dict(self.layers.named_buffers())
-        return {name: t.detach().to("cpu", copy=True) for name, t in own.items()}
+        """The stage's state dict on the CPU, under the un-partitioned model's names."""
+        return {name: t.to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
 
     def close(self) -> None:
         for ch in (self.recv_act, self.send_act, self.recv_grad, self.send_grad):

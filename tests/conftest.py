@@ -1,0 +1,73 @@
+"""Run the CLI as users do: real processes, bounded in time, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment carries GPIPE_TEST_TAG=tag."""
+    found = []
+    needle = f"GPIPE_TEST_TAG={tag}".encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+class Cli:
+    def __init__(self, tmp: Path):
+        self.tmp, self.tag = tmp, uuid.uuid4().hex
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_TEST_TAG=self.tag)
+        self.env.pop("OMP_NUM_THREADS", None)
+
+    def write(self, spec: dict, name: str = "job.yaml") -> Path:
+        path = self.tmp / name
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    def start(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", *args], cwd=self.tmp, env=self.env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        p = self.start(*args)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            pytest.fail(f"gpipe-coordinator {' '.join(args)} did not finish in {timeout}s:\n{err[-3000:]}")
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    def leftovers(self) -> list[int]:
+        return tagged_pids(self.tag)
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    c = Cli(tmp_path)
+    yield c
+    left = c.leftovers()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left behind: {left}"

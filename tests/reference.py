@@ -1,0 +1,52 @@
+"""One-device training with the same micro-batches: what every pipelined run must equal.
+
+Plain torch only (the model, torch.optim, clip_grad_norm_), apart from the
+documented per-layer seeding of randomness (gpipe.rng), which makes dropout
+independent of where the model is cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpipe.factory import resolve
+from gpipe.rng import seeded_forward
+
+OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    seed = spec.get("seed", 0)
+    torch.manual_seed(seed)
+    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
+    data = resolve(spec["data"]["factory"])(**spec["data"].get("args", {}))
+    loss_fn = resolve(spec.get("loss", "cross_entropy"))
+    opt_spec = dict(spec["optimizer"])
+    name = opt_spec.pop("name")
+    if name == "adamw":
+        opt_spec.setdefault("weight_decay", 0.01)
+    opt = OPTIM[name](model.parameters(), **opt_spec)
+    sched = None
+    if spec.get("lr_schedule"):
+        s = spec["lr_schedule"]
+        assert s["name"] == "step"
+        sched = torch.optim.lr_scheduler.StepLR(opt, s["step_size"], s.get("gamma", 0.1))
+    batch, chunks = spec["data"]["batch_size"], spec.get("chunks", 1)
+    layers = list(enumerate(model))
+    model.train()
+    for step in range(spec["steps"]):
+        idx = [(step * batch + j) % len(data) for j in range(batch)]
+        xs, ys = zip(*(data[i] for i in idx), strict=True)
+        x, y = torch.stack(xs), torch.stack(ys)
+        opt.zero_grad()
+        for i, (xm, ym) in enumerate(zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks), strict=True)):
+            out = seeded_forward(layers, xm, seed, step, i)
+            (loss_fn(out, ym) * (len(xm) / batch)).backward()
+        if spec.get("clip_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_grad_norm"])
+        opt.step()
+        if sched:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
