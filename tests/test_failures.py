@@ -1,0 +1,128 @@
+"""A stage that raises, a worker that dies, a coordinator that is stopped: exit fast, name the stage, leave nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tagged_pids
+
+pytestmark = pytest.mark.multiprocess
+
+
+def spec(**kw) -> dict:
+    s = {
+        "name": "f", "model": {"factory": "tests.models:failing_mlp", "args": {"width": 8, "calls": 5}},
+        "stages": 2, "balance": [2, 2], "chunks": 2,
+        "data": {"factory": "random_regression", "args": {"n": 32, "in_features": 8, "out_features": 8},
+                 "batch_size": 4},
+        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 10,
+    }
+    s.update(kw)
+    return s
+
+
+def test_stage_that_raises_fails_the_job_naming_it(cli):
+    path = cli.write(spec())
+    t0 = time.monotonic()
+    r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    # The third forward of stage 1 raises: micro-batch 0 of step 2 (the spec is 2 micro-batches a step).
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 2: ValueError: boom after 5 forwards"), last
+    assert "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 60
+    # The worker's own log keeps the traceback.
+    assert "Traceback" in (cli.tmp / "state" / "f" / "logs" / "stage-1.log").read_text()
+
+
+def _wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _steps_done(out: Path) -> int:
+    m = out / "metrics.jsonl"
+    return len(m.read_text().splitlines()) if m.exists() else 0
+
+
+def _worker_pid(tag: str, stage: int) -> int | None:
+    for pid in tagged_pids(tag):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker" in cmd and b"--stage" in cmd and cmd[cmd.index(b"--stage") + 1] == str(stage).encode():
+            return pid
+    return None
+
+
+SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 8, "seconds": 0.02}}
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
+    path = cli.write(spec(model=SLOW, steps=500))
+    out = cli.tmp / "state" / "f"
+    p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
+    try:
+        _wait_for(lambda: _steps_done(out) >= 2, 90, "two steps")
+        pid = _worker_pid(cli.tag, victim)
+        assert pid, "no worker process found"
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        _, err = p.communicate(timeout=30)
+        detected = time.monotonic() - t_kill
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert f"stage {victim}'s worker process died (signal SIGKILL)" in last, last
+    print(f"stage {victim} SIGKILLed: the run ended {detected:.2f}s later")
+    assert detected < 10
+
+
+def test_coordinator_stopped_takes_its_workers_along(cli):
+    path = cli.write(spec(model=SLOW, steps=500))
+    out = cli.tmp / "state" / "f"
+    p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
+    try:
+        _wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
+        workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
+        assert all(workers)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted"
+    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
+
+
+def test_coordinator_sigkilled_takes_its_workers_along(cli):
+    path = cli.write(spec(model=SLOW, steps=500))
+    out = cli.tmp / "state" / "f"
+    p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
+    try:
+        _wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
+        workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
+        assert all(workers)
+        p.kill()
+        p.wait(timeout=10)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
