@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError
@@ -48,6 +49,7 @@ def _on_sigterm(signum, frame):  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
     from coordinator.local_run import run_local

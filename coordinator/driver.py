@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from coordinator.data import DataStream
 from coordinator.lr import lr_at
 from coordinator.plan import Plan
+from gpipe import net
 from gpipe.errors import JobFailed
 from worker import attempt as remote
 from worker.stage import StageConfig
@@ -108,9 +109,7 @@ class Attempt:
     def join(self) -> None:
         """Start this end of the RPC world, while watching that the workers are alive."""
         spec = self.spec
-        opts = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"gpipe://{self.master}", rpc_timeout=spec.start_timeout_s, num_worker_threads=8,
-        )
+        opts = net.rpc_options(self.master, spec.start_timeout_s)
         err: list[BaseException] = []
 
         def init() -> None:

@@ -89,3 +89,17 @@ def _rendezvous(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs)
 
 
 dist.register_rendezvous_handler("gpipe", _rendezvous)
+
+
+def rpc_options(master: str, timeout: float):
+    """RPC options for the gpipe:// rendezvous at `master`.
+
+    TensorPipe's shared-memory transport busy-polls a core per process; on a
+    CPU the cores belong to the stages, so RPC goes over plain TCP (uv).
+    """
+    import torch.distributed.rpc as rpc
+
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"gpipe://{master}", rpc_timeout=timeout, num_worker_threads=8,
+        _transports=["uv"], _channels=["basic"],
+    )

@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    opts = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"gpipe://{a.master}", rpc_timeout=a.start_timeout, num_worker_threads=8,
-    )
+    opts = net.rpc_options(a.master, a.start_timeout)
     rpc.init_rpc(f"stage{a.stage}", rank=a.stage + 1, world_size=a.stages + 1, rpc_backend_options=opts)
     rpc.shutdown()  # waits until the coordinator is done with every stage
     _jobs.put(None)

@@ -1,0 +1,33 @@
+# The two front-door commands:
+#   make demo   set up, then train the example Transformer LM on this machine
+#   make test   set up, then lint and run the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch==2.13.0 is this machine's CPU wheel; never let pip reach for a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/gpipe-coordinator run examples/charlm.yaml
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/pytest -q -m "not gpu"
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not gpu and not multiprocess"
+
+clean:
+	rm -rf $(VENV) gpipe-state .pytest_cache .ruff_cache
