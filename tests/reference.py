@@ -38,6 +38,13 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     model.train()
     for step in range(spec["steps"]):
         idx = [(step * batch + j) % len(data) for j in range(batch)]
+        if spec["data"].get("shuffle"):
+            # Epoch e visits the items in the order of randperm seeded by (seed, e).
+            n = len(data)
+            idx = [
+                int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + p // n))[p % n])
+                for p in range(step * batch, (step + 1) * batch)
+            ]
         xs, ys = zip(*(data[i] for i in idx), strict=True)
         x, y = torch.stack(xs), torch.stack(ys)
         opt.zero_grad()

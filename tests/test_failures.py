@@ -126,3 +126,14 @@ def test_coordinator_sigkilled_takes_its_workers_along(cli):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
+
+
+def test_a_stage_that_waits_too_long_fails_the_job_naming_what_it_waited_for(cli):
+    # Stage 0 takes 2 s per micro-batch; steps may take 1 s.
+    slow = {"factory": "tests.models:slow_mlp", "args": {"width": 8, "seconds": 2.0}}
+    path = cli.write(spec(model=slow, steps=3, step_timeout_s=1.0, balance=[2, 2]))
+    r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 0: TimeoutError: timed out after 1s "
+                           "waiting for stage 0's activation of micro-batch 0"), last

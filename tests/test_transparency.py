@@ -32,6 +32,11 @@ CASES = {
     "1stage-1chunk": job(stages=1, chunks=1),
     # a 1-layer first stage; chunks equal to the batch (micro-batches of one sample)
     "2stages-1layer-chunks=batch": job(stages=2, balance=[1, 5], chunks=8),
+    # 20 items, 8 a step: the data wraps around mid-step, in a new shuffled order each epoch
+    "2stages-shuffle-wraparound": job(
+        stages=2, balance=[4, 2], chunks=4, steps=6, data={**REGRESSION, "args": {**REGRESSION["args"], "n": 20},
+                                                           "batch_size": 8, "shuffle": True},
+    ),
     # uneven micro-batches (10 = 4+3+3), uneven balance, adam, global clipping across stages
     "3stages-uneven-adam-clip": job(
         stages=3, balance=[2, 1, 3], chunks=3, data={**REGRESSION, "batch_size": 10},

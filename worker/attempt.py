@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import sys
 import threading
 import traceback
@@ -28,12 +27,51 @@ from gpipe import net
 from worker.stage import Stage, StageConfig
 
 _stage: Stage | None = None
-_jobs: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+
+
+class _StepQueue:
+    """Steps by number, handed out strictly in order.
+
+    RPCs are served by a thread pool, so run_step(s+1) may arrive before
+    run_step(s); the stage must still run s first.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._steps: dict[int, tuple[torch.futures.Future, tuple[Any, ...]]] = {}
+        self._next = 0
+        self._closed = False
+
+    def start_at(self, step: int) -> None:
+        with self._cv:
+            self._next = step
+
+    def put(self, step: int, fut: torch.futures.Future, args: tuple[Any, ...]) -> None:
+        with self._cv:
+            self._steps[step] = (fut, args)
+            self._cv.notify_all()
+
+    def take(self) -> tuple[torch.futures.Future, tuple[Any, ...]] | None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or self._next in self._steps)
+            if self._closed:
+                return None
+            job = self._steps.pop(self._next)
+            self._next += 1
+            return job
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+_steps = _StepQueue()
 
 
 def _executor() -> None:
-    """Runs queued steps one at a time, in order, off the RPC threads."""
-    while (job := _jobs.get()) is not None:
+    """Runs the queued steps one at a time, in step order, off the RPC threads."""
+    while (job := _steps.take()) is not None:
         fut, args = job
         try:
             fut.set_result(_stage.step(*args))  # type: ignore[union-attr]
@@ -48,9 +86,10 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def build_stage(cfg: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """RPC: build this process's stage (and join the stages' data plane)."""
+def build_stage(cfg: dict[str, Any], state: dict[str, torch.Tensor], first_step: int = 0) -> dict[str, Any]:
+    """RPC: build this process's stage (and join the stages' data plane); steps start at first_step."""
     global _stage
+    _steps.start_at(first_step)
     try:
         _stage = Stage(StageConfig(**cfg), state)
     except BaseException as e:
@@ -69,7 +108,7 @@ def run_step(step: int, lr: float, inputs: list[torch.Tensor] | None,
     The coordinator sends step s+1 while step s runs, so a stage never waits for its inputs.
     """
     fut: torch.futures.Future = torch.futures.Future()
-    _jobs.put((fut, (step, lr, inputs, targets, sizes)))
+    _steps.put(step, fut, (step, lr, inputs, targets, sizes))
     return fut
 
 
@@ -94,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = net.rpc_options(a.master, a.start_timeout)
     rpc.init_rpc(f"stage{a.stage}", rank=a.stage + 1, world_size=a.stages + 1, rpc_backend_options=opts)
     rpc.shutdown()  # waits until the coordinator is done with every stage
-    _jobs.put(None)
+    _steps.close()
     if _stage is not None:
         _stage.close()
     if dist.is_initialized():
