@@ -51,12 +51,13 @@ class StepMetrics:
 class Attempt:
     """Runs `plan` on stages that join the RPC world at `master`."""
 
-    def __init__(self, plan: Plan, master: str, store_host: str, store_port: int,
+    def __init__(self, plan: Plan, store_host: str, store_port: int,
                  alive_check: Callable[[], str | None], device_of: Callable[[int], str],
                  on_step: Callable[[StepMetrics], None]):
         self.plan, self.spec = plan, plan.spec
-        self.master = master
+        # One store serves the RPC rendezvous and the stages' data-plane process group.
         self.store_host, self.store_port = store_host, store_port
+        self.master = f"{store_host}:{store_port}"
         self.alive_check = alive_check  # returns why a worker is gone, or None
         self.device_of = device_of
         self.on_step = on_step

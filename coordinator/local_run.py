@@ -47,7 +47,7 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
         raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
     torch.set_num_threads(1)  # the cores belong to the stages
     net.bind_to(HOST)
-    store, port = net.bound_store(HOST, spec.start_timeout_s)
+    _, port = net.bound_store(HOST, spec.start_timeout_s)
     workers = LocalWorkers(spec.stages, f"{HOST}:{port}", HOST, out / "logs", spec.start_timeout_s,
                            plan.import_paths)
     write_json(out / "plan.json", {
@@ -80,7 +80,7 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
             metrics.flush()
         bar.update(m.step, m.loss, m.samples_per_s)
 
-    attempt = Attempt(plan, f"{HOST}:{port}", HOST, port, alive, devices.__getitem__, on_step)
+    attempt = Attempt(plan, HOST, port, alive, devices.__getitem__, on_step)
     ok = False
     try:
         attempt.join()
@@ -99,7 +99,6 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
         if not ok:
             workers.kill()
             shutdown(graceful=False, timeout=5)
-        del store
     if not ok:
         raise JobFailed("the workers did not shut down cleanly")
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
     assert detected < 10
 
 
-def test_coordinator_stopped_takes_its_workers_along(cli):
+def _stop_coordinator_mid_run(cli, stop) -> tuple[subprocess.Popen, str]:
+    """Start a long run, wait for a step, stop the coordinator with `stop`, and check its workers go too."""
     path = cli.write(spec(model=SLOW, steps=500))
     out = cli.tmp / "state" / "f"
     p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
@@ -100,33 +102,25 @@ def test_coordinator_stopped_takes_its_workers_along(cli):
         _wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
         workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
         assert all(workers)
-        p.send_signal(signal.SIGTERM)
+        stop(p)
         _, err = p.communicate(timeout=30)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
+    return p, err
+
+
+def test_coordinator_stopped_takes_its_workers_along(cli):
+    p, err = _stop_coordinator_mid_run(cli, lambda p: p.send_signal(signal.SIGTERM))
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted"
-    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
 
 
 def test_coordinator_sigkilled_takes_its_workers_along(cli):
-    path = cli.write(spec(model=SLOW, steps=500))
-    out = cli.tmp / "state" / "f"
-    p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
-    try:
-        _wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
-        workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
-        assert all(workers)
-        p.kill()
-        p.wait(timeout=10)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
-
+    p, _ = _stop_coordinator_mid_run(cli, lambda p: p.kill())
+    assert p.returncode == -signal.SIGKILL
 
 def test_a_stage_that_waits_too_long_fails_the_job_naming_what_it_waited_for(cli):
     # Stage 0 takes 2 s per micro-batch; steps may take 1 s.
