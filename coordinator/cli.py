@@ -3,6 +3,7 @@
     gpipe-coordinator run examples/charlm.yaml              # train on this machine
     gpipe-coordinator run job.yaml --state-dir /data/gpipe  # outputs in /data/gpipe/<name>/
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
+    gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
 
 Exit codes: 0 done, 1 the job failed (the failing stage is named), 2 bad input
 (spec, flag or file; nothing was started), 130 interrupted.
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
+    tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
+    tl.add_argument("job_dir", help="the job's output directory, <state-dir>/<name>")
+    tl.add_argument("--step", type=int, default=None, help="the step to draw (default: the last logged)")
     return p
 
 
@@ -57,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.spec import load_spec
 
     try:
+        if args.command == "timeline":
+            from coordinator import timeline
+
+            trace, png = timeline.write(Path(args.job_dir), args.step)
+            print(f"{trace}\n{png}")
+            return 0
         spec = load_spec(args.job)
         job_dir = Path(args.job).resolve().parent
         if args.command == "validate":

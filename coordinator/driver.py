@@ -45,6 +45,7 @@ class StepMetrics:
     step_time_s: float
     samples_per_s: float
     grad_norm: float | None
+    bubble_fraction: float  # the share of the stages' step time spent waiting
     stages: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -196,10 +197,13 @@ class Attempt:
         loss = per_stage[spec.stages - 1]["loss_sum"] / spec.data.batch_size
         stages = [{k: v for k, v in per_stage[k].items() if k not in ("loss_sum", "grad_norm")}
                   for k in range(spec.stages)]
+        busy = sum(s["busy_s"] for s in stages)
+        span = sum(s["busy_s"] + s["idle_s"] for s in stages)
         self.on_step(StepMetrics(
             step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
             samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
-            grad_norm=per_stage[0]["grad_norm"], stages=stages,
+            grad_norm=per_stage[0]["grad_norm"], bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
+            stages=stages,
         ))
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator import timeline
 from coordinator.driver import Attempt, StepMetrics, save_weights, shutdown, write_json
 from coordinator.local import LocalWorkers
 from coordinator.plan import make_plan
@@ -88,6 +89,8 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
         t0 = time.monotonic()
         attempt.train()
         save_weights(attempt.state(), out / "model.safetensors")
+        metrics.close()
+        timeline.write(out, spec.trace_step)
         ok = True
         print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s; weights in {out / 'model.safetensors'}",
               file=sys.stderr, flush=True)

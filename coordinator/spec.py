@@ -146,6 +146,9 @@ class JobSpec(_Spec):
         default="cpu", description="Where stages run: cpu, or cuda (one GPU per worker)."
     )
     log_every: int = Field(default=1, ge=1, description="Write metrics every this many steps.")
+    trace_step: int | None = Field(
+        default=None, ge=0, description="The step drawn in trace.json and timeline.png; none: the last.",
+    )
     start_timeout_s: float = Field(
         default=120.0, gt=0, description="How long to wait for workers to join and build their stage."
     )
@@ -185,6 +188,11 @@ class JobSpec(_Spec):
             raise ValueError(
                 f"balance: has {len(self.balance)} entries but stages is {self.stages}"
             )
+        if self.trace_step is not None:
+            if self.trace_step >= self.steps:
+                raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps - 1}")
+            if self.trace_step % self.log_every and self.trace_step != self.steps - 1:
+                raise ValueError(f"trace_step: step {self.trace_step} is not logged (log_every {self.log_every})")
         if self.chunks > self.data.batch_size:
             raise ValueError(
                 f"chunks: {self.chunks} micro-batches exceed data.batch_size {self.data.batch_size}"

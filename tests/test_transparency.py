@@ -78,9 +78,23 @@ def test_pipelined_weights_equal_one_device(cli, name):
     torch.manual_seed(0)
     resolve(spec["model"]["factory"])(**spec["model"]["args"]).load_state_dict(got)
 
+    check_timeline(out, spec["stages"], spec["chunks"], spec["steps"] - 1)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(spec["steps"]))
     for m in lines:
         assert m["loss"] > 0 and m["step_time_s"] > 0 and m["samples_per_s"] > 0
+        assert 0 <= m["bubble_fraction"] < 1
         assert [s["stage"] for s in m["stages"]] == list(range(spec["stages"]))
         assert all(s["busy_s"] > 0 and s["peak_memory_bytes"] > 0 for s in m["stages"])
+
+
+def check_timeline(out, stages: int, chunks: int, step: int) -> None:
+    """trace.json holds each stage's forwards and backwards of the step; timeline.png is a PNG."""
+    trace = json.loads((out / "trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert trace["traceEvents"][0]["args"]["name"] == f"step {step}"
+    for k in range(stages):
+        names = sorted(e["name"] for e in slices if e["tid"] == k)
+        assert names == sorted([f"F{i}" for i in range(chunks)] + [f"B{i}" for i in range(chunks)])
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -131,7 +131,7 @@ class Stage:
         """Run one step of the schedule, then the optimizer; return the step's figures."""
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
         chunks, batch = len(sizes), sum(sizes)
-        t_step = time.perf_counter()
+        t_step, start_unix = time.perf_counter(), time.time()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         if self.recv_act:
@@ -212,7 +212,8 @@ class Stage:
             "idle_s": max(0.0, step_s - busy),
             "activation_peak_bytes": self.meter.peak,
             "peak_memory_bytes": self._peak_memory(),
-            "timeline": timeline,
+            "start_unix": start_unix,
+            "timeline": timeline,  # (F or B, micro-batch, start s, end s) from start_unix
         }
 
     def _clip(self) -> float:

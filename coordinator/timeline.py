@@ -1,0 +1,95 @@
+"""A step's timeline: a Chrome trace (opens in Perfetto) and a PNG pipeline diagram.
+
+Both are drawn from one line of metrics.jsonl, where each stage reports when
+each of its forwards and backwards ran, so any logged step can be drawn after
+the fact: `gpipe-coordinator timeline gpipe-state/NAME --step S`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpipe.errors import SpecError
+
+
+def _actions(step: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
+    """(stage, kind, micro-batch, start s, end s) on a clock shared by the stages."""
+    t0 = min(s["start_unix"] for s in step["stages"])
+    out = []
+    for s in step["stages"]:
+        off = s["start_unix"] - t0
+        for kind, mb, a, b in s["timeline"]:
+            out.append((s["stage"], kind, mb, off + a, off + b))
+    return out
+
+
+def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
+    """The Trace Event Format: one process, one thread per stage, a slice per action."""
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"step {step['step']}"}}
+    ]
+    for s in step["stages"]:
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s["stage"],
+                       "args": {"name": f"stage {s['stage']}"}})
+    for stage, kind, mb, a, b in _actions(step):
+        events.append({
+            "ph": "X", "pid": 0, "tid": stage, "name": f"{kind}{mb}",
+            "cat": "forward" if kind == "F" else "backward",
+            "ts": a * 1e6, "dur": (b - a) * 1e6, "args": {"micro_batch": mb},
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def draw_png(step: dict[str, Any], path: Path) -> None:
+    """Stages against time; forwards blue, backwards orange, micro-batches labelled, bubbles white."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    actions = _actions(step)
+    stages = len(step["stages"])
+    end = max(b for *_, b in actions) if actions else 1.0
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(actions) * 0.25)), 0.6 * stages + 1.4))
+    for stage, kind, mb, a, b in actions:
+        color = "#4C72B0" if kind == "F" else "#DD8452"
+        ax.barh(stage, (b - a) * 1e3, left=a * 1e3, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+        if (b - a) / end > 0.012:
+            ax.text((a + b) / 2 * 1e3, stage, f"{kind}{mb}", ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(stages), [f"stage {k}" for k in range(stages)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end * 1e3)
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(f"step {step['step']}: bubble {step['bubble_fraction']:.1%} "
+                 f"(blue forward, orange backward, white idle)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
+    """The metrics line of `step` (None: the last one logged)."""
+    try:
+        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecError(f"{metrics}: cannot read metrics: {e}") from None
+    if not lines:
+        raise SpecError(f"{metrics}: no steps logged yet")
+    if step is None:
+        return lines[-1]
+    for line in lines:
+        if line["step"] == step:
+            return line
+    logged = f"{lines[0]['step']}..{lines[-1]['step']}"
+    raise SpecError(f"--step: step {step} is not in {metrics} (logged: {logged})")
+
+
+def write(job_dir: Path, step: int | None) -> tuple[Path, Path]:
+    """Write trace.json and timeline.png for `step` into the job's directory."""
+    line = find_step(job_dir / "metrics.jsonl", step)
+    trace, png = job_dir / "trace.json", job_dir / "timeline.png"
+    trace.write_text(json.dumps(chrome_trace(line)))
+    draw_png(line, png)
+    return trace, png
