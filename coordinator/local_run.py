@@ -18,7 +18,7 @@ import torch
 
 from coordinator import timeline
 from coordinator.driver import Attempt, StepMetrics, save_weights, shutdown, write_json
-from coordinator.local import LocalWorkers
+from coordinator.local import LocalWorkers, split_cores, threads_per_stage
 from coordinator.plan import make_plan
 from coordinator.progress import Progress
 from coordinator.spec import JobSpec
@@ -38,8 +38,8 @@ def device_for(spec: JobSpec, stage: int) -> str:
 
 def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = True) -> Path:
     """Train `spec` with local workers; return the job's output directory."""
-    plan = make_plan(spec, job_dir)
     devices = [device_for(spec, k) for k in range(spec.stages)]
+    plan = make_plan(spec, job_dir, devices[0], threads_per_stage(split_cores(spec.stages)))
     out = state_dir / spec.name
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +53,8 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
                            plan.import_paths)
     write_json(out / "plan.json", {
         "balance": plan.balance,
+        "balance_by": spec.balance if isinstance(spec.balance, str) else "spec",
+        "layer_costs": plan.balance_costs,
         "stages": [
             {"stage": k, "layers": list(b), "device": devices[k], "cores": w.cores, "threads": workers.threads,
              "params": sum(v.numel() for v in plan.stage_state(k).values())}

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from coordinator import balance
+from coordinator.data import DataStream
 from coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.factory import add_import_paths, resolve
@@ -26,6 +28,7 @@ class Plan:
     balance: list[int]  # layers per stage
     dataset: Dataset
     import_paths: list[str]
+    balance_costs: list[float] | None = None  # per layer, when the balance was computed
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -55,43 +58,11 @@ def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
         raise SpecError(f"{field}.args: {ref} raised {type(e).__name__}: {e}") from None
 
 
-def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
-    """Contiguous layers per stage minimising the largest stage's parameter count.
+def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1) -> Plan:
+    """Build the model and the data, check them against the spec, and choose the balance.
 
-    A layer costs its parameters plus one, so parameterless layers still spread out.
+    `device` and `threads` are those of the stages: by_time measures layers there.
     """
-    costs = [sum(p.numel() for p in layer.parameters()) + 1 for layer in model]
-    n = len(costs)
-
-    def cut(limit: int) -> list[int] | None:
-        # Greedy from the left, leaving at least one layer for each later stage.
-        out, i = [], 0
-        for k in range(stages):
-            left_for_rest = stages - k - 1
-            j, load = i, 0
-            while j < n - left_for_rest and (j == i or load + costs[j] <= limit):
-                load += costs[j]
-                j += 1
-            if k == stages - 1:
-                if j < n:
-                    return None
-            out.append(j - i)
-            i = j
-        return out
-
-    lo, hi = max(costs), sum(costs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cut(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    result = cut(lo)
-    assert result is not None and sum(result) == n
-    return result
-
-
-def make_plan(spec: JobSpec, job_dir: Path) -> Plan:
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
     torch.manual_seed(spec.seed)
@@ -101,16 +72,6 @@ def make_plan(spec: JobSpec, job_dir: Path) -> Plan:
     layers = len(model)
     if spec.stages > layers:
         raise SpecError(f"stages: {spec.stages} stages but the model has only {layers} layers")
-    if isinstance(spec.balance, list):
-        if sum(spec.balance) != layers:
-            raise SpecError(f"balance: sums to {sum(spec.balance)} but the model has {layers} layers")
-        balance = list(spec.balance)
-    else:
-        balance = balance_by_params(model, spec.stages)
-    shared = _shared_parameters(model, balance)
-    if shared:
-        raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
-
     dataset = _call("data", spec.data.factory, spec.data.args)
     try:
         n = len(dataset)
@@ -126,7 +87,37 @@ def make_plan(spec: JobSpec, job_dir: Path) -> Plan:
             resolve(spec.loss)
         except LookupError as e:
             raise SpecError(f"loss: {e}") from None
-    return Plan(spec, model, balance, dataset, import_paths)
+    balance, costs = _balance(spec, model, dataset, torch.device(device), threads)
+    shared = _shared_parameters(model, balance)
+    if shared:
+        raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
+    return Plan(spec, model, balance, dataset, import_paths, costs)
+
+
+def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset, device: torch.device,
+             threads: int) -> tuple[list[int], list[float] | None]:
+    """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
+    layers = len(model)
+    if isinstance(spec.balance, list):
+        if sum(spec.balance) != layers:
+            raise SpecError(f"balance: sums to {sum(spec.balance)} but the model has {layers} layers")
+        return list(spec.balance), None
+    if spec.balance == "by_params":
+        costs = balance.param_costs(model)
+    else:
+        stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed)
+        sample = stream.micro_batches(0)[0][0]
+        try:
+            if spec.balance == "by_time":
+                costs = balance.time_costs(model, sample, device, threads)
+            else:
+                in_flight = spec.chunks if spec.schedule == "gpipe" else min(spec.stages, spec.chunks)
+                costs = balance.memory_costs(model, sample, device, spec.optimizer.name,
+                                             spec.optimizer.momentum, in_flight)
+        except Exception as e:
+            raise SpecError(f"balance: {spec.balance} could not run the model on a sample micro-batch: "
+                            f"{type(e).__name__}: {e}") from None
+    return balance.partition(costs, spec.stages), costs
 
 
 def _shared_parameters(model: nn.Sequential, balance: list[int]) -> str | None:

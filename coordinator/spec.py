@@ -115,9 +115,10 @@ class JobSpec(_Spec):
     seed: int = Field(default=0, ge=0, description="Seeds the initial weights, shuffling and dropout.")
     model: ModelSpec = Field(description="The model, as an nn.Sequential factory.")
     stages: int = Field(ge=1, le=64, description="Pipeline stages, one worker each.")
-    balance: list[int] | Literal["by_params"] = Field(
+    balance: list[int] | Literal["by_params", "by_time", "by_memory"] = Field(
         default="by_params",
-        description="Layers per stage, in order; or by_params to balance parameter counts.",
+        description="Layers per stage, in order; or by_params, by_time (measured on a sample "
+        "micro-batch) or by_memory (weights, optimizer state and activations in flight).",
     )
     chunks: int = Field(default=1, ge=1, description="Micro-batches per step.")
     schedule: Literal["gpipe", "1f1b"] = Field(

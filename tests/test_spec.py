@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.plan import balance_by_params, make_plan
+from coordinator.plan import make_plan
 from coordinator.spec import parse_spec
-from gpipe.builtins import mlp
 from gpipe.errors import SpecError
 
 GOOD = """
@@ -52,6 +51,7 @@ BAD = [
     ({"balance": [1, 1, 2]}, "balance: has 3 entries but stages is 2"),
     ({"balance": [0, 4]}, "balance: every stage needs at least one layer"),
     ({"balance": "by_magic"}, "balance"),
+    ({"trace_step": 2}, "trace_step: step 2 is past the last step 1"),
     ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe' or '1f1b'"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
     ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),
@@ -114,19 +114,6 @@ def test_checks_that_need_the_model(changes, message, tmp_path):
     with pytest.raises(SpecError) as e:
         make_plan(parse_spec(spec_with(**changes)), tmp_path)
     assert str(e.value).startswith(message), str(e.value)
-
-
-def test_balance_by_params():
-    # 8 equal blocks and a head over 2 and 3 stages; every stage gets at least one layer.
-    model = mlp(width=8, depth=8)
-    assert balance_by_params(model, 2) == [5, 4]
-    assert balance_by_params(model, 3) == [3, 3, 3]
-    assert balance_by_params(model, 9) == [1] * 9
-    # One heavy layer gets a stage to itself.
-    import torch.nn as nn
-
-    heavy = nn.Sequential(nn.Linear(2, 2), nn.Linear(100, 100), nn.Linear(2, 2), nn.Linear(2, 2))
-    assert balance_by_params(heavy, 3) == [1, 1, 2]
 
 
 def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):

@@ -32,9 +32,9 @@ CASES = {
     "1stage-1chunk": job(stages=1, chunks=1),
     # a 1-layer first stage; chunks equal to the batch (micro-batches of one sample)
     "2stages-1layer-chunks=batch": job(stages=2, balance=[1, 5], chunks=8),
-    # 20 items, 8 a step: the data wraps around mid-step, in a new shuffled order each epoch
+    # balanced by measured time; 20 items, 8 a step: the data wraps around mid-step, reshuffled each epoch
     "2stages-shuffle-wraparound": job(
-        stages=2, balance=[4, 2], chunks=4, steps=6, data={**REGRESSION, "args": {**REGRESSION["args"], "n": 20},
+        stages=2, balance="by_time", chunks=4, steps=6, data={**REGRESSION, "args": {**REGRESSION["args"], "n": 20},
                                                            "batch_size": 8, "shuffle": True},
     ),
     # uneven micro-batches (10 = 4+3+3), uneven balance, adam, global clipping across stages
@@ -42,9 +42,9 @@ CASES = {
         stages=3, balance=[2, 1, 3], chunks=3, data={**REGRESSION, "batch_size": 10},
         optimizer={"name": "adam", "lr": 0.01}, clip_grad_norm=0.5,
     ),
-    # four 1-layer-or-more stages by parameter count, 1f1b, dropout, recomputed activations
+    # four stages balanced by memory, 1f1b, dropout, recomputed activations
     "4stages-1f1b-dropout-checkpoint": job(
-        stages=4, chunks=4, schedule="1f1b", activation_checkpoint="always",
+        stages=4, chunks=4, schedule="1f1b", activation_checkpoint="always", balance="by_memory",
         model={"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 3}},
         optimizer={"name": "adamw", "lr": 0.01},
     ),

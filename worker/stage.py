@@ -20,10 +20,10 @@ from torch import nn
 
 from gpipe import schedule
 from gpipe.factory import add_import_paths, resolve
+from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.rng import seeded_forward
 from worker.channel import Receiver, Sender
-from worker.memory import ActivationMeter
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
