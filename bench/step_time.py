@@ -29,7 +29,11 @@ WIDTH, DEPTH, BATCH, CHUNKS, STAGES = 1024, 8, 256, 8, 2
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # Every contender runs with the malloc settings gpipe's workers use, so the
+    # ratios compare the engines, not the allocator.
+    from coordinator.local import MALLOC_ENV
+
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **MALLOC_ENV)
 
 
 def cores() -> list[int]:

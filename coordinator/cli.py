@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from gpipe.errors import EXIT_BAD_INPUT, GpipeError
+from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, GpipeError
 
 DEFAULT_STATE_DIR = "gpipe-state"
 EXIT_INTERRUPTED = 130
@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except Exception as e:  # a bug of ours: one line, and the traceback on request
+        if os.environ.get("GPIPE_DEBUG"):
+            raise
+        print(f"error: internal error: {type(e).__name__}: {e} (GPIPE_DEBUG=1 shows the traceback)",
+              file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -227,7 +227,13 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
     """Leave the RPC world; True if it was left within `timeout`."""
-    t = threading.Thread(target=lambda: rpc.shutdown(graceful=graceful), daemon=True)
+    def leave() -> None:
+        try:
+            rpc.shutdown(graceful=graceful)
+        except RuntimeError:  # never joined: nothing to leave
+            pass
+
+    t = threading.Thread(target=leave, daemon=True)
     t.start()
     t.join(timeout)
     return not t.is_alive()
