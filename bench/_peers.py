@@ -29,7 +29,7 @@ def data(width: int, batch: int):
 def single(width: int, depth: int, batch: int, chunks: int, steps: int) -> float:
     """One process doing the same micro-batched work as the pipeline."""
     torch.manual_seed(0)
-    model = mlp(width=width, depth=depth)
+    model = mlp(width=width, depth=depth, head=False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = data(width, batch)
     times = []
@@ -51,7 +51,7 @@ def pipelining(schedule: str, rank: int, width: int, depth: int, batch: int, chu
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = mlp(width=width, depth=depth)
+    model = mlp(width=width, depth=depth, head=False)
     half = (len(model) + 1) // 2
     part = model[:half] if rank == 0 else model[half:]
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))

@@ -2,7 +2,7 @@
 
     python bench/step_time.py [--rounds 3] [--steps 20]
 
-The model is 8 x (Linear(1024)+ReLU) and a Linear head, batch 256 in 8
+The model is 8 x (Linear(1024)+ReLU), batch 256 in 8
 micro-batches, 2 stages, one thread per stage (each process pinned to its own
 core). Each round runs every contender once, interleaved, and the figures are
 medians over rounds of each run's median step time, since absolute times on
@@ -67,8 +67,8 @@ def run_pipelining(schedule: str, steps: int) -> float:
 
 def run_gpipe(schedule: str, steps: int, tmp: Path) -> float:
     spec = {
-        "name": f"bench-{schedule}", "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH}},
-        "stages": STAGES, "chunks": CHUNKS, "schedule": schedule, "balance": [5, 4],
+        "name": f"bench-{schedule}", "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
+        "stages": STAGES, "chunks": CHUNKS, "schedule": schedule, "balance": [DEPTH // 2, DEPTH // 2],
         "data": {"factory": "random_regression",
                  "args": {"n": BATCH, "in_features": WIDTH, "out_features": WIDTH}, "batch_size": BATCH},
         "loss": "mse", "optimizer": {"name": "sgd", "lr": 1e-3}, "steps": steps + 3,

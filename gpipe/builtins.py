@@ -8,8 +8,8 @@ from torch.utils.data import TensorDataset
 
 
 def mlp(width: int = 64, depth: int = 4, in_features: int | None = None, out_features: int | None = None,
-        dropout: float = 0.0) -> nn.Sequential:
-    """`depth` blocks of Linear+ReLU (one layer each), then a Linear head."""
+        dropout: float = 0.0, head: bool = True) -> nn.Sequential:
+    """`depth` blocks of Linear+ReLU (one layer each), then a Linear head (unless head is false)."""
     layers: list[nn.Module] = []
     d_in = in_features or width
     for _ in range(depth):
@@ -18,7 +18,8 @@ def mlp(width: int = 64, depth: int = 4, in_features: int | None = None, out_fea
             block.append(nn.Dropout(dropout))
         layers.append(nn.Sequential(*block))
         d_in = width
-    layers.append(nn.Linear(d_in, out_features or width))
+    if head:
+        layers.append(nn.Linear(d_in, out_features or width))
     return nn.Sequential(*layers)
 
 
