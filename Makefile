@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: lint
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not gpu and not multiprocess"
+
+# Regenerate gpipe/v1 from protos/ (tests/test_protos.py fails when it is stale).
+protos: setup
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
 
 clean:
 	rm -rf $(VENV) gpipe-state .pytest_cache .ruff_cache

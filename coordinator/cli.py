@@ -4,21 +4,26 @@
     gpipe-coordinator run job.yaml --state-dir /data/gpipe  # outputs in /data/gpipe/<name>/
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
+    gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
+    gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
+    gpipe-coordinator status|logs|stop NAME; gpipe-coordinator list
 
-Exit codes: 0 done, 1 the job failed (the failing stage is named), 2 bad input
-(spec, flag or file; nothing was started), 130 interrupted.
+Exit codes: 0 done, 1 the job failed (the failing stage is named) or the
+coordinator cannot be reached, 2 bad input (spec, flag, file or job name;
+nothing was started), 3 the followed job was stopped, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
 import warnings
 from pathlib import Path
 
-from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, GpipeError
+from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, GpipeError, SpecError
 
 DEFAULT_STATE_DIR = "gpipe-state"
 EXIT_INTERRUPTED = 130
@@ -41,6 +46,35 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
+    srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
+    srv.add_argument("--port", type=int, default=7000, help="the gRPC port (default 7000)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="the cluster-network address to listen on; the attempts' RPC and c10d ports bind "
+                          "there too (default 127.0.0.1)")
+    srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
+                     help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
+    srv.add_argument("--auth-token-file", help="require this shared token on every call (or env GPIPE_TOKEN)")
+    srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
+    srv.add_argument("--tls-key", help="and this private key (PEM)")
+
+    def client(name: str, help: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help)
+        c.add_argument("--coordinator", default=os.environ.get("GPIPE_COORDINATOR", "127.0.0.1:7000"),
+                       help="HOST:PORT of serve (env GPIPE_COORDINATOR; default 127.0.0.1:7000)")
+        c.add_argument("--auth-token-file", help="the shared token (default: env GPIPE_TOKEN)")
+        c.add_argument("--tls-ca", help="the CA certificate that signed serve's TLS certificate")
+        return c
+
+    c = client("submit", help="send a job spec to serve")
+    c.add_argument("job")
+    c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
+    client("status", help="one job's state, progress and history").add_argument("name")
+    client("list", help="every job serve knows")
+    c = client("logs", help="a job's per-step metrics and events")
+    c.add_argument("name")
+    c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    client("stop", help="stop a pending or running job").add_argument("name")
+
     tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
     tl.add_argument("job_dir", help="the job's output directory, <state-dir>/<name>")
     tl.add_argument("--step", type=int, default=None, help="the step to draw (default: the last logged)")
@@ -49,6 +83,44 @@ def _parser() -> argparse.ArgumentParser:
 
 def _on_sigterm(signum, frame):  # noqa: ANN001
     raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from coordinator.server import serve
+    from gpipe import grpcutil, net
+
+    token = grpcutil.read_token(args.auth_token_file)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SpecError("--tls-cert and --tls-key go together")
+    tls = None
+    if args.tls_cert:
+        tls = (grpcutil.read_file("--tls-cert", args.tls_cert), grpcutil.read_file("--tls-key", args.tls_key))
+    try:
+        net.iface_for(args.host)
+    except ValueError as e:
+        raise SpecError(f"--host: {e}") from None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
+    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, tls))
+    return 0
+
+
+async def _client(args: argparse.Namespace) -> int:
+    from coordinator.client import Client
+    from gpipe import grpcutil
+
+    c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
+    try:
+        if args.command == "submit":
+            return await c.submit(args.job, args.follow)
+        if args.command == "status":
+            return await c.status(args.name)
+        if args.command == "list":
+            return await c.list()
+        if args.command == "logs":
+            return await c.logs(args.name, args.follow)
+        return await c.stop(args.name)
+    finally:
+        await c.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.spec import load_spec
 
     try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command in ("submit", "status", "list", "logs", "stop"):
+            return asyncio.run(_client(args))
         if args.command == "timeline":
             from coordinator import timeline
 

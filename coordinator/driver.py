@@ -26,11 +26,12 @@ import torch
 import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
+from coordinator import timeline
 from coordinator.data import DataStream
 from coordinator.lr import lr_at
 from coordinator.plan import Plan
 from gpipe import net
-from gpipe.errors import JobFailed
+from gpipe.errors import JobFailed, SpecError
 from worker import attempt as remote
 from worker.stage import StageConfig
 
@@ -83,9 +84,9 @@ class Attempt:
             time.sleep(0.3)  # a dead process is the likelier cause: let it be seen
             self._check_alive()
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise JobFailed(f"lost contact with {self._stage_name(k)} {what}: {first}") from None
+            raise JobFailed(f"lost contact with {self._stage_name(k)} {what}: {first}", stage=k) from None
         if isinstance(value, dict) and value.get("error"):
-            raise JobFailed(f"{self._stage_name(k)} failed {what}: {value['error']}")
+            raise JobFailed(f"{self._stage_name(k)} failed {what}: {value['error']}", stage=k)
         return value
 
     def _wait_all(self, futs: dict[int, torch.futures.Future], timeout: float, what: str) -> dict[int, Any]:
@@ -100,8 +101,10 @@ class Attempt:
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    pending = ", ".join(self._stage_name(k) for k in futs if k not in out)
-                    raise JobFailed(f"timed out after {timeout:.0f}s {what}, waiting for {pending}") from None
+                    late = [k for k in futs if k not in out]
+                    pending = ", ".join(self._stage_name(k) for k in late)
+                    raise JobFailed(f"timed out after {timeout:.0f}s {what}, waiting for {pending}",
+                                    stage=late[0]) from None
                 continue
             out[k] = self._result(what, k, futs[k])
         return out
@@ -178,9 +181,11 @@ class Attempt:
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    waiting = ", ".join(self._stage_name(k) for k in pending[finished] if k not in results[finished])
+                    late = [k for k in pending[finished] if k not in results[finished]]
+                    waiting = ", ".join(self._stage_name(k) for k in late)
                     raise JobFailed(
-                        f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}"
+                        f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}",
+                        stage=late[0],
                     ) from None
                 continue
             results[s][k] = self._result(f"at step {s}", k, pending[s][k])
@@ -241,3 +246,70 @@ def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
 
 def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def prepare_output(spec_name: str, state_dir: Path) -> Path:
+    """<state-dir>/<name>/ with an empty metrics.jsonl."""
+    out = state_dir / spec_name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("")
+    except OSError as e:
+        raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
+    return out
+
+
+def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
+    """plan.json: the balance, what it was chosen by, and where each stage runs."""
+    spec = plan.spec
+    write_json(out / "plan.json", {
+        "balance": plan.balance,
+        "balance_by": spec.balance if isinstance(spec.balance, str) else "spec",
+        "layer_costs": plan.balance_costs,
+        "stages": [
+            {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
+             **placement[k]}
+            for k, b in enumerate(plan.bounds)
+        ],
+        "spec": spec.model_dump(mode="json"),
+    })
+
+
+class MetricsLog:
+    """Appends every `log_every`-th step (and the last) to metrics.jsonl, a line at a time."""
+
+    def __init__(self, out: Path, log_every: int, steps: int):
+        self.f = open(out / "metrics.jsonl", "a")
+        self.log_every, self.steps = log_every, steps
+
+    def write(self, m: StepMetrics) -> bool:
+        if m.step % self.log_every and m.step != self.steps - 1:
+            return False
+        self.f.write(json.dumps(asdict(m)) + "\n")
+        self.f.flush()
+        return True
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
+          alive_check: Callable[[], str | None], on_step: Callable[[StepMetrics], None]) -> None:
+    """One attempt, start to end: join, build, train, save the weights and the timeline, leave.
+
+    Raises JobFailed naming the stage; the caller then kills what it started.
+    """
+    attempt = Attempt(plan, host, port, alive_check, devices.__getitem__, on_step)
+    left = False
+    try:
+        attempt.join()
+        attempt.build()
+        attempt.train()
+        save_weights(attempt.state(), out / "model.safetensors")
+        timeline.write(out, plan.spec.trace_step)
+        left = shutdown(graceful=True)
+        if not left:
+            raise JobFailed("the stages did not leave the RPC world in time")
+    finally:
+        if not left:
+            shutdown(graceful=False, timeout=5)

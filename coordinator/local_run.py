@@ -8,16 +8,13 @@ end, model.safetensors.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from coordinator import timeline
-from coordinator.driver import Attempt, StepMetrics, save_weights, shutdown, write_json
+from coordinator.driver import MetricsLog, StepMetrics, drive, prepare_output, write_plan
 from coordinator.local import LocalWorkers, split_cores, threads_per_stage
 from coordinator.plan import make_plan
 from coordinator.progress import Progress
@@ -40,28 +37,14 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
     """Train `spec` with local workers; return the job's output directory."""
     devices = [device_for(spec, k) for k in range(spec.stages)]
     plan = make_plan(spec, job_dir, devices[0], threads_per_stage(split_cores(spec.stages)))
-    out = state_dir / spec.name
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("")
-    except OSError as e:
-        raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
+    out = prepare_output(spec.name, state_dir)
     torch.set_num_threads(1)  # the cores belong to the stages
     net.bind_to(HOST)
     _, port = net.bound_store(HOST, spec.start_timeout_s)
     workers = LocalWorkers(spec.stages, f"{HOST}:{port}", HOST, out / "logs", spec.start_timeout_s,
                            plan.import_paths)
-    write_json(out / "plan.json", {
-        "balance": plan.balance,
-        "balance_by": spec.balance if isinstance(spec.balance, str) else "spec",
-        "layer_costs": plan.balance_costs,
-        "stages": [
-            {"stage": k, "layers": list(b), "device": devices[k], "cores": w.cores, "threads": workers.threads,
-             "params": sum(v.numel() for v in plan.stage_state(k).values())}
-            for k, (b, w) in enumerate(zip(plan.bounds, workers.workers, strict=True))
-        ],
-        "spec": spec.model_dump(mode="json"),
-    })
+    write_plan(out, plan, [{"device": devices[k], "cores": w.cores, "threads": workers.threads}
+                           for k, w in enumerate(workers.workers)])
     print(f"{spec.name}: {spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
           f"schedule {spec.schedule}, {workers.threads} thread(s) per stage", file=sys.stderr, flush=True)
 
@@ -75,35 +58,24 @@ def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = Tr
         return f"{why}: {line}" if line else why
 
     bar = Progress(spec.steps, enabled=progress)
-    metrics = open(out / "metrics.jsonl", "a")
+    log = MetricsLog(out, spec.log_every, spec.steps)
 
     def on_step(m: StepMetrics) -> None:
-        if m.step % spec.log_every == 0 or m.step == spec.steps - 1:
-            metrics.write(json.dumps(asdict(m)) + "\n")
-            metrics.flush()
+        log.write(m)
         bar.update(m.step, m.loss, m.samples_per_s)
 
-    attempt = Attempt(plan, HOST, port, alive, devices.__getitem__, on_step)
     ok = False
+    t0 = time.monotonic()
     try:
-        attempt.join()
-        attempt.build()
-        t0 = time.monotonic()
-        attempt.train()
-        save_weights(attempt.state(), out / "model.safetensors")
-        metrics.close()
-        timeline.write(out, spec.trace_step)
-        ok = True
-        print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s; weights in {out / 'model.safetensors'}",
-              file=sys.stderr, flush=True)
+        drive(plan, out, HOST, port, devices, alive, on_step)
+        ok = workers.wait(30)
     finally:
         bar.close()
-        metrics.close()
-        if ok:
-            ok = shutdown(graceful=True) and workers.wait(30)
+        log.close()
         if not ok:
             workers.kill()
-            shutdown(graceful=False, timeout=5)
     if not ok:
-        raise JobFailed("the workers did not shut down cleanly")
+        raise JobFailed("the workers did not exit after the job")
+    print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s; weights in {out / 'model.safetensors'}",
+          file=sys.stderr, flush=True)
     return out

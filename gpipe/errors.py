@@ -21,3 +21,7 @@ class JobFailed(GpipeError):
     """The job started and failed; the message names the stage."""
 
     exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, stage: int | None = None):
+        super().__init__(message)
+        self.stage = stage

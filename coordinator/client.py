@@ -1,0 +1,154 @@
+"""The client verbs of gpipe-coordinator: submit, status, list, logs, stop.
+
+Each prints what a person needs and exits with a code a script can use:
+submit --follow: 0 SUCCEEDED, 1 FAILED, 3 STOPPED; 2 when the spec was
+rejected (or a flag or name is wrong); 1 when the coordinator cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from coordinator.progress import Progress
+from gpipe import grpcutil, serde
+from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
+from gpipe.serde import JobState
+from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
+
+EXIT_STOPPED = 3
+EXIT_BY_STATE = {JobState.SUCCEEDED: EXIT_OK, JobState.FAILED: EXIT_FAILED, JobState.STOPPED: EXIT_STOPPED}
+BAD_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
+
+
+class ClientError(GpipeError):
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Client:
+    def __init__(self, address: str, token: str | None, tls_ca: str | None):
+        self.address = address
+        self.channel = grpcutil.channel(address, token, tls_ca)
+        self.stub = jobs_pb2_grpc.JobServiceStub(self.channel)
+
+    async def call(self, method: str, request, timeout: float = 30.0):
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> ClientError:
+        code = EXIT_BAD_INPUT if e.code() in BAD_REQUEST else EXIT_FAILED
+        return ClientError(grpcutil.describe(e, self.address), code)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    # -- verbs -------------------------------------------------------------------------
+
+    async def submit(self, path: str, follow: bool) -> int:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise SpecError(f"{path}: cannot read job file: {e.strerror}") from None
+        job = serde.job_from_pb(await self.call("SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text), 300))
+        print(f"{job.name}: submitted ({job.state.value})", file=sys.stderr, flush=True)
+        if not follow:
+            return EXIT_OK
+        return await self.follow(job.name, job.steps, progress=True)
+
+    async def follow(self, name: str, steps: int, progress: bool) -> int:
+        """Show the job's events until it ends; the exit code follows its final state."""
+        bar = Progress(steps, enabled=progress) if progress else None
+        final = None
+        try:
+            async for m in self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name)):
+                kind, value = serde.event_from_pb(m)
+                if kind == "metrics":
+                    if bar is not None:
+                        bar.update(value["step"], value["loss"], value["samples_per_s"])
+                    else:
+                        print(json.dumps(value), flush=True)
+                elif kind == "state":
+                    line = f"{name}: {value.state.value}" + (f": {value.message}" if value.message else "")
+                    print(line, file=sys.stderr, flush=True)
+                    if value.state.ended:
+                        final = value.state
+                else:
+                    print(value, file=sys.stderr, flush=True)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        finally:
+            if bar is not None:
+                bar.close()
+        if final is None:
+            raise ClientError(f"{name}: the coordinator ended the stream before the job ended", EXIT_FAILED)
+        return EXIT_BY_STATE[final]
+
+    async def status(self, name: str) -> int:
+        job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
+        print(f"name:     {job.name}\nstate:    {job.state.value}\nprogress: {job.steps_done}/{job.steps} steps"
+              + (f", loss {job.loss:.4f}" if job.steps_done else ""))
+        if job.state == JobState.FAILED:
+            rank = f" (rank {job.failed_rank})" if job.failed_rank >= 0 else ""
+            print(f"error:    {job.error}{rank}")
+        print(f"output:   {job.output_dir}\nhistory:")
+        for h in job.history:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.time_unix))
+            print(f"  {stamp}  {h.state.value:9}  {h.message}")
+        return EXIT_OK
+
+    async def list(self) -> int:
+        jobs = [serde.job_from_pb(j) for j in (await self.call("ListJobs", jobs_pb2.ListJobsRequest())).jobs]
+        print(f"{'NAME':24} {'STATE':9} {'STEPS':>11} {'LOSS':>8}  SINCE")
+        for j in jobs:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.history[-1].time_unix)) if j.history else ""
+            loss = f"{j.loss:8.4f}" if j.steps_done else f"{'-':>8}"
+            print(f"{j.name:24} {j.state.value:9} {f'{j.steps_done}/{j.steps}':>11} {loss}  {since}")
+        return EXIT_OK
+
+    async def logs(self, name: str, follow: bool) -> int:
+        job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
+        if follow or job.state.ended:
+            code = await self.follow(name, job.steps, progress=False)
+            return EXIT_OK if not follow else code
+        # Not following a running job: what happened so far, then return.
+        events = self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name))
+        try:
+            while True:
+                m = await _next(events, 1.0)
+                if m is None:
+                    break
+                kind, value = serde.event_from_pb(m)
+                if kind == "metrics":
+                    print(json.dumps(value), flush=True)
+                elif kind == "state":
+                    print(f"{name}: {value.state.value}" + (f": {value.message}" if value.message else ""),
+                          file=sys.stderr, flush=True)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        finally:
+            events.cancel()
+        return EXIT_OK
+
+    async def stop(self, name: str) -> int:
+        job = serde.job_from_pb(await self.call("StopJob", jobs_pb2.StopJobRequest(name=name), 120))
+        print(f"{job.name}: {job.state.value}", file=sys.stderr)
+        return EXIT_OK
+
+
+async def _next(stream, idle: float):
+    """The stream's next message, or None once it has been quiet for `idle` seconds (caught up)."""
+    import asyncio
+
+    try:
+        m = await asyncio.wait_for(stream.read(), idle)
+    except TimeoutError:
+        return None
+    return None if m is grpc.aio.EOF else m

@@ -1,0 +1,441 @@
+"""`gpipe-coordinator serve`: the job queue, the worker registry, and the attempts.
+
+A job waits PENDING until a worker is registered, and idle, for each of its
+stages (ranks 0 .. stages-1). Then an attempt starts: a child process
+(coordinator.remote_attempt) plans the job and opens a rendezvous, each rank's
+worker is told to join it, and the child drives the stages to the end. The
+server follows the child's reports, the workers' heartbeats, and stop
+requests; every state change is written to <state-dir>/<name>/job.json, so a
+restarted coordinator lists past jobs and runs pending ones.
+
+    gpipe-coordinator serve --port 7000 --state-dir /var/lib/gpipe [--host 10.0.0.5]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from coordinator.spec import JobSpec, parse_spec
+from gpipe import serde
+from gpipe.errors import SpecError
+from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
+from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
+VALIDATE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Worker:
+    id: str
+    rank: int
+    host: str
+    device: str
+    hostname: str
+    last_seen: float
+    commands: asyncio.Queue = field(default_factory=asyncio.Queue)
+    attempt_id: str | None = None
+
+
+@dataclass
+class Attempt:
+    id: str
+    job: str
+    ranks: list[int]
+    proc: asyncio.subprocess.Process | None = None
+    stopped: bool = False
+    failure: tuple[str, int | None] | None = None  # (message, rank) decided by the server
+
+
+class Coordinator:
+    def __init__(self, state_dir: Path, host: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S):
+        self.state_dir, self.host = state_dir, host
+        self.heartbeat_timeout = heartbeat_timeout
+        self.jobs: dict[str, JobRecord] = {}
+        self.events: dict[str, list[serde.Event]] = {}
+        self.watchers: dict[str, set[asyncio.Queue]] = {}
+        self.workers: dict[int, Worker] = {}
+        self.attempts: dict[str, Attempt] = {}  # by job name
+        self.wake = asyncio.Event()
+        self.shutting_down = False  # running jobs stay RUNNING on disk, for the next start to pick up
+        self._load()
+
+    # -- the job table on disk ------------------------------------------------
+
+    def _load(self) -> None:
+        records = []
+        for path in self.state_dir.glob("*/job.json"):
+            try:
+                records.append(JobRecord.from_json(json.loads(path.read_text())))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"gpipe: ignoring {path}: not a job record ({e})", file=sys.stderr, flush=True)
+        for job in sorted(records, key=lambda j: j.history[0].time_unix if j.history else 0.0):
+            self.jobs[job.name] = job
+            self.events[job.name] = self._replay(job)
+            if job.state == JobState.RUNNING:
+                # No checkpoints yet: the job starts over, and ends with the same weights.
+                self._set_state(job, JobState.PENDING, "the coordinator restarted; the job starts over")
+
+    def _replay(self, job: JobRecord) -> list[serde.Event]:
+        events: list[serde.Event] = [("state", h) for h in job.history if not h.state.ended]
+        metrics = Path(job.output_dir) / "metrics.jsonl"
+        with contextlib.suppress(OSError, ValueError):
+            events += [("metrics", json.loads(x)) for x in metrics.read_text().splitlines() if x.strip()]
+        events += [("state", h) for h in job.history if h.state.ended]
+        return events
+
+    def _save(self, job: JobRecord) -> None:
+        out = Path(job.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=".job.", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(job.to_json(), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out / "job.json")
+
+    def _emit(self, name: str, event: serde.Event) -> None:
+        self.events[name].append(event)
+        for q in self.watchers.get(name, ()):
+            q.put_nowait(event)
+
+    def _set_state(self, job: JobRecord, state: JobState, message: str = "") -> None:
+        change = StateChange(state, time.time(), message)
+        job.state = state
+        job.history.append(change)
+        self._save(job)
+        self._emit(job.name, ("state", change))
+        print(f"gpipe: job {job.name} {state.value}{': ' + message if message else ''}", file=sys.stderr,
+              flush=True)
+
+    # -- jobs -------------------------------------------------------------------
+
+    async def submit(self, spec_yaml: str) -> JobRecord:
+        spec = parse_spec(spec_yaml)  # SpecError: INVALID_ARGUMENT
+        if spec.name in self.jobs:
+            raise FileExistsError(f"a job named {spec.name!r} exists already")
+        await self._validate(spec_yaml)
+        if spec.name in self.jobs:  # submitted twice while validating
+            raise FileExistsError(f"a job named {spec.name!r} exists already")
+        out = self.state_dir / spec.name
+        job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out))
+        self.jobs[job.name] = job
+        self.events[job.name] = []
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "job.yaml").write_text(spec_yaml)
+        self._set_state(job, JobState.PENDING, f"waiting for workers of ranks 0-{spec.stages - 1}")
+        self.wake.set()
+        return job
+
+    async def _validate(self, spec_yaml: str) -> None:
+        """The checks that need the model and the data, in a throwaway process: user code stays out of here."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "job.yaml"
+            path.write_text(spec_yaml)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "coordinator.cli", "validate", str(path),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                _, err = await asyncio.wait_for(proc.communicate(), VALIDATE_TIMEOUT_S)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise SpecError(f"model: building the model took longer than {VALIDATE_TIMEOUT_S:.0f}s") from None
+        if proc.returncode:
+            lines = err.decode(errors="replace").strip().splitlines()
+            raise SpecError(lines[-1].removeprefix("error: ") if lines else "the spec failed validation")
+
+    async def stop(self, name: str) -> JobRecord:
+        job = self.jobs[name]  # KeyError: NOT_FOUND
+        if job.state == JobState.PENDING:
+            self._set_state(job, JobState.STOPPED, "stopped while pending")
+        elif job.state == JobState.RUNNING and name in self.attempts:
+            attempt = self.attempts[name]
+            attempt.stopped = True
+            self._kill(attempt)
+            while name in self.attempts:  # the attempt's task records STOPPED and frees the workers
+                await asyncio.sleep(0.05)
+        return job
+
+    # -- workers ------------------------------------------------------------------
+
+    def register(self, rank: int, host: str, device: str, hostname: str) -> Worker:
+        old = self.workers.get(rank)
+        if old is not None:
+            self._drop(old, f"stage {rank}'s worker registered again (it restarted)")
+        w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, time.monotonic())
+        self.workers[rank] = w
+        print(f"gpipe: worker for rank {rank} registered from {hostname or host} ({w.device})", file=sys.stderr,
+              flush=True)
+        self.wake.set()
+        return w
+
+    def worker(self, worker_id: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.id == worker_id), None)
+
+    def heartbeat(self, worker_id: str, attempt_id: str, ended: bool, exit_code: int) -> bool:
+        w = self.worker(worker_id)
+        if w is None:
+            return False
+        w.last_seen = time.monotonic()
+        if ended and exit_code != 0 and attempt_id and w.attempt_id == attempt_id:
+            how = f"signal {signal.Signals(-exit_code).name}" if exit_code < 0 else f"exit code {exit_code}"
+            self._fail_attempt_of(w, f"stage {w.rank}'s worker process died ({how})")
+        return True
+
+    def _drop(self, w: Worker, why: str) -> None:
+        if self.workers.get(w.rank) is w:
+            del self.workers[w.rank]
+        self._fail_attempt_of(w, why)
+        w.commands.put_nowait(None)  # ends its command stream
+
+    def _fail_attempt_of(self, w: Worker, why: str) -> None:
+        for attempt in self.attempts.values():
+            if attempt.id == w.attempt_id and attempt.failure is None and not attempt.stopped:
+                attempt.failure = (why, w.rank)
+                self._kill(attempt)
+
+    async def reap(self) -> None:
+        """Drop workers whose heartbeats stopped."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if now - w.last_seen > self.heartbeat_timeout:
+                    self._drop(w, f"stage {w.rank}'s worker missed its heartbeats for {self.heartbeat_timeout:.0f}s")
+            self.wake.set()
+
+    # -- attempts -------------------------------------------------------------------
+
+    async def schedule(self) -> None:
+        """Start each pending job, oldest first, once every rank it needs has an idle worker."""
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            for job in list(self.jobs.values()):
+                if job.state != JobState.PENDING:
+                    continue
+                spec = parse_spec(job.spec_yaml)
+                ranks = list(range(spec.stages))
+                if all(r in self.workers and self.workers[r].attempt_id is None for r in ranks):
+                    attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
+                    for r in ranks:
+                        self.workers[r].attempt_id = attempt.id
+                    self.attempts[job.name] = attempt
+                    asyncio.create_task(self._run(job, spec, attempt))
+
+    def _kill(self, attempt: Attempt) -> None:
+        if attempt.proc is not None and attempt.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(attempt.proc.pid, signal.SIGKILL)
+
+    async def _run(self, job: JobRecord, spec: JobSpec, attempt: Attempt) -> None:
+        out = Path(job.output_dir)
+        devices = [self.workers[r].device for r in attempt.ranks]
+        job.steps_done, job.error, job.failed_rank = 0, "", -1
+        self._set_state(job, JobState.RUNNING, f"attempt {attempt.id} on ranks {attempt.ranks}")
+        done, reported = False, None
+        log = open(out / "coordinator.log", "ab")
+        try:
+            attempt.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "coordinator.remote_attempt", "--spec", str(out / "job.yaml"),
+                "--state-dir", str(self.state_dir), "--host", self.host, "--devices", ",".join(devices),
+                stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
+            )
+            assert attempt.proc.stdout is not None
+            async for raw in attempt.proc.stdout:
+                try:
+                    msg = json.loads(raw)
+                except ValueError:
+                    continue
+                if "master" in msg:
+                    for r in attempt.ranks:
+                        self.workers[r].commands.put_nowait(
+                            Join(attempt.id, msg["master"], r, spec.stages, spec.start_timeout_s))
+                elif "metrics" in msg:
+                    m = msg["metrics"]
+                    job.steps_done, job.loss = m["step"] + 1, m["loss"]
+                    self._emit(job.name, ("metrics", m))
+                elif "error" in msg:
+                    reported = (msg["error"], msg.get("stage"))
+                elif msg.get("done"):
+                    done = True
+            await attempt.proc.wait()
+        finally:
+            log.close()
+            self._kill(attempt)
+            for r in attempt.ranks:
+                w = self.workers.get(r)
+                if w is not None and w.attempt_id == attempt.id:
+                    w.commands.put_nowait(Abort(attempt.id))
+                    w.attempt_id = None
+            del self.attempts[job.name]
+            self.wake.set()
+        if self.shutting_down:
+            return
+        if attempt.stopped:
+            self._set_state(job, JobState.STOPPED, "stopped while running")
+        elif done and attempt.proc.returncode == 0:
+            self._set_state(job, JobState.SUCCEEDED, f"weights in {out / 'model.safetensors'}")
+        else:
+            # The server's own finding (a dead or silent worker) explains more than the driver's.
+            message, stage = attempt.failure or reported or (
+                f"the attempt process exited with code {attempt.proc.returncode}", None)
+            job.error, job.failed_rank = message, -1 if stage is None else int(stage)
+            self._set_state(job, JobState.FAILED, message)
+
+    async def watch(self, name: str) -> AsyncIterator[serde.Event]:
+        job = self.jobs[name]  # KeyError: NOT_FOUND
+        q: asyncio.Queue = asyncio.Queue()
+        self.watchers.setdefault(name, set()).add(q)
+        try:
+            for e in list(self.events[name]):
+                yield e
+            if job.state.ended:
+                return
+            while True:
+                e = await q.get()
+                yield e
+                if e[0] == "state" and e[1].state.ended:
+                    return
+        finally:
+            self.watchers[name].discard(q)
+
+
+# -- gRPC --------------------------------------------------------------------------------
+
+
+class JobService(jobs_pb2_grpc.JobServiceServicer):
+    def __init__(self, c: Coordinator):
+        self.c = c
+
+    async def _job(self, name: str, context: grpc.aio.ServicerContext) -> JobRecord:
+        if name not in self.c.jobs:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {name!r}")
+        return self.c.jobs[name]
+
+    async def SubmitJob(self, request, context):
+        try:
+            return serde.job_to_pb(await self.c.submit(request.spec_yaml))
+        except SpecError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except FileExistsError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+
+    async def GetJob(self, request, context):
+        return serde.job_to_pb(await self._job(request.name, context))
+
+    async def ListJobs(self, request, context):
+        return jobs_pb2.ListJobsResponse(jobs=[serde.job_to_pb(j) for j in self.c.jobs.values()])
+
+    async def StopJob(self, request, context):
+        await self._job(request.name, context)
+        return serde.job_to_pb(await self.c.stop(request.name))
+
+    async def WatchJob(self, request, context):
+        await self._job(request.name, context)
+        async for e in self.c.watch(request.name):
+            yield serde.event_to_pb(e)
+
+
+class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, c: Coordinator):
+        self.c = c
+
+    async def Register(self, request, context):
+        if request.rank < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank: must be 0 or more, got {request.rank}")
+        w = self.c.register(request.rank, request.host, request.device, request.hostname)
+        return workers_pb2.RegisterResponse(worker_id=w.id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+
+    async def Heartbeat(self, request, context):
+        known = self.c.heartbeat(request.worker_id, request.attempt_id, request.attempt_ended, request.attempt_exit)
+        return workers_pb2.HeartbeatResponse(known=known)
+
+    async def Commands(self, request, context):
+        w = self.c.worker(request.worker_id)
+        if w is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker id: register again")
+        while (cmd := await w.commands.get()) is not None:
+            yield serde.command_to_pb(cmd)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Every call but health probes must carry `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if details.method.startswith("/grpc.health.v1.") or handler is None:
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self.expected):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid token is required (--auth-token-file)")
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer,
+                                                   handler.response_serializer)
+
+
+async def serve(host: str, port: int, state_dir: Path, token: str | None = None,
+                tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    from gpipe import net
+
+    net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
+    state_dir.mkdir(parents=True, exist_ok=True)
+    c = Coordinator(state_dir, host)
+    server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else None)
+    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
+    workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = f"{host}:{port}"
+    if tls:
+        server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+    else:
+        server.add_insecure_port(address)
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"gpipe: coordinator serving on {address}, state in {state_dir}", file=sys.stderr, flush=True)
+    tasks = [asyncio.create_task(c.schedule()), asyncio.create_task(c.reap())]
+    c.wake.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    c.shutting_down = True
+    for attempt in list(c.attempts.values()):
+        c._kill(attempt)
+    await server.stop(grace=3)
+    for t in tasks:
+        t.cancel()

@@ -1,0 +1,69 @@
+"""What every gRPC client of ours shares: the channel, its token, and one-line errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+
+from gpipe.errors import SpecError
+
+
+def read_token(path: str | None) -> str | None:
+    """The shared token: from --auth-token-file, else env GPIPE_TOKEN, else none."""
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as e:
+            raise SpecError(f"--auth-token-file: cannot read {path}: {e.strerror}") from None
+        if not token:
+            raise SpecError(f"--auth-token-file: {path} is empty")
+        return token
+    return os.environ.get("GPIPE_TOKEN") or None
+
+
+def read_file(flag: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SpecError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+
+def channel(address: str, token: str | None, tls_ca: str | None) -> grpc.aio.Channel:
+    """An aio channel to `address`, with TLS when a CA is given and the token on every call."""
+    if tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=read_file("--tls-ca", tls_ca))
+        if token:
+            creds = grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(token))
+        return grpc.aio.secure_channel(address, creds)
+    interceptors = [_Token(token)] if token else None
+    return grpc.aio.insecure_channel(address, interceptors=interceptors)
+
+
+class _Token(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` on a channel without TLS (grpc only sends call credentials over TLS)."""
+
+    def __init__(self, token: str):
+        self.md = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        md = list(d.metadata or ()) + [self.md]
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def describe(e: grpc.RpcError, address: str) -> str:
+    """One line for a failed call."""
+    code = e.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"cannot reach the coordinator at {address}: {e.details()}"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"the coordinator at {address} refused the call: {e.details()}"
+    return e.details() or code.name

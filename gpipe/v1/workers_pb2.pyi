@@ -1,0 +1,78 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("rank", "host", "device", "hostname")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    host: str
+    device: str
+    hostname: str
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_interval_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_interval_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "attempt_id", "attempt_exit", "attempt_ended")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_EXIT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ENDED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    attempt_id: str
+    attempt_exit: int
+    attempt_ended: bool
+    def __init__(self, worker_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., attempt_exit: _Optional[int] = ..., attempt_ended: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class CommandsRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class JoinAttempt(_message.Message):
+    __slots__ = ("attempt_id", "master", "stage", "stages", "start_timeout_s")
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    START_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    attempt_id: str
+    master: str
+    stage: int
+    stages: int
+    start_timeout_s: float
+    def __init__(self, attempt_id: _Optional[str] = ..., master: _Optional[str] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ..., start_timeout_s: _Optional[float] = ...) -> None: ...
+
+class AbortAttempt(_message.Message):
+    __slots__ = ("attempt_id",)
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    attempt_id: str
+    def __init__(self, attempt_id: _Optional[str] = ...) -> None: ...
+
+class WorkerCommand(_message.Message):
+    __slots__ = ("join", "abort")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    join: JoinAttempt
+    abort: AbortAttempt
+    def __init__(self, join: _Optional[_Union[JoinAttempt, _Mapping]] = ..., abort: _Optional[_Union[AbortAttempt, _Mapping]] = ...) -> None: ...
