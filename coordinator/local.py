@@ -9,7 +9,6 @@ their process groups when it is done, so nothing is left behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+from gpipe.proc import child_env
 
 # A stage allocates activation-sized buffers every micro-batch (received tensors,
 # outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
@@ -63,7 +62,7 @@ class LocalWorkers:
         log_dir.mkdir(parents=True, exist_ok=True)
         root = str(Path(__file__).resolve().parent.parent)
         for k, cores in enumerate(core_sets):
-            env = dict(os.environ)
+            env = child_env(dict(os.environ), cores)
             env["OMP_NUM_THREADS"] = str(self.threads)
             env["PYTHONPATH"] = os.pathsep.join([root, *import_paths, env.get("PYTHONPATH", "")])
             env["PYTHONUNBUFFERED"] = "1"
@@ -75,7 +74,7 @@ class LocalWorkers:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
                     cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_child_setup(cores),
+                    start_new_session=True,
                 )
             self.workers.append(LocalWorker(k, proc, cores, log_path))
 
@@ -122,15 +121,3 @@ class LocalWorkers:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-
-
-def _child_setup(cores: list[int]):
-    def setup() -> None:
-        # Die with the coordinator, even if it is SIGKILLed.
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
-        os.sched_setaffinity(0, cores)
-
-    return setup

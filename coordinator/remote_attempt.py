@@ -26,7 +26,7 @@ import torch
 from coordinator.driver import MetricsLog, StepMetrics, drive, prepare_output, write_plan
 from coordinator.plan import make_plan
 from coordinator.spec import load_spec
-from gpipe import net
+from gpipe import net, proc
 from gpipe.errors import GpipeError
 
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True)
     p.add_argument("--devices", required=True, help="each stage's device, comma-separated")
     a = p.parse_args(argv)
+    proc.adopt()
     warnings.filterwarnings("ignore", message="You are using a Backend")
     try:
         spec = load_spec(a.spec)

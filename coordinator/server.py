@@ -34,6 +34,7 @@ from grpc_health.v1.health import aio as health_aio
 from coordinator.spec import JobSpec, parse_spec
 from gpipe import serde
 from gpipe.errors import SpecError
+from gpipe.proc import child_env
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
@@ -259,6 +260,7 @@ class Coordinator:
                 sys.executable, "-m", "coordinator.remote_attempt", "--spec", str(out / "job.yaml"),
                 "--state-dir", str(self.state_dir), "--host", self.host, "--devices", ",".join(devices),
                 stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
+                env=child_env(dict(os.environ)),
             )
             assert attempt.proc.stdout is not None
             async for raw in attempt.proc.stdout:

@@ -38,25 +38,32 @@ def channel(address: str, token: str | None, tls_ca: str | None) -> grpc.aio.Cha
             creds = grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(token))
         return grpc.aio.secure_channel(address, creds)
-    interceptors = [_Token(token)] if token else None
+    interceptors = [_UnaryToken(token), _StreamToken(token)] if token else None
     return grpc.aio.insecure_channel(address, interceptors=interceptors)
 
 
-class _Token(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <token>` on a channel without TLS (grpc only sends call credentials over TLS)."""
+def _with_token(d: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
+    md = [*(d.metadata or ()), ("authorization", f"Bearer {token}")]
+    return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+
+
+# Two classes: grpc's aio channel files an interceptor under the first kind it is an instance of.
+class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds `authorization: Bearer <token>` (call credentials are only sent over TLS)."""
 
     def __init__(self, token: str):
-        self.md = ("authorization", f"Bearer {token}")
-
-    def _details(self, d):
-        md = list(d.metadata or ()) + [self.md]
-        return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+        self.token = token
 
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+        return await continuation(_with_token(details, self.token), request)
+
+
+class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
 
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+        return await continuation(_with_token(details, self.token), request)
 
 
 def describe(e: grpc.RpcError, address: str) -> str:

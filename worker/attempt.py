@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from gpipe import net
+from gpipe import net, proc
 from worker.stage import Stage, StageConfig
 
 _stage: Stage | None = None
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True, help="the address this process listens on")
     p.add_argument("--start-timeout", type=float, default=120.0)
     a = p.parse_args(argv)
+    proc.adopt()
     warnings.filterwarnings("ignore", message="You are using a Backend")
     net.bind_to(a.host)
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)

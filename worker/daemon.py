@@ -27,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from gpipe import grpcutil, serde
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError
+from gpipe.proc import child_env
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
@@ -98,7 +99,8 @@ class Daemon:
         self.child = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "worker", "--stage", str(j.stage), "--stages", str(j.stages),
             "--master", j.master, "--host", self.a.host, "--start-timeout", str(j.start_timeout_s),
-            stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            env=child_env(env),
         )
         log.close()
         self.child_attempt, self.child_exit = j.attempt_id, None

@@ -1,0 +1,277 @@
+"""The service: serve, gpipe-worker daemons and the client verbs, over real loopback sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import load_file
+
+from gpipe import serde
+from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
+from tests import reference
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.multiprocess
+
+TOKEN = "s3cret-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job(name: str, **kw) -> dict:
+    spec = {
+        "name": name, "seed": 1, "model": {"factory": "mlp", "args": {"width": 16, "depth": 3}},
+        "stages": 2, "balance": [2, 2], "chunks": 2,
+        "data": {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16},
+                 "batch_size": 8},
+        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 5,
+    }
+    spec.update(kw)
+    return spec
+
+
+SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
+
+
+class Service:
+    """serve and its workers as real processes, each in its own process group."""
+
+    def __init__(self, cli, token: str | None = None):
+        self.cli, self.tmp, self.token = cli, cli.tmp, token
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.state = self.tmp / "state"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = dict(cli.env)
+        if token:
+            (self.tmp / "token").write_text(token + "\n")
+
+    def _spawn(self, key: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.tmp / f"{key}.log", "ab")
+        p = subprocess.Popen([sys.executable, *args], cwd=self.tmp, env=self.env, stdout=log, stderr=log,
+                             start_new_session=True)
+        log.close()
+        self.procs[key] = p
+        return p
+
+    def auth(self) -> list[str]:
+        return ["--auth-token-file", str(self.tmp / "token")] if self.token else []
+
+    def start_serve(self) -> None:
+        before = self.log("serve").count("coordinator serving on")
+        self._spawn("serve", ["-m", "coordinator.cli", "serve", "--port", str(self.port),
+                              "--state-dir", str(self.state), *self.auth()])
+        self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
+
+    def start_worker(self, rank: int) -> None:
+        before = self.log("serve").count(f"worker for rank {rank} registered")
+        self._spawn(f"worker{rank}", ["-m", "worker.daemon", "--rank", str(rank), "--coordinator", self.address,
+                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.auth()])
+        self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
+                      f"rank {rank} to register")
+
+    def kill(self, key: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs.pop(key)
+        with_suppress(lambda: os.killpg(p.pid, sig))
+        p.wait(timeout=30)
+
+    def log(self, key: str) -> str:
+        path = self.tmp / f"{key}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for(self, cond, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.05)
+        logs = "\n".join(f"--- {k}\n{self.log(k)[-2000:]}" for k in self.procs)
+        pytest.fail(f"timed out waiting for {what}\n{logs}")
+
+    def client(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return self.cli.run(*args, "--coordinator", self.address, *self.auth(), timeout=timeout)
+
+    def stop_all(self) -> None:
+        for key in list(self.procs):
+            self.kill(key)
+
+
+def with_suppress(fn) -> None:
+    try:
+        fn()
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def service(cli):
+    s = Service(cli)
+    s.start_serve()
+    s.start_worker(0)
+    s.start_worker(1)
+    yield s
+    s.stop_all()
+
+
+def test_submit_follow_trains_the_same_weights_as_one_device(service):
+    spec = job("svc", chunks=4, schedule="1f1b")
+    r = service.client("submit", str(service.cli.write(spec)), "--follow")
+    assert r.returncode == 0, r.stderr + service.log("serve")
+    assert "svc: SUCCEEDED" in r.stderr
+    got = load_file(service.state / "svc" / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+    r = service.client("status", "svc")
+    assert r.returncode == 0 and "state:    SUCCEEDED" in r.stdout and "progress: 5/5 steps" in r.stdout
+    r = service.client("list")
+    assert r.returncode == 0 and "svc" in r.stdout and "SUCCEEDED" in r.stdout and "5/5" in r.stdout
+    r = service.client("logs", "svc")
+    assert r.returncode == 0
+    assert [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
+
+
+async def test_watch_streams_every_step_and_health_is_serving(service):
+    service.client("submit", str(service.cli.write(job("watched", steps=6))))
+    async with grpc.aio.insecure_channel(service.address) as ch:
+        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        events = [serde.event_from_pb(e) async for e in
+                  jobs_pb2_grpc.JobServiceStub(ch).WatchJob(jobs_pb2.WatchJobRequest(name="watched"), timeout=120)]
+    assert [v["step"] for k, v in events if k == "metrics"] == list(range(6))
+    states = [v.state.value for k, v in events if k == "state"]
+    assert states == ["PENDING", "RUNNING", "SUCCEEDED"]
+
+
+def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(service):
+    bad = service.cli.write(job("bad", balance=[1, 1]), "bad.yaml")
+    r = service.client("submit", str(bad), "--follow")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: balance: sums to 2 but the model has 4 layers"
+    bad = service.cli.write({**job("bad2"), "optimizer": {"name": "lbfgs", "lr": 1}}, "bad2.yaml")
+    r = service.client("submit", str(bad))
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: optimizer.name: Input should be")
+    assert "bad" not in service.client("list").stdout
+    assert not (service.tmp / "worker0-attempts").exists() and not (service.tmp / "worker1-attempts").exists()
+
+    # A name in use is refused too, and an unknown job is named.
+    assert service.client("submit", str(service.cli.write(job("dup")))).returncode == 0
+    r = service.client("submit", str(service.cli.write(job("dup"))))
+    assert r.returncode == 2 and "a job named 'dup' exists already" in r.stderr
+    r = service.client("status", "nosuchjob")
+    assert r.returncode == 2 and r.stderr.strip() == "error: no job named 'nosuchjob'"
+
+
+def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(service):
+    path = service.cli.write(job("long", model=SLOW, steps=1000))
+    follower = service.cli.start("submit", str(path), "--follow", "--coordinator", service.address)
+    try:
+        service.wait_for(lambda: "1/1000" not in service.client("status", "long").stdout
+                         and "RUNNING" in service.client("status", "long").stdout
+                         and (service.state / "long" / "metrics.jsonl").exists()
+                         and (service.state / "long" / "metrics.jsonl").read_text().count("\n") >= 2,
+                         "the long job to run", 90)
+        r = service.client("stop", "long")
+        assert r.returncode == 0 and "long: STOPPED" in r.stderr
+        _, err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait()
+    assert follower.returncode == 3, err
+    # The same workers run the next job.
+    r = service.client("submit", str(service.cli.write(job("next"))), "--follow")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
+    path = service.cli.write(job("victim", model=SLOW, steps=1000))
+    follower = service.cli.start("submit", str(path), "--follow", "--coordinator", service.address)
+    try:
+        service.wait_for(lambda: (service.state / "victim" / "metrics.jsonl").exists()
+                         and (service.state / "victim" / "metrics.jsonl").read_text().count("\n") >= 2,
+                         "the job to run", 90)
+        service.kill("worker1")
+        t0 = time.monotonic()
+        _, err = follower.communicate(timeout=60)
+        detected = time.monotonic() - t0
+    finally:
+        if follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait()
+    assert follower.returncode == 1, err
+    status = service.client("status", "victim").stdout
+    assert "state:    FAILED" in status and "(rank 1)" in status, status
+    print(f"worker daemon SIGKILLed: the job failed {detected:.1f}s later")
+
+
+def test_a_restarted_worker_registers_again_and_runs_jobs(service):
+    service.kill("worker0")
+    service.start_worker(0)
+    r = service.client("submit", str(service.cli.write(job("after-restart"))), "--follow")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_restarted_coordinator_lists_past_jobs(service):
+    assert service.client("submit", str(service.cli.write(job("before"))), "--follow").returncode == 0
+    service.kill("serve", signal.SIGTERM)
+    service.start_serve()
+    r = service.client("list")
+    assert r.returncode == 0 and "before" in r.stdout and "SUCCEEDED" in r.stdout
+    # The workers reconnect by themselves, and the next job runs.
+    service.wait_for(lambda: service.log("serve").count("worker for rank 1 registered") >= 2, "rank 1 to reconnect")
+    r = service.client("submit", str(service.cli.write(job("after"))), "--follow")
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_token_is_enforced(cli):
+    s = Service(cli, token=TOKEN)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        path = str(cli.write(job("t", stages=1, balance=[4])))
+        r = cli.run("submit", path, "--coordinator", s.address)  # no token
+        assert r.returncode == 1 and "refused the call" in r.stderr and "valid token" in r.stderr
+        (cli.tmp / "wrong").write_text("not-it")
+        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "wrong"))
+        assert r.returncode == 1 and "refused the call" in r.stderr
+        r = s.client("submit", path, "--follow")
+        assert r.returncode == 0, r.stderr
+    finally:
+        s.stop_all()
+
+
+def test_an_unreachable_coordinator_is_one_clear_line(cli):
+    r = cli.run("list", "--coordinator", f"127.0.0.1:{free_port()}", timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: cannot reach the coordinator at 127.0.0.1:")
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_worker_flags(cli):
+    env = {k: v for k, v in cli.env.items() if k not in ("RANK", "GPIPE_COORDINATOR")}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    r = run("--coordinator", "127.0.0.1:1")
+    assert r.returncode == 2 and "--rank is required (or env RANK)" in r.stderr
+    r = run("--rank", "-1", "--coordinator", "127.0.0.1:1")
+    assert r.returncode == 2 and "--rank: must be 0 or more" in r.stderr
+    r = run("--rank", "0")
+    assert r.returncode == 2 and "--coordinator HOST:PORT is required" in r.stderr
+    r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--host", "192.0.2.1")
+    assert r.returncode == 2 and "no network interface on this machine has address 192.0.2.1" in r.stderr
+    assert Path(ROOT).exists()
