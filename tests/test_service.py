@@ -275,3 +275,32 @@ def test_worker_flags(cli):
     r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--host", "192.0.2.1")
     assert r.returncode == 2 and "no network interface on this machine has address 192.0.2.1" in r.stderr
     assert Path(ROOT).exists()
+
+
+def test_tls_with_a_token(cli):
+    import shutil
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    key, cert = cli.tmp / "key.pem", cli.tmp / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpipe",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    s = Service(cli, token=TOKEN)
+    tls = ["--tls-ca", str(cert)]
+    s.auth = lambda: ["--auth-token-file", str(cli.tmp / "token"), *tls]  # clients and workers speak TLS
+    try:
+        before = s.log("serve").count("coordinator serving on")
+        s._spawn("serve", ["-m", "coordinator.cli", "serve", "--port", str(s.port), "--state-dir", str(s.state),
+                           "--auth-token-file", str(cli.tmp / "token"), "--tls-cert", str(cert),
+                           "--tls-key", str(key)])
+        s.wait_for(lambda: s.log("serve").count("coordinator serving on") > before, "serve to start")
+        s.start_worker(0)
+        r = s.client("submit", str(cli.write(job("tls", stages=1, balance=[4]))), "--follow")
+        assert r.returncode == 0, r.stderr
+        # Plain text to a TLS port does not get through.
+        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "token"), timeout=60)
+        assert r.returncode == 1 and r.stderr.startswith("error: cannot reach the coordinator")
+    finally:
+        s.stop_all()
