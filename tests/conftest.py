@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,6 +46,17 @@ class Cli:
             [sys.executable, "-m", "coordinator.cli", *args], cwd=self.tmp, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
+
+    @contextlib.contextmanager
+    def running(self, *args: str):
+        """The CLI in the background; its process group is killed if it outlives the block."""
+        p = self.start(*args)
+        try:
+            yield p
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         p = self.start(*args)

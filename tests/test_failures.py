@@ -73,8 +73,7 @@ SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 8, "seconds": 0.02
 def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
     path = cli.write(spec(model=SLOW, steps=500))
     out = cli.tmp / "state" / "f"
-    p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
-    try:
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         _wait_for(lambda: _steps_done(out) >= 2, 90, "two steps")
         pid = _worker_pid(cli.tag, victim)
         assert pid, "no worker process found"
@@ -82,10 +81,6 @@ def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
         t_kill = time.monotonic()
         _, err = p.communicate(timeout=30)
         detected = time.monotonic() - t_kill
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     assert p.returncode == 1, err
     last = err.strip().splitlines()[-1]
     assert f"stage {victim}'s worker process died (signal SIGKILL)" in last, last
@@ -97,17 +92,12 @@ def _stop_coordinator_mid_run(cli, stop) -> tuple[subprocess.Popen, str]:
     """Start a long run, wait for a step, stop the coordinator with `stop`, and check its workers go too."""
     path = cli.write(spec(model=SLOW, steps=500))
     out = cli.tmp / "state" / "f"
-    p = cli.start("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
-    try:
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         _wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
         workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
         assert all(workers)
         stop(p)
         _, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
     return p, err
 

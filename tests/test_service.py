@@ -178,8 +178,7 @@ def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(service):
 
 def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(service):
     path = service.cli.write(job("long", model=SLOW, steps=1000))
-    follower = service.cli.start("submit", str(path), "--follow", "--coordinator", service.address)
-    try:
+    with service.cli.running("submit", str(path), "--follow", "--coordinator", service.address) as follower:
         service.wait_for(lambda: "1/1000" not in service.client("status", "long").stdout
                          and "RUNNING" in service.client("status", "long").stdout
                          and (service.state / "long" / "metrics.jsonl").exists()
@@ -188,10 +187,6 @@ def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(service):
         r = service.client("stop", "long")
         assert r.returncode == 0 and "long: STOPPED" in r.stderr
         _, err = follower.communicate(timeout=60)
-    finally:
-        if follower.poll() is None:
-            os.killpg(follower.pid, signal.SIGKILL)
-            follower.wait()
     assert follower.returncode == 3, err
     # The same workers run the next job.
     r = service.client("submit", str(service.cli.write(job("next"))), "--follow")
@@ -200,8 +195,7 @@ def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(service):
 
 def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
     path = service.cli.write(job("victim", model=SLOW, steps=1000))
-    follower = service.cli.start("submit", str(path), "--follow", "--coordinator", service.address)
-    try:
+    with service.cli.running("submit", str(path), "--follow", "--coordinator", service.address) as follower:
         service.wait_for(lambda: (service.state / "victim" / "metrics.jsonl").exists()
                          and (service.state / "victim" / "metrics.jsonl").read_text().count("\n") >= 2,
                          "the job to run", 90)
@@ -209,10 +203,6 @@ def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
         t0 = time.monotonic()
         _, err = follower.communicate(timeout=60)
         detected = time.monotonic() - t0
-    finally:
-        if follower.poll() is None:
-            os.killpg(follower.pid, signal.SIGKILL)
-            follower.wait()
     assert follower.returncode == 1, err
     status = service.client("status", "victim").stdout
     assert "state:    FAILED" in status and "(rank 1)" in status, status
