@@ -79,7 +79,9 @@ class Service:
 
     def start_worker(self, rank: int) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
+        cores = sorted(os.sched_getaffinity(0))
         self._spawn(f"worker{rank}", ["-m", "worker.daemon", "--rank", str(rank), "--coordinator", self.address,
+                                      "--cores", str(cores[rank % len(cores)]),
                                       "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.auth()])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
                       f"rank {rank} to register")
@@ -262,6 +264,10 @@ def test_worker_flags(cli):
     assert r.returncode == 2 and "--rank: must be 0 or more" in r.stderr
     r = run("--rank", "0")
     assert r.returncode == 2 and "--coordinator HOST:PORT is required" in r.stderr
+    r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--cores", "0-x")
+    assert r.returncode == 2 and "--cores: '0-x' is not a list of cores" in r.stderr
+    r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--cores", "4096")
+    assert r.returncode == 2 and "--cores: '4096' names cores outside" in r.stderr
     r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--host", "192.0.2.1")
     assert r.returncode == 2 and "no network interface on this machine has address 192.0.2.1" in r.stderr
     assert Path(ROOT).exists()

@@ -96,11 +96,13 @@ class Daemon:
 
         for k, v in MALLOC_ENV.items():
             env.setdefault(k, v)
+        # On a CPU the stage's device is this worker's cores: one thread each, unless OMP_NUM_THREADS says.
+        env.setdefault("OMP_NUM_THREADS", str(len(self.a.cores)))
         self.child = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "worker", "--stage", str(j.stage), "--stages", str(j.stages),
             "--master", j.master, "--host", self.a.host, "--start-timeout", str(j.start_timeout_s),
             stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            env=child_env(env),
+            env=child_env(env, self.a.cores),
         )
         log.close()
         self.child_attempt, self.child_exit = j.attempt_id, None
@@ -146,6 +148,21 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
         raise task.exception()  # type: ignore[misc]
 
 
+def parse_cores(text: str) -> list[int]:
+    """'0-3,8' -> [0, 1, 2, 3, 8], each a core this process may use."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise GpipeError(f"--cores: {text!r} is not a list of cores such as 0-3,8") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        raise GpipeError(f"--cores: {text!r} names cores outside {sorted(allowed)}")
+    return sorted(cores)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpipe-worker", description="A gpipe worker daemon: one device, one rank.")
     p.add_argument("--rank", type=int, default=None, help="this worker's stage index (default: env RANK)")
@@ -154,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1",
                    help="the cluster-network address the attempt's RPC and c10d ports listen on")
     p.add_argument("--device", default="cpu", help="cpu or cuda:K")
+    p.add_argument("--cores", default=None,
+                   help="the CPU cores its stages run on, e.g. 0-3,8 (default: all this process may use); "
+                        "threads: one per core, or OMP_NUM_THREADS")
     p.add_argument("--health-port", type=int, default=None, help="serve grpc.health.v1 on this port")
     p.add_argument("--health-host", default="0.0.0.0", help="where the health port listens")
     p.add_argument("--log-dir", default=os.environ.get("GPIPE_WORKER_LOG_DIR", "gpipe-worker-logs"),
@@ -171,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GpipeError(f"--rank: must be 0 or more, got {a.rank}")
         if not a.coordinator:
             raise GpipeError("--coordinator HOST:PORT is required (or env GPIPE_COORDINATOR)")
+        a.cores = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
         if a.device != "cpu" and not a.device.startswith("cuda"):
             raise GpipeError(f"--device: {a.device!r} is neither cpu nor cuda:K")
         from gpipe import net
