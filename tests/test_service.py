@@ -300,3 +300,23 @@ def test_tls_with_a_token(cli):
         assert r.returncode == 1 and r.stderr.startswith("error: cannot reach the coordinator")
     finally:
         s.stop_all()
+
+
+def test_a_coordinator_killed_mid_run_runs_the_job_again_to_the_same_weights(service):
+    spec = job("survivor", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               steps=40)
+    assert service.client("submit", str(service.cli.write(spec))).returncode == 0
+    metrics = service.state / "survivor" / "metrics.jsonl"
+    service.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, "a few steps", 90)
+    service.kill("serve")  # SIGKILL: its attempt process dies with it, the workers lose their stream
+    service.start_serve()
+    r = service.client("logs", "survivor", "--follow", timeout=180)
+    assert r.returncode == 0, r.stderr
+    # The log keeps both attempts: the first one's steps, the restart, then every step again.
+    steps = [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()]
+    first = len(steps) - 40
+    assert first >= 3 and steps[:first] == list(range(first)) and steps[first:] == list(range(40))
+    assert "the coordinator restarted; the job starts over" in r.stderr and "survivor: SUCCEEDED" in r.stderr
+    got = load_file(service.state / "survivor" / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
