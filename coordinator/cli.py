@@ -2,10 +2,12 @@
 
     gpipe-coordinator run examples/charlm.yaml              # train on this machine
     gpipe-coordinator run job.yaml --state-dir /data/gpipe  # outputs in /data/gpipe/<name>/
+    gpipe-coordinator run job.yaml --resume                 # continue from its last good checkpoint
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
     gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
     gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
+    gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
     gpipe-coordinator status|logs|stop NAME; gpipe-coordinator list
 
 Exit codes: 0 done, 1 the job failed (the failing stage is named) or the
@@ -44,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         help=f"where <name>/ outputs go (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the job's newest good checkpoint in the state dir (default: start over)")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
     srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
@@ -65,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--tls-ca", help="the CA certificate that signed serve's TLS certificate")
         return c
 
-    c = client("submit", help="send a job spec to serve")
-    c.add_argument("job")
+    c = client("submit", help="send a job spec to serve, or resume a failed or stopped job")
+    c.add_argument("job", nargs="?", help="the job spec (YAML)")
+    c.add_argument("--resume", metavar="NAME",
+                   help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
     client("status", help="one job's state, progress and history").add_argument("name")
     client("list", help="every job serve knows")
@@ -111,6 +117,8 @@ async def _client(args: argparse.Namespace) -> int:
     c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
     try:
         if args.command == "submit":
+            if args.resume:
+                return await c.resume(args.resume, args.follow)
             return await c.submit(args.job, args.follow)
         if args.command == "status":
             return await c.status(args.name)
@@ -124,7 +132,11 @@ async def _client(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "submit" and bool(args.job) == bool(args.resume):
+        parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: give a job spec or --resume NAME, not both\n"
+                    if args.job else "gpipe-coordinator submit: error: give a job spec or --resume NAME\n")
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(spec, job_dir)
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
             return 0
-        run_local(spec, job_dir, Path(args.state_dir), progress=not args.no_progress)
+        run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume)
         return 0
     except GpipeError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -22,7 +22,8 @@ from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
 
 EXIT_STOPPED = 3
 EXIT_BY_STATE = {JobState.SUCCEEDED: EXIT_OK, JobState.FAILED: EXIT_FAILED, JobState.STOPPED: EXIT_STOPPED}
-BAD_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
+BAD_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,
+               grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class ClientError(GpipeError):
@@ -63,19 +64,34 @@ class Client:
             return EXIT_OK
         return await self.follow(job.name, job.steps, progress=True)
 
-    async def follow(self, name: str, steps: int, progress: bool) -> int:
+    async def resume(self, name: str, follow: bool) -> int:
+        job = serde.job_from_pb(await self.call("ResumeJob", jobs_pb2.ResumeJobRequest(name=name)))
+        print(f"{job.name}: {job.state.value}: {job.history[-1].message}", file=sys.stderr, flush=True)
+        if not follow:
+            return EXIT_OK
+        return await self.follow(job.name, job.steps, progress=True, since=len(job.history) - 1)
+
+    async def follow(self, name: str, steps: int, progress: bool, since: int = 0) -> int:
         """Show the job's events until it ends; the exit code follows its final state."""
         bar = Progress(steps, enabled=progress) if progress else None
         final = None
+        states = 0  # a resumed job's stream starts with its past: its earlier end is not this one
+        last_step = -1
         try:
             async for m in self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name)):
                 kind, value = serde.event_from_pb(m)
                 if kind == "metrics":
                     if bar is not None:
+                        if value["step"] <= last_step:
+                            bar.restart(value["step"])
+                        last_step = value["step"]
                         bar.update(value["step"], value["loss"], value["samples_per_s"])
                     else:
                         print(json.dumps(value), flush=True)
                 elif kind == "state":
+                    states += 1
+                    if states <= since:
+                        continue
                     line = f"{name}: {value.state.value}" + (f": {value.message}" if value.message else "")
                     print(line, file=sys.stderr, flush=True)
                     if value.state.ended:
@@ -95,9 +111,14 @@ class Client:
         job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
         print(f"name:     {job.name}\nstate:    {job.state.value}\nprogress: {job.steps_done}/{job.steps} steps"
               + (f", loss {job.loss:.4f}" if job.steps_done else ""))
-        if job.state == JobState.FAILED:
+        if job.error and job.state in (JobState.FAILED, JobState.RESTARTING, JobState.RUNNING):
             rank = f" (rank {job.failed_rank})" if job.failed_rank >= 0 else ""
-            print(f"error:    {job.error}{rank}")
+            first = "" if job.state == JobState.FAILED else "first failure: "
+            print(f"error:    {first}{job.error}{rank}")
+        spec_restarts = _max_restarts(job.spec_yaml)
+        print(f"attempts: {job.attempts}, restarts {job.restarts} of {spec_restarts}")
+        if job.checkpoint_step:
+            print(f"checkpoint: step-{job.checkpoint_step}")
         print(f"output:   {job.output_dir}\nhistory:")
         for h in job.history:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.time_unix))
@@ -141,6 +162,15 @@ class Client:
         job = serde.job_from_pb(await self.call("StopJob", jobs_pb2.StopJobRequest(name=name), 120))
         print(f"{job.name}: {job.state.value}", file=sys.stderr)
         return EXIT_OK
+
+
+def _max_restarts(spec_yaml: str) -> int | str:
+    from coordinator.spec import parse_spec
+
+    try:
+        return parse_spec(spec_yaml).max_restarts
+    except SpecError:
+        return "?"
 
 
 async def _next(stream, idle: float):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import torch
 import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
-from coordinator import timeline
+from coordinator import checkpoint, timeline
 from coordinator.data import DataStream
 from coordinator.lr import lr_at
 from coordinator.plan import Plan
@@ -47,6 +48,7 @@ class StepMetrics:
     samples_per_s: float
     grad_norm: float | None
     bubble_fraction: float  # the share of the stages' step time spent waiting
+    attempt: int = 1  # which attempt of the job ran this step (a resumed job runs some steps again)
     stages: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -54,16 +56,16 @@ class Attempt:
     """Runs `plan` on stages that join the RPC world at `master`."""
 
     def __init__(self, plan: Plan, store_host: str, store_port: int,
-                 alive_check: Callable[[], str | None], device_of: Callable[[int], str],
+                 alive_check: Callable[[], tuple[str, int] | None], device_of: Callable[[int], str],
                  on_step: Callable[[StepMetrics], None]):
         self.plan, self.spec = plan, plan.spec
         # One store serves the RPC rendezvous and the stages' data-plane process group.
         self.store_host, self.store_port = store_host, store_port
         self.master = f"{store_host}:{store_port}"
-        self.alive_check = alive_check  # returns why a worker is gone, or None
+        self.alive_check = alive_check  # (why, stage) once a worker is gone, else None
         self.device_of = device_of
         self.on_step = on_step
-        self._done: queue.Queue[tuple[Any, int]] = queue.Queue()
+        self.attempt_no = 1
 
     # -- waiting -------------------------------------------------------------
 
@@ -73,9 +75,10 @@ class Attempt:
         return f"stage {k} ({layers})"
 
     def _check_alive(self) -> None:
-        why = self.alive_check()
-        if why:
-            raise JobFailed(why)
+        dead = self.alive_check()
+        if dead:
+            why, stage = dead
+            raise JobFailed(why, stage=stage)
 
     def _result(self, what: str, k: int, fut: torch.futures.Future) -> Any:
         try:
@@ -134,8 +137,10 @@ class Attempt:
         if err:
             raise JobFailed(f"the RPC world could not start: {str(err[0]).splitlines()[0]}")
 
-    def build(self) -> dict[int, Any]:
+    def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
+        """Build every stage, with the plan's initial weights or, resuming, a checkpoint's state."""
         spec = self.spec
+        parts = resume_parts(self.plan, resume) if resume is not None else None
         futs = {}
         for k, (start, end) in enumerate(self.plan.bounds):
             cfg = StageConfig(
@@ -148,12 +153,19 @@ class Attempt:
                 step_timeout_s=spec.step_timeout_s, store_host=self.store_host,
                 store_port=self.store_port, import_paths=self.plan.import_paths,
             )
-            futs[k] = rpc.rpc_async(f"stage{k}", remote.build_stage, args=(asdict(cfg), self.plan.stage_state(k)),
-                                    timeout=spec.start_timeout_s)
+            if parts is None:
+                args: tuple[Any, ...] = (asdict(cfg), self.plan.stage_state(k))
+            else:
+                args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]
+            futs[k] = rpc.rpc_async(f"stage{k}", remote.build_stage, args=args, timeout=spec.start_timeout_s)
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
 
-    def train(self, first_step: int = 0) -> None:
-        """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends."""
+    def train(self, first_step: int = 0, on_snapshot: Callable[[checkpoint.Snapshot], None] | None = None) -> None:
+        """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends.
+
+        After every checkpoint_every-th step and the last, the stages also hand
+        back a copy of their state, which goes to `on_snapshot`.
+        """
         spec = self.spec
         stream = DataStream(self.plan.dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed)
         last = spec.stages - 1
@@ -169,8 +181,9 @@ class Attempt:
                 xs, ys, sizes = stream.micro_batches(issued)
                 lr = lr_at(spec, issued)
                 futs = {}
+                snap = on_snapshot is not None and self.snapshot_after(issued)
                 for k in range(spec.stages):
-                    args = (issued, lr, xs if k == 0 else None, ys if k == last else None, sizes)
+                    args = (issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, snap)
                     f = rpc.rpc_async(f"stage{k}", remote.run_step, args=args, timeout=0)
                     f.add_done_callback(lambda _f, s=issued, k=k: q.put((s, k)))
                     futs[k] = f
@@ -190,12 +203,23 @@ class Attempt:
                 continue
             results[s][k] = self._result(f"at step {s}", k, pending[s][k])
             while finished in results and len(results[finished]) == spec.stages:
+                per_stage = results.pop(finished)
+                if "snapshot" in per_stage[0]:
+                    parts = [per_stage[k].pop("snapshot") for k in range(spec.stages)]
+                    stall = max(per_stage[k]["snapshot_s"] for k in range(spec.stages))
+                    snap = checkpoint.Snapshot(finished + 1, parts, checkpoint_meta(self.plan, finished + 1), stall)
+                    on_snapshot(snap)  # type: ignore[misc]
                 now = time.perf_counter()
-                self._report(finished, results.pop(finished), now - t_prev)
+                self._report(finished, per_stage, now - t_prev)
                 del pending[finished]
                 t_prev = now
                 finished += 1
                 deadline = time.monotonic() + spec.step_timeout_s + 10.0
+
+    def snapshot_after(self, step: int) -> bool:
+        """Whether step `step` ends with a checkpoint."""
+        every = self.spec.checkpoint_every
+        return step == self.spec.steps - 1 or (every is not None and (step + 1) % every == 0)
 
     def _report(self, step: int, per_stage: dict[int, Any], step_time: float) -> None:
         spec = self.spec
@@ -208,17 +232,8 @@ class Attempt:
             step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
             samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
             grad_norm=per_stage[0]["grad_norm"], bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
-            stages=stages,
+            attempt=self.attempt_no, stages=stages,
         ))
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights, gathered from the stages."""
-        futs = {k: rpc.rpc_async(f"stage{k}", remote.get_state, timeout=self.spec.start_timeout_s)
-                for k in range(self.spec.stages)}
-        merged: dict[str, torch.Tensor] = {}
-        for part in self._wait_all(futs, self.spec.start_timeout_s, "while sending its weights").values():
-            merged.update(part)
-        return merged
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -248,15 +263,81 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def prepare_output(spec_name: str, state_dir: Path) -> Path:
-    """<state-dir>/<name>/ with an empty metrics.jsonl."""
+def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:
+    """<state-dir>/<name>/; a fresh start empties metrics.jsonl and drops an earlier run's checkpoints."""
     out = state_dir / spec_name
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("")
+        if fresh:
+            (out / "metrics.jsonl").write_text("")
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        else:
+            (out / "metrics.jsonl").touch()
     except OSError as e:
         raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
     return out
+
+
+def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
+    """The job-level state of a checkpoint taken after `step` steps.
+
+    The data position, the randomness and the LR are functions of the step
+    (and the spec), so these record the step and what it means; a resumed job
+    checks them against its own plan.
+    """
+    spec = plan.spec
+    batch, n = spec.data.batch_size, len(plan.dataset)  # type: ignore[arg-type]
+    return {
+        "job": spec.name, "steps": spec.steps, "stages": spec.stages, "balance": plan.balance,
+        "data": {"next_step": step, "samples_seen": step * batch, "epoch": step * batch // n,
+                 "offset": step * batch % n, "dataset_len": n, "batch_size": batch, "shuffle": spec.data.shuffle},
+        "rng": {"seed": spec.seed, "next_step": step,
+                "scheme": "layer l on micro-batch i of step s draws from generators seeded by (seed, s, i, l); "
+                          "each stage's generator states are in its shard (rng/...)"},
+        "lr_schedule": {"spec": spec.lr_schedule.model_dump(mode="json") if spec.lr_schedule else None,
+                        "base_lr": spec.optimizer.lr, "next_lr": lr_at(spec, step) if step < spec.steps else None},
+        "time_unix": time.time(),
+    }
+
+
+def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    """Per stage: (its weights, its optimizer and RNG state) out of checkpoint `ck`, cut by the plan's balance.
+
+    The checkpoint names every tensor by the un-partitioned model, so it fits
+    any balance; the RNG states are restored only when the stage count is the same.
+    """
+    where = f"checkpoint {ck.path.name}"
+    n = len(plan.dataset)  # type: ignore[arg-type]
+    if ck.meta.get("data", {}).get("dataset_len") != n:
+        raise JobFailed(f"{where} was taken with a data set of {ck.meta.get('data', {}).get('dataset_len')} "
+                        f"items; this job's has {n}")
+    if ck.step > plan.spec.steps:
+        raise JobFailed(f"{where} is past the job's last step ({plan.spec.steps})")
+    weights = ck.model_state()
+    want = plan.model.state_dict()
+    for name, t in want.items():
+        got = weights.get(name)
+        if got is None or got.shape != t.shape or got.dtype != t.dtype:
+            what = "has no" if got is None else f"has {tuple(got.shape)} {got.dtype} for"
+            raise JobFailed(f"{where} does not fit the model: it {what} {name} ({tuple(t.shape)} {t.dtype})")
+    if set(weights) - set(want):
+        raise JobFailed(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
+    scalars: dict[str, Any] = {}
+    for st in ck.stage_states:
+        scalars.update(st.get("optimizer_state", {}))
+    same = len(ck.stage_states) == plan.spec.stages
+    parts = []
+    for k in range(plan.spec.stages):
+        # Non-persistent buffers are not in a state dict: they are the model's own.
+        state = {name: weights.get(name, initial) for name, initial in plan.stage_state(k).items()}
+        layers = {name.split(".", 1)[0] for name in state}
+        tensors = {key: t for key, t in ck.tensors.items()
+                   if key.startswith("optim/") and key.split("/", 2)[1].split(".", 1)[0] in layers}
+        if same:
+            tensors.update(ck.rng[k])
+        groups = ck.stage_states[k if same else 0].get("param_groups", [])
+        parts.append((state, {"tensors": tensors, "param_groups": groups, "optimizer_state": scalars}))
+    return parts
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
@@ -294,22 +375,55 @@ class MetricsLog:
 
 
 def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
-          alive_check: Callable[[], str | None], on_step: Callable[[StepMetrics], None]) -> None:
-    """One attempt, start to end: join, build, train, save the weights and the timeline, leave.
+          alive_check: Callable[[], tuple[str, int] | None], on_step: Callable[[StepMetrics], None],
+          on_checkpoint: Callable[[int, Path, int, float, float], None] | None = None,
+          resume: checkpoint.Loaded | None = None, attempt_no: int = 1) -> None:
+    """One attempt, start to end: join, build, train (checkpointing), save the weights and the timeline, leave.
 
-    Raises JobFailed naming the stage; the caller then kills what it started.
+    Resumes from `resume` when given. on_checkpoint(step, dir, bytes, write_s,
+    stall_s) follows each committed checkpoint, where stall_s is the longest
+    any stage spent copying its state out. Raises JobFailed naming the stage;
+    the caller then kills what it started. Snapshots already taken are still
+    written when the attempt fails.
     """
+    spec = plan.spec
+    stalls: dict[int, float] = {}
+
+    def committed(step: int, d: Path, size: int, seconds: float) -> None:
+        if on_checkpoint is not None:
+            on_checkpoint(step, d, size, seconds, stalls.pop(step, 0.0))
+
+    writer = checkpoint.Writer(out / "checkpoints", spec.keep_checkpoints, committed)
+    final: list[checkpoint.Snapshot] = []
+
+    def on_snapshot(snap: checkpoint.Snapshot) -> None:
+        stalls[snap.step] = snap.stall_s
+        if snap.step == spec.steps:
+            final.append(snap)
+        try:
+            writer.submit(snap)
+        except OSError as e:
+            raise JobFailed(str(e)) from None
+
     attempt = Attempt(plan, host, port, alive_check, devices.__getitem__, on_step)
+    attempt.attempt_no = attempt_no
     left = False
     try:
         attempt.join()
-        attempt.build()
-        attempt.train()
-        save_weights(attempt.state(), out / "model.safetensors")
-        timeline.write(out, plan.spec.trace_step)
+        attempt.build(resume)
+        first = resume.step if resume is not None else 0
+        attempt.train(first, on_snapshot)
+        try:
+            writer.close()
+        except OSError as e:
+            raise JobFailed(str(e)) from None
+        weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]
+        save_weights(weights, out / "model.safetensors")
+        timeline.write(out, spec.trace_step)
         left = shutdown(graceful=True)
         if not left:
             raise JobFailed("the stages did not leave the RPC world in time")
     finally:
+        writer.close(timeout=60)  # a failed attempt still commits the snapshots it took
         if not left:
             shutdown(graceful=False, timeout=5)

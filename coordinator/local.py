@@ -82,6 +82,15 @@ class LocalWorkers:
         """(stage, exit code) of the workers that have exited."""
         return [(w.stage, w.proc.returncode) for w in self.workers if w.proc.poll() is not None]
 
+    def why_dead(self) -> tuple[str, int] | None:
+        """(why, stage) for the first worker that has exited, or None while they all run."""
+        dead = self.dead()
+        if not dead:
+            return None
+        k = dead[0][0]
+        why, line = self.describe_exit(k), self.last_error_line(k)
+        return (f"{why}: {line}" if line else why), k
+
     def describe_exit(self, stage: int) -> str:
         code = self.workers[stage].proc.returncode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

@@ -1,26 +1,33 @@
 """`gpipe-coordinator run job.yaml`: the whole job on this machine, nothing else to start.
 
-It plans the job (every check that needs the model runs here, before any
-process starts), starts one worker process per stage on loopback, drives them,
-and writes <state-dir>/<name>/: plan.json, metrics.jsonl, logs/ and, at the
-end, model.safetensors.
+Each attempt is a child process (coordinator.attempt --local) that plans the
+job (every check that needs the model runs before a worker starts), starts one
+worker process per stage on loopback, and drives them. When an attempt fails
+(a stage raises, a worker dies, a wait times out) and `max_restarts` allows,
+a fresh attempt resumes from the last good checkpoint, so the job loses at
+most the steps since then and ends with the same weights. Outputs go to
+<state-dir>/<name>/: plan.json, metrics.jsonl, checkpoints/, logs/ and, at
+the end, model.safetensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from coordinator.driver import MetricsLog, StepMetrics, drive, prepare_output, write_plan
-from coordinator.local import LocalWorkers, split_cores, threads_per_stage
-from coordinator.plan import make_plan
+from coordinator.driver import prepare_output
 from coordinator.progress import Progress
 from coordinator.spec import JobSpec
-from gpipe import net
-from gpipe.errors import JobFailed, SpecError
+from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
+from gpipe.proc import child_env
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
 
@@ -33,49 +40,94 @@ def device_for(spec: JobSpec, stage: int) -> str:
     return f"cuda:{stage % torch.cuda.device_count()}"
 
 
-def run_local(spec: JobSpec, job_dir: Path, state_dir: Path, progress: bool = True) -> Path:
-    """Train `spec` with local workers; return the job's output directory."""
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class _Failed(Exception):
+    def __init__(self, message: str, stage: int | None, exit_code: int):
+        super().__init__(message)
+        self.message, self.stage, self.exit_code = message, stage, exit_code
+
+
+def _attempt(spec: JobSpec, spec_path: Path, job_dir: Path, state_dir: Path, devices: list[str],
+             resume: bool, number: int, bar: Progress) -> None:
+    """Run one attempt in a child process, following its reports; raise _Failed if it fails."""
+    cmd = [sys.executable, "-m", "coordinator.attempt", "--spec", str(spec_path), "--job-dir", str(job_dir),
+           "--state-dir", str(state_dir), "--host", HOST, "--devices", ",".join(devices), "--local",
+           "--attempt", str(number), *(["--resume"] if resume else [])]
+    root = str(Path(__file__).resolve().parent.parent)
+    env = child_env(dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True, env=env)
+    error: tuple[str, int | None] | None = None
+    done = False
+    try:
+        assert child.stdout is not None
+        for raw in child.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                print(raw, end="", flush=True)  # the model's own output
+                continue
+            if "metrics" in msg:
+                m = msg["metrics"]
+                bar.update(m["step"], m["loss"], m["samples_per_s"])
+            elif "resumed" in msg:
+                bar.restart(msg["resumed"])
+            elif "log" in msg:
+                bar.write(f"{spec.name}: {msg['log']}")
+            elif "checkpoint" in msg:
+                c = msg["checkpoint"]
+                bar.checkpoint(c["step"], c["bytes"], c["write_s"])
+            elif "error" in msg:
+                error = (msg["error"], msg.get("stage"))
+            elif msg.get("done"):
+                done = True
+        code = child.wait()
+    finally:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    if done and code == 0:
+        return
+    if error is None:
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        error = (f"the coordinator's attempt process died ({how})", None)
+    raise _Failed(error[0], error[1], code)
+
+
+def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
+              resume: bool = False) -> Path:
+    """Train `spec` with local workers, restarting from checkpoints; return the job's output directory."""
     devices = [device_for(spec, k) for k in range(spec.stages)]
-    plan = make_plan(spec, job_dir, devices[0], threads_per_stage(split_cores(spec.stages)))
-    out = prepare_output(spec.name, state_dir)
-    torch.set_num_threads(1)  # the cores belong to the stages
-    net.bind_to(HOST)
-    _, port = net.bound_store(HOST, spec.start_timeout_s)
-    workers = LocalWorkers(spec.stages, f"{HOST}:{port}", HOST, out / "logs", spec.start_timeout_s,
-                           plan.import_paths)
-    write_plan(out, plan, [{"device": devices[k], "cores": w.cores, "threads": workers.threads}
-                           for k, w in enumerate(workers.workers)])
-    print(f"{spec.name}: {spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
-          f"schedule {spec.schedule}, {workers.threads} thread(s) per stage", file=sys.stderr, flush=True)
-
-    def alive() -> str | None:
-        dead = workers.dead()
-        if not dead:
-            return None
-        k = dead[0][0]
-        why = workers.describe_exit(k)
-        line = workers.last_error_line(k)
-        return f"{why}: {line}" if line else why
-
+    out = prepare_output(spec.name, state_dir, fresh=not resume)
     bar = Progress(spec.steps, enabled=progress)
-    log = MetricsLog(out, spec.log_every, spec.steps)
-
-    def on_step(m: StepMetrics) -> None:
-        log.write(m)
-        bar.update(m.step, m.loss, m.samples_per_s)
-
-    ok = False
+    first: _Failed | None = None
+    restarts = 0
     t0 = time.monotonic()
     try:
-        drive(plan, out, HOST, port, devices, alive, on_step)
-        ok = workers.wait(30)
+        while True:
+            try:
+                _attempt(spec, spec_path.resolve(), spec_path.resolve().parent, state_dir.resolve(), devices,
+                         resume or restarts > 0, restarts + 1, bar)
+                break
+            except _Failed as e:
+                if e.exit_code == EXIT_BAD_INPUT:
+                    raise SpecError(e.message) from None
+                first = first or e
+                if restarts >= spec.max_restarts:
+                    if restarts == 0:
+                        raise JobFailed(e.message, e.stage) from None
+                    raise JobFailed(f"{first.message} (the first failure; gave up after {restarts} restart(s); "
+                                    f"the last failure: {e.message})", first.stage) from None
+                restarts += 1
+                bar.write(f"{spec.name}: {e.message}")
+                bar.write(f"{spec.name}: RESTARTING ({restarts} of {spec.max_restarts}) from the last good checkpoint")
     finally:
         bar.close()
-        log.close()
-        if not ok:
-            workers.kill()
-    if not ok:
-        raise JobFailed("the workers did not exit after the job")
-    print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s; weights in {out / 'model.safetensors'}",
-          file=sys.stderr, flush=True)
+    again = f" after {restarts} restart(s)" if restarts else ""
+    _say(f"{spec.name}: done in {time.monotonic() - t0:.1f}s{again}; weights in {out / 'model.safetensors'}")
     return out

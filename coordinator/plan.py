@@ -58,10 +58,12 @@ def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
         raise SpecError(f"{field}.args: {ref} raised {type(e).__name__}: {e}") from None
 
 
-def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1) -> Plan:
+def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1,
+              balance_of: list[int] | None = None) -> Plan:
     """Build the model and the data, check them against the spec, and choose the balance.
 
     `device` and `threads` are those of the stages: by_time measures layers there.
+    `balance_of` keeps a balance chosen before (a resumed job's), if it still fits.
     """
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
@@ -87,7 +89,10 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             resolve(spec.loss)
         except LookupError as e:
             raise SpecError(f"loss: {e}") from None
-    balance, costs = _balance(spec, model, dataset, torch.device(device), threads)
+    if balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers:
+        balance, costs = list(balance_of), None
+    else:
+        balance, costs = _balance(spec, model, dataset, torch.device(device), threads)
     shared = _shared_parameters(model, balance)
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")

@@ -25,6 +25,23 @@ class Progress:
             print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s",
                   file=sys.stderr, flush=True)
 
+    def restart(self, step: int) -> None:
+        """Training (re)starts at `step`: a resumed attempt."""
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def write(self, line: str) -> None:
+        """A line for the user, above the bar."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def checkpoint(self, step: int, size: int, seconds: float) -> None:
+        if self.bar is None and self.enabled:
+            print(f"checkpoint step-{step}: {size / 2**20:,.1f} MiB in {seconds:.2f}s", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -2,11 +2,19 @@
 
 A job waits PENDING until a worker is registered, and idle, for each of its
 stages (ranks 0 .. stages-1). Then an attempt starts: a child process
-(coordinator.remote_attempt) plans the job and opens a rendezvous, each rank's
-worker is told to join it, and the child drives the stages to the end. The
+(coordinator.attempt) plans the job, resumes from its newest good checkpoint
+if it has one, and opens a rendezvous; each rank's worker is told to join it,
+and the child drives the stages to the end, checkpointing as it goes. The
 server follows the child's reports, the workers' heartbeats, and stop
-requests; every state change is written to <state-dir>/<name>/job.json, so a
-restarted coordinator lists past jobs and runs pending ones.
+requests.
+
+When an attempt fails (a worker process dies, a worker goes silent, a stage
+raises), the attempt is killed on every stage and the job is RESTARTING: it
+waits for all its ranks to be back (as Kubernetes restarts a pod) and resumes
+from its last good checkpoint, up to `max_restarts` times, then fails naming
+the first failure. Every state change is written to <state-dir>/<name>/job.json,
+so a restarted coordinator lists past jobs, and resumes running ones once
+their workers have reconnected.
 
     gpipe-coordinator serve --port 7000 --state-dir /var/lib/gpipe [--host 10.0.0.5]
 """
@@ -18,6 +26,7 @@ import contextlib
 import hmac
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -90,16 +99,20 @@ class Coordinator:
         for job in sorted(records, key=lambda j: j.history[0].time_unix if j.history else 0.0):
             self.jobs[job.name] = job
             self.events[job.name] = self._replay(job)
-            if job.state == JobState.RUNNING:
-                # No checkpoints yet: the job starts over, and ends with the same weights.
-                self._set_state(job, JobState.PENDING, "the coordinator restarted; the job starts over")
+            if job.state in (JobState.RUNNING, JobState.RESTARTING):
+                # Not the job's fault: no restart is counted.
+                self._set_state(job, JobState.RESTARTING,
+                                f"the coordinator restarted; resuming from {self._from(job)} once ranks "
+                                f"0-{parse_spec(job.spec_yaml).stages - 1} are back")
 
     def _replay(self, job: JobRecord) -> list[serde.Event]:
-        events: list[serde.Event] = [("state", h) for h in job.history if not h.state.ended]
+        # The states in order, the logged steps, then the final state of an ended job.
+        last = job.history[-1:] if job.state.ended else []
+        events: list[serde.Event] = [("state", h) for h in job.history[: len(job.history) - len(last)]]
         metrics = Path(job.output_dir) / "metrics.jsonl"
         with contextlib.suppress(OSError, ValueError):
             events += [("metrics", json.loads(x)) for x in metrics.read_text().splitlines() if x.strip()]
-        events += [("state", h) for h in job.history if h.state.ended]
+        events += [("state", h) for h in last]
         return events
 
     def _save(self, job: JobRecord) -> None:
@@ -140,6 +153,9 @@ class Coordinator:
         self.jobs[job.name] = job
         self.events[job.name] = []
         out.mkdir(parents=True, exist_ok=True)
+        # Nothing of an older job by this name may be taken for this one's.
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        (out / "metrics.jsonl").write_text("")
         (out / "job.yaml").write_text(spec_yaml)
         self._set_state(job, JobState.PENDING, f"waiting for workers of ranks 0-{spec.stages - 1}")
         self.wake.set()
@@ -166,8 +182,8 @@ class Coordinator:
 
     async def stop(self, name: str) -> JobRecord:
         job = self.jobs[name]  # KeyError: NOT_FOUND
-        if job.state == JobState.PENDING:
-            self._set_state(job, JobState.STOPPED, "stopped while pending")
+        if job.state in (JobState.PENDING, JobState.RESTARTING) and name not in self.attempts:
+            self._set_state(job, JobState.STOPPED, f"stopped while {job.state.value.lower()}")
         elif job.state == JobState.RUNNING and name in self.attempts:
             attempt = self.attempts[name]
             attempt.stopped = True
@@ -175,6 +191,22 @@ class Coordinator:
             while name in self.attempts:  # the attempt's task records STOPPED and frees the workers
                 await asyncio.sleep(0.05)
         return job
+
+    def resume(self, name: str) -> JobRecord:
+        """Queue a FAILED or STOPPED job again, to resume from its last good checkpoint."""
+        job = self.jobs[name]  # KeyError: NOT_FOUND
+        if job.state not in (JobState.FAILED, JobState.STOPPED):
+            raise ValueError(f"job {name!r} is {job.state.value}: only a FAILED or STOPPED job can be resumed")
+        job.restarts = 0
+        job.error, job.failed_rank = "", -1
+        stages = parse_spec(job.spec_yaml).stages
+        self._set_state(job, JobState.RESTARTING,
+                        f"resume requested: resuming from {self._from(job)} once ranks 0-{stages - 1} are free")
+        self.wake.set()
+        return job
+
+    def _from(self, job: JobRecord) -> str:
+        return f"checkpoint step-{job.checkpoint_step}" if job.checkpoint_step else "the last good checkpoint"
 
     # -- workers ------------------------------------------------------------------
 
@@ -215,13 +247,25 @@ class Coordinator:
                 self._kill(attempt)
 
     async def reap(self) -> None:
-        """Drop workers whose heartbeats stopped."""
+        """Drop workers whose heartbeats stopped; fail restarting jobs whose workers stay away."""
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             now = time.monotonic()
             for w in list(self.workers.values()):
                 if now - w.last_seen > self.heartbeat_timeout:
                     self._drop(w, f"stage {w.rank}'s worker missed its heartbeats for {self.heartbeat_timeout:.0f}s")
+            for job in list(self.jobs.values()):
+                if job.state != JobState.RESTARTING or job.name in self.attempts:
+                    continue
+                spec = parse_spec(job.spec_yaml)
+                waited = time.time() - job.history[-1].time_unix
+                if waited > spec.restart_timeout_s:
+                    missing = [r for r in range(spec.stages) if r not in self.workers]
+                    who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
+                           else "its workers stayed busy")
+                    first = f"; the first failure: {job.error}" if job.error else ""
+                    self._set_state(job, JobState.FAILED,
+                                    f"{who} within restart_timeout_s ({spec.restart_timeout_s:.0f}s){first}")
             self.wake.set()
 
     # -- attempts -------------------------------------------------------------------
@@ -232,7 +276,7 @@ class Coordinator:
             await self.wake.wait()
             self.wake.clear()
             for job in list(self.jobs.values()):
-                if job.state != JobState.PENDING:
+                if job.state not in (JobState.PENDING, JobState.RESTARTING) or job.name in self.attempts:
                     continue
                 spec = parse_spec(job.spec_yaml)
                 ranks = list(range(spec.stages))
@@ -251,14 +295,17 @@ class Coordinator:
     async def _run(self, job: JobRecord, spec: JobSpec, attempt: Attempt) -> None:
         out = Path(job.output_dir)
         devices = [self.workers[r].device for r in attempt.ranks]
-        job.steps_done, job.error, job.failed_rank = 0, "", -1
-        self._set_state(job, JobState.RUNNING, f"attempt {attempt.id} on ranks {attempt.ranks}")
+        job.attempts += 1
+        resuming = job.state == JobState.RESTARTING
+        self._set_state(job, JobState.RUNNING, f"attempt {job.attempts} ({attempt.id}) on ranks {attempt.ranks}"
+                        + (f", resuming from {self._from(job)}" if resuming else ""))
         done, reported = False, None
         log = open(out / "coordinator.log", "ab")
         try:
             attempt.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "coordinator.remote_attempt", "--spec", str(out / "job.yaml"),
+                sys.executable, "-m", "coordinator.attempt", "--spec", str(out / "job.yaml"), "--job-dir", str(out),
                 "--state-dir", str(self.state_dir), "--host", self.host, "--devices", ",".join(devices),
+                "--resume", "--attempt", str(job.attempts),
                 stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
                 env=child_env(dict(os.environ)),
             )
@@ -276,6 +323,13 @@ class Coordinator:
                     m = msg["metrics"]
                     job.steps_done, job.loss = m["step"] + 1, m["loss"]
                     self._emit(job.name, ("metrics", m))
+                elif "resumed" in msg:
+                    job.steps_done = msg["resumed"]
+                elif "checkpoint" in msg:
+                    job.checkpoint_step = msg["checkpoint"]["step"]
+                    self._save(job)
+                elif "log" in msg:
+                    self._say(job, msg["log"])
                 elif "error" in msg:
                     reported = (msg["error"], msg.get("stage"))
                 elif msg.get("done"):
@@ -301,8 +355,21 @@ class Coordinator:
             # The server's own finding (a dead or silent worker) explains more than the driver's.
             message, stage = attempt.failure or reported or (
                 f"the attempt process exited with code {attempt.proc.returncode}", None)
-            job.error, job.failed_rank = message, -1 if stage is None else int(stage)
-            self._set_state(job, JobState.FAILED, message)
+            rank = -1 if stage is None else int(stage)
+            if not job.error:  # the first failure is the one a user needs
+                job.error, job.failed_rank = message, rank
+            if job.restarts < spec.max_restarts:
+                job.restarts += 1
+                self._set_state(job, JobState.RESTARTING, f"{message}; restart {job.restarts} of "
+                                f"{spec.max_restarts}: resuming from {self._from(job)} once ranks "
+                                f"0-{spec.stages - 1} are back")
+            else:
+                gave_up = f" (gave up after {job.restarts} restarts; the last failure: {message})" if job.restarts else ""
+                self._set_state(job, JobState.FAILED, f"{job.error}{gave_up}")
+
+    def _say(self, job: JobRecord, line: str) -> None:
+        print(f"gpipe: job {job.name}: {line}", file=sys.stderr, flush=True)
+        self._emit(job.name, ("log", line))
 
     async def watch(self, name: str) -> AsyncIterator[serde.Event]:
         job = self.jobs[name]  # KeyError: NOT_FOUND
@@ -347,6 +414,13 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
 
     async def ListJobs(self, request, context):
         return jobs_pb2.ListJobsResponse(jobs=[serde.job_to_pb(j) for j in self.c.jobs.values()])
+
+    async def ResumeJob(self, request, context):
+        await self._job(request.name, context)
+        try:
+            return serde.job_to_pb(self.c.resume(request.name))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     async def StopJob(self, request, context):
         await self._job(request.name, context)

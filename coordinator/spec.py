@@ -150,6 +150,19 @@ class JobSpec(_Spec):
     trace_step: int | None = Field(
         default=None, ge=0, description="The step drawn in trace.json and timeline.png; none: the last.",
     )
+    checkpoint_every: int | None = Field(
+        default=100, ge=1, description="Checkpoint every this many steps, and after the last; "
+        "none: after the last only. A failed job resumes from its last good checkpoint.",
+    )
+    keep_checkpoints: int = Field(default=3, ge=2, description="Checkpoints kept on disk, newest first (at least 2).")
+    max_restarts: int = Field(
+        default=3, ge=0, description="Restarts from the last good checkpoint after a failure (a stage "
+        "that raises, a worker lost) before the job fails.",
+    )
+    restart_timeout_s: float = Field(
+        default=600.0, gt=0, description="serve: how long a restarting job waits for its workers to be "
+        "back before it fails.",
+    )
     start_timeout_s: float = Field(
         default=120.0, gt=0, description="How long to wait for workers to join and build their stage."
     )

@@ -17,6 +17,7 @@ class JobState(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     STOPPED = "STOPPED"
+    RESTARTING = "RESTARTING"
 
     @property
     def ended(self) -> bool:
@@ -42,6 +43,9 @@ class JobRecord:
     failed_rank: int = -1
     error: str = ""
     output_dir: str = ""
+    restarts: int = 0
+    attempts: int = 0
+    checkpoint_step: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -88,6 +92,7 @@ def job_to_pb(j: JobRecord) -> jpb.Job:
         name=j.name, state=jpb.JobState.Value(j.state.value), spec_yaml=j.spec_yaml,
         history=[state_to_pb(h) for h in j.history], steps=j.steps, steps_done=j.steps_done,
         loss=j.loss, failed_rank=j.failed_rank, error=j.error, output_dir=j.output_dir,
+        restarts=j.restarts, attempts=j.attempts, checkpoint_step=j.checkpoint_step,
     )
 
 
@@ -96,10 +101,11 @@ def job_from_pb(m: jpb.Job) -> JobRecord:
         name=m.name, spec_yaml=m.spec_yaml, steps=m.steps, state=JobState(jpb.JobState.Name(m.state)),
         history=[state_from_pb(h) for h in m.history], steps_done=m.steps_done, loss=m.loss,
         failed_rank=m.failed_rank, error=m.error, output_dir=m.output_dir,
+        restarts=m.restarts, attempts=m.attempts, checkpoint_step=m.checkpoint_step,
     )
 
 
-_METRIC_FIELDS = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction")
+_METRIC_FIELDS = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "attempt")
 
 
 def event_to_pb(e: Event) -> jpb.JobEvent:
@@ -107,7 +113,7 @@ def event_to_pb(e: Event) -> jpb.JobEvent:
     if kind == "state":
         return jpb.JobEvent(state=state_to_pb(value))
     if kind == "metrics":
-        m = jpb.StepMetrics(**{k: value[k] for k in _METRIC_FIELDS}, stages_json=json.dumps(value["stages"]))
+        m = jpb.StepMetrics(**{k: value[k] for k in _METRIC_FIELDS if k in value}, stages_json=json.dumps(value["stages"]))
         return jpb.JobEvent(metrics=m)
     return jpb.JobEvent(log=value)
 

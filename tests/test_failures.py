@@ -21,7 +21,7 @@ def spec(**kw) -> dict:
         "stages": 2, "balance": [2, 2], "chunks": 2,
         "data": {"factory": "random_regression", "args": {"n": 32, "in_features": 8, "out_features": 8},
                  "batch_size": 4},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 10,
+        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 10, "max_restarts": 0,
     }
     s.update(kw)
     return s

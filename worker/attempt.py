@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 import traceback
 import warnings
 from typing import Any
@@ -72,9 +73,15 @@ _steps = _StepQueue()
 def _executor() -> None:
     """Runs the queued steps one at a time, in step order, off the RPC threads."""
     while (job := _steps.take()) is not None:
-        fut, args = job
+        fut, (*args, snapshot) = job
         try:
-            fut.set_result(_stage.step(*args))  # type: ignore[union-attr]
+            result = _stage.step(*args)  # type: ignore[union-attr]
+            if snapshot:
+                # Between steps, before the next one changes anything: the stall a checkpoint costs.
+                t0 = time.perf_counter()
+                result["snapshot"] = _stage.snapshot()  # type: ignore[union-attr]
+                result["snapshot_s"] = time.perf_counter() - t0
+            fut.set_result(result)
         except BaseException as e:
             traceback.print_exc()
             fut.set_result({"error": _describe(e)})
@@ -86,12 +93,17 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def build_stage(cfg: dict[str, Any], state: dict[str, torch.Tensor], first_step: int = 0) -> dict[str, Any]:
-    """RPC: build this process's stage (and join the stages' data plane); steps start at first_step."""
+def build_stage(cfg: dict[str, Any], state: dict[str, torch.Tensor], first_step: int = 0,
+                resume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """RPC: build this process's stage (and join the stages' data plane); steps start at first_step.
+
+    `state` holds the weights; `resume`, when resuming from a checkpoint, the
+    optimizer and RNG state (see Stage.snapshot).
+    """
     global _stage
     _steps.start_at(first_step)
     try:
-        _stage = Stage(StageConfig(**cfg), state)
+        _stage = Stage(StageConfig(**cfg), state, resume)
     except BaseException as e:
         traceback.print_exc()
         return {"error": _describe(e)}
@@ -102,19 +114,16 @@ def build_stage(cfg: dict[str, Any], state: dict[str, torch.Tensor], first_step:
 
 @rpc.functions.async_execution
 def run_step(step: int, lr: float, inputs: list[torch.Tensor] | None,
-             targets: list[torch.Tensor] | None, sizes: list[int]) -> torch.futures.Future:
+             targets: list[torch.Tensor] | None, sizes: list[int], snapshot: bool = False) -> torch.futures.Future:
     """RPC: queue one step; the returned future completes when its optimizer step is done.
 
     The coordinator sends step s+1 while step s runs, so a stage never waits for its inputs.
+    With `snapshot`, the answer also carries a copy of the stage's state after
+    the step (for a checkpoint), taken before the next step starts.
     """
     fut: torch.futures.Future = torch.futures.Future()
-    _steps.put(step, fut, (step, lr, inputs, targets, sizes))
+    _steps.put(step, fut, (step, lr, inputs, targets, sizes, snapshot))
     return fut
-
-
-def get_state() -> dict[str, torch.Tensor]:
-    """RPC: the stage's weights on the CPU, under the full model's names."""
-    return _stage.state()  # type: ignore[union-attr]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
 
 
 class Stage:
-    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor]):
+    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor], resume: dict[str, Any] | None = None):
         self.cfg = cfg
         add_import_paths(cfg.import_paths)
         self.device = torch.device(cfg.device)
@@ -95,9 +95,12 @@ class Stage:
         self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
         self.layers = build_layers(cfg, state, self.device)
         self.indexed = [(int(n), m) for n, m in self.layers.named_children()]
-        params = [p for p in self.layers.parameters() if p.requires_grad]
-        self.params = params
+        named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = params = [p for _, p in named]
         self.optimizer = OPTIMIZERS[cfg.optimizer](params, **cfg.optimizer_args) if params else None
+        if resume is not None:
+            self._restore(resume)
         self.loss_fn = resolve(cfg.loss) if self.last else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
         self._init_data_plane()
@@ -238,6 +241,52 @@ class Stage:
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's state dict on the CPU, under the un-partitioned model's names."""
         return {name: t.to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A copy of everything a resumed stage needs: (tensors on the CPU, JSON-able state).
+
+        Tensors: model/<name> (the state dict), optim/<param name>/<key>,
+        rng/cpu (and rng/cuda). JSON: the optimizer's hyper-parameters and its
+        non-tensor state, by parameter name, so a checkpoint fits any balance.
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in self.layers.state_dict().items():  # non-persistent buffers are rebuilt, not saved
+            tensors[f"model/{name}"] = t.detach().to("cpu", copy=True)
+        scalars: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        if self.optimizer is not None:
+            for name, p in zip(self.param_names, self.params, strict=True):
+                for key, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[f"optim/{name}/{key}"] = v.detach().to("cpu", copy=True)
+                    else:
+                        scalars.setdefault(name, {})[key] = v
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        tensors["rng/cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
+        return tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names}
+
+    def _restore(self, resume: dict[str, Any]) -> None:
+        """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""
+        tensors: dict[str, torch.Tensor] = resume["tensors"]
+        if self.optimizer is not None:
+            state: dict[int, dict[str, Any]] = {}
+            for i, name in enumerate(self.param_names):
+                entry = dict(resume["optimizer_state"].get(name, {}))
+                prefix = f"optim/{name}/"
+                entry.update({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)})
+                if entry:
+                    state[i] = entry
+            groups = []
+            for g, saved in zip(self.optimizer.param_groups, resume["param_groups"], strict=True):
+                restored = {k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()}
+                groups.append({**restored, "params": list(range(len(g["params"])))})
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if "rng/cpu" in tensors:
+            torch.set_rng_state(tensors["rng/cpu"])
+        if "rng/cuda" in tensors and self.device.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng/cuda"], self.device)
 
     def close(self) -> None:
         for ch in (self.recv_act, self.send_act, self.recv_grad, self.send_grad):

@@ -15,12 +15,14 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUCCEEDED: _ClassVar[JobState]
     FAILED: _ClassVar[JobState]
     STOPPED: _ClassVar[JobState]
+    RESTARTING: _ClassVar[JobState]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 RUNNING: JobState
 SUCCEEDED: JobState
 FAILED: JobState
 STOPPED: JobState
+RESTARTING: JobState
 
 class StateChange(_message.Message):
     __slots__ = ("state", "time_unix", "message")
@@ -33,7 +35,7 @@ class StateChange(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., time_unix: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir")
+    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +46,9 @@ class Job(_message.Message):
     FAILED_RANK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: JobState
     spec_yaml: str
@@ -54,10 +59,13 @@ class Job(_message.Message):
     failed_rank: int
     error: str
     output_dir: str
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ...) -> None: ...
+    restarts: int
+    attempts: int
+    checkpoint_step: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json")
+    __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +73,7 @@ class StepMetrics(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     BUBBLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     STAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     lr: float
@@ -72,7 +81,8 @@ class StepMetrics(_message.Message):
     samples_per_s: float
     bubble_fraction: float
     stages_json: str
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("state", "metrics", "log")
@@ -107,6 +117,12 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ResumeJobRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str

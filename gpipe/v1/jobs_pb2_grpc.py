@@ -54,6 +54,11 @@ class JobServiceStub:
                 request_serializer=gpipe_dot_v1_dot_jobs__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/gpipe.v1.JobService/ResumeJob',
+                request_serializer=gpipe_dot_v1_dot_jobs__pb2.ResumeJobRequest.SerializeToString,
+                response_deserializer=gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/gpipe.v1.JobService/WatchJob',
                 request_serializer=gpipe_dot_v1_dot_jobs__pb2.WatchJobRequest.SerializeToString,
@@ -95,6 +100,16 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """Resume a FAILED or STOPPED job from its last good checkpoint (from step 0
+        if it has none): it becomes RESTARTING and runs once its workers are
+        free, with max_restarts counted afresh. NOT_FOUND if there is no such
+        job; FAILED_PRECONDITION if it has not ended, or SUCCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchJob(self, request, context):
         """The job's events from its start (state changes, every logged step, log
         lines), then live ones, until the job ends.
@@ -124,6 +139,11 @@ def add_JobServiceServicer_to_server(servicer, server):
             'StopJob': grpc.unary_unary_rpc_method_handler(
                     servicer.StopJob,
                     request_deserializer=gpipe_dot_v1_dot_jobs__pb2.StopJobRequest.FromString,
+                    response_serializer=gpipe_dot_v1_dot_jobs__pb2.Job.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
+                    request_deserializer=gpipe_dot_v1_dot_jobs__pb2.ResumeJobRequest.FromString,
                     response_serializer=gpipe_dot_v1_dot_jobs__pb2.Job.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
@@ -239,6 +259,33 @@ class JobService:
             target,
             '/gpipe.v1.JobService/StopJob',
             gpipe_dot_v1_dot_jobs__pb2.StopJobRequest.SerializeToString,
+            gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpipe.v1.JobService/ResumeJob',
+            gpipe_dot_v1_dot_jobs__pb2.ResumeJobRequest.SerializeToString,
             gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,123 @@
+"""One attempt of a job, in a process of its own: plan, (resume,) drive, report.
+
+`gpipe-coordinator run` and `serve` start one per attempt, so every attempt
+gets a fresh RPC world and a fresh rendezvous: one that saw a failure is never
+reused. With --local it starts the stages' worker processes itself (that is
+`run`); otherwise it opens the rendezvous on --host and the server tells the
+workers to join. With --resume it starts from the newest checkpoint that
+verifies, passing over damaged or torn ones with a line each.
+
+It reports to its parent one JSON object a line on stdout:
+
+    {"log": "..."}                          a line for the user
+    {"resumed": N}                          training starts at step N (0: the beginning)
+    {"master": "HOST:PORT"}                 the workers may join now (not with --local)
+    {"metrics": {...}}                      a logged step (also in metrics.jsonl)
+    {"checkpoint": {"step": N, ...}}        a checkpoint was committed
+    {"error": "...", "stage": K}            the attempt failed (stage null if none is to blame)
+    {"done": true}                          trained; model.safetensors is written
+
+    python -m coordinator.attempt --spec S --job-dir J --state-dir D --host H --devices cpu,cpu \\
+        [--local] [--resume] [--attempt N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from coordinator import checkpoint
+from coordinator.driver import MetricsLog, StepMetrics, drive, prepare_output, write_plan
+from coordinator.local import LocalWorkers, split_cores, threads_per_stage
+from coordinator.plan import make_plan
+from coordinator.spec import load_spec
+from gpipe import net, proc
+from gpipe.errors import GpipeError, JobFailed
+
+
+def tell(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coordinator.attempt")
+    p.add_argument("--spec", required=True)
+    p.add_argument("--job-dir", required=True, help="the job file's folder (its modules are importable)")
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--devices", required=True, help="each stage's device, comma-separated")
+    p.add_argument("--local", action="store_true", help="start the stages' worker processes here")
+    p.add_argument("--resume", action="store_true", help="start from the newest good checkpoint")
+    p.add_argument("--attempt", type=int, default=1)
+    a = p.parse_args(argv)
+    proc.adopt()
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    workers: LocalWorkers | None = None
+    try:
+        spec = load_spec(a.spec)
+        devices = a.devices.split(",")
+        out = prepare_output(spec.name, Path(a.state_dir), fresh=False)
+        resume = None
+        if a.resume:
+            resume = checkpoint.latest(out / "checkpoints", lambda line: tell({"log": line}))
+            if resume is not None:
+                tell({"log": f"resuming from checkpoint {resume.path.name} ({resume.path})"})
+            else:
+                tell({"log": "no checkpoint to resume from: starting at step 0"})
+        tell({"resumed": resume.step if resume else 0})
+        threads = threads_per_stage(split_cores(spec.stages)) if a.local else 1
+        plan = make_plan(spec, Path(a.job_dir), devices[0], threads,
+                         balance_of=resume.meta.get("balance") if resume else None)
+        torch.set_num_threads(1)  # the cores belong to the stages
+        net.bind_to(a.host)
+        _, port = net.bound_store(a.host, spec.start_timeout_s)
+        alive = lambda: None  # noqa: E731 - serve watches its workers itself
+        if a.local:
+            workers = LocalWorkers(spec.stages, f"{a.host}:{port}", a.host, out / "logs", spec.start_timeout_s,
+                                   plan.import_paths)
+            placement = [{"device": devices[k], "cores": w.cores, "threads": workers.threads}
+                         for k, w in enumerate(workers.workers)]
+            alive = workers.why_dead
+            print(f"{spec.name}: {spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
+                  f"schedule {spec.schedule}, {workers.threads} thread(s) per stage", file=sys.stderr, flush=True)
+        else:
+            placement = [{"device": d} for d in devices]
+            tell({"master": f"{a.host}:{port}"})
+        write_plan(out, plan, placement)
+        log = MetricsLog(out, spec.log_every, spec.steps)
+
+        def on_step(m: StepMetrics) -> None:
+            if log.write(m):
+                tell({"metrics": asdict(m)})
+
+        def on_checkpoint(step: int, d: Path, size: int, write_s: float, stall_s: float) -> None:
+            tell({"checkpoint": {"step": step, "path": str(d), "bytes": size, "write_s": write_s,
+                                 "stall_s": stall_s}})
+
+        try:
+            drive(plan, out, a.host, port, devices, alive, on_step, on_checkpoint, resume, a.attempt)
+            if workers is not None and not workers.wait(30):
+                raise JobFailed("the workers did not exit after the job")
+        finally:
+            log.close()
+    except GpipeError as e:
+        tell({"error": str(e), "stage": getattr(e, "stage", None)})
+        return e.exit_code
+    except Exception as e:
+        tell({"error": f"internal error: {type(e).__name__}: {e}", "stage": None})
+        return 1
+    finally:
+        if workers is not None:
+            workers.kill()
+    tell({"done": True})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
