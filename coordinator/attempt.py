@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -33,12 +35,22 @@ from pathlib import Path
 import torch
 
 from coordinator import checkpoint
-from coordinator.driver import MetricsLog, StepMetrics, drive, prepare_output, write_plan
+from coordinator.driver import MetricsLog, StepMetrics, drive, write_plan
 from coordinator.local import LocalWorkers, split_cores, threads_per_stage
+from coordinator.outputs import prepare_output
 from coordinator.plan import make_plan
-from coordinator.spec import load_spec
+from coordinator.spec import JobSpec, load_spec
 from gpipe import net, proc
-from gpipe.errors import GpipeError, JobFailed
+from gpipe.errors import GpipeError, JobFailed, SpecError
+
+
+def device_for(spec: JobSpec, stage: int) -> str:
+    """A local stage's device: the CPU, or GPU k mod the GPU count."""
+    if spec.device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SpecError("device: cuda was asked for, but this machine has no CUDA device")
+    return f"cuda:{stage % torch.cuda.device_count()}"
 
 
 def tell(obj: dict) -> None:
@@ -51,18 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-dir", required=True, help="the job file's folder (its modules are importable)")
     p.add_argument("--state-dir", required=True)
     p.add_argument("--host", required=True)
-    p.add_argument("--devices", required=True, help="each stage's device, comma-separated")
+    p.add_argument("--devices", help="each stage's device, comma-separated (--local: from the spec)")
     p.add_argument("--local", action="store_true", help="start the stages' worker processes here")
     p.add_argument("--resume", action="store_true", help="start from the newest good checkpoint")
     p.add_argument("--attempt", type=int, default=1)
+    p.add_argument("--log", help="once planned, send this process's stderr to this file")
     a = p.parse_args(argv)
     proc.adopt()
     warnings.filterwarnings("ignore", message="You are using a Backend")
     workers: LocalWorkers | None = None
     try:
         spec = load_spec(a.spec)
-        devices = a.devices.split(",")
-        out = prepare_output(spec.name, Path(a.state_dir), fresh=False)
+        devices = [device_for(spec, k) for k in range(spec.stages)] if a.local else a.devices.split(",")
+        out = Path(a.state_dir) / spec.name
         resume = None
         if a.resume:
             resume = checkpoint.latest(out / "checkpoints", lambda line: tell({"log": line}))
@@ -71,24 +84,41 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 tell({"log": "no checkpoint to resume from: starting at step 0"})
         tell({"resumed": resume.step if resume else 0})
-        threads = threads_per_stage(split_cores(spec.stages)) if a.local else 1
-        plan = make_plan(spec, Path(a.job_dir), devices[0], threads,
-                         balance_of=resume.meta.get("balance") if resume else None)
-        torch.set_num_threads(1)  # the cores belong to the stages
         net.bind_to(a.host)
         _, port = net.bound_store(a.host, spec.start_timeout_s)
         alive = lambda: None  # noqa: E731 - serve watches its workers itself
-        if a.local:
+        if not a.local:
+            tell({"master": f"{a.host}:{port}"})
+        elif spec.balance != "by_time":  # by_time measures the layers on idle cores: start them after
+            # Started first, they import torch while the model is planned here. Their logs wait in a
+            # scratch folder until the plan holds: a job that fails its checks writes nothing.
+            scratch = Path(tempfile.mkdtemp(prefix=f"gpipe-{spec.name}-"))
+            workers = LocalWorkers(spec.stages, f"{a.host}:{port}", a.host, scratch, spec.start_timeout_s,
+                                   [str(Path(a.job_dir).resolve())])
+        threads = threads_per_stage(split_cores(spec.stages)) if a.local else 1
+        plan = make_plan(spec, Path(a.job_dir), devices[0], threads,
+                         balance_of=resume.meta.get("balance") if resume else None)
+        # The plan holds: only now is anything written (a fresh run drops an earlier run's outputs).
+        prepare_output(spec.name, Path(a.state_dir), fresh=not a.resume)
+        if a.log:
+            Path(a.log).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(a.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        torch.set_num_threads(1)  # the cores belong to the stages
+        if workers is not None:
+            workers.move_logs(out / "logs")
+        elif a.local:
             workers = LocalWorkers(spec.stages, f"{a.host}:{port}", a.host, out / "logs", spec.start_timeout_s,
                                    plan.import_paths)
+        if workers is not None:
             placement = [{"device": devices[k], "cores": w.cores, "threads": workers.threads}
                          for k, w in enumerate(workers.workers)]
             alive = workers.why_dead
-            print(f"{spec.name}: {spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
-                  f"schedule {spec.schedule}, {workers.threads} thread(s) per stage", file=sys.stderr, flush=True)
+            tell({"log": f"{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
+                         f"schedule {spec.schedule}, {workers.threads} thread(s) per stage"})
         else:
             placement = [{"device": d} for d in devices]
-            tell({"master": f"{a.host}:{port}"})
         write_plan(out, plan, placement)
         log = MetricsLog(out, spec.log_every, spec.steps)
 

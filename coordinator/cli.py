@@ -141,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
     from coordinator.local_run import run_local
-    from coordinator.plan import make_plan
     from coordinator.spec import load_spec
 
     try:
@@ -158,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.job)
         job_dir = Path(args.job).resolve().parent
         if args.command == "validate":
+            from coordinator.plan import make_plan
+
             plan = make_plan(spec, job_dir)
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
             return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from coordinator.data import DataStream
 from coordinator.lr import lr_at
 from coordinator.plan import Plan
 from gpipe import net
-from gpipe.errors import JobFailed, SpecError
+from gpipe.errors import JobFailed
 from worker import attempt as remote
 from worker.stage import StageConfig
 
@@ -261,21 +260,6 @@ def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
 
 def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
-def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:
-    """<state-dir>/<name>/; a fresh start empties metrics.jsonl and drops an earlier run's checkpoints."""
-    out = state_dir / spec_name
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if fresh:
-            (out / "metrics.jsonl").write_text("")
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        else:
-            (out / "metrics.jsonl").touch()
-    except OSError as e:
-        raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
-    return out
 
 
 def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ their process groups when it is done, so nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,6 +78,20 @@ class LocalWorkers:
                     start_new_session=True,
                 )
             self.workers.append(LocalWorker(k, proc, cores, log_path))
+
+    def move_logs(self, log_dir: Path) -> None:
+        """Move the workers' logs (still being written) to `log_dir`, where the filesystem allows."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        old = {w.log_path.parent for w in self.workers}
+        for w in self.workers:
+            try:
+                os.replace(w.log_path, log_dir / w.log_path.name)
+            except OSError:  # another filesystem: the log stays where it is, and is named as it is
+                continue
+            w.log_path = log_dir / w.log_path.name
+        for d in old:
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     def dead(self) -> list[tuple[int, int]]:
         """(stage, exit code) of the workers that have exited."""

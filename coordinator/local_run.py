@@ -21,23 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from coordinator.driver import prepare_output
 from coordinator.progress import Progress
 from coordinator.spec import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
 from gpipe.proc import child_env
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
-
-
-def device_for(spec: JobSpec, stage: int) -> str:
-    if spec.device == "cpu":
-        return "cpu"
-    if not torch.cuda.is_available():
-        raise SpecError("device: cuda was asked for, but this machine has no CUDA device")
-    return f"cuda:{stage % torch.cuda.device_count()}"
 
 
 def _say(line: str) -> None:
@@ -50,15 +39,17 @@ class _Failed(Exception):
         self.message, self.stage, self.exit_code = message, stage, exit_code
 
 
-def _attempt(spec: JobSpec, spec_path: Path, job_dir: Path, state_dir: Path, devices: list[str],
-             resume: bool, number: int, bar: Progress) -> None:
+def _attempt(spec: JobSpec, spec_path: Path, job_dir: Path, state_dir: Path, resume: bool, number: int,
+             bar: Progress) -> None:
     """Run one attempt in a child process, following its reports; raise _Failed if it fails."""
     cmd = [sys.executable, "-m", "coordinator.attempt", "--spec", str(spec_path), "--job-dir", str(job_dir),
-           "--state-dir", str(state_dir), "--host", HOST, "--devices", ",".join(devices), "--local",
+           "--state-dir", str(state_dir), "--host", HOST, "--local",
            "--attempt", str(number), *(["--resume"] if resume else [])]
     root = str(Path(__file__).resolve().parent.parent)
     env = child_env(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    log_path = state_dir / spec.name / "logs" / "coordinator.log"
+    cmd += ["--log", str(log_path)]  # the attempt's own output (RPC warnings, a traceback)
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                              start_new_session=True, env=env)
     error: tuple[str, int | None] | None = None
@@ -95,15 +86,14 @@ def _attempt(spec: JobSpec, spec_path: Path, job_dir: Path, state_dir: Path, dev
         return
     if error is None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        error = (f"the coordinator's attempt process died ({how})", None)
+        error = (f"the coordinator's attempt process died ({how}); its log: {log_path}", None)
     raise _Failed(error[0], error[1], code)
 
 
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
               resume: bool = False) -> Path:
     """Train `spec` with local workers, restarting from checkpoints; return the job's output directory."""
-    devices = [device_for(spec, k) for k in range(spec.stages)]
-    out = prepare_output(spec.name, state_dir, fresh=not resume)
+    out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     bar = Progress(spec.steps, enabled=progress)
     first: _Failed | None = None
     restarts = 0
@@ -111,7 +101,7 @@ def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = 
     try:
         while True:
             try:
-                _attempt(spec, spec_path.resolve(), spec_path.resolve().parent, state_dir.resolve(), devices,
+                _attempt(spec, spec_path.resolve(), spec_path.resolve().parent, state_dir.resolve(),
                          resume or restarts > 0, restarts + 1, bar)
                 break
             except _Failed as e:

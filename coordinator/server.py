@@ -26,7 +26,6 @@ import contextlib
 import hmac
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from coordinator.outputs import prepare_output
 from coordinator.spec import JobSpec, parse_spec
 from gpipe import serde
 from gpipe.errors import SpecError
@@ -83,6 +83,7 @@ class Coordinator:
         self.watchers: dict[str, set[asyncio.Queue]] = {}
         self.workers: dict[int, Worker] = {}
         self.attempts: dict[str, Attempt] = {}  # by job name
+        self.failed_at: dict[str, float] = {}  # by job name: when its last attempt failed (monotonic)
         self.wake = asyncio.Event()
         self.shutting_down = False  # running jobs stay RUNNING on disk, for the next start to pick up
         self._load()
@@ -152,10 +153,7 @@ class Coordinator:
         job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out))
         self.jobs[job.name] = job
         self.events[job.name] = []
-        out.mkdir(parents=True, exist_ok=True)
-        # Nothing of an older job by this name may be taken for this one's.
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        (out / "metrics.jsonl").write_text("")
+        prepare_output(spec.name, self.state_dir, fresh=True)  # nothing of an older job by this name is kept
         (out / "job.yaml").write_text(spec_yaml)
         self._set_state(job, JobState.PENDING, f"waiting for workers of ranks 0-{spec.stages - 1}")
         self.wake.set()
@@ -280,7 +278,10 @@ class Coordinator:
                     continue
                 spec = parse_spec(job.spec_yaml)
                 ranks = list(range(spec.stages))
-                if all(r in self.workers and self.workers[r].attempt_id is None for r in ranks):
+                # After a failure, only workers heard from since then count as back.
+                since = self.failed_at.get(job.name, 0.0)
+                if all(r in self.workers and self.workers[r].attempt_id is None and self.workers[r].last_seen > since
+                       for r in ranks):
                     attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
                     for r in ranks:
                         self.workers[r].attempt_id = attempt.id
@@ -356,6 +357,7 @@ class Coordinator:
             message, stage = attempt.failure or reported or (
                 f"the attempt process exited with code {attempt.proc.returncode}", None)
             rank = -1 if stage is None else int(stage)
+            self.failed_at[job.name] = time.monotonic()
             if not job.error:  # the first failure is the one a user needs
                 job.error, job.failed_rank = message, rank
             if job.restarts < spec.max_restarts:
@@ -450,8 +452,14 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         w = self.c.worker(request.worker_id)
         if w is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker id: register again")
-        while (cmd := await w.commands.get()) is not None:
-            yield serde.command_to_pb(cmd)
+        try:
+            while (cmd := await w.commands.get()) is not None:
+                yield serde.command_to_pb(cmd)
+        except asyncio.CancelledError:
+            # The worker hung up: its daemon died (or restarted). Its rank waits for the next one.
+            if self.c.workers.get(w.rank) is w:
+                self.c._drop(w, f"stage {w.rank}'s worker disconnected")
+            raise
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):

@@ -1,0 +1,241 @@
+"""Checkpoints and resume with `gpipe-coordinator run`: real SIGKILLs, real files, the one-device weights.
+
+Each case ends with the weights of a run that was never interrupted (and the
+one-device reference), so losing a worker, the coordinator, or a checkpoint
+costs time and never changes the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from coordinator import checkpoint
+from tests import reference
+from tests.conftest import tagged_pids
+from tests.test_failures import _worker_pid
+
+pytestmark = pytest.mark.multiprocess
+
+SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
+
+
+def spec(**kw) -> dict:
+    s = {
+        "name": "r", "seed": 3, "model": SLOW, "stages": 2, "balance": [2, 2], "chunks": 2,
+        "data": {"factory": "random_regression", "args": {"n": 48, "in_features": 16, "out_features": 16},
+                 "batch_size": 8, "shuffle": True},
+        "loss": "mse", "optimizer": {"name": "adam", "lr": 0.01}, "steps": 30, "checkpoint_every": 4,
+    }
+    s.update(kw)
+    return s
+
+
+def max_diff(got: dict, want: dict) -> float:
+    assert set(got) == set(want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+class Lines:
+    """A process's stderr, read as it comes, each line with the time it arrived."""
+
+    def __init__(self, p: subprocess.Popen):
+        self.lines: list[tuple[float, str]] = []
+        self._t = threading.Thread(target=self._read, args=(p,), daemon=True)
+        self._t.start()
+
+    def _read(self, p: subprocess.Popen) -> None:
+        for line in p.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def when(self, text: str) -> float | None:
+        return next((t for t, x in self.lines if text in x), None)
+
+    def text(self) -> str:
+        self._t.join(timeout=10)
+        return "\n".join(x for _, x in self.lines)
+
+
+def metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.005)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(cli, victim):
+    seed = random.randrange(1 << 30)
+    at = random.Random(seed).randrange(5, 22)
+    print(f"random seed {seed}: SIGKILL stage {victim}'s worker after step {at}")
+    s = spec()
+    path = cli.write(s)
+    out = cli.tmp / "state" / "r"
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+        lines = Lines(p)
+        wait_for(lambda: len(metrics(out)) > at, 90, f"step {at}")
+        pid = _worker_pid(cli.tag, victim)
+        assert pid, "no worker process found"
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_for(lambda: any(m["attempt"] == 2 for m in metrics(out)), 90, "the second attempt's first step")
+        resumed = time.monotonic() - t_kill
+        p.wait(timeout=120)
+        err = lines.text()
+    assert p.returncode == 0, err
+    detected = lines.when(f"stage {victim}'s worker process died (signal SIGKILL)")
+    assert detected is not None, err
+    print(f"detected {detected - t_kill:.2f}s after the SIGKILL; resumed training {resumed:.2f}s after it")
+    assert "RESTARTING (1 of 3) from the last good checkpoint" in err
+    # It resumed from the newest checkpoint taken before the kill, and re-ran only the steps since.
+    m = metrics(out)
+    first = [x["step"] for x in m if x["attempt"] == 1]
+    second = [x["step"] for x in m if x["attempt"] == 2]
+    assert second == list(range(second[0], 30)) and second[0] % 4 == 0 and second[0] <= first[-1] + 1
+    assert f"resuming from checkpoint step-{second[0]}" in err or second[0] == 0
+    assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
+
+
+@pytest.mark.parametrize("victim", ["stage 1's worker", "the coordinator's attempt process"])
+def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
+    # Wide layers, so a checkpoint takes long enough on disk to be caught in the middle of its save.
+    s = spec(model={"factory": "mlp", "args": {"width": 768, "depth": 3, "in_features": 16, "out_features": 16}},
+             balance=[2, 2], optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9}, steps=12, checkpoint_every=2)
+    path = cli.write(s)
+    out = cli.tmp / "state" / "r"
+    ckpts = out / "checkpoints"
+
+    def saving() -> Path | None:
+        if ckpts.is_dir():
+            for d in ckpts.iterdir():
+                if d.name.startswith("step-") and int(d.name[5:]) >= 4 and not (d / checkpoint.MANIFEST).exists():
+                    return d
+        return None
+
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+        lines = Lines(p)
+        wait_for(lambda: saving() is not None, 120, "a checkpoint being saved")
+        torn = saving()
+        if victim.startswith("stage"):
+            pid = _worker_pid(cli.tag, 1)
+        else:
+            pid = next(q for q in tagged_pids(cli.tag)
+                       if b"coordinator.attempt" in Path(f"/proc/{q}/cmdline").read_bytes())
+        os.kill(pid, signal.SIGKILL)
+        p.wait(timeout=180)
+        err = lines.text()
+    assert p.returncode == 0, err
+    print(f"killed {victim} while {torn.name} was being saved")
+    assert "RESTARTING (1 of 3)" in err
+    resumed = int(re.search(r"r: resuming from checkpoint step-(\d+) ", err).group(1))
+    if victim.startswith("stage"):
+        # The coordinator had every stage's state already: it finished that save (and maybe a later one).
+        assert resumed >= int(torn.name[5:]), err
+    else:
+        # The save was cut short: the next attempt passed it over (unless the kill came just after it finished).
+        assert (f"r: checkpoint {torn.name} is not used: no MANIFEST.json (the save did not finish)" in err
+                or f"r: resuming from checkpoint {torn.name} " in err), err
+    assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
+    for d in ckpts.iterdir():
+        checkpoint.verify(d)  # every checkpoint left is whole
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run to the end with checkpoints at steps 6, 9 (and 3, pruned) and 10, and its weights."""
+    from tests.conftest import Cli
+
+    c = Cli(tmp_path_factory.mktemp("finished"))
+    s = spec(model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=10, checkpoint_every=3,
+             keep_checkpoints=3)
+    path = c.write(s)
+    r = c.run("run", str(path), "--state-dir", str(c.tmp / "state"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert not c.leftovers()
+    return c.tmp, s
+
+
+def damage_truncate(d: Path) -> None:
+    f = d / "stage-1.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def damage_flip(d: Path) -> None:
+    f = d / "stage-0.safetensors"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    f.write_bytes(b)
+
+
+def damage_manifest(d: Path) -> None:
+    (d / checkpoint.MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("damage,why", [
+    (damage_truncate, "stage-1.safetensors has 12844 bytes, the manifest says 12944 (truncated?)"),
+    (damage_flip, "stage-0.safetensors: sha256 does not match the manifest (the file is damaged)"),
+    (damage_manifest, "no MANIFEST.json (the save did not finish)"),
+], ids=["truncated-shard", "flipped-byte", "no-manifest"])
+def test_a_damaged_checkpoint_is_passed_over_for_the_previous_one(cli, finished, damage, why):
+    src, s = finished
+    shutil.copytree(src / "state", cli.tmp / "state")
+    out = cli.tmp / "state" / "r"
+    ckpts = out / "checkpoints"
+    assert sorted(d.name for d in ckpts.iterdir()) == ["step-10", "step-6", "step-9"]
+    want = load_file(out / "model.safetensors")
+    damage(ckpts / "step-10")
+    (out / "model.safetensors").unlink()
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert f"r: checkpoint step-10 is not used: {why}" in lines, r.stderr
+    assert any(x.startswith("r: resuming from checkpoint step-9 ") for x in lines), r.stderr
+    assert [m["step"] for m in metrics(out) if m["attempt"] == 1][-1:] == [9]
+    got = load_file(out / "model.safetensors")
+    assert all((got[k] == want[k]).all() for k in want) and set(got) == set(want)  # bit for bit
+    assert max_diff(got, reference.train(s)) <= 1e-6
+    checkpoint.verify(ckpts / "step-10")  # written again, whole
+
+
+def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
+    src, s = finished
+    shutil.copytree(src / "state", cli.tmp / "state")
+    out = cli.tmp / "state" / "r"
+    for d in (out / "checkpoints").iterdir():
+        damage_flip(d)
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "r: no checkpoint to resume from: starting at step 0" in r.stderr
+    assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
+
+
+def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
+    s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
+             max_restarts=2, steps=10)
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("RESTARTING") == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 3: ValueError: boom after 7 forwards "
+                           "(the first failure; gave up after 2 restart(s); the last failure: "), last
+    assert "Traceback" not in r.stderr
