@@ -23,6 +23,11 @@ It reports to its parent one JSON object a line on stdout:
 
 from __future__ import annotations
 
+from gpipe import proc
+
+if __name__ == "__main__":
+    proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
+
 import argparse
 import json
 import os
@@ -40,7 +45,7 @@ from coordinator.local import LocalWorkers, split_cores, threads_per_stage
 from coordinator.outputs import prepare_output
 from coordinator.plan import make_plan
 from coordinator.spec import JobSpec, load_spec
-from gpipe import net, proc
+from gpipe import net
 from gpipe.errors import GpipeError, JobFailed, SpecError
 
 

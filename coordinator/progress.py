@@ -40,7 +40,7 @@ class Progress:
 
     def checkpoint(self, step: int, size: int, seconds: float) -> None:
         if self.bar is None and self.enabled:
-            print(f"checkpoint step-{step}: {size / 2**20:,.1f} MiB in {seconds:.2f}s", file=sys.stderr, flush=True)
+            print(f"checkpoint step-{step}: {size / 2**20:,.1f} MiB in {seconds:.3f}s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -76,7 +77,9 @@ class Cli:
 def cli(tmp_path: Path):
     c = Cli(tmp_path)
     yield c
-    left = c.leftovers()
+    deadline = time.monotonic() + 3  # a killed process takes a moment to go
+    while (left := c.leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

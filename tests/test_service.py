@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -195,7 +197,7 @@ def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(service):
 
 
 def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
-    path = service.cli.write(job("victim", model=SLOW, steps=1000))
+    path = service.cli.write(job("victim", model=SLOW, steps=1000, max_restarts=0))
     with service.cli.running("submit", str(path), "--follow", "--coordinator", service.address) as follower:
         service.wait_for(lambda: (service.state / "victim" / "metrics.jsonl").exists()
                          and (service.state / "victim" / "metrics.jsonl").read_text().count("\n") >= 2,
@@ -300,21 +302,87 @@ def test_tls_with_a_token(cli):
         s.stop_all()
 
 
-def test_a_coordinator_killed_mid_run_runs_the_job_again_to_the_same_weights(service):
+def steps_of(out) -> list[tuple[int, int]]:
+    """(attempt, step) of every logged step."""
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    return [(m["attempt"], m["step"]) for m in map(yaml.safe_load, lines)]
+
+
+def test_a_coordinator_killed_mid_run_resumes_from_its_checkpoint_to_the_same_weights(service):
     spec = job("survivor", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               steps=40)
+               steps=40, checkpoint_every=5, optimizer={"name": "adam", "lr": 0.01})
     assert service.client("submit", str(service.cli.write(spec))).returncode == 0
-    metrics = service.state / "survivor" / "metrics.jsonl"
-    service.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, "a few steps", 90)
+    out = service.state / "survivor"
+    service.wait_for(lambda: (out / "checkpoints" / "step-10" / "MANIFEST.json").exists(), "checkpoint step-10", 90)
     service.kill("serve")  # SIGKILL: its attempt process dies with it, the workers lose their stream
     service.start_serve()
     r = service.client("logs", "survivor", "--follow", timeout=180)
     assert r.returncode == 0, r.stderr
-    # The log keeps both attempts: the first one's steps, the restart, then every step again.
-    steps = [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()]
-    first = len(steps) - 40
-    assert first >= 3 and steps[:first] == list(range(first)) and steps[first:] == list(range(40))
-    assert "the coordinator restarted; the job starts over" in r.stderr and "survivor: SUCCEEDED" in r.stderr
-    got = load_file(service.state / "survivor" / "model.safetensors")
+    assert "survivor: SUCCEEDED" in r.stderr
+    resumed = int(re.search(r"the coordinator restarted; resuming from checkpoint step-(\d+)", r.stderr).group(1))
+    assert resumed >= 10
+    # The first attempt's steps, then the second's from the checkpoint on: nothing before it ran twice.
+    steps = steps_of(out)
+    first = [s for a, s in steps if a == 1]
+    assert first == list(range(len(first))) and len(first) >= resumed
+    assert [s for a, s in steps if a == 2] == list(range(resumed, 40))
+    got = load_file(out / "model.safetensors")
     want = reference.train(spec)
-    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+
+
+def test_a_lost_worker_that_comes_back_resumes_the_job_to_the_same_weights(service):
+    rank = random.randrange(2)
+    at = random.randrange(3, 15)
+    print(f"SIGKILL rank {rank}'s worker daemon after step {at}")
+    spec = job("comeback", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               steps=30, checkpoint_every=4)
+    out = service.state / "comeback"
+    assert service.client("submit", str(service.cli.write(spec))).returncode == 0
+    service.wait_for(lambda: len(steps_of(out)) > at, f"step {at}", 90)
+    service.kill(f"worker{rank}")
+    t0 = time.monotonic()
+    service.wait_for(lambda: "state:    RESTARTING" in service.client("status", "comeback").stdout, "RESTARTING", 30)
+    detected = time.monotonic() - t0
+    status = service.client("status", "comeback").stdout
+    assert f"(rank {rank})" in status and "restarts 1 of 3" in status, status
+    service.start_worker(rank)  # as Kubernetes would restart it
+    r = service.client("logs", "comeback", "--follow", timeout=180)
+    assert r.returncode == 0 and "comeback: SUCCEEDED" in r.stderr, r.stderr
+    assert f"stage {rank}'s worker" in r.stderr and "restart 1 of 3: resuming from" in r.stderr
+    second = [s for a, s in steps_of(out) if a == 2]
+    assert second == list(range(second[0], 30)) and second[0] % 4 == 0
+    status = service.client("status", "comeback").stdout
+    assert "attempts: 2, restarts 1 of 3" in status and "checkpoint: step-30" in status, status
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    print(f"the job was RESTARTING {detected:.2f}s after the SIGKILL (status polled)")
+
+
+def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(service):
+    spec = job("paused", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               steps=24, checkpoint_every=3, restart_timeout_s=3)
+    out = service.state / "paused"
+    assert service.client("submit", str(service.cli.write(spec))).returncode == 0
+    service.wait_for(lambda: (out / "checkpoints" / "step-6" / "MANIFEST.json").exists(), "checkpoint step-6", 90)
+    assert service.client("stop", "paused").returncode == 0
+    r = service.client("submit", "--resume", "svc-nosuch")
+    assert r.returncode == 2 and r.stderr.strip() == "error: no job named 'svc-nosuch'"
+
+    # Resumed with rank 1 gone: it waits restart_timeout_s, then fails saying who did not come back.
+    service.kill("worker1")
+    r = service.client("submit", "--resume", "paused", "--follow", timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "paused: RESTARTING: resume requested: resuming from checkpoint step-" in r.stderr
+    assert "paused: FAILED: rank(s) 1 did not come back within restart_timeout_s (3s)" in r.stderr, r.stderr
+
+    # With the worker back, it resumes from where it stopped.
+    service.start_worker(1)
+    r = service.client("submit", "--resume", "paused", "--follow", timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    r = service.client("submit", "--resume", "paused")
+    assert r.returncode == 2 and "only a FAILED or STOPPED job can be resumed" in r.stderr

@@ -2,6 +2,10 @@
 
 import sys
 
-from worker.attempt import main
+from gpipe import proc
+
+proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
+
+from worker.attempt import main  # noqa: E402
 
 sys.exit(main())
