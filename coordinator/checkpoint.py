@@ -67,8 +67,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: memoryview, digest: Any) -> int:
-    digest.update(data)  # hashlib releases the GIL for large buffers
+def _write_all(fd: int, data: memoryview) -> int:
     written = 0
     while written < len(data):
         written += os.write(fd, data[written:])
@@ -94,22 +93,25 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    views = [memoryview(struct.pack("<Q", len(raw)) + raw)]
+    for name in order:
+        t = tensors[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if t.numel():
+            views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))  # the tensor's own memory: no copy
+    # Hash on a second thread while this one writes: both let go of the GIL, so the two overlap.
     digest = hashlib.sha256()
+    hasher = threading.Thread(target=lambda: [digest.update(v) for v in views], name="checkpoint-sha256")
+    hasher.start()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        size = _write_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), digest)
-        for name in order:
-            t = tensors[name].detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.contiguous()
-            if t.numel() == 0:
-                continue
-            # The tensor's own memory, as bytes: no copy.
-            size += _write_all(fd, memoryview(t.view(-1).view(torch.uint8).numpy()), digest)
+        size = sum(_write_all(fd, v) for v in views)
         os.fsync(fd)
     finally:
         os.close(fd)
+        hasher.join()
     return size, digest.hexdigest()
 
 
