@@ -8,8 +8,10 @@
     tensors, interleaved, the median of --rounds.
 (b) Stall per checkpoint: `gpipe-coordinator run` of an MLP with sgd+momentum on
     2 stages, once with a checkpoint every 5 steps and once with one at the end
-    only, interleaved. The stall is the extra training time divided by the extra
-    checkpoints, next to what the stages spent copying their state out
+    only, interleaved. In each run, the time its steps took beyond its median
+    step; the stall is the checkpointed run's excess less the baseline's, per
+    extra checkpoint (a difference within runs, so the drift between runs
+    cancels). Next to it: what the stages spent copying their state out
     (snapshot_s in metrics.jsonl) and the write time in the background.
 """
 
@@ -67,7 +69,7 @@ def save_library(stages: list[dict[str, torch.Tensor]], root: Path, step: int) -
 def throughput(rounds: int, sizes: list[int]) -> None:
     print("(a) save throughput: MB/s (median of rounds), writer vs safetensors.save_file + fsync")
     print(f"{'MiB':>6} {'writer MB/s':>12} {'save_file MB/s':>15} {'ratio':>7}")
-    with tempfile.TemporaryDirectory(dir=ROOT) as d:
+    with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         step = 0
         for mib in sizes:
@@ -107,8 +109,11 @@ def run_job(tmp: Path, name: str, width: int, every: int | None, steps: int) -> 
     writes = [(float(a), float(b)) for a, b in re.findall(r"checkpoint step-\d+: ([\d.,]+) MiB in ([\d.]+)s",
                                                            r.stderr.replace(",", ""))]
     body = m[1:-1]  # the first step warms up; the last one ends with the final checkpoint in both runs
+    times = [x["step_time_s"] for x in body]
+    typical = statistics.median(times)
     return {
-        "train_s": sum(x["step_time_s"] for x in body),
+        "train_s": sum(times),
+        "excess_s": sum(t - typical for t in times),  # time above this run's median step, whatever its cause
         "snapshot_s": [max(s.get("snapshot_s", 0.0) for s in x["stages"]) for x in body
                        if any("snapshot_s" in s for s in x["stages"])],
         "writes": writes,
@@ -120,7 +125,7 @@ def stall(rounds: int, widths: list[int], steps: int) -> None:
     print(f"\n(b) stall per checkpoint: {steps} steps, a checkpoint every 5 against one at the end (median of rounds)")
     print(f"{'width':>6} {'ckpt MiB':>9} {'write s':>8} {'MB/s':>6} {'copy-out ms':>12} {'stall ms':>9} "
           f"{'step ms':>8}")
-    with tempfile.TemporaryDirectory(dir=ROOT) as d:
+    with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for width in widths:
             stalls, copies, writes, steps_ms = [], [], [], []
@@ -128,7 +133,8 @@ def stall(rounds: int, widths: list[int], steps: int) -> None:
                 base = run_job(tmp, f"base-{width}-{r}", width, None, steps)
                 ck = run_job(tmp, f"ckpt-{width}-{r}", width, 5, steps)
                 extra = ck["checkpoints"] - base["checkpoints"]
-                stalls.append((ck["train_s"] - base["train_s"]) / extra)
+                # Steps take longer than their run's median by chance too: the baseline's excess is that.
+                stalls.append((ck["excess_s"] - base["excess_s"]) / extra)
                 copies.append(statistics.median(ck["snapshot_s"]))
                 writes += ck["writes"]
                 steps_ms.append(base["train_s"] / (steps - 2) * 1e3)
@@ -145,9 +151,12 @@ def main() -> None:
     p.add_argument("--sizes", default="16,64,256,1024", help="MiB per checkpoint for (a)")
     p.add_argument("--widths", default="512,1024,2048", help="MLP widths for (b)")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--only", choices=["a", "b"], help="run one part only")
     a = p.parse_args()
-    throughput(a.rounds, [int(x) for x in a.sizes.split(",")])
-    stall(a.rounds, [int(x) for x in a.widths.split(",")], a.steps)
+    if a.only != "b":
+        throughput(a.rounds, [int(x) for x in a.sizes.split(",")])
+    if a.only != "a":
+        stall(a.rounds, [int(x) for x in a.widths.split(",")], a.steps)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ a checkpoint is written. They are read with the safetensors library.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,6 +68,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority: where the coordinator shares cores with stages, they come first."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 def _write_all(fd: int, data: memoryview) -> int:
     written = 0
     while written < len(data):
@@ -103,7 +110,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
             views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))  # the tensor's own memory: no copy
     # Hash on a second thread while this one writes: both let go of the GIL, so the two overlap.
     digest = hashlib.sha256()
-    hasher = threading.Thread(target=lambda: [digest.update(v) for v in views], name="checkpoint-sha256")
+    def hash_all() -> None:
+        _yield_cpu()
+        for v in views:
+            digest.update(v)
+
+    hasher = threading.Thread(target=hash_all, name="checkpoint-sha256")
     hasher.start()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -222,6 +234,7 @@ class Writer:
         self._thread.start()
 
     def _run(self) -> None:
+        _yield_cpu()
         while (snap := self._q.get()) is not None:
             try:
                 t0 = time.perf_counter()

@@ -12,9 +12,11 @@ that dies ends the attempt within a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from coordinator.data import DataStream
 from coordinator.lr import lr_at
 from coordinator.plan import Plan
 from gpipe import net
-from gpipe.errors import JobFailed
+from gpipe.errors import JobFailed, SpecError
 from worker import attempt as remote
 from worker.stage import StageConfig
 
@@ -344,7 +346,12 @@ class MetricsLog:
     """Appends every `log_every`-th step (and the last) to metrics.jsonl, a line at a time."""
 
     def __init__(self, out: Path, log_every: int, steps: int):
-        self.f = open(out / "metrics.jsonl", "a")
+        self.f = open(out / "metrics.jsonl", "a+")
+        self.f.seek(0, os.SEEK_END)
+        if self.f.tell():
+            self.f.seek(self.f.tell() - 1)
+            if self.f.read(1) != "\n":  # a line cut short by a killed attempt: end it
+                self.f.write("\n")
         self.log_every, self.steps = log_every, steps
 
     def write(self, m: StepMetrics) -> bool:
@@ -403,11 +410,15 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
             raise JobFailed(str(e)) from None
         weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]
         save_weights(weights, out / "model.safetensors")
-        timeline.write(out, spec.trace_step)
+        try:
+            timeline.write(out, spec.trace_step)
+        except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter
+            print(f"gpipe: no timeline drawn: {e}", file=sys.stderr, flush=True)
         left = shutdown(graceful=True)
         if not left:
             raise JobFailed("the stages did not leave the RPC world in time")
     finally:
-        writer.close(timeout=60)  # a failed attempt still commits the snapshots it took
+        with contextlib.suppress(OSError):
+            writer.close(timeout=60)  # a failed attempt still commits the snapshots it took
         if not left:
             shutdown(graceful=False, timeout=5)

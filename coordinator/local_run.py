@@ -90,10 +90,23 @@ def _attempt(spec: JobSpec, spec_path: Path, job_dir: Path, state_dir: Path, res
     raise _Failed(error[0], error[1], code)
 
 
+def _attempts_logged(out: Path) -> int:
+    """The highest attempt number in the job's metrics.jsonl, so a resumed run numbers its own after it."""
+    n = 0
+    try:
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                n = max(n, int(json.loads(line).get("attempt", 1)))
+    except OSError:
+        pass
+    return n
+
+
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
               resume: bool = False) -> Path:
     """Train `spec` with local workers, restarting from checkpoints; return the job's output directory."""
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
+    before = _attempts_logged(out) if resume else 0
     bar = Progress(spec.steps, enabled=progress)
     first: _Failed | None = None
     restarts = 0
@@ -102,7 +115,7 @@ def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = 
         while True:
             try:
                 _attempt(spec, spec_path.resolve(), spec_path.resolve().parent, state_dir.resolve(),
-                         resume or restarts > 0, restarts + 1, bar)
+                         resume or restarts > 0, before + restarts + 1, bar)
                 break
             except _Failed as e:
                 if e.exit_code == EXIT_BAD_INPUT:

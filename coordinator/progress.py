@@ -39,8 +39,8 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
     def checkpoint(self, step: int, size: int, seconds: float) -> None:
-        if self.bar is None and self.enabled:
-            print(f"checkpoint step-{step}: {size / 2**20:,.1f} MiB in {seconds:.3f}s", file=sys.stderr, flush=True)
+        if self.enabled:
+            self.write(f"checkpoint step-{step}: {size / 2**20:,.1f} MiB in {seconds:.3f}s")
 
     def close(self) -> None:
         if self.bar is not None:

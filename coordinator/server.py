@@ -111,8 +111,10 @@ class Coordinator:
         last = job.history[-1:] if job.state.ended else []
         events: list[serde.Event] = [("state", h) for h in job.history[: len(job.history) - len(last)]]
         metrics = Path(job.output_dir) / "metrics.jsonl"
-        with contextlib.suppress(OSError, ValueError):
-            events += [("metrics", json.loads(x)) for x in metrics.read_text().splitlines() if x.strip()]
+        with contextlib.suppress(OSError):
+            for x in metrics.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
+                    events.append(("metrics", json.loads(x)))
         events += [("state", h) for h in last]
         return events
 

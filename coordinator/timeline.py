@@ -72,14 +72,20 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
 def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
     """The metrics line of `step` (None: the last one logged)."""
     try:
-        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise SpecError(f"{metrics}: cannot read metrics: {e}") from None
+        text = metrics.read_text()
+    except OSError as e:
+        raise SpecError(f"{metrics}: cannot read metrics: {e.strerror}") from None
+    lines = []
+    for x in text.splitlines():
+        try:
+            lines.append(json.loads(x))
+        except json.JSONDecodeError:  # a line cut short by a killed attempt
+            continue
     if not lines:
         raise SpecError(f"{metrics}: no steps logged yet")
     if step is None:
         return lines[-1]
-    for line in lines:
+    for line in reversed(lines):  # a resumed job ran some steps again: the latest attempt's
         if line["step"] == step:
             return line
     logged = f"{lines[0]['step']}..{lines[-1]['step']}"

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from gpipe import serde
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
 from tests import reference
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tagged_pids
 
 pytestmark = pytest.mark.multiprocess
 
@@ -386,3 +387,34 @@ def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(service):
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
     r = service.client("submit", "--resume", "paused")
     assert r.returncode == 2 and "only a FAILED or STOPPED job can be resumed" in r.stderr
+
+
+def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_when_it_is_back(service):
+    # SIGSTOP freezes the daemon and its attempt process: to the coordinator, a worker cut off from the network.
+    spec = job("partition", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               steps=24, checkpoint_every=4)
+    out = service.state / "partition"
+    assert service.client("submit", str(service.cli.write(spec))).returncode == 0
+    service.wait_for(lambda: len(steps_of(out)) > 6, "step 6", 90)
+    frozen = [service.procs["worker1"].pid]
+    frozen += [pid for pid in tagged_pids(service.cli.tag)
+               if b"--stage\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        service.wait_for(lambda: "state:    RESTARTING" in service.client("status", "partition").stdout,
+                         "RESTARTING", 30)
+        detected = time.monotonic() - t0
+    finally:
+        for pid in frozen:
+            with_suppress(lambda pid=pid: os.kill(pid, signal.SIGCONT))
+    status = service.client("status", "partition").stdout
+    assert "stage 1's worker missed its heartbeats for 10s (rank 1)" in status, status
+    # Back on the network, the daemon finds it was forgotten, drops its attempt, registers again; the job resumes.
+    r = service.client("logs", "partition", "--follow", timeout=180)
+    assert r.returncode == 0 and "partition: SUCCEEDED" in r.stderr, r.stderr + service.log("worker1")
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    print(f"a frozen worker was dropped and its job RESTARTING {detected:.1f}s later")
