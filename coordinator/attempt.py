@@ -31,26 +31,25 @@ if __name__ == "__main__":
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
+import threading
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from coordinator import checkpoint
-from coordinator.driver import MetricsLog, StepMetrics, drive, write_plan
 from coordinator.local import LocalWorkers, split_cores, threads_per_stage
-from coordinator.outputs import prepare_output
-from coordinator.plan import make_plan
 from coordinator.spec import JobSpec, load_spec
-from gpipe import net
 from gpipe.errors import GpipeError, JobFailed, SpecError
+
+# torch and what needs it are imported in main(), once the local workers are on their way.
 
 
 def device_for(spec: JobSpec, stage: int) -> str:
     """A local stage's device: the CPU, or GPU k mod the GPU count."""
+    import torch
+
     if spec.device == "cpu":
         return "cpu"
     if not torch.cuda.is_available():
@@ -58,8 +57,15 @@ def device_for(spec: JobSpec, stage: int) -> str:
     return f"cuda:{stage % torch.cuda.device_count()}"
 
 
+_tell_lock = threading.Lock()
+
+
 def tell(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
+    """One report to the parent, a line of JSON (the driver and the checkpoint writer both report)."""
+    line = json.dumps(obj) + "\n"
+    with _tell_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     workers: LocalWorkers | None = None
     try:
         spec = load_spec(a.spec)
-        devices = [device_for(spec, k) for k in range(spec.stages)] if a.local else a.devices.split(",")
         out = Path(a.state_dir) / spec.name
+        sock = None
+        if a.local and spec.balance != "by_time":  # by_time measures the layers on idle cores: start them after
+            # Started before torch is imported here, they import theirs meanwhile. Their logs wait in a
+            # scratch folder until the plan holds: a job that fails its checks writes nothing.
+            sock = socket.create_server((socket.gethostbyname(a.host), 0), backlog=512)
+            master = f"{a.host}:{sock.getsockname()[1]}"
+            scratch = Path(tempfile.mkdtemp(prefix=f"gpipe-{spec.name}-"))
+            workers = LocalWorkers(spec.stages, master, a.host, scratch, spec.start_timeout_s,
+                                   [str(Path(a.job_dir).resolve())])
+        import torch
+
+        from coordinator import checkpoint
+        from coordinator.driver import MetricsLog, StepMetrics, drive, write_plan
+        from coordinator.outputs import prepare_output
+        from coordinator.plan import make_plan
+        from gpipe import net
+
+        devices = [device_for(spec, k) for k in range(spec.stages)] if a.local else a.devices.split(",")
         resume = None
         if a.resume:
             resume = checkpoint.latest(out / "checkpoints", lambda line: tell({"log": line}))
@@ -90,16 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                 tell({"log": "no checkpoint to resume from: starting at step 0"})
         tell({"resumed": resume.step if resume else 0})
         net.bind_to(a.host)
-        _, port = net.bound_store(a.host, spec.start_timeout_s)
+        _, port = net.bound_store(a.host, spec.start_timeout_s, sock)
         alive = lambda: None  # noqa: E731 - serve watches its workers itself
         if not a.local:
             tell({"master": f"{a.host}:{port}"})
-        elif spec.balance != "by_time":  # by_time measures the layers on idle cores: start them after
-            # Started first, they import torch while the model is planned here. Their logs wait in a
-            # scratch folder until the plan holds: a job that fails its checks writes nothing.
-            scratch = Path(tempfile.mkdtemp(prefix=f"gpipe-{spec.name}-"))
-            workers = LocalWorkers(spec.stages, f"{a.host}:{port}", a.host, scratch, spec.start_timeout_s,
-                                   [str(Path(a.job_dir).resolve())])
         threads = threads_per_stage(split_cores(spec.stages)) if a.local else 1
         plan = make_plan(spec, Path(a.job_dir), devices[0], threads,
                          balance_of=resume.meta.get("balance") if resume else None)

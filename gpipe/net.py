@@ -56,12 +56,18 @@ def bind_to(host: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
-def bound_store(host: str, timeout: float) -> tuple[dist.TCPStore, int]:
-    """A TCPStore master listening on `host` only; returns it and its port."""
+def listen(host: str) -> socket.socket:
+    """A TCP socket listening on `host` only, on a free port (for bound_store)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((resolve_ip(host), 0))
     sock.listen(512)
+    return sock
+
+
+def bound_store(host: str, timeout: float, sock: socket.socket | None = None) -> tuple[dist.TCPStore, int]:
+    """A TCPStore master listening on `host` only (on `sock`, if given); returns it and its port."""
+    sock = sock or listen(host)
     port = sock.getsockname()[1]
     store = dist.TCPStore(
         host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(),
