@@ -31,6 +31,16 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+def wait_for(cond, timeout: float, what: str, every: float = 0.05) -> None:
+    """Poll `cond` until it holds; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(every)
+    pytest.fail(f"timed out waiting for {what}")
+
+
 class Cli:
     def __init__(self, tmp: Path):
         self.tmp, self.tag = tmp, uuid.uuid4().hex

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tagged_pids
+from tests.conftest import tagged_pids, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,15 +41,6 @@ def test_stage_that_raises_fails_the_job_naming_it(cli):
     assert "Traceback" in (cli.tmp / "state" / "f" / "logs" / "stage-1.log").read_text()
 
 
-def _wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
-
-
 def _steps_done(out: Path) -> int:
     m = out / "metrics.jsonl"
     return len(m.read_text().splitlines()) if m.exists() else 0
@@ -74,7 +65,7 @@ def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
     path = cli.write(spec(model=SLOW, steps=500))
     out = cli.tmp / "state" / "f"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
-        _wait_for(lambda: _steps_done(out) >= 2, 90, "two steps")
+        wait_for(lambda: _steps_done(out) >= 2, 90, "two steps")
         pid = _worker_pid(cli.tag, victim)
         assert pid, "no worker process found"
         os.kill(pid, signal.SIGKILL)
@@ -93,12 +84,12 @@ def _stop_coordinator_mid_run(cli, stop) -> tuple[subprocess.Popen, str]:
     path = cli.write(spec(model=SLOW, steps=500))
     out = cli.tmp / "state" / "f"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
-        _wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
+        wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
         workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
         assert all(workers)
         stop(p)
         _, err = p.communicate(timeout=30)
-    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
+    wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10, "the workers to exit")
     return p, err
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from coordinator import checkpoint
 from tests import reference
-from tests.conftest import tagged_pids
+from tests.conftest import tagged_pids, wait_for
 from tests.test_failures import _worker_pid
 
 pytestmark = pytest.mark.multiprocess
@@ -72,15 +72,6 @@ def metrics(out: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -134,7 +125,7 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
 
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         lines = Lines(p)
-        wait_for(lambda: saving() is not None, 120, "a checkpoint being saved")
+        wait_for(lambda: saving() is not None, 120, "a checkpoint being saved", every=0.002)
         torn = saving()
         if victim.startswith("stage"):
             pid = _worker_pid(cli.tag, 1)
