@@ -248,3 +248,17 @@ def test_a_killed_run_resumes_with_run_resume(cli):
     assert 8 <= resumed <= done + 1
     assert [m["step"] for m in metrics(out) if m["attempt"] == 2] == list(range(resumed, 24))
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
+
+
+def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished):
+    # The same job resumed on 3 stages instead of 2, for 4 more steps: the names in a checkpoint are the
+    # un-partitioned model's, so each new stage takes its slice of weights and optimizer state.
+    src, s = finished
+    shutil.copytree(src / "state", cli.tmp / "state")
+    longer = {**s, "stages": 3, "balance": [1, 2, 1], "steps": 14}
+    r = cli.run("run", str(cli.write(longer)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "r: resuming from checkpoint step-10 " in r.stderr and "3 stages, balance [1, 2, 1]" in r.stderr
+    out = cli.tmp / "state" / "r"
+    assert [m["step"] for m in metrics(out) if m["attempt"] == 2] == [10, 11, 12, 13]
+    assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-6
