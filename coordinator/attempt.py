@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from coordinator import checkpoint
-        from coordinator.driver import MetricsLog, StepMetrics, drive, write_plan
+        from coordinator.driver import MetricsLog, StepMetrics, drive, resume_parts, write_plan
         from coordinator.outputs import prepare_output
         from coordinator.plan import make_plan
         from gpipe import net
@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         threads = threads_per_stage(split_cores(spec.stages)) if a.local else 1
         plan = make_plan(spec, Path(a.job_dir), devices[0], threads,
                          balance_of=resume.meta.get("balance") if resume else None)
+        if resume is not None:
+            resume_parts(plan, resume)  # the checkpoint fits this job's model and data, or nothing starts
         # The plan holds: only now is anything written (a fresh run drops an earlier run's outputs).
         prepare_output(spec.name, Path(a.state_dir), fresh=not a.resume)
         if a.log:

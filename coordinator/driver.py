@@ -291,23 +291,25 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
 
     The checkpoint names every tensor by the un-partitioned model, so it fits
     any balance; the RNG states are restored only when the stage count is the same.
+    A checkpoint that does not fit the job (another model or data set) is bad
+    input: SpecError, and no restart would help.
     """
     where = f"checkpoint {ck.path.name}"
     n = len(plan.dataset)  # type: ignore[arg-type]
     if ck.meta.get("data", {}).get("dataset_len") != n:
-        raise JobFailed(f"{where} was taken with a data set of {ck.meta.get('data', {}).get('dataset_len')} "
+        raise SpecError(f"{where} was taken with a data set of {ck.meta.get('data', {}).get('dataset_len')} "
                         f"items; this job's has {n}")
     if ck.step > plan.spec.steps:
-        raise JobFailed(f"{where} is past the job's last step ({plan.spec.steps})")
+        raise SpecError(f"{where} is past the job's last step ({plan.spec.steps})")
     weights = ck.model_state()
     want = plan.model.state_dict()
     for name, t in want.items():
         got = weights.get(name)
         if got is None or got.shape != t.shape or got.dtype != t.dtype:
             what = "has no" if got is None else f"has {tuple(got.shape)} {got.dtype} for"
-            raise JobFailed(f"{where} does not fit the model: it {what} {name} ({tuple(t.shape)} {t.dtype})")
+            raise SpecError(f"{where} does not fit the model: it {what} {name} ({tuple(t.shape)} {t.dtype})")
     if set(weights) - set(want):
-        raise JobFailed(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
+        raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
     scalars: dict[str, Any] = {}
     for st in ck.stage_states:
         scalars.update(st.get("optimizer_state", {}))

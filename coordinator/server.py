@@ -42,7 +42,7 @@ from grpc_health.v1.health import aio as health_aio
 from coordinator.outputs import prepare_output
 from coordinator.spec import JobSpec, parse_spec
 from gpipe import serde
-from gpipe.errors import SpecError
+from gpipe.errors import EXIT_BAD_INPUT, SpecError
 from gpipe.proc import child_env
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
@@ -362,7 +362,7 @@ class Coordinator:
             self.failed_at[job.name] = time.monotonic()
             if not job.error:  # the first failure is the one a user needs
                 job.error, job.failed_rank = message, rank
-            if job.restarts < spec.max_restarts:
+            if job.restarts < spec.max_restarts and attempt.proc.returncode != EXIT_BAD_INPUT:
                 job.restarts += 1
                 self._set_state(job, JobState.RESTARTING, f"{message}; restart {job.restarts} of "
                                 f"{spec.max_restarts}: resuming from {self._from(job)} once ranks "

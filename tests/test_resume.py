@@ -262,3 +262,18 @@ def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished):
     out = cli.tmp / "state" / "r"
     assert [m["step"] for m in metrics(out) if m["attempt"] == 2] == [10, 11, 12, 13]
     assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-6
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_nothing_changes(cli, finished):
+    src, s = finished
+    shutil.copytree(src / "state", cli.tmp / "state")
+    out = cli.tmp / "state" / "r"
+    before = {p.name: p.read_bytes() for p in (out / "metrics.jsonl", out / "model.safetensors")}
+    wider = {**s, "model": {"factory": "mlp", "args": {"width": 32, "depth": 3}},
+             "data": {**s["data"], "args": {"n": 48, "in_features": 32, "out_features": 32}}}
+    r = cli.run("run", str(cli.write(wider)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("error: checkpoint step-10 does not fit the model: it has "
+                                                 "(16, 16) torch.float32 for 0.0.weight ((32, 32) torch.float32)")
+    assert "RESTARTING" not in r.stderr and "Traceback" not in r.stderr
+    assert {p.name: p.read_bytes() for p in (out / "metrics.jsonl", out / "model.safetensors")} == before
