@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--log", help="once planned, send this process's stderr to this file")
     a = p.parse_args(argv)
-    proc.adopt()
     warnings.filterwarnings("ignore", message="You are using a Backend")
     workers: LocalWorkers | None = None
     try:
@@ -174,7 +173,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # everything is written and fsynced: skip the second or so torch's interpreter teardown takes
+    proc.exit_now(main())

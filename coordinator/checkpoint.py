@@ -225,7 +225,7 @@ class Writer:
     `submit` or by `close`.
     """
 
-    def __init__(self, root: Path, keep: int, on_commit: Callable[[int, Path, int, float], None]):
+    def __init__(self, root: Path, keep: int, on_commit: Callable[[Snapshot, Path, int, float], None]):
         self.root, self.keep, self.on_commit = root, keep, on_commit
         self._q: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -240,7 +240,7 @@ class Writer:
                 t0 = time.perf_counter()
                 d, size = write(self.root, snap)
                 prune(self.root, self.keep)
-                self.on_commit(snap.step, d, size, time.perf_counter() - t0)
+                self.on_commit(snap, d, size, time.perf_counter() - t0)
             except BaseException as e:  # noqa: BLE001 - reported by submit/close
                 self._error = e
             finally:

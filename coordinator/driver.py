@@ -380,17 +380,15 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
     written when the attempt fails.
     """
     spec = plan.spec
-    stalls: dict[int, float] = {}
 
-    def committed(step: int, d: Path, size: int, seconds: float) -> None:
+    def committed(snap: checkpoint.Snapshot, d: Path, size: int, seconds: float) -> None:
         if on_checkpoint is not None:
-            on_checkpoint(step, d, size, seconds, stalls.pop(step, 0.0))
+            on_checkpoint(snap.step, d, size, seconds, snap.stall_s)
 
     writer = checkpoint.Writer(out / "checkpoints", spec.keep_checkpoints, committed)
     final: list[checkpoint.Snapshot] = []
 
     def on_snapshot(snap: checkpoint.Snapshot) -> None:
-        stalls[snap.step] = snap.stall_s
         if snap.step == spec.steps:
             final.append(snap)
         try:

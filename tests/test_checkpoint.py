@@ -131,7 +131,7 @@ def test_prune_keeps_the_newest_and_drops_torn_older_ones(tmp_path):
 
 def test_the_writer_commits_in_the_background_and_reports_failures(tmp_path):
     seen = []
-    w = checkpoint.Writer(tmp_path / "ck", 2, lambda step, d, size, s: seen.append((step, d.name)))
+    w = checkpoint.Writer(tmp_path / "ck", 2, lambda snap, d, size, s: seen.append((snap.step, d.name)))
     for s in (1, 2, 3):
         w.submit(snap(s))
     assert w.close(timeout=30)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 import threading
 import time
 import traceback
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from gpipe import net, proc
+from gpipe import net
 from worker.stage import Stage, StageConfig
 
 _stage: Stage | None = None
@@ -135,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True, help="the address this process listens on")
     p.add_argument("--start-timeout", type=float, default=120.0)
     a = p.parse_args(argv)
-    proc.adopt()
     warnings.filterwarnings("ignore", message="You are using a Backend")
     net.bind_to(a.host)
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
@@ -152,10 +150,3 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # nothing is left to write: skip the second or so torch's interpreter teardown takes
