@@ -31,7 +31,7 @@ WIDTH, DEPTH, BATCH, CHUNKS, STAGES = 1024, 8, 256, 8, 2
 def env() -> dict[str, str]:
     # Every contender runs with the malloc settings gpipe's workers use, so the
     # ratios compare the engines, not the allocator.
-    from coordinator.local import MALLOC_ENV
+    from gpipe.coordinator.local import MALLOC_ENV
 
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **MALLOC_ENV)
 
@@ -75,7 +75,7 @@ def run_gpipe(schedule: str, steps: int, tmp: Path) -> float:
     }
     job = tmp / f"{schedule}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
                     "--no-progress"], env=env(), check=True, capture_output=True, timeout=600)
     lines = (tmp / spec["name"] / "metrics.jsonl").read_text().splitlines()
     return statistics.median(json.loads(x)["step_time_s"] for x in lines[3:])

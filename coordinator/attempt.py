@@ -17,7 +17,7 @@ It reports to its parent one JSON object a line on stdout:
     {"error": "...", "stage": K}            the attempt failed (stage null if none is to blame)
     {"done": true}                          trained; model.safetensors is written
 
-    python -m coordinator.attempt --spec S --job-dir J --state-dir D --host H --devices cpu,cpu \\
+    python -m gpipe.coordinator.attempt --spec S --job-dir J --state-dir D --host H --devices cpu,cpu \\
         [--local] [--resume] [--attempt N]
 """
 
@@ -39,8 +39,8 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from coordinator.local import LocalWorkers, split_cores, threads_per_stage
-from coordinator.spec import JobSpec, load_spec
+from gpipe.coordinator.local import LocalWorkers, split_cores, threads_per_stage
+from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.errors import GpipeError, JobFailed, SpecError
 
 # torch and what needs it are imported in main(), once the local workers are on their way.
@@ -69,7 +69,7 @@ def tell(obj: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coordinator.attempt")
+    p = argparse.ArgumentParser(prog="python -m gpipe.coordinator.attempt")
     p.add_argument("--spec", required=True)
     p.add_argument("--job-dir", required=True, help="the job file's folder (its modules are importable)")
     p.add_argument("--state-dir", required=True)
@@ -96,11 +96,17 @@ def main(argv: list[str] | None = None) -> int:
                                    [str(Path(a.job_dir).resolve())])
         import torch
 
-        from coordinator import checkpoint
-        from coordinator.driver import MetricsLog, StepMetrics, drive, resume_parts, write_plan
-        from coordinator.outputs import prepare_output
-        from coordinator.plan import make_plan
         from gpipe import net
+        from gpipe.coordinator import checkpoint
+        from gpipe.coordinator.driver import (
+            MetricsLog,
+            StepMetrics,
+            drive,
+            resume_parts,
+            write_plan,
+        )
+        from gpipe.coordinator.outputs import prepare_output
+        from gpipe.coordinator.plan import make_plan
 
         devices = [device_for(spec, k) for k in range(spec.stages)] if a.local else a.devices.split(",")
         resume = None

@@ -92,8 +92,8 @@ def _on_sigterm(signum, frame):  # noqa: ANN001
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from coordinator.server import serve
     from gpipe import grpcutil, net
+    from gpipe.coordinator.server import serve
 
     token = grpcutil.read_token(args.auth_token_file)
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -111,8 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _client(args: argparse.Namespace) -> int:
-    from coordinator.client import Client
     from gpipe import grpcutil
+    from gpipe.coordinator.client import Client
 
     c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
     try:
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
-    from coordinator.local_run import run_local
-    from coordinator.spec import load_spec
+    from gpipe.coordinator.local_run import run_local
+    from gpipe.coordinator.spec import load_spec
 
     try:
         if args.command == "serve":
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("submit", "status", "list", "logs", "stop"):
             return asyncio.run(_client(args))
         if args.command == "timeline":
-            from coordinator import timeline
+            from gpipe.coordinator import timeline
 
             trace, png = timeline.write(Path(args.job_dir), args.step)
             print(f"{trace}\n{png}")
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.job)
         job_dir = Path(args.job).resolve().parent
         if args.command == "validate":
-            from coordinator.plan import make_plan
+            from gpipe.coordinator.plan import make_plan
 
             plan = make_plan(spec, job_dir)
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")

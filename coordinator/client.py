@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.progress import Progress
 from gpipe import grpcutil, serde
+from gpipe.coordinator.progress import Progress
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 from gpipe.serde import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
@@ -165,7 +165,7 @@ class Client:
 
 
 def _max_restarts(spec_yaml: str) -> int | str:
-    from coordinator.spec import parse_spec
+    from gpipe.coordinator.spec import parse_spec
 
     try:
         return parse_spec(spec_yaml).max_restarts

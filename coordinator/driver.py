@@ -28,14 +28,14 @@ import torch
 import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
-from coordinator import checkpoint, timeline
-from coordinator.data import DataStream
-from coordinator.lr import lr_at
-from coordinator.plan import Plan
 from gpipe import net
+from gpipe.coordinator import checkpoint, timeline
+from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.lr import lr_at
+from gpipe.coordinator.plan import Plan
 from gpipe.errors import JobFailed, SpecError
-from worker import attempt as remote
-from worker.stage import StageConfig
+from gpipe.worker import attempt as remote
+from gpipe.worker.stage import StageConfig
 
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
 

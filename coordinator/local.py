@@ -61,16 +61,15 @@ class LocalWorkers:
         core_sets = split_cores(stages)
         self.threads = threads_per_stage(core_sets)
         log_dir.mkdir(parents=True, exist_ok=True)
-        root = str(Path(__file__).resolve().parent.parent)
         for k, cores in enumerate(core_sets):
             env = child_env(dict(os.environ), cores)
             env["OMP_NUM_THREADS"] = str(self.threads)
-            env["PYTHONPATH"] = os.pathsep.join([root, *import_paths, env.get("PYTHONPATH", "")])
+            env["PYTHONPATH"] = os.pathsep.join([*import_paths, env.get("PYTHONPATH", "")])
             env["PYTHONUNBUFFERED"] = "1"
             for name, value in MALLOC_ENV.items():
                 env.setdefault(name, value)
             log_path = log_dir / f"stage-{k}.log"
-            cmd = [sys.executable, "-m", "worker", "--stage", str(k), "--stages", str(stages),
+            cmd = [sys.executable, "-m", "gpipe.worker", "--stage", str(k), "--stages", str(stages),
                    "--master", master, "--host", host, "--start-timeout", str(start_timeout)]
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(

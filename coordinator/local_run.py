@@ -1,6 +1,6 @@
 """`gpipe-coordinator run job.yaml`: the whole job on this machine, nothing else to start.
 
-Each attempt is a child process (coordinator.attempt --local) that plans the
+Each attempt is a child process (gpipe.coordinator.attempt --local) that plans the
 job (every check that needs the model runs before a worker starts), starts one
 worker process per stage on loopback, and drives them. When an attempt fails
 (a stage raises, a worker dies, a wait times out) and `max_restarts` allows,
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.progress import Progress
-from coordinator.spec import JobSpec
+from gpipe.coordinator.progress import Progress
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
 from gpipe.proc import child_env
 
@@ -42,12 +42,10 @@ class _Failed(Exception):
 def _attempt(spec: JobSpec, spec_path: Path, job_dir: Path, state_dir: Path, resume: bool, number: int,
              bar: Progress) -> None:
     """Run one attempt in a child process, following its reports; raise _Failed if it fails."""
-    cmd = [sys.executable, "-m", "coordinator.attempt", "--spec", str(spec_path), "--job-dir", str(job_dir),
+    cmd = [sys.executable, "-m", "gpipe.coordinator.attempt", "--spec", str(spec_path), "--job-dir", str(job_dir),
            "--state-dir", str(state_dir), "--host", HOST, "--local",
            "--attempt", str(number), *(["--resume"] if resume else [])]
-    root = str(Path(__file__).resolve().parent.parent)
     env = child_env(dict(os.environ))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     log_path = state_dir / spec.name / "logs" / "coordinator.log"
     cmd += ["--log", str(log_path)]  # the attempt's own output (RPC warnings, a traceback)
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,

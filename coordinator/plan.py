@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from coordinator import balance
-from coordinator.data import DataStream
-from coordinator.spec import JobSpec
+from gpipe.coordinator import balance
+from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.factory import add_import_paths, resolve
 

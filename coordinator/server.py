@@ -2,7 +2,7 @@
 
 A job waits PENDING until a worker is registered, and idle, for each of its
 stages (ranks 0 .. stages-1). Then an attempt starts: a child process
-(coordinator.attempt) plans the job, resumes from its newest good checkpoint
+(gpipe.coordinator.attempt) plans the job, resumes from its newest good checkpoint
 if it has one, and opens a rendezvous; each rank's worker is told to join it,
 and the child drives the stages to the end, checkpointing as it goes. The
 server follows the child's reports, the workers' heartbeats, and stop
@@ -39,9 +39,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from coordinator.outputs import prepare_output
-from coordinator.spec import JobSpec, parse_spec
 from gpipe import serde
+from gpipe.coordinator.outputs import prepare_output
+from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
 from gpipe.proc import child_env
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
@@ -167,7 +167,7 @@ class Coordinator:
             path = Path(d) / "job.yaml"
             path.write_text(spec_yaml)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "coordinator.cli", "validate", str(path),
+                sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             )
             try:
@@ -306,7 +306,7 @@ class Coordinator:
         log = open(out / "coordinator.log", "ab")
         try:
             attempt.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "coordinator.attempt", "--spec", str(out / "job.yaml"), "--job-dir", str(out),
+                sys.executable, "-m", "gpipe.coordinator.attempt", "--spec", str(out / "job.yaml"), "--job-dir", str(out),
                 "--state-dir", str(self.state_dir), "--host", self.host, "--devices", ",".join(devices),
                 "--resume", "--attempt", str(job.attempts),
                 stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,

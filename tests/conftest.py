@@ -54,7 +54,7 @@ class Cli:
 
     def start(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", *args], cwd=self.tmp, env=self.env,
+            [sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=self.tmp, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
 

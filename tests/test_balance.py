@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator import balance
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
 from gpipe.builtins import mlp
+from gpipe.coordinator import balance
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from tests.models import Slow
 
 

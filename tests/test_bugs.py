@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from worker.attempt import _StepQueue
+from gpipe.worker.attempt import _StepQueue
 
 
 def test_steps_run_in_step_order_whatever_order_their_rpcs_arrive():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coordinator import checkpoint
-from coordinator.spec import parse_spec
+from gpipe.coordinator import checkpoint
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from coordinator import checkpoint
+from gpipe.coordinator import checkpoint
 from tests import reference
 from tests.conftest import tagged_pids, wait_for
 from tests.test_failures import _worker_pid
@@ -131,7 +131,7 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
             pid = _worker_pid(cli.tag, 1)
         else:
             pid = next(q for q in tagged_pids(cli.tag)
-                       if b"coordinator.attempt" in Path(f"/proc/{q}/cmdline").read_bytes())
+                       if b"gpipe.coordinator.attempt" in Path(f"/proc/{q}/cmdline").read_bytes())
         os.kill(pid, signal.SIGKILL)
         p.wait(timeout=180)
         err = lines.text()

@@ -75,14 +75,14 @@ class Service:
 
     def start_serve(self) -> None:
         before = self.log("serve").count("coordinator serving on")
-        self._spawn("serve", ["-m", "coordinator.cli", "serve", "--port", str(self.port),
+        self._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(self.port),
                               "--state-dir", str(self.state), *self.auth()])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
     def start_worker(self, rank: int) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
         cores = sorted(os.sched_getaffinity(0))
-        self._spawn(f"worker{rank}", ["-m", "worker.daemon", "--rank", str(rank), "--coordinator", self.address,
+        self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
                                       "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.auth()])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
@@ -239,7 +239,7 @@ def test_an_unreachable_coordinator_is_one_clear_line(cli):
 
 def test_worker_flags(cli):
     env = {k: v for k, v in cli.env.items() if k not in ("RANK", "GPIPE_COORDINATOR")}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
                                     capture_output=True, text=True, timeout=60)
     r = run("--coordinator", "127.0.0.1:1")
     assert r.returncode == 2 and "--rank is required (or env RANK)" in r.stderr
@@ -270,7 +270,7 @@ def test_tls_with_a_token(cli):
     s.auth = lambda: ["--auth-token-file", str(cli.tmp / "token"), *tls]  # clients and workers speak TLS
     try:
         before = s.log("serve").count("coordinator serving on")
-        s._spawn("serve", ["-m", "coordinator.cli", "serve", "--port", str(s.port), "--state-dir", str(s.state),
+        s._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(s.port), "--state-dir", str(s.state),
                            "--auth-token-file", str(cli.tmp / "token"), "--tls-cert", str(cert),
                            "--tls-key", str(key)])
         s.wait_for(lambda: s.log("serve").count("coordinator serving on") > before, "serve to start")

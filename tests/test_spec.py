@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 
 GOOD = """

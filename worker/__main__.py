@@ -1,9 +1,9 @@
-"""`python -m worker ...`: a job attempt's worker process (see worker.attempt)."""
+"""`python -m gpipe.worker ...`: a job attempt's worker process (see worker.attempt)."""
 
 from gpipe import proc
 
 proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
 
-from worker.attempt import main  # noqa: E402
+from gpipe.worker.attempt import main  # noqa: E402
 
 proc.exit_now(main())

@@ -6,7 +6,7 @@ lives for one attempt only: a failed attempt's processes are killed, never
 reused, since an RPC world or a communicator that saw a failure cannot be
 trusted again.
 
-    python -m worker --stage K --stages P --master HOST:PORT --host HOST
+    python -m gpipe.worker --stage K --stages P --master HOST:PORT --host HOST
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from gpipe import net
-from worker.stage import Stage, StageConfig
+from gpipe.worker.stage import Stage, StageConfig
 
 _stage: Stage | None = None
 
@@ -127,7 +127,7 @@ def run_step(step: int, lr: float, inputs: list[torch.Tensor] | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker")
+    p = argparse.ArgumentParser(prog="python -m gpipe.worker")
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--master", required=True, help="the coordinator's rendezvous HOST:PORT")

@@ -1,7 +1,7 @@
 """`gpipe-worker`: a daemon that owns one device and serves one rank (stage index) of every job.
 
 It registers with the coordinator, heartbeats, and takes commands: join an
-attempt (it starts `python -m worker` in a child process for it) or abort one
+attempt (it starts `python -m gpipe.worker` in a child process for it) or abort one
 (it kills that child's process group). It keeps nothing a restart would lose,
 reconnects with backoff while the coordinator is away, and stays up between
 jobs. A child process never outlives its attempt: a failed RPC world or
@@ -92,14 +92,14 @@ class Daemon:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"attempt-{j.attempt_id}-stage-{j.stage}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        from coordinator.local import MALLOC_ENV
+        from gpipe.coordinator.local import MALLOC_ENV
 
         for k, v in MALLOC_ENV.items():
             env.setdefault(k, v)
         # On a CPU the stage's device is this worker's cores: one thread each, unless OMP_NUM_THREADS says.
         env.setdefault("OMP_NUM_THREADS", str(len(self.a.cores)))
         self.child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker", "--stage", str(j.stage), "--stages", str(j.stages),
+            sys.executable, "-m", "gpipe.worker", "--stage", str(j.stage), "--stages", str(j.stages),
             "--master", j.master, "--host", self.a.host, "--start-timeout", str(j.start_timeout_s),
             stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             env=child_env(env, self.a.cores),

@@ -23,7 +23,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.rng import seeded_forward
-from worker.channel import Receiver, Sender
+from gpipe.worker.channel import Receiver, Sender
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
