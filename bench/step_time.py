@@ -31,7 +31,7 @@ WIDTH, DEPTH, BATCH, CHUNKS, STAGES = 1024, 8, 256, 8, 2
 def env() -> dict[str, str]:
     # Every contender runs with the malloc settings gpipe's workers use, so the
     # ratios compare the engines, not the allocator.
-    from gpipe.coordinator.local import MALLOC_ENV
+    from gpipe.worker.agent import MALLOC_ENV
 
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **MALLOC_ENV)
 

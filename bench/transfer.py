@@ -86,7 +86,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cores = sorted(os.sched_getaffinity(0))
-    from gpipe.coordinator.local import MALLOC_ENV  # as the stages run
+    from gpipe.worker.agent import MALLOC_ENV  # as the stages run
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **MALLOC_ENV)
     procs = [

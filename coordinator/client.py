@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from gpipe import grpcutil, serde
-from gpipe.coordinator.progress import Progress
+from gpipe.coordinator.progress import Follower, Progress
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 from gpipe.serde import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
@@ -73,36 +73,17 @@ class Client:
 
     async def follow(self, name: str, steps: int, progress: bool, since: int = 0) -> int:
         """Show the job's events until it ends; the exit code follows its final state."""
-        bar = Progress(steps, enabled=progress) if progress else None
+        follower = Follower(name, Progress(steps) if progress else None, since)
         final = None
-        states = 0  # a resumed job's stream starts with its past: its earlier end is not this one
-        last_step = -1
         try:
             async for m in self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name)):
-                kind, value = serde.event_from_pb(m)
-                if kind == "metrics":
-                    if bar is not None:
-                        if value["step"] <= last_step:
-                            bar.restart(value["step"])
-                        last_step = value["step"]
-                        bar.update(value["step"], value["loss"], value["samples_per_s"])
-                    else:
-                        print(json.dumps(value), flush=True)
-                elif kind == "state":
-                    states += 1
-                    if states <= since:
-                        continue
-                    line = f"{name}: {value.state.value}" + (f": {value.message}" if value.message else "")
-                    print(line, file=sys.stderr, flush=True)
-                    if value.state.ended:
-                        final = value.state
-                else:
-                    print(value, file=sys.stderr, flush=True)
+                final = follower.show(*serde.event_from_pb(m))
+                if final is not None:
+                    break
         except grpc.RpcError as e:
             raise self._error(e) from None
         finally:
-            if bar is not None:
-                bar.close()
+            follower.close()
         if final is None:
             raise ClientError(f"{name}: the coordinator ended the stream before the job ended", EXIT_FAILED)
         return EXIT_BY_STATE[final]

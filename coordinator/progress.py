@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from typing import Any
 
 from tqdm import tqdm
+
+from gpipe.serde import JobState
 
 
 class Progress:
@@ -41,6 +45,48 @@ class Progress:
     def checkpoint(self, step: int, size: int, seconds: float) -> None:
         if self.enabled:
             self.write(f"checkpoint step-{step}: {size / 2**20:,.1f} MiB in {seconds:.3f}s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Follower:
+    """Shows a job's events as they come: steps on `bar` (or as JSON lines without one), states and log lines.
+
+    `since` skips that many state changes already shown (a resumed job's
+    stream starts with its past). `show` returns the final state once the job ended.
+    """
+
+    def __init__(self, name: str, bar: Progress | None, since: int = 0):
+        self.name, self.since, self.bar = name, since, bar
+        self.states = 0
+        self.last_step = -1
+
+    def show(self, kind: str, value: Any) -> JobState | None:
+        if kind == "metrics":
+            if self.bar is None:
+                print(json.dumps(value), flush=True)
+                return None
+            if value["step"] <= self.last_step:
+                self.bar.restart(value["step"])
+            self.last_step = value["step"]
+            self.bar.update(value["step"], value["loss"], value["samples_per_s"])
+            return None
+        if kind == "state":
+            self.states += 1
+            if self.states <= self.since:
+                return None
+            self.write(f"{self.name}: {value.state.value}" + (f": {value.message}" if value.message else ""))
+            return value.state if value.state.ended else None
+        self.write(f"{self.name}: {value}")
+        return None
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

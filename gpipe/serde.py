@@ -46,6 +46,7 @@ class JobRecord:
     restarts: int = 0
     attempts: int = 0
     checkpoint_step: int = 0
+    exit_code: int = 0  # once ended: 0 succeeded, 1 failed, 2 bad input (no restart could help)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

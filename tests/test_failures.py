@@ -47,12 +47,13 @@ def _steps_done(out: Path) -> int:
 
 
 def _worker_pid(tag: str, stage: int) -> int | None:
+    """The attempt process serving `stage`: the one whose output goes to that stage's log."""
     for pid in tagged_pids(tag):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            log = os.readlink(f"/proc/{pid}/fd/2")
         except OSError:
             continue
-        if b"worker" in cmd and b"--stage" in cmd and cmd[cmd.index(b"--stage") + 1] == str(stage).encode():
+        if log.endswith((f"/stage-{stage}.log", f"-stage-{stage}.log")):
             return pid
     return None
 

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +20,8 @@ from safetensors.torch import load_file
 from gpipe import serde
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
 from tests import reference
-from tests.conftest import ROOT, tagged_pids
+from tests.conftest import ROOT
+from tests.test_failures import _worker_pid
 
 pytestmark = pytest.mark.multiprocess
 
@@ -381,8 +381,7 @@ def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_wh
     assert service.client("submit", str(service.cli.write(spec))).returncode == 0
     service.wait_for(lambda: len(steps_of(out)) > 6, "step 6", 90)
     frozen = [service.procs["worker1"].pid]
-    frozen += [pid for pid in tagged_pids(service.cli.tag)
-               if b"--stage\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    frozen += [pid for pid in [_worker_pid(service.cli.tag, 1)] if pid]
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()

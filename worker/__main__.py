@@ -1,9 +1,33 @@
-"""`python -m gpipe.worker ...`: a job attempt's worker process (see worker.attempt)."""
+"""`python -m gpipe.worker`: a job attempt's worker process (see gpipe.worker.attempt).
+
+Started ahead of its attempt by its agent (gpipe.worker.agent), it imports
+torch and what building a stage needs, then waits for one line of JSON on
+stdin saying which attempt to join: {"stage", "stages", "master", "host",
+"start_timeout_s", "log"}. So a join costs no import time. With arguments, it
+joins at once (`python -m gpipe.worker --stage K --stages P --master H:P --host H`).
+"""
+
+import json
+import os
+import sys
 
 from gpipe import proc
 
 proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
 
+import torch._dynamo  # noqa: E402, F401 - building an optimizer imports it (1.5 s on a CPU build)
+
 from gpipe.worker.attempt import main  # noqa: E402
 
-proc.exit_now(main())
+if len(sys.argv) > 1:
+    proc.exit_now(main())
+line = sys.stdin.readline()
+if not line:  # the agent went away before a join
+    proc.exit_now(0)
+j = json.loads(line)
+fd = os.open(j["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+os.dup2(fd, 1)
+os.dup2(fd, 2)
+os.close(fd)
+proc.exit_now(main(["--stage", str(j["stage"]), "--stages", str(j["stages"]), "--master", j["master"],
+                    "--host", j["host"], "--start-timeout", str(j["start_timeout_s"])]))

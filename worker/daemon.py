@@ -27,8 +27,9 @@ from grpc_health.v1.health import aio as health_aio
 
 from gpipe import grpcutil, serde
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError
-from gpipe.proc import child_env
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
+from gpipe.worker.agent import Agent
+from gpipe.worker.cores import parse_cores, threads_for
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 
@@ -36,12 +37,15 @@ BACKOFF_S = (0.5, 1, 2, 4, 8)
 class Daemon:
     def __init__(self, a: argparse.Namespace, token: str | None):
         self.a, self.token = a, token
-        self.child: asyncio.subprocess.Process | None = None
-        self.child_attempt = ""
-        self.child_exit: int | None = None
+        self.agent = Agent(a.host, a.cores, a.threads, on_change=self._changed)
+        self.changed = asyncio.Event()  # the attempt process ended or was killed: heartbeat at once
         self.log_dir = Path(a.log_dir)
 
+    def _changed(self) -> None:
+        self.changed.set()
+
     async def run(self) -> None:
+        await self.agent.prestart()
         failures = 0
         while True:
             try:
@@ -53,74 +57,52 @@ class Daemon:
                     raise SystemExit(1) from None
             except ConnectionError as e:
                 self._say(f"registering again: {e}")
-            await self._kill_child()
+            await self.agent.abort(self.agent.attempt_id)
             delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
             failures += 1
             await asyncio.sleep(delay)
 
     async def _session(self) -> None:
+        """One registration: take commands and heartbeat until either fails, whichever comes first."""
         async with grpcutil.channel(self.a.coordinator, self.token, self.a.tls_ca) as ch:
             stub = workers_pb2_grpc.WorkerServiceStub(ch)
             reg = await stub.Register(workers_pb2.RegisterRequest(
-                rank=self.a.rank, host=self.a.host, device=self.a.device, hostname=socket.gethostname()))
+                rank=self.a.rank, host=self.a.host, device=self.a.device, hostname=socket.gethostname(),
+                cores=self.a.cores, threads=self.a.threads))
             self._say(f"registered as rank {self.a.rank} with {self.a.coordinator}")
-            beat = asyncio.create_task(self._heartbeat(stub, reg.worker_id, reg.heartbeat_interval_s))
+            tasks = [asyncio.ensure_future(self._commands(stub, reg.worker_id)),
+                     asyncio.ensure_future(self._heartbeat(stub, reg.worker_id, reg.heartbeat_interval_s))]
             try:
-                async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=reg.worker_id)):
-                    cmd = serde.command_from_pb(m)
-                    if isinstance(cmd, serde.Join):
-                        await self._join(cmd)
-                    elif cmd.attempt_id == self.child_attempt:
-                        await self._kill_child()
-                    if beat.done():
-                        beat.result()
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # the failure that ended the session
             finally:
-                beat.cancel()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _heartbeat(self, stub, worker_id: str, interval: float) -> None:
+    async def _commands(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str) -> None:
+        async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=worker_id)):
+            cmd = serde.command_from_pb(m)
+            if isinstance(cmd, serde.Join):
+                await self.agent.join(cmd, self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.stage}.log")
+                self._say(f"joined attempt {cmd.attempt_id} as stage {cmd.stage} of {cmd.stages}")
+            else:
+                await self.agent.abort(cmd.attempt_id)
+        raise ConnectionError("the coordinator ended this worker's command stream")
+
+    async def _heartbeat(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str, interval: float) -> None:
         while True:
-            ended = self.child_exit is not None
+            attempt_id, ended, code, error = self.agent.status()
+            self.changed.clear()
             r = await stub.Heartbeat(workers_pb2.HeartbeatRequest(
-                worker_id=worker_id, attempt_id=self.child_attempt, attempt_ended=ended,
-                attempt_exit=self.child_exit or 0), timeout=10)
+                worker_id=worker_id, attempt_id=attempt_id, attempt_ended=ended, attempt_exit=code,
+                attempt_error=error), timeout=10)
             if not r.known:
                 raise ConnectionError("the coordinator forgot this worker")
-            await asyncio.sleep(interval)
-
-    async def _join(self, j: serde.Join) -> None:
-        await self._kill_child()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"attempt-{j.attempt_id}-stage-{j.stage}.log", "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        from gpipe.coordinator.local import MALLOC_ENV
-
-        for k, v in MALLOC_ENV.items():
-            env.setdefault(k, v)
-        # On a CPU the stage's device is this worker's cores: one thread each, unless OMP_NUM_THREADS says.
-        env.setdefault("OMP_NUM_THREADS", str(len(self.a.cores)))
-        self.child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gpipe.worker", "--stage", str(j.stage), "--stages", str(j.stages),
-            "--master", j.master, "--host", self.a.host, "--start-timeout", str(j.start_timeout_s),
-            stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            env=child_env(env, self.a.cores),
-        )
-        log.close()
-        self.child_attempt, self.child_exit = j.attempt_id, None
-        self._say(f"joined attempt {j.attempt_id} as stage {j.stage} of {j.stages}")
-        asyncio.create_task(self._reap(self.child))
-
-    async def _reap(self, child: asyncio.subprocess.Process) -> None:
-        code = await child.wait()
-        if child is self.child:
-            self.child_exit = code
-
-    async def _kill_child(self) -> None:
-        child, self.child = self.child, None
-        if child is not None and child.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            await child.wait()
-        self.child_attempt, self.child_exit = "", None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self.changed.wait()
 
     def _say(self, msg: str) -> None:
         print(f"gpipe-worker[{self.a.rank}]: {msg}", file=sys.stderr, flush=True)
@@ -142,25 +124,10 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
     task = asyncio.create_task(d.run())
     done, _ = await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     task.cancel()
-    await d._kill_child()
+    await d.agent.close()
     await server.stop(grace=1)
     if task in done and task.exception():
         raise task.exception()  # type: ignore[misc]
-
-
-def parse_cores(text: str) -> list[int]:
-    """'0-3,8' -> [0, 1, 2, 3, 8], each a core this process may use."""
-    cores: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cores.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise GpipeError(f"--cores: {text!r} is not a list of cores such as 0-3,8") from None
-    allowed = os.sched_getaffinity(0)
-    if not cores or not cores <= allowed:
-        raise GpipeError(f"--cores: {text!r} names cores outside {sorted(allowed)}")
-    return sorted(cores)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.coordinator:
             raise GpipeError("--coordinator HOST:PORT is required (or env GPIPE_COORDINATOR)")
         a.cores = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
+        a.threads = threads_for(a.cores)
         if a.device != "cpu" and not a.device.startswith("cuda"):
             raise GpipeError(f"--device: {a.device!r} is neither cpu nor cuda:K")
         from gpipe import net

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpipe/v1/workers.proto\x12\x08gpipe.v1\"O\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\"C\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"f\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61ttempt_exit\x18\x03 \x01(\x05\x12\x15\n\rattempt_ended\x18\x04 \x01(\x08\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"$\n\x0f\x43ommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"i\n\x0bJoinAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x0e\n\x06master\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06stages\x18\x04 \x01(\x05\x12\x17\n\x0fstart_timeout_s\x18\x05 \x01(\x01\"\"\n\x0c\x41\x62ortAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\"j\n\rWorkerCommand\x12%\n\x04join\x18\x01 \x01(\x0b\x32\x15.gpipe.v1.JoinAttemptH\x00\x12\'\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x16.gpipe.v1.AbortAttemptH\x00\x42\t\n\x07\x63ommand2\xda\x01\n\rWorkerService\x12\x41\n\x08Register\x12\x19.gpipe.v1.RegisterRequest\x1a\x1a.gpipe.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.gpipe.v1.HeartbeatRequest\x1a\x1b.gpipe.v1.HeartbeatResponse\x12@\n\x08\x43ommands\x12\x19.gpipe.v1.CommandsRequest\x1a\x17.gpipe.v1.WorkerCommand0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpipe/v1/workers.proto\x12\x08gpipe.v1\"o\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\r\n\x05\x63ores\x18\x05 \x03(\x05\x12\x0f\n\x07threads\x18\x06 \x01(\x05\"C\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"}\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61ttempt_exit\x18\x03 \x01(\x05\x12\x15\n\rattempt_ended\x18\x04 \x01(\x08\x12\x15\n\rattempt_error\x18\x05 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"$\n\x0f\x43ommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"i\n\x0bJoinAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x0e\n\x06master\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06stages\x18\x04 \x01(\x05\x12\x17\n\x0fstart_timeout_s\x18\x05 \x01(\x01\"\"\n\x0c\x41\x62ortAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\"j\n\rWorkerCommand\x12%\n\x04join\x18\x01 \x01(\x0b\x32\x15.gpipe.v1.JoinAttemptH\x00\x12\'\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x16.gpipe.v1.AbortAttemptH\x00\x42\t\n\x07\x63ommand2\xda\x01\n\rWorkerService\x12\x41\n\x08Register\x12\x19.gpipe.v1.RegisterRequest\x1a\x1a.gpipe.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.gpipe.v1.HeartbeatRequest\x1a\x1b.gpipe.v1.HeartbeatResponse\x12@\n\x08\x43ommands\x12\x19.gpipe.v1.CommandsRequest\x1a\x17.gpipe.v1.WorkerCommand0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpipe.v1.workers_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERREQUEST']._serialized_start=36
-  _globals['_REGISTERREQUEST']._serialized_end=115
-  _globals['_REGISTERRESPONSE']._serialized_start=117
-  _globals['_REGISTERRESPONSE']._serialized_end=184
-  _globals['_HEARTBEATREQUEST']._serialized_start=186
-  _globals['_HEARTBEATREQUEST']._serialized_end=288
-  _globals['_HEARTBEATRESPONSE']._serialized_start=290
-  _globals['_HEARTBEATRESPONSE']._serialized_end=324
-  _globals['_COMMANDSREQUEST']._serialized_start=326
-  _globals['_COMMANDSREQUEST']._serialized_end=362
-  _globals['_JOINATTEMPT']._serialized_start=364
-  _globals['_JOINATTEMPT']._serialized_end=469
-  _globals['_ABORTATTEMPT']._serialized_start=471
-  _globals['_ABORTATTEMPT']._serialized_end=505
-  _globals['_WORKERCOMMAND']._serialized_start=507
-  _globals['_WORKERCOMMAND']._serialized_end=613
-  _globals['_WORKERSERVICE']._serialized_start=616
-  _globals['_WORKERSERVICE']._serialized_end=834
+  _globals['_REGISTERREQUEST']._serialized_end=147
+  _globals['_REGISTERRESPONSE']._serialized_start=149
+  _globals['_REGISTERRESPONSE']._serialized_end=216
+  _globals['_HEARTBEATREQUEST']._serialized_start=218
+  _globals['_HEARTBEATREQUEST']._serialized_end=343
+  _globals['_HEARTBEATRESPONSE']._serialized_start=345
+  _globals['_HEARTBEATRESPONSE']._serialized_end=379
+  _globals['_COMMANDSREQUEST']._serialized_start=381
+  _globals['_COMMANDSREQUEST']._serialized_end=417
+  _globals['_JOINATTEMPT']._serialized_start=419
+  _globals['_JOINATTEMPT']._serialized_end=524
+  _globals['_ABORTATTEMPT']._serialized_start=526
+  _globals['_ABORTATTEMPT']._serialized_end=560
+  _globals['_WORKERCOMMAND']._serialized_start=562
+  _globals['_WORKERCOMMAND']._serialized_end=668
+  _globals['_WORKERSERVICE']._serialized_start=671
+  _globals['_WORKERSERVICE']._serialized_end=889
 # @@protoc_insertion_point(module_scope)

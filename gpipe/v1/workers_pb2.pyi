@@ -1,21 +1,26 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "host", "device", "hostname")
+    __slots__ = ("rank", "host", "device", "hostname", "cores", "threads")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     host: str
     device: str
     hostname: str
-    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+    cores: _containers.RepeatedScalarFieldContainer[int]
+    threads: int
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., cores: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")
@@ -26,16 +31,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "attempt_id", "attempt_exit", "attempt_ended")
+    __slots__ = ("worker_id", "attempt_id", "attempt_exit", "attempt_ended", "attempt_error")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_EXIT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ENDED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ERROR_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     attempt_id: str
     attempt_exit: int
     attempt_ended: bool
-    def __init__(self, worker_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., attempt_exit: _Optional[int] = ..., attempt_ended: _Optional[bool] = ...) -> None: ...
+    attempt_error: str
+    def __init__(self, worker_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., attempt_exit: _Optional[int] = ..., attempt_ended: _Optional[bool] = ..., attempt_error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)

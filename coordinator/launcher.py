@@ -1,0 +1,61 @@
+"""Attempt processes: `python -m gpipe.coordinator.attempt`, one per attempt, read through typed reports.
+
+Each attempt gets a fresh process, so a fresh RPC world and rendezvous: one
+that saw a failure is never reused. It dies with its parent (gpipe.proc), and
+is killed by process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from gpipe.coordinator import report
+from gpipe.coordinator.supervisor import Launch
+from gpipe.proc import child_env
+
+REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
+
+
+class AttemptProcess:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def reports(self) -> AsyncIterator[report.Report]:
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            yield report.decode(line)
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class ProcessLauncher:
+    """Starts attempt processes that plan and drive on `host`, logging to `log_for(job)` once planned."""
+
+    def __init__(self, state_dir: Path, host: str, log_for: Callable[[str], Path]):
+        self.state_dir, self.host, self.log_for = state_dir, host, log_for
+
+    async def __call__(self, launch: Launch) -> AttemptProcess:
+        cmd = [sys.executable, "-m", "gpipe.coordinator.attempt", "--spec", str(launch.spec_path),
+               "--job-dir", str(launch.job_dir), "--state-dir", str(self.state_dir), "--host", self.host,
+               "--placement", json.dumps([asdict(p) for p in launch.placement]),
+               "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
+               *(["--resume"] if launch.resume else [])]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+            env=child_env(dict(os.environ)), limit=REPORT_LINE_LIMIT,
+        )
+        return AttemptProcess(proc)

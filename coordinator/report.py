@@ -1,0 +1,105 @@
+"""What an attempt process tells its supervisor: one typed message set, a JSON object per line.
+
+The attempt writes these to a pipe of their own (the fd that was its stdout
+when it started; the model's prints go to its log), and the supervisor reads
+them back into the same types. A line that is not one of them is a `Log` of
+what it said, never an error: a report cut short by a killed process must
+not take the supervisor down.
+
+    Log(line)                        a line for the user
+    Resumed(step)                    training starts at `step` (0: the beginning)
+    Master(address)                  the workers may join the rendezvous at HOST:PORT now
+    Metrics(values)                  a logged step (also in metrics.jsonl)
+    Checkpoint(step, path, ...)      a checkpoint was committed
+    Failed(message, stage, exit_code)the attempt failed (stage None when no stage is to blame)
+    Done()                           trained; model.safetensors is written
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, fields
+from typing import IO, Any
+
+
+@dataclass(frozen=True)
+class Log:
+    line: str
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+
+
+@dataclass(frozen=True)
+class Master:
+    address: str
+
+
+@dataclass(frozen=True)
+class Metrics:
+    values: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+    bytes: int
+    write_s: float
+    stall_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    stage: int | None
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+Report = Log | Resumed | Master | Metrics | Checkpoint | Failed | Done
+_TYPES: dict[str, type[Report]] = {t.__name__: t for t in (Log, Resumed, Master, Metrics, Checkpoint, Failed, Done)}
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
+                                             "int | None": (int, type(None)), "dict[str, Any]": (dict,)}
+
+
+def encode(r: Report) -> str:
+    return json.dumps({"type": type(r).__name__, **asdict(r)}) + "\n"
+
+
+def decode(line: str | bytes) -> Report:
+    """The report on `line`; anything else comes back as a Log of the line itself."""
+    text = line.decode(errors="replace") if isinstance(line, bytes) else line
+    try:
+        obj = json.loads(text)
+        cls = _TYPES[obj.pop("type")]
+        values = {}
+        for f in fields(cls):
+            v = obj[f.name]
+            if isinstance(v, bool) or not isinstance(v, _FIELD_TYPES[str(f.type)]):
+                raise TypeError(f.name)
+            values[f.name] = v
+        return cls(**values)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return Log(text.rstrip("\n"))
+
+
+class Reporter:
+    """Writes reports to one stream; the driver and the checkpoint writer report from their own threads."""
+
+    def __init__(self, stream: IO[str]):
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def __call__(self, r: Report) -> None:
+        line = encode(r)
+        with self._lock:
+            self._stream.write(line)
+            self._stream.flush()

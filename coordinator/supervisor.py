@@ -1,0 +1,468 @@
+"""The supervisor: jobs, workers and attempts, for `run` and `serve` alike.
+
+Every failure decision is made here, once:
+
+- A job waits PENDING (or RESTARTING) until a worker is registered, idle and
+  heard from since the job's last failure, for each of its ranks.
+- Then an attempt starts: an attempt process (gpipe.coordinator.attempt) plans
+  the job, resumes from its newest good checkpoint, and reports `Master`; each
+  rank's worker is told to join; the attempt drives the stages to the end.
+- A worker is lost when its attempt process dies (its next heartbeat says so),
+  when its command stream ends, or when it is silent for `heartbeat_timeout`.
+  Its attempt is killed on every stage. What the supervisor saw explains a
+  failure better than what the attempt process reported, so it comes first.
+- A failed attempt restarts from the last good checkpoint, `max_restarts`
+  times, backing off (0 s, then 1, 2, 4 ... up to `BACKOFF_CAP_S`), once all
+  its ranks are back (within `restart_timeout_s`); bad input (exit code 2)
+  never restarts. Past that the job is FAILED, naming the first failure.
+
+`serve` gives it daemons over gRPC and a job table on disk; `run` gives it
+local workers in process and keeps nothing but the job's outputs. Time comes
+from a clock that tests replace, and the loops are `tick` and `schedule`,
+which tests call directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from gpipe import serde
+from gpipe.coordinator import report
+from gpipe.coordinator.spec import JobSpec
+from gpipe.errors import EXIT_BAD_INPUT
+from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
+WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker has to say so
+BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+
+class Store(Protocol):
+    """Where job records are kept between state changes (serve: job.json; run: nowhere)."""
+
+    def save(self, job: JobRecord) -> None: ...
+
+
+class NoStore:
+    def save(self, job: JobRecord) -> None:
+        pass
+
+
+class AttemptProcess(Protocol):
+    """A running attempt: its reports, its end, and a way to end it."""
+
+    def reports(self) -> AsyncIterator[report.Report]: ...
+    async def wait(self) -> int: ...
+    def kill(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one stage of an attempt runs: its worker's address, device, cores and threads."""
+
+    host: str
+    device: str
+    cores: list[int]
+    threads: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What an attempt process is started with."""
+
+    job: str
+    attempt_id: str
+    number: int  # the job's attempt count, this one included
+    spec_path: Path
+    job_dir: Path  # the job file's folder: its modules are importable
+    placement: list[Placement]
+    resume: bool  # from the newest good checkpoint; else a fresh start that drops earlier outputs
+
+
+Launcher = Callable[[Launch], Awaitable[AttemptProcess]]
+
+
+@dataclass
+class Worker:
+    id: str
+    rank: int
+    host: str
+    device: str
+    hostname: str
+    cores: list[int]
+    threads: int
+    last_seen: float
+    commands: asyncio.Queue[Join | Abort | None] = field(default_factory=asyncio.Queue)
+    attempt_id: str | None = None
+
+
+@dataclass
+class Entry:
+    """A job as the supervisor holds it: its record and what it was submitted with."""
+
+    record: JobRecord
+    spec: JobSpec
+    spec_path: Path
+    job_dir: Path
+    fresh: bool = False  # the next attempt starts over instead of resuming
+    failed_at: float = float("-inf")  # monotonic time of the last failure: workers heard since count as back
+    not_before: float = float("-inf")  # monotonic time before which no restart starts (backoff)
+    events: list[serde.Event] = field(default_factory=list)
+    watchers: set[asyncio.Queue[serde.Event]] = field(default_factory=set)
+
+
+@dataclass
+class Attempt:
+    id: str
+    job: str
+    ranks: list[int]
+    process: AttemptProcess | None = None
+    stopped: bool = False
+    failure: tuple[str, int | None] | None = None  # (message, rank) decided here
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def describe_exit(code: int) -> str:
+    """'signal SIGKILL' or 'exit code 3'."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def backoff_s(restart: int) -> float:
+    """The pause before restart number `restart` (1, 2, ...): none, then doubling from 1 s up to the cap."""
+    return 0.0 if restart <= 1 else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (restart - 2))
+
+
+def _ranks(spec: JobSpec) -> str:
+    return f"ranks 0-{spec.stages - 1}" if spec.stages > 1 else "rank 0"
+
+
+class Supervisor:
+    def __init__(self, launcher: Launcher, store: Store | None = None, clock: Clock | None = None,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, say: Callable[[str], None] | None = None):
+        self.launcher = launcher
+        self.store: Store = store or NoStore()
+        self.clock: Clock = clock or SystemClock()
+        self.heartbeat_timeout = heartbeat_timeout
+        self.say = say or (lambda line: print(f"gpipe: {line}", file=sys.stderr, flush=True))
+        self.jobs: dict[str, Entry] = {}
+        self.workers: dict[int, Worker] = {}
+        self.attempts: dict[str, Attempt] = {}  # by job name
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.wake = asyncio.Event()
+        self.shutting_down = False  # running jobs stay RUNNING on disk, for the next start to pick up
+
+    # -- jobs -------------------------------------------------------------------------
+
+    def add(self, job: JobRecord, spec: JobSpec, spec_path: Path, job_dir: Path, fresh: bool = False,
+            events: list[serde.Event] | None = None) -> Entry:
+        """Take a job: new ones go PENDING; known ones (a restarted serve's) keep their state or resume."""
+        e = Entry(job, spec, spec_path, job_dir, fresh=fresh, events=list(events or []))
+        self.jobs[job.name] = e
+        if not job.history:
+            self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
+        elif job.state in (JobState.RUNNING, JobState.RESTARTING):
+            # Not the job's fault: no restart is counted.
+            self._set_state(e, JobState.RESTARTING, f"the coordinator restarted; resuming from {self._from(job)} "
+                                                    f"once {_ranks(spec)} are back")
+        self.wake.set()
+        return e
+
+    def record(self, name: str) -> JobRecord:
+        return self.jobs[name].record  # KeyError: no such job
+
+    async def stop(self, name: str) -> JobRecord:
+        e = self.jobs[name]  # KeyError: no such job
+        job = e.record
+        attempt = self.attempts.get(name)
+        if attempt is None and job.state in (JobState.PENDING, JobState.RESTARTING):
+            self._set_state(e, JobState.STOPPED, f"stopped while {job.state.value.lower()}")
+        elif attempt is not None:
+            attempt.stopped = True
+            self._kill(attempt)
+            while name in self.attempts:  # the attempt's task records STOPPED and frees the workers
+                await asyncio.sleep(0.05)
+        return job
+
+    def resume(self, name: str) -> JobRecord:
+        """Queue a FAILED or STOPPED job again, to resume from its last good checkpoint."""
+        e = self.jobs[name]  # KeyError: no such job
+        job = e.record
+        if job.state not in (JobState.FAILED, JobState.STOPPED):
+            raise ValueError(f"job {name!r} is {job.state.value}: only a FAILED or STOPPED job can be resumed")
+        job.restarts, job.error, job.failed_rank, job.exit_code = 0, "", -1, 0
+        e.not_before = float("-inf")
+        self._set_state(e, JobState.RESTARTING,
+                        f"resume requested: resuming from {self._from(job)} once {_ranks(e.spec)} are free")
+        self.wake.set()
+        return job
+
+    def _from(self, job: JobRecord) -> str:
+        return f"checkpoint step-{job.checkpoint_step}" if job.checkpoint_step else "the last good checkpoint"
+
+    def _emit(self, e: Entry, event: serde.Event) -> None:
+        e.events.append(event)
+        for q in e.watchers:
+            q.put_nowait(event)
+
+    def _set_state(self, e: Entry, state: JobState, message: str = "") -> None:
+        change = StateChange(state, self.clock.time(), message)
+        e.record.state = state
+        e.record.history.append(change)
+        self.store.save(e.record)
+        self._emit(e, ("state", change))
+        self.say(f"job {e.record.name} {state.value}{': ' + message if message else ''}")
+
+    async def watch(self, name: str) -> AsyncIterator[serde.Event]:
+        """The job's events so far, then live ones until it ends."""
+        e = self.jobs[name]  # KeyError: no such job
+        q: asyncio.Queue[serde.Event] = asyncio.Queue()
+        e.watchers.add(q)
+        try:
+            for ev in list(e.events):
+                yield ev
+            if e.record.state.ended:
+                return
+            while True:
+                ev = await q.get()
+                yield ev
+                if ev[0] == "state" and ev[1].state.ended:
+                    return
+        finally:
+            e.watchers.discard(q)
+
+    # -- workers ----------------------------------------------------------------------
+
+    def register(self, rank: int, host: str, device: str, hostname: str, cores: list[int] | None = None,
+                 threads: int = 1) -> Worker:
+        old = self.workers.get(rank)
+        if old is not None:
+            self.drop(old, f"stage {rank}'s worker registered again (it restarted)")
+        w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, list(cores or []), max(1, threads),
+                   self.clock.monotonic())
+        self.workers[rank] = w
+        self.say(f"worker for rank {rank} registered from {hostname or host} ({w.device})")
+        self.wake.set()
+        return w
+
+    def worker(self, worker_id: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.id == worker_id), None)
+
+    def heartbeat(self, worker_id: str, attempt_id: str = "", ended: bool = False, exit_code: int = 0,
+                  error: str = "") -> bool:
+        """A worker is alive; if its attempt process ended badly, that attempt fails. False: unknown worker."""
+        w = self.worker(worker_id)
+        if w is None:
+            return False
+        w.last_seen = self.clock.monotonic()
+        if ended and exit_code != 0 and attempt_id and w.attempt_id == attempt_id:
+            why = f"stage {w.rank}'s worker process died ({describe_exit(exit_code)})"
+            self._fail_attempt_of(w, f"{why}: {error}" if error else why)
+        self.wake.set()
+        return True
+
+    def drop(self, w: Worker, why: str) -> None:
+        """Forget a worker (lost, or replaced); its attempt fails and its command stream ends."""
+        if self.workers.get(w.rank) is w:
+            del self.workers[w.rank]
+        self._fail_attempt_of(w, why)
+        w.commands.put_nowait(None)
+
+    def _fail_attempt_of(self, w: Worker, why: str) -> None:
+        for attempt in self.attempts.values():
+            if attempt.id == w.attempt_id and attempt.failure is None and not attempt.stopped:
+                attempt.failure = (why, w.rank)
+                attempt.failed.set()
+                self._kill(attempt)
+
+    # -- the loops --------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Drop workers whose heartbeats stopped; fail restarting jobs whose workers stay away."""
+        now = self.clock.monotonic()
+        silent = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout]
+        everyone = len(silent) > 1 and len(silent) == len(self.workers)
+        for w in silent:
+            why = f"stage {w.rank}'s worker missed its heartbeats for {self.heartbeat_timeout:.0f}s"
+            if everyone:
+                why = (f"all {len(silent)} workers missed their heartbeats for {self.heartbeat_timeout:.0f}s "
+                       "(the coordinator may be cut off)")
+            self.drop(w, why)
+        for e in list(self.jobs.values()):
+            job = e.record
+            if job.state != JobState.RESTARTING or job.name in self.attempts:
+                continue
+            waited = self.clock.time() - job.history[-1].time_unix
+            if waited > e.spec.restart_timeout_s:
+                missing = [r for r in range(e.spec.stages) if r not in self.workers]
+                who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
+                       else "its workers stayed busy")
+                first = f"; the first failure: {job.error}" if job.error else ""
+                self._set_state(e, JobState.FAILED,
+                                f"{who} within restart_timeout_s ({e.spec.restart_timeout_s:.0f}s){first}")
+        self.wake.set()
+
+    def schedule(self) -> None:
+        """Start each waiting job, oldest first, once every rank it needs has an idle worker heard from lately."""
+        now = self.clock.monotonic()
+        for e in list(self.jobs.values()):
+            job = e.record
+            if job.state not in (JobState.PENDING, JobState.RESTARTING) or job.name in self.attempts:
+                continue
+            if now < e.not_before:
+                continue
+            ranks = list(range(e.spec.stages))
+            ready = [self.workers.get(r) for r in ranks]
+            if all(w is not None and w.attempt_id is None and w.last_seen > e.failed_at for w in ready):
+                attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
+                for r in ranks:
+                    self.workers[r].attempt_id = attempt.id
+                self.attempts[job.name] = attempt
+                self._spawn(self._run(e, attempt))
+
+    async def serve_forever(self) -> None:
+        """Run `tick` every heartbeat interval and `schedule` whenever something changed."""
+        next_tick = self.clock.monotonic()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_tick - self.clock.monotonic())):
+                    await self.wake.wait()
+            self.wake.clear()
+            if self.clock.monotonic() >= next_tick:
+                self.tick()
+                next_tick = self.clock.monotonic() + HEARTBEAT_INTERVAL_S
+            self.schedule()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def shutdown(self) -> None:
+        """Kill every attempt; jobs keep their state (a restarted serve resumes them)."""
+        self.shutting_down = True
+        for attempt in list(self.attempts.values()):
+            self._kill(attempt)
+
+    # -- attempts ---------------------------------------------------------------------
+
+    def _kill(self, attempt: Attempt) -> None:
+        if attempt.process is not None:
+            attempt.process.kill()
+
+    async def _run(self, e: Entry, attempt: Attempt) -> None:
+        job, spec = e.record, e.spec
+        job.attempts += 1
+        resuming = job.state == JobState.RESTARTING
+        self._set_state(e, JobState.RUNNING, f"attempt {job.attempts} ({attempt.id}) on ranks {attempt.ranks}"
+                        + (f", resuming from {self._from(job)}" if resuming else ""))
+        done, reported, code = False, None, -1
+        try:
+            placement = [Placement(w.host, w.device, w.cores, w.threads)
+                         for w in (self.workers[r] for r in attempt.ranks)]
+            attempt.process = await self.launcher(Launch(
+                job.name, attempt.id, job.attempts, e.spec_path, e.job_dir, placement, resume=not e.fresh))
+            e.fresh = False
+            if attempt.stopped or attempt.failure:
+                attempt.process.kill()
+            async for r in attempt.process.reports():
+                if isinstance(r, report.Master):
+                    for rank in attempt.ranks:
+                        w = self.workers.get(rank)
+                        if w is not None and w.attempt_id == attempt.id:
+                            w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.stages,
+                                                       spec.start_timeout_s))
+                elif isinstance(r, report.Metrics):
+                    job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])
+                    self._emit(e, ("metrics", r.values))
+                elif isinstance(r, report.Resumed):
+                    job.steps_done = r.step
+                elif isinstance(r, report.Checkpoint):
+                    job.checkpoint_step = r.step
+                    self.store.save(job)
+                    self._log(e, f"checkpoint step-{r.step}: {r.bytes / 2**20:,.1f} MiB in {r.write_s:.3f}s")
+                elif isinstance(r, report.Log):
+                    self._log(e, r.line)
+                elif isinstance(r, report.Failed):
+                    reported = r
+                elif isinstance(r, report.Done):
+                    done = True
+            code = await attempt.process.wait()
+            if not done and attempt.failure is None and not attempt.stopped and code != EXIT_BAD_INPUT:
+                # A worker that died is the likelier cause: give its report a moment to arrive.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(WORKER_REPORT_GRACE_S):
+                        await attempt.failed.wait()
+        except Exception as ex:  # the launch itself failed (no such file, no memory): the attempt fails
+            reported = report.Failed(f"the attempt could not start: {type(ex).__name__}: {ex}", None, 1)
+        finally:
+            self._kill(attempt)
+            for rank in attempt.ranks:
+                w = self.workers.get(rank)
+                if w is not None and w.attempt_id == attempt.id:
+                    w.commands.put_nowait(Abort(attempt.id))
+                    w.attempt_id = None
+            del self.attempts[job.name]
+            self.wake.set()
+        if self.shutting_down:
+            return
+        if attempt.stopped:
+            self._set_state(e, JobState.STOPPED, "stopped while running")
+        elif done and code == 0:
+            self._set_state(e, JobState.SUCCEEDED, f"weights in {Path(job.output_dir) / 'model.safetensors'}")
+        else:
+            self._failed(e, attempt, reported, code)
+
+    def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
+        job, spec = e.record, e.spec
+        bad_input = code == EXIT_BAD_INPUT or (reported is not None and reported.exit_code == EXIT_BAD_INPUT)
+        if attempt.failure is not None and not bad_input:
+            message, stage = attempt.failure
+        elif reported is not None:
+            message, stage = reported.message, reported.stage
+        else:
+            message, stage = f"the attempt process died ({describe_exit(code)})", None
+        rank = -1 if stage is None else int(stage)
+        e.failed_at = self.clock.monotonic()
+        if not job.error:  # the first failure is the one a user needs
+            job.error, job.failed_rank = message, rank
+        if bad_input:
+            job.exit_code = EXIT_BAD_INPUT
+            self._set_state(e, JobState.FAILED, message)
+        elif job.restarts < spec.max_restarts:
+            job.restarts += 1
+            delay = backoff_s(job.restarts)
+            e.not_before = e.failed_at + delay
+            wait = f" in {delay:.0f}s" if delay else ""
+            self._set_state(e, JobState.RESTARTING, f"{message}; restart {job.restarts} of {spec.max_restarts}"
+                            f"{wait}: resuming from {self._from(job)} once {_ranks(spec)} are back")
+        else:
+            gave_up = f" (gave up after {job.restarts} restarts; the last failure: {message})" if job.restarts else ""
+            job.exit_code = 1
+            self._set_state(e, JobState.FAILED, f"{job.error}{gave_up}")
+
+    def _log(self, e: Entry, line: str) -> None:
+        self.say(f"job {e.record.name}: {line}")
+        self._emit(e, ("log", line))

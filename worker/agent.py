@@ -1,0 +1,129 @@
+"""A worker's attempts: start the attempt process on a join, kill it on abort, say how it ended.
+
+The one worker start-up, for the `gpipe-worker` daemon (commands over gRPC)
+and `run`'s local workers (commands in process) alike. It keeps one spare
+attempt process warm (torch imported, waiting for its join line on stdin), so
+joining an attempt, the first or a restart, costs no import time. An attempt
+process never outlives its attempt, and dies with its agent: a failed RPC world
+or communicator is thrown away with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from gpipe.proc import child_env
+from gpipe.serde import Join
+
+# A stage allocates activation-sized buffers every micro-batch (received tensors,
+# outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
+# memory back to the OS, so each one page-faults anew: 8 MiB transfers reached
+# 0.69 of raw gloo that way, 0.85 with these (bench/transfer.py). A worker owns
+# its machine's memory, so keep it: the heap serves all sizes and is not trimmed.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+
+
+def last_error_line(log: Path) -> str:
+    """The last exception line an attempt process wrote to its log, or ''."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line and not line.startswith((" ", "Traceback", "[W", "[I")) and ":" in line:
+            return line.strip()
+    return ""
+
+
+class Agent:
+    """Runs one worker's attempt processes on its cores; `on_change` hears when one ends or is killed."""
+
+    def __init__(self, host: str, cores: list[int], threads: int, on_change: Callable[[], None] = lambda: None):
+        self.host, self.cores, self.threads, self.on_change = host, cores, threads, on_change
+        self.spare: asyncio.subprocess.Process | None = None
+        self.child: asyncio.subprocess.Process | None = None
+        self.attempt_id = ""
+        self.exit_code: int | None = None  # the child's, once it ended by itself
+        self.log: Path | None = None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for k, v in MALLOC_ENV.items():
+            env.setdefault(k, v)
+        # On a CPU the stage's device is this worker's cores: one thread each, unless OMP_NUM_THREADS says.
+        env["OMP_NUM_THREADS"] = str(self.threads)
+        return child_env(env, self.cores)
+
+    async def prestart(self) -> None:
+        """Have a spare attempt process importing torch, ready for the next join."""
+        if self.spare is None or self.spare.returncode is not None:
+            self.spare = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
+
+    async def join(self, j: Join, log: Path) -> None:
+        """Start stage `j.stage` of attempt `j.attempt_id` (ending any attempt this worker was in)."""
+        await self._kill(self.child)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"stage": j.stage, "stages": j.stages, "master": j.master, "host": self.host,
+                           "start_timeout_s": j.start_timeout_s, "log": str(log)}) + "\n"
+        for _ in range(2):  # a spare that died meanwhile is replaced once
+            await self.prestart()
+            child, self.spare = self.spare, None
+            assert child is not None and child.stdin is not None
+            try:
+                child.stdin.write(line.encode())
+                await child.stdin.drain()
+                child.stdin.close()
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                await self._kill(child)
+        self.child, self.attempt_id, self.exit_code, self.log = child, j.attempt_id, None, log
+        asyncio.ensure_future(self._reap(child))
+
+    async def _reap(self, child: asyncio.subprocess.Process) -> None:
+        code = await child.wait()
+        if child is self.child:
+            self.exit_code = code
+            self.on_change()
+
+    async def abort(self, attempt_id: str) -> None:
+        """Kill the attempt process of `attempt_id`, if that is the one running; warm a spare."""
+        if attempt_id == self.attempt_id:
+            child, self.child, self.attempt_id, self.exit_code = self.child, None, "", None
+            await self._kill(child)
+            self.on_change()
+        await self.prestart()
+
+    def status(self) -> tuple[str, bool, int, str]:
+        """(attempt id, whether its process ended, its exit code, its last error line)."""
+        ended = self.exit_code is not None
+        error = last_error_line(self.log) if ended and self.exit_code and self.log else ""
+        return self.attempt_id, ended, self.exit_code or 0, error
+
+    async def close(self) -> None:
+        """Kill the attempt process and the spare."""
+        child, spare, self.child, self.spare, self.attempt_id = self.child, self.spare, None, None, ""
+        await self._kill(child)
+        await self._kill(spare)
+
+    @staticmethod
+    async def _kill(p: asyncio.subprocess.Process | None) -> None:
+        if p is not None and p.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            await p.wait()
+
+    def kill_now(self) -> None:
+        """Kill both processes without waiting (from a finally that cannot await)."""
+        for p in (self.child, self.spare):
+            if p is not None and p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
