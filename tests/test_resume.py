@@ -97,7 +97,7 @@ def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(c
     detected = lines.when(f"stage {victim}'s worker process died (signal SIGKILL)")
     assert detected is not None, err
     print(f"detected {detected - t_kill:.2f}s after the SIGKILL; resumed training {resumed:.2f}s after it")
-    assert "RESTARTING (1 of 3) from the last good checkpoint" in err
+    assert "r: RESTARTING:" in err and "restart 1 of 3" in err
     # It resumed from the newest checkpoint taken before the kill, and re-ran only the steps since.
     m = metrics(out)
     first = [x["step"] for x in m if x["attempt"] == 1]
@@ -137,7 +137,7 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
         err = lines.text()
     assert p.returncode == 0, err
     print(f"killed {victim} while {torn.name} was being saved")
-    assert "RESTARTING (1 of 3)" in err
+    assert "restart 1 of 3" in err
     resumed = int(re.search(r"r: resuming from checkpoint step-(\d+) ", err).group(1))
     if victim.startswith("stage"):
         # The coordinator had every stage's state already: it finished that save (and maybe a later one).
@@ -227,8 +227,9 @@ def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("RESTARTING") == 1
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stage 1 (layers 2-3) failed at step 3: ValueError: boom after 7 forwards "
-                           "(the first failure; gave up after 1 restart(s); the last failure: "), last
+    # The first failure is named, and the last one too.
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 3: ValueError: boom after 7 forwards"), last
+    assert "gave up after 1 restarts" in last and "the last failure: stage 1" in last, last
     assert "Traceback" not in r.stderr
 
 
@@ -273,7 +274,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_nothing_change
              "data": {**s["data"], "args": {"n": 48, "in_features": 32, "out_features": 32}}}
     r = cli.run("run", str(cli.write(wider)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == ("error: checkpoint step-10 does not fit the model: it has "
-                                                 "(16, 16) torch.float32 for 0.0.weight ((32, 32) torch.float32)")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint step-10 does not fit the model") and "0.0.weight" in last, last
     assert "RESTARTING" not in r.stderr and "Traceback" not in r.stderr
     assert {p.name: p.read_bytes() for p in (out / "metrics.jsonl", out / "model.safetensors")} == before
