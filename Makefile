@@ -1,12 +1,12 @@
 # The two front-door commands:
 #   make demo   set up, then train the example Transformer LM on this machine
-#   make test   set up, then lint and run the test suite (what CI runs)
+#   make test   set up, then lint, type-check and run the test suite (what CI runs)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint protos clean
+.PHONY: setup demo test test-fast lint typecheck protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-test: lint
+# Settings in pyproject.toml [tool.mypy]: strict on most modules.
+typecheck: setup
+	$(BIN)/mypy
+
+test: lint typecheck
 	$(BIN)/pytest -q -m "not gpu"
 
 test-fast: setup
@@ -34,4 +38,4 @@ protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
 
 clean:
-	rm -rf $(VENV) gpipe-state .pytest_cache .ruff_cache
+	rm -rf $(VENV) gpipe-state .pytest_cache .ruff_cache .mypy_cache

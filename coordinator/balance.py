@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -62,7 +62,9 @@ def param_costs(model: nn.Sequential) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters()) + 1) for layer in model]
 
 
-def _layer_runs(model: nn.Sequential, sample: torch.Tensor, device: torch.device):
+def _layer_runs(
+    model: nn.Sequential, sample: torch.Tensor, device: torch.device
+) -> Iterator[tuple[nn.Module, torch.Tensor]]:
     """Yield (layer, input) for each layer of a throwaway copy of the model, input ready for autograd."""
     model = copy.deepcopy(model).to(device)  # the plan's model holds the initial weights: leave it be
     x = sample.to(device)

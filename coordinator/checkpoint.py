@@ -107,7 +107,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
             t = t.cpu()
         t = t.contiguous()
         if t.numel():
-            views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))  # the tensor's own memory: no copy
+            # The tensor's own memory: no copy.
+            views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
     # Hash on a second thread while this one writes: both let go of the GIL, so the two overlap.
     digest = hashlib.sha256()
     def hash_all() -> None:

@@ -24,6 +24,8 @@ import signal
 import sys
 import warnings
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, GpipeError, SpecError
 
@@ -32,7 +34,7 @@ EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, as for a bad spec
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as for a bad spec
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
@@ -87,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_sigterm(signum, frame):  # noqa: ANN001
+def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise KeyboardInterrupt
 
 

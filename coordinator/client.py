@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
@@ -19,6 +20,9 @@ from gpipe.coordinator.progress import Follower, Progress
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 from gpipe.serde import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 EXIT_STOPPED = 3
 EXIT_BY_STATE = {JobState.SUCCEEDED: EXIT_OK, JobState.FAILED: EXIT_FAILED, JobState.STOPPED: EXIT_STOPPED}
@@ -38,7 +42,7 @@ class Client:
         self.channel = grpcutil.channel(address, token, tls_ca)
         self.stub = jobs_pb2_grpc.JobServiceStub(self.channel)
 
-    async def call(self, method: str, request, timeout: float = 30.0):
+    async def call(self, method: str, request: Message, timeout: float = 30.0) -> Any:
         try:
             return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
@@ -154,7 +158,9 @@ def _max_restarts(spec_yaml: str) -> int | str:
         return "?"
 
 
-async def _next(stream, idle: float):
+async def _next(
+    stream: grpc.aio.UnaryStreamCall[Any, jobs_pb2.JobEvent], idle: float
+) -> jobs_pb2.JobEvent | None:
     """The stream's next message, or None once it has been quiet for `idle` seconds (caught up)."""
     import asyncio
 
@@ -162,4 +168,5 @@ async def _next(stream, idle: float):
         m = await asyncio.wait_for(stream.read(), idle)
     except TimeoutError:
         return None
-    return None if m is grpc.aio.EOF else m
+    # read() is typed `object`: EOF or the response.
+    return None if m is grpc.aio.EOF else cast(jobs_pb2.JobEvent, m)

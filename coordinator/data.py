@@ -8,17 +8,18 @@ the step alone, so a resumed job sees exactly the batches it would have.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
 
 class DataStream:
-    def __init__(self, dataset: Dataset, batch_size: int, chunks: int, shuffle: bool, seed: int):
+    def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, shuffle: bool, seed: int):
         self.dataset, self.batch_size, self.chunks = dataset, batch_size, chunks
         self.shuffle, self.seed = shuffle, seed
-        self.n = len(dataset)  # type: ignore[arg-type]
+        self.n = len(cast(Sized, dataset))  # map-style: torch's Dataset type leaves __len__ out
         self._perm: tuple[int, torch.Tensor] | None = None
 
     def indices(self, step: int) -> list[int]:

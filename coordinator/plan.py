@@ -26,7 +26,7 @@ class Plan:
     spec: JobSpec
     model: nn.Sequential  # the initial weights: torch.manual_seed(seed); factory(**args)
     balance: list[int]  # layers per stage
-    dataset: Dataset
+    dataset: Dataset[Any]
     import_paths: list[str]
     balance_costs: list[float] | None = None  # per layer, when the balance was computed
 
@@ -99,7 +99,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     return Plan(spec, model, balance, dataset, import_paths, costs)
 
 
-def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset, device: torch.device,
+def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset[Any], device: torch.device,
              threads: int) -> tuple[list[int], list[float] | None]:
     """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
     layers = len(model)

@@ -75,7 +75,7 @@ def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
         text = metrics.read_text()
     except OSError as e:
         raise SpecError(f"{metrics}: cannot read metrics: {e.strerror}") from None
-    lines = []
+    lines: list[dict[str, Any]] = []
     for x in text.splitlines():
         try:
             lines.append(json.loads(x))
@@ -85,6 +85,7 @@ def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
         raise SpecError(f"{metrics}: no steps logged yet")
     if step is None:
         return lines[-1]
+    line: dict[str, Any]  # reversed() of a list of Any-valued dicts is Any to mypy
     for line in reversed(lines):  # a resumed job ran some steps again: the latest attempt's
         if line["step"] == step:
             return line

@@ -31,7 +31,7 @@ def resolve(ref: str) -> Callable[..., Any]:
         raise LookupError(f"{ref!r} is neither 'module:function' nor a registered name ({known})")
     mod_name, _, attr = target.partition(":")
     try:
-        obj: Any = importlib.import_module(mod_name)
+        obj: object = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise LookupError(f"cannot import module {e.name!r}") from None
     except Exception as e:  # a user module that fails while importing

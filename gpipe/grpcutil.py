@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 
@@ -44,7 +46,9 @@ def channel(address: str, token: str | None, tls_ca: str | None) -> grpc.aio.Cha
 
 def _with_token(d: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
     md = [*(d.metadata or ()), ("authorization", f"Bearer {token}")]
-    return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+    # grpc takes any sequence of (key, value) pairs as the metadata, not only its Metadata class.
+    return grpc.aio.ClientCallDetails(
+        d.method, d.timeout, cast(grpc.aio.Metadata, md), d.credentials, d.wait_for_ready)
 
 
 # Two classes: grpc's aio channel files an interceptor under the first kind it is an instance of.
@@ -54,7 +58,13 @@ class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str):
         self.token = token
 
-    async def intercept_unary_unary(self, continuation, details, request):
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, Any], Awaitable[grpc.aio.UnaryUnaryCall[Any, Any]]],
+        details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> grpc.aio.UnaryUnaryCall[Any, Any]:
         return await continuation(_with_token(details, self.token), request)
 
 
@@ -62,7 +72,13 @@ class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, token: str):
         self.token = token
 
-    async def intercept_unary_stream(self, continuation, details, request):
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, Any], Awaitable[grpc.aio.UnaryStreamCall[Any, Any]]],
+        details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> grpc.aio.UnaryStreamCall[Any, Any]:
         return await continuation(_with_token(details, self.token), request)
 
 

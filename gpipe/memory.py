@@ -9,11 +9,13 @@ device, without sampling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
 class ActivationMeter:
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor]):
         self._skip = {p.untyped_storage().data_ptr() for p in params}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self.current = 0

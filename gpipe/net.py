@@ -14,10 +14,15 @@ import fcntl
 import os
 import socket
 import struct
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
 _SIOCGIFADDR = 0x8915
 _master_stores: dict[int, dist.TCPStore] = {}
@@ -82,22 +87,24 @@ def client_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def _rendezvous(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs):
+def _rendezvous(
+    url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any
+) -> Iterator[tuple[dist.Store, int, int]]:
     """`gpipe://host:port`: rank 0 uses the store `bound_store` made; others connect to it."""
     u = urlparse(url)
     q = {k: v[0] for k, v in parse_qs(u.query).items()}
     rank, world_size = int(q["rank"]), int(q["world_size"])
-    store = _master_stores.get(u.port) if rank == 0 else None
+    store: dist.Store | None = _master_stores.get(u.port) if rank == 0 and u.port else None
     if store is None:
         store = client_store(u.hostname or "", u.port or 0, timeout.total_seconds())
     yield store, rank, world_size
     raise RuntimeError("gpipe:// rendezvous cannot re-rendezvous; start a new attempt")
 
 
-dist.register_rendezvous_handler("gpipe", _rendezvous)
+dist.register_rendezvous_handler("gpipe", _rendezvous)  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
-def rpc_options(master: str, timeout: float):
+def rpc_options(master: str, timeout: float) -> TensorPipeRpcBackendOptions:
     """RPC options for the gpipe:// rendezvous at `master`.
 
     TensorPipe's shared-memory transport busy-polls a core per process; on a
