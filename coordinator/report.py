@@ -80,7 +80,7 @@ def decode(line: str | bytes) -> Report:
     try:
         obj = json.loads(text)
         cls = _TYPES[obj.pop("type")]
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             v = obj[f.name]
             if isinstance(v, bool) or not isinstance(v, _FIELD_TYPES[str(f.type)]):

@@ -81,7 +81,7 @@ Event = tuple[str, Any]
 
 
 def state_to_pb(c: StateChange) -> jpb.StateChange:
-    return jpb.StateChange(state=jpb.JobState.Value(c.state.value), time_unix=c.time_unix, message=c.message)
+    return jpb.StateChange(state=c.state.value, time_unix=c.time_unix, message=c.message)
 
 
 def state_from_pb(m: jpb.StateChange) -> StateChange:
@@ -90,7 +90,7 @@ def state_from_pb(m: jpb.StateChange) -> StateChange:
 
 def job_to_pb(j: JobRecord) -> jpb.Job:
     return jpb.Job(
-        name=j.name, state=jpb.JobState.Value(j.state.value), spec_yaml=j.spec_yaml,
+        name=j.name, state=j.state.value, spec_yaml=j.spec_yaml,
         history=[state_to_pb(h) for h in j.history], steps=j.steps, steps_done=j.steps_done,
         loss=j.loss, failed_rank=j.failed_rank, error=j.error, output_dir=j.output_dir,
         restarts=j.restarts, attempts=j.attempts, checkpoint_step=j.checkpoint_step,

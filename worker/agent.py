@@ -74,6 +74,7 @@ class Agent:
         log.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"stage": j.stage, "stages": j.stages, "master": j.master, "host": self.host,
                            "start_timeout_s": j.start_timeout_s, "log": str(log)}) + "\n"
+        child = None
         for _ in range(2):  # a spare that died meanwhile is replaced once
             await self.prestart()
             child, self.spare = self.spare, None
@@ -85,6 +86,7 @@ class Agent:
                 break
             except (BrokenPipeError, ConnectionResetError):
                 await self._kill(child)
+        assert child is not None
         self.child, self.attempt_id, self.exit_code, self.log = child, j.attempt_id, None, log
         asyncio.ensure_future(self._reap(child))
 
