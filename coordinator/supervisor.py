@@ -161,11 +161,12 @@ def _ranks(spec: JobSpec) -> str:
 
 class Supervisor:
     def __init__(self, launcher: Launcher, store: Store | None = None, clock: Clock | None = None,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, say: Callable[[str], None] | None = None):
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, say: Callable[[str], None] | None = None,
+                 grace_s: float = WORKER_REPORT_GRACE_S):
         self.launcher = launcher
         self.store: Store = store or NoStore()
         self.clock: Clock = clock or SystemClock()
-        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_timeout, self.grace_s = heartbeat_timeout, grace_s
         self.say = say or (lambda line: print(f"gpipe: {line}", file=sys.stderr, flush=True))
         self.jobs: dict[str, Entry] = {}
         self.workers: dict[int, Worker] = {}
@@ -413,7 +414,7 @@ class Supervisor:
             if not done and attempt.failure is None and not attempt.stopped and code != EXIT_BAD_INPUT:
                 # A worker that died is the likelier cause: give its report a moment to arrive.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(WORKER_REPORT_GRACE_S):
+                    async with asyncio.timeout(self.grace_s):
                         await attempt.failed.wait()
         except Exception as ex:  # the launch itself failed (no such file, no memory): the attempt fails
             reported = report.Failed(f"the attempt could not start: {type(ex).__name__}: {ex}", None, 1)

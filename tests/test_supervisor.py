@@ -1,0 +1,249 @@
+"""The supervisor's state machine, in process: a fake clock, fake workers and scripted attempt processes.
+
+The real path (attempt processes, local workers, daemons over gRPC) is
+tested end to end in test_failures, test_resume and test_service; here each
+decision is checked alone and fast: registration, loss, restart, backoff,
+stop, resume, bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gpipe.coordinator import report
+from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.supervisor import Launch, Supervisor, Worker, backoff_s
+from gpipe.serde import Abort, JobRecord, JobState, Join
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.mono, self.wall = 1000.0, 1.7e9
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def advance(self, s: float) -> None:
+        self.mono += s
+        self.wall += s
+
+
+class FakeAttempt:
+    """An attempt process whose reports the test sends, and that ends when told or killed."""
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.queue: asyncio.Queue[report.Report | None] = asyncio.Queue()
+        self.code: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.killed = False
+
+    async def reports(self) -> AsyncIterator[report.Report]:
+        while (r := await self.queue.get()) is not None:
+            yield r
+
+    async def wait(self) -> int:
+        return await self.code
+
+    def end(self, code: int, *reports: report.Report) -> None:
+        for r in reports:
+            self.queue.put_nowait(r)
+        self.queue.put_nowait(None)
+        if not self.code.done():
+            self.code.set_result(code)
+
+    def kill(self) -> None:
+        if not self.code.done():
+            self.killed = True
+            self.end(-9)
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.attempts: list[FakeAttempt] = []
+        self.sup = Supervisor(self.launch, clock=self.clock, say=lambda line: None, grace_s=0.0)
+        self.workers: dict[int, Worker] = {}
+
+    async def launch(self, launch: Launch) -> FakeAttempt:
+        a = FakeAttempt(launch)
+        self.attempts.append(a)
+        return a
+
+    def submit(self, name: str = "j", **kw: object) -> JobRecord:
+        fields = {"stages": 2, "max_restarts": 2, "restart_timeout_s": 60} | kw
+        text = (f"name: {name}\nmodel: {{factory: mlp}}\ndata: {{factory: random_regression, batch_size: 4}}\n"
+                "optimizer: {name: sgd, lr: 0.1}\nsteps: 4\n" + "".join(f"{k}: {v}\n" for k, v in fields.items()))
+        job = JobRecord(name=name, spec_yaml=text, steps=4, output_dir=f"/nonexistent/{name}")
+        self.sup.add(job, parse_spec(text), Path("job.yaml"), Path("."))
+        return job
+
+    def register(self, *ranks: int) -> None:
+        for r in ranks:
+            self.workers[r] = self.sup.register(r, "127.0.0.1", "cpu", "host", [r], 1)
+
+    def beat(self, *ranks: int) -> None:
+        for r in ranks:
+            assert self.sup.heartbeat(self.workers[r].id)
+
+    async def settle(self) -> None:
+        """Let the supervisor's tasks run until they wait for something."""
+        for _ in range(3):
+            self.sup.schedule()
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+    def commands(self, rank: int) -> list[Join | Abort | None]:
+        out = []
+        q = self.workers[rank].commands
+        while not q.empty():
+            out.append(q.get_nowait())
+        return out
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+async def test_a_job_starts_once_every_rank_is_registered_and_succeeds(h):
+    job = h.submit()
+    h.register(0)
+    await h.settle()
+    assert job.state == JobState.PENDING and not h.attempts
+    h.register(1)
+    await h.settle()
+    assert job.state == JobState.RUNNING and len(h.attempts) == 1
+    a = h.attempts[0]
+    assert a.launch.resume  # serve's jobs always resume (a new one finds no checkpoint)
+    a.queue.put_nowait(report.Master("127.0.0.1:1234"))
+    await h.settle()
+    joins = [c for r in (0, 1) for c in h.commands(r)]
+    assert [(j.stage, j.master) for j in joins if isinstance(j, Join)] == [(0, "127.0.0.1:1234"),
+                                                                          (1, "127.0.0.1:1234")]
+    a.queue.put_nowait(report.Metrics({"step": 3, "loss": 0.5}))
+    a.end(0, report.Done())
+    await h.settle()
+    assert job.state == JobState.SUCCEEDED and job.steps_done == 4 and job.attempts == 1
+    assert all(w.attempt_id is None for w in h.workers.values())
+    assert all(isinstance(c, Abort) for r in (0, 1) for c in h.commands(r))
+
+
+async def test_a_dead_worker_process_fails_the_attempt_and_the_job_restarts_when_its_ranks_are_back(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    first = h.attempts[0]
+    assert h.sup.heartbeat(h.workers[1].id, first.launch.attempt_id, True, -9, "RuntimeError: boom")
+    await h.settle()
+    assert first.killed
+    assert job.state == JobState.RESTARTING and job.failed_rank == 1 and job.restarts == 1
+    assert "stage 1's worker process died (signal SIGKILL): RuntimeError: boom" in job.error
+    # Workers not heard from since the failure do not count as back.
+    await h.settle()
+    assert len(h.attempts) == 1
+    h.clock.advance(0.1)
+    h.beat(0, 1)
+    await h.settle()
+    assert job.state == JobState.RUNNING and len(h.attempts) == 2
+    assert h.attempts[1].launch.resume and h.attempts[1].launch.number == 2
+
+
+async def test_restarts_back_off_and_are_bounded(h):
+    assert [backoff_s(n) for n in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 4.0]
+    job = h.submit(max_restarts=2)
+    h.register(0, 1)
+    for n in range(3):
+        h.clock.advance(0.1 + backoff_s(n))
+        h.beat(0, 1)
+        await h.settle()
+        assert len(h.attempts) == n + 1, n
+        h.attempts[-1].end(1, report.Failed(f"stage 0 failed at step {n}: ValueError: x", 0, 1))
+        await h.settle()
+        if n == 1:  # the second restart waits for its backoff
+            h.clock.advance(0.5)
+            h.beat(0, 1)
+            await h.settle()
+            assert len(h.attempts) == 2 and job.state == JobState.RESTARTING
+    assert job.state == JobState.FAILED and job.restarts == 2 and job.exit_code == 1
+    last = job.history[-1].message
+    assert last.startswith("stage 0 failed at step 0") and "gave up after 2 restarts" in last
+
+
+async def test_bad_input_fails_at_once_without_a_restart(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    h.attempts[0].end(2, report.Failed("checkpoint step-4 does not fit the model", None, 2))
+    await h.settle()
+    assert job.state == JobState.FAILED and job.restarts == 0 and job.exit_code == 2
+
+
+async def test_a_silent_worker_is_dropped_and_all_silent_workers_are_named_together(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    h.clock.advance(11)
+    h.beat(0)
+    h.sup.tick()
+    await h.settle()
+    assert job.state == JobState.RESTARTING and job.failed_rank == 1
+    assert "missed its heartbeats" in job.error and 1 not in h.sup.workers
+    assert h.commands(1)[-1] is None  # its command stream ends
+
+    other = Harness()
+    job2 = other.submit()
+    other.register(0, 1)
+    await other.settle()
+    other.clock.advance(11)
+    other.sup.tick()
+    await other.settle()
+    assert job2.state == JobState.RESTARTING and "all 2 workers missed their heartbeats" in job2.error
+
+
+async def test_a_restarting_job_fails_when_its_ranks_stay_away(h):
+    job = h.submit(restart_timeout_s=30)
+    h.register(0, 1)
+    await h.settle()
+    h.sup.drop(h.workers[1], "stage 1's worker disconnected")
+    await h.settle()
+    assert job.state == JobState.RESTARTING
+    h.clock.advance(31)
+    h.beat(0)
+    h.sup.tick()
+    assert job.state == JobState.FAILED and "rank(s) 1 did not come back" in job.history[-1].message
+
+
+async def test_stop_and_resume(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    await h.sup.stop("j")
+    await h.settle()
+    assert job.state == JobState.STOPPED and h.attempts[0].killed
+    assert all(w.attempt_id is None for w in h.workers.values())
+    h.sup.resume("j")
+    with pytest.raises(ValueError):  # only a FAILED or STOPPED job resumes
+        h.sup.resume("j")
+    h.clock.advance(0.1)
+    h.beat(0, 1)
+    await h.settle()
+    assert job.state == JobState.RUNNING and h.attempts[1].launch.resume
+    pending = h.submit("k")
+    await h.sup.stop("k")
+    assert pending.state == JobState.STOPPED
+
+
+async def test_a_rank_registered_again_fails_its_running_attempt(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    h.register(1)
+    await h.settle()
+    assert job.state == JobState.RESTARTING and "registered again" in job.error
