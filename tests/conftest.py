@@ -83,10 +83,8 @@ class Cli:
         return tagged_pids(self.tag)
 
 
-@pytest.fixture
-def cli(tmp_path: Path):
-    c = Cli(tmp_path)
-    yield c
+def end_leftovers(c: Cli) -> list[int]:
+    """Kill what `c` started and left running; return those pids (a test fails on any)."""
     deadline = time.monotonic() + 3  # a killed process takes a moment to go
     while (left := c.leftovers()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -95,4 +93,12 @@ def cli(tmp_path: Path):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return left
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    c = Cli(tmp_path)
+    yield c
+    left = end_leftovers(c)
     assert not left, f"processes left behind: {left}"

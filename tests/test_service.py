@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from gpipe import serde
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
 from tests import reference
-from tests.conftest import ROOT
+from tests.conftest import ROOT, Cli, end_leftovers
 from tests.test_failures import _worker_pid
 
 pytestmark = pytest.mark.multiprocess
@@ -131,27 +131,43 @@ def service(cli):
     s.stop_all()
 
 
-def test_submit_follow_trains_the_same_weights_as_one_device(service):
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One serve and two workers for the tests that leave them as they found them (each its own job names)."""
+    c = Cli(tmp_path_factory.mktemp("shared"))
+    s = Service(c)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1)
+        yield s
+    finally:
+        s.stop_all()
+        left = end_leftovers(c)
+    assert not left, f"processes left behind: {left}"
+
+
+def test_submit_follow_trains_the_same_weights_as_one_device(shared):
     spec = job("svc", chunks=4, schedule="1f1b")
-    r = service.client("submit", str(service.cli.write(spec)), "--follow")
-    assert r.returncode == 0, r.stderr + service.log("serve")
+    r = shared.client("submit", str(shared.cli.write(spec)), "--follow")
+    assert r.returncode == 0, r.stderr + shared.log("serve")
     assert "svc: SUCCEEDED" in r.stderr
-    got = load_file(service.state / "svc" / "model.safetensors")
+    got = load_file(shared.state / "svc" / "model.safetensors")
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
 
-    r = service.client("status", "svc")
+    r = shared.client("status", "svc")
     assert r.returncode == 0 and "state:    SUCCEEDED" in r.stdout and "progress: 5/5 steps" in r.stdout
-    r = service.client("list")
+    r = shared.client("list")
     assert r.returncode == 0 and "svc" in r.stdout and "SUCCEEDED" in r.stdout and "5/5" in r.stdout
-    r = service.client("logs", "svc")
+    r = shared.client("logs", "svc")
     assert r.returncode == 0
     assert [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
 
 
-async def test_watch_streams_every_step_and_health_is_serving(service):
-    service.client("submit", str(service.cli.write(job("watched", steps=6))))
-    async with grpc.aio.insecure_channel(service.address) as ch:
+async def test_watch_streams_every_step_and_health_is_serving(shared):
+    shared.client("submit", str(shared.cli.write(job("watched", steps=6))))
+    async with grpc.aio.insecure_channel(shared.address) as ch:
         health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         events = [serde.event_from_pb(e) async for e in
@@ -161,39 +177,39 @@ async def test_watch_streams_every_step_and_health_is_serving(service):
     assert states == ["PENDING", "RUNNING", "SUCCEEDED"]
 
 
-def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(service):
-    bad = service.cli.write(job("bad", balance=[1, 1]), "bad.yaml")
-    r = service.client("submit", str(bad), "--follow")
+def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(shared):
+    bad = shared.cli.write(job("bad", balance=[1, 1]), "bad.yaml")
+    r = shared.client("submit", str(bad), "--follow")
     assert r.returncode == 2
     assert r.stderr.strip() == "error: balance: sums to 2 but the model has 4 layers"
-    bad = service.cli.write({**job("bad2"), "optimizer": {"name": "lbfgs", "lr": 1}}, "bad2.yaml")
-    r = service.client("submit", str(bad))
+    bad = shared.cli.write({**job("bad2"), "optimizer": {"name": "lbfgs", "lr": 1}}, "bad2.yaml")
+    r = shared.client("submit", str(bad))
     assert r.returncode == 2 and r.stderr.strip().startswith("error: optimizer.name: Input should be")
-    assert "bad" not in service.client("list").stdout
-    assert not (service.tmp / "worker0-attempts").exists() and not (service.tmp / "worker1-attempts").exists()
+    assert "bad" not in shared.client("list").stdout
+    assert not (shared.state / "bad").exists() and "job bad " not in shared.log("serve")
 
     # A name in use is refused too, and an unknown job is named.
-    assert service.client("submit", str(service.cli.write(job("dup")))).returncode == 0
-    r = service.client("submit", str(service.cli.write(job("dup"))))
+    assert shared.client("submit", str(shared.cli.write(job("dup")))).returncode == 0
+    r = shared.client("submit", str(shared.cli.write(job("dup"))))
     assert r.returncode == 2 and "a job named 'dup' exists already" in r.stderr
-    r = service.client("status", "nosuchjob")
+    r = shared.client("status", "nosuchjob")
     assert r.returncode == 2 and r.stderr.strip() == "error: no job named 'nosuchjob'"
 
 
-def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(service):
-    path = service.cli.write(job("long", model=SLOW, steps=1000))
-    with service.cli.running("submit", str(path), "--follow", "--coordinator", service.address) as follower:
-        service.wait_for(lambda: "1/1000" not in service.client("status", "long").stdout
-                         and "RUNNING" in service.client("status", "long").stdout
-                         and (service.state / "long" / "metrics.jsonl").exists()
-                         and (service.state / "long" / "metrics.jsonl").read_text().count("\n") >= 2,
+def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(shared):
+    path = shared.cli.write(job("long", model=SLOW, steps=1000))
+    with shared.cli.running("submit", str(path), "--follow", "--coordinator", shared.address) as follower:
+        shared.wait_for(lambda: "1/1000" not in shared.client("status", "long").stdout
+                         and "RUNNING" in shared.client("status", "long").stdout
+                         and (shared.state / "long" / "metrics.jsonl").exists()
+                         and (shared.state / "long" / "metrics.jsonl").read_text().count("\n") >= 2,
                          "the long job to run", 90)
-        r = service.client("stop", "long")
+        r = shared.client("stop", "long")
         assert r.returncode == 0 and "long: STOPPED" in r.stderr
         _, err = follower.communicate(timeout=60)
     assert follower.returncode == 3, err
     # The same workers run the next job.
-    r = service.client("submit", str(service.cli.write(job("next"))), "--follow")
+    r = shared.client("submit", str(shared.cli.write(job("next"))), "--follow")
     assert r.returncode == 0, r.stderr
 
 
