@@ -52,7 +52,7 @@ def _worker_pid(tag: str, stage: int) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"worker" in cmd and b"--stage" in cmd and cmd[cmd.index(b"--stage") + 1] == str(stage).encode():
+        if b"gpipe.worker" in cmd and b"--stage" in cmd and cmd[cmd.index(b"--stage") + 1] == str(stage).encode():
             return pid
     return None
 
