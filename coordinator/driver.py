@@ -333,7 +333,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
     spec = plan.spec
     write_json(out / "plan.json", {
         "balance": plan.balance,
-        "balance_by": spec.balance if isinstance(spec.balance, str) else "spec",
+        "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
