@@ -34,6 +34,8 @@ from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import JobFailed, SpecError
+from gpipe.files import atomic_write, atomic_write_json
+from gpipe.state import StageState, layer_of
 from gpipe.worker import attempt as remote
 from gpipe.worker.stage import StageConfig
 
@@ -238,12 +240,9 @@ class Attempt:
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write a safetensors file atomically: a temporary name, fsync, rename."""
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """Write a safetensors file atomically (gpipe.files.atomic_write)."""
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
@@ -258,10 +257,6 @@ def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
     t.start()
     t.join(timeout)
     return not t.is_alive()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
@@ -286,7 +281,7 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     }
 
 
-def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], StageState]]:
     """Per stage: (its weights, its optimizer and RNG state) out of checkpoint `ck`, cut by the plan's balance.
 
     The checkpoint names every tensor by the un-partitioned model, so it fits
@@ -311,27 +306,28 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
     if set(weights) - set(want):
         raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
     scalars: dict[str, Any] = {}
-    for st in ck.stage_states:
-        scalars.update(st.get("optimizer_state", {}))
-    same = len(ck.stage_states) == plan.spec.stages
+    for st in ck.stages:
+        scalars.update(st.optimizer_scalars)
+    same = len(ck.stages) == plan.spec.stages
     parts = []
     for k in range(plan.spec.stages):
         # Non-persistent buffers are not in a state dict: they are the model's own.
         state = {name: weights.get(name, initial) for name, initial in plan.stage_state(k).items()}
-        layers = {name.split(".", 1)[0] for name in state}
-        tensors = {key: t for key, t in ck.tensors.items()
-                   if key.startswith("optim/") and key.split("/", 2)[1].split(".", 1)[0] in layers}
+        layers = {layer_of(name) for name in state}
+        tensors: dict[str, torch.Tensor] = {}
+        for st in ck.stages:
+            tensors.update(st.optim_tensors_for(layers))
         if same:
-            tensors.update(ck.rng[k])
-        groups = ck.stage_states[k if same else 0].get("param_groups", [])
-        parts.append((state, {"tensors": tensors, "param_groups": groups, "optimizer_state": scalars}))
+            tensors.update(ck.stages[k].rng())
+        groups = ck.stages[k if same else 0].param_groups
+        parts.append((state, StageState(tensors, {"param_groups": groups, "optimizer_state": scalars})))
     return parts
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
     """plan.json: the balance, what it was chosen by, and where each stage runs."""
     spec = plan.spec
-    write_json(out / "plan.json", {
+    atomic_write_json(out / "plan.json", {
         "balance": plan.balance,
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
