@@ -153,7 +153,7 @@ class Attempt:
                 loss=spec.loss, schedule=spec.schedule, chunks=spec.chunks,
                 activation_checkpoint=spec.activation_checkpoint, seed=spec.seed,
                 clip_grad_norm=spec.clip_grad_norm, device=self.device_of(k),
-                step_timeout_s=spec.step_timeout_s, store_host=self.store_host,
+                step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s, store_host=self.store_host,
                 store_port=self.store_port, import_paths=self.plan.import_paths,
             )
             if parts is None:

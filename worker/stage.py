@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe import schedule
 from gpipe import state as layout
@@ -48,7 +49,8 @@ class StageConfig:
     seed: int
     clip_grad_norm: float | None
     device: str
-    step_timeout_s: float
+    step_timeout_s: float  # bounds each wait of a step: a receive, a send, the all-reduce
+    start_timeout_s: float  # bounds building: the store, the process group and its subgroups
     store_host: str
     store_port: int
     import_paths: list[str] = field(default_factory=list)
@@ -109,22 +111,25 @@ class Stage:
         self._init_data_plane()
 
     def _init_data_plane(self) -> None:
+        """Join the stages' process group; forming it may take start_timeout_s, each step's waits step_timeout_s."""
         cfg = self.cfg
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.step_timeout_s))
-        dist.init_process_group(
-            backend, store=store, rank=cfg.stage, world_size=cfg.stages,
-            timeout=timedelta(seconds=cfg.step_timeout_s),
-        )
+        start, step = timedelta(seconds=cfg.start_timeout_s), timedelta(seconds=cfg.step_timeout_s)
+        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
+        dist.init_process_group(backend, store=store, rank=cfg.stage, world_size=cfg.stages, timeout=start)
         ranks = list(range(cfg.stages))
         # One group per direction, so each communicator carries one ordered stream.
-        forward = dist.new_group(ranks, backend=backend)
-        backward = dist.new_group(ranks, backend=backend)
-        k = cfg.stage
-        self.recv_act = None if self.first else Receiver(k - 1, forward, self.device, f"stage {k - 1}'s activation")
-        self.send_act = None if self.last else Sender(k + 1, forward, self.device, f"activation to stage {k + 1}")
-        self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient")
-        self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}")
+        forward = dist.new_group(ranks, backend=backend, timeout=start)
+        backward = dist.new_group(ranks, backend=backend, timeout=start)
+        # Formed: from now on a collective (the clipping all-reduce) waits at most a step's timeout. The
+        # channels pass that timeout to each send and receive, since gloo keeps its connect timeout for those.
+        for group in (None, forward, backward):
+            _set_pg_timeout(step, group)
+        k, t = cfg.stage, cfg.step_timeout_s
+        self.recv_act = None if self.first else Receiver(k - 1, forward, self.device, f"stage {k - 1}'s activation", t)
+        self.send_act = None if self.last else Sender(k + 1, forward, self.device, f"activation to stage {k + 1}", t)
+        self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient", t)
+        self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}", t)
 
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
