@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         tell({"resumed": resume.step if resume else 0})
         net.bind_to(a.host)
         _, port = net.bound_store(a.host, spec.start_timeout_s, sock)
-        alive = lambda: None  # noqa: E731 - serve watches its workers itself
         if not a.local:
             tell({"master": f"{a.host}:{port}"})
         threads = threads_per_stage(split_cores(spec.stages)) if a.local else 1
@@ -143,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         if workers is not None:
             placement = [{"device": devices[k], "cores": w.cores, "threads": workers.threads}
                          for k, w in enumerate(workers.workers)]
-            alive = workers.why_dead
             tell({"log": f"{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
                          f"schedule {spec.schedule}, {workers.threads} thread(s) per stage"})
         else:
@@ -160,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "stall_s": stall_s}})
 
         try:
-            drive(plan, out, a.host, port, devices, alive, on_step, on_checkpoint, resume, a.attempt)
+            drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt)
             if workers is not None and not workers.wait(30):
                 raise JobFailed("the workers did not exit after the job")
         finally:
