@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from gpipe.coordinator.plan import Plan, make_plan
 from gpipe.coordinator.spec import parse_spec
 from gpipe.state import StageState
 from gpipe.worker.stage import Stage
+from gpipe.worker.stage_server import StageServer
 from tests import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,3 +104,18 @@ def test_a_snapshot_restored_into_a_fresh_stage_takes_the_same_next_step(optimiz
         got = weights_of(fresh)
     assert loss_again == loss
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_stage_that_cannot_be_built_says_so_in_one_line():
+    # What the coordinator creates remotely: a build error is kept, and answered in one line.
+    plan = plan_of(job())
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = asdict(stage_config(plan, 0, "cpu", "127.0.0.1", store.port))
+    server = StageServer({**cfg, "model_factory": "tests.models:no_such_model"}, plan.stage_state(0))
+    try:
+        error = server.built()["error"]
+        assert "no_such_model" in error and "\n" not in error
+        assert "no_such_model" in server.run_step(0, 0.1, None, None, [1]).wait()["error"]
+        assert not dist.is_initialized()
+    finally:
+        StageServer.close_all()
