@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpipe.coordinator import checkpoint  # noqa: E402
+from gpipe.state import StageState  # noqa: E402
 
 
 def tensors_of(mib: int) -> list[dict[str, torch.Tensor]]:
@@ -47,7 +48,7 @@ def tensors_of(mib: int) -> list[dict[str, torch.Tensor]]:
 
 
 def save_ours(stages: list[dict[str, torch.Tensor]], root: Path, step: int) -> float:
-    snap = checkpoint.Snapshot(step, [(t, {"param_groups": []}) for t in stages], {"bench": True})
+    snap = checkpoint.Snapshot(step, [StageState(t, {"param_groups": []}) for t in stages], {"bench": True})
     t0 = time.perf_counter()
     checkpoint.write(root, snap)
     return time.perf_counter() - t0

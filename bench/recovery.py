@@ -32,16 +32,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def worker_pid(tag: str, stage: int) -> int | None:
+    """The attempt process serving `stage`: the one whose output goes to that stage's log."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             env = (d / "environ").read_bytes().split(b"\0")
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            log = os.readlink(d / "fd" / "2")
         except OSError:
             continue
-        if f"GPIPE_BENCH_TAG={tag}".encode() in env and b"worker" in cmd and b"--stage" in cmd \
-                and cmd[cmd.index(b"--stage") + 1] == str(stage).encode():
+        if f"GPIPE_BENCH_TAG={tag}".encode() in env and log.endswith(f"/stage-{stage}.log"):
             return int(d.name)
     return None
 

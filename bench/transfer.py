@@ -33,7 +33,7 @@ def peer(rank: int, port: int, rounds: int, count: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group([0, 1])  # a channel's own group, as a stage has
     dev = torch.device("cpu")
-    ch = Sender(1, group, dev, "bench") if rank == 0 else Receiver(0, group, dev, "bench")
+    ch = Sender(1, group, dev, "bench", 300.0) if rank == 0 else Receiver(0, group, dev, "bench", 300.0)
     results: dict[tuple[str, tuple[int, int]], list[float]] = {}
     for _ in range(rounds):
         for shape in SIZES:

@@ -112,7 +112,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         tell(report.Checkpoint(step, str(d), size, write_s, stall_s))
 
     try:
-        drive(plan, out, a.host, port, devices, lambda: None, on_step, on_checkpoint, resume, a.attempt)
+        drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt)
     finally:
         log.close()
 

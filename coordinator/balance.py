@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from gpipe.memory import ActivationMeter
-
-OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # state tensors per parameter (sgd: with momentum)
+from gpipe.optim import state_slots
 
 
 def partition(costs: Sequence[float], stages: int) -> list[int]:
@@ -109,7 +108,7 @@ def time_costs(model: nn.Sequential, sample: torch.Tensor, device: torch.device,
 def memory_costs(model: nn.Sequential, sample: torch.Tensor, device: torch.device, optimizer: str,
                  momentum: float, in_flight: int) -> list[float]:
     """Bytes per layer: parameters x (weight, gradient, optimizer state) + activations x in_flight."""
-    slots = OPTIMIZER_SLOTS[optimizer] if optimizer != "sgd" or momentum else 0
+    slots = state_slots(optimizer, momentum)
     costs = []
     for layer, x in _layer_runs(model, sample, device):
         params = list(layer.parameters())

@@ -1,10 +1,10 @@
 """Checkpoints on the coordinator's disk: written in the background, committed by a manifest, verified on load.
 
     <state-dir>/<name>/checkpoints/step-<N>/     N: the steps done; training resumes at step N
-        stage-<K>.safetensors   the stage's weights (model/<name>), optimizer tensors
+        stage-<K>.safetensors   the stage's tensors: weights (model/<name>), optimizer tensors
                                 (optim/<param name>/<key>) and RNG state (rng/cpu, rng/cuda),
-                                under the un-partitioned model's names
-        stage-<K>.json          the stage's optimizer hyper-parameters and non-tensor state
+                                under the un-partitioned model's names (the layout: gpipe.state)
+        stage-<K>.json          the stage's JSON state: optimizer hyper-parameters and non-tensor state
         checkpoint.json         the step, the balance, the data position, the RNG and LR schedule state
         MANIFEST.json           each file's size and sha256; written last
 
@@ -33,13 +33,17 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from gpipe import state as layout
+from gpipe.files import atomic_write_bytes, fsync_dir, json_bytes, write_synced
+from gpipe.state import StageState
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
@@ -58,14 +62,6 @@ class BadCheckpoint(Exception):
 
 
 # -- writing ------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _yield_cpu() -> None:
@@ -128,36 +124,29 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
     return size, digest.hexdigest()
 
 
+def _json(obj: Any) -> bytes:
+    return json_bytes(obj, indent=1, sort_keys=True)
+
+
 def _write_json(path: Path, obj: Any) -> tuple[int, str]:
-    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write `obj` to `path` (fsynced, not renamed: the manifest commits it); return (bytes, sha256)."""
+    data = _json(obj)
+    write_synced(path, data)
     return len(data), hashlib.sha256(data).hexdigest()
 
 
 @dataclass
 class Snapshot:
-    """One checkpoint in memory: per stage, its tensors and its JSON state; and the job's JSON state."""
+    """One checkpoint in memory: each stage's state, and the job's JSON state."""
 
     step: int
-    stages: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]
+    stages: list[StageState]
     meta: dict[str, Any]
     stall_s: float = 0.0  # the longest any stage paused to copy its state out
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for tensors, _ in self.stages for t in tensors.values())
-
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights, under the un-partitioned model's names."""
-        out: dict[str, torch.Tensor] = {}
-        for tensors, _ in self.stages:
-            out.update({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
-        return out
+        return layout.model_state(self.stages)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -171,22 +160,19 @@ def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     if d.exists():  # an earlier attempt's copy of this step, committed or not
         shutil.rmtree(d)
     d.mkdir()
-    _fsync_dir(root)
+    fsync_dir(root)
     files: dict[str, dict[str, Any]] = {}
-    for k, (tensors, state) in enumerate(snap.stages):
+    for k, st in enumerate(snap.stages):
         for name, (size, sha) in (
-            (f"stage-{k}.safetensors", write_safetensors(tensors, d / f"stage-{k}.safetensors")),
-            (f"stage-{k}.json", _write_json(d / f"stage-{k}.json", state)),
+            (f"stage-{k}.safetensors", write_safetensors(st.tensors, d / f"stage-{k}.safetensors")),
+            (f"stage-{k}.json", _write_json(d / f"stage-{k}.json", st.json_state)),
         ):
             files[name] = {"bytes": size, "sha256": sha}
     size, sha = _write_json(d / META, {"format": FORMAT, **snap.meta, "step": snap.step})
     files[META] = {"bytes": size, "sha256": sha}
     manifest = {"format": FORMAT, "step": snap.step, "stages": len(snap.stages), "files": files,
                 "time_unix": time.time()}
-    tmp = d / (MANIFEST + ".tmp")
-    _write_json(tmp, manifest)
-    os.replace(tmp, d / MANIFEST)
-    _fsync_dir(d)
+    atomic_write_bytes(d / MANIFEST, _json(manifest))  # the commit: whole or absent, and durable
     return d, sum(f["bytes"] for f in files.values())
 
 
@@ -222,7 +208,7 @@ class Writer:
 
     `submit` returns at once unless the previous snapshot is still being
     written: then it waits for it (the disk is slower than the checkpoints
-    come), and says how long it waited. A failed write is raised by the next
+    come). A failed write is raised by the next
     `submit` or by `close`.
     """
 
@@ -253,12 +239,10 @@ class Writer:
             what = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
             raise OSError(f"could not write a checkpoint under {self.root}: {what}")
 
-    def submit(self, snap: Snapshot) -> float:
-        """Queue `snap`; return the seconds spent waiting for the previous write."""
+    def submit(self, snap: Snapshot) -> None:
+        """Queue `snap`, waiting while the previous one is still being written."""
         self._raise()
-        t0 = time.perf_counter()
         self._q.put(snap)
-        return time.perf_counter() - t0
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued writes; True if they finished within `timeout`. Raises a failed write."""
@@ -327,35 +311,30 @@ def verify(d: Path) -> dict[str, Any]:
 
 @dataclass
 class Loaded:
-    """A verified checkpoint: the merged tensors of every stage, and the JSON state."""
+    """A verified checkpoint: the state of each stage that wrote it, and the job's JSON state."""
 
     step: int
     path: Path
     meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]  # model/..., optim/..., over all stages
-    stage_states: list[dict[str, Any]]
-    rng: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per stage: rng/cpu, rng/cuda
+    stages: list[StageState]  # as the checkpoint's balance cut them
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return {k.removeprefix("model/"): v for k, v in self.tensors.items() if k.startswith("model/")}
+        """The whole model's weights, under the un-partitioned model's names."""
+        return layout.model_state(self.stages)
 
 
 def load(d: Path) -> Loaded:
     """Verify, then read, the checkpoint in `d`."""
     manifest = verify(d)
-    tensors: dict[str, torch.Tensor] = {}
-    rng: list[dict[str, torch.Tensor]] = []
-    states = []
+    stages = []
     try:
         meta = json.loads((d / META).read_text())
         for k in range(manifest["stages"]):
-            part = load_file(str(d / f"stage-{k}.safetensors"))
-            rng.append({n: t for n, t in part.items() if n.startswith("rng/")})
-            tensors.update({n: t for n, t in part.items() if not n.startswith("rng/")})
-            states.append(json.loads((d / f"stage-{k}.json").read_text()))
+            tensors = load_file(str(d / f"stage-{k}.safetensors"))
+            stages.append(StageState(tensors, json.loads((d / f"stage-{k}.json").read_text())))
     except (OSError, ValueError, SafetensorError) as e:
         raise BadCheckpoint(f"unreadable: {e}") from None
-    return Loaded(manifest["step"], d, meta, tensors, states, rng)
+    return Loaded(manifest["step"], d, meta, stages)
 
 
 def latest(root: Path, say: Callable[[str], None]) -> Loaded | None:

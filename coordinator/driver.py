@@ -1,13 +1,15 @@
 """The driver of one job attempt: the coordinator's side of the RPC world.
 
-The coordinator is rank 0; stage k is rank k+1. Per step it sends one RPC to
-each stage (inputs to the first, targets to the last, the LR to all) and gets
-one answer back from each, so control costs O(stages) messages per step, and
-activations never pass through here. Step s+1 is sent while step s runs, so
-the first stage never waits for its inputs.
+The coordinator is rank 0; stage k is rank k+1. It creates each stage on its
+worker (rpc.remote of worker.stage_server.StageServer) and holds their RRefs.
+Per step it sends one RPC through each RRef (inputs to the first stage,
+targets to the last, the LR to all) and gets one answer back from each, so
+control costs O(stages) messages per step, and activations never pass
+through here. Step s+1 is sent while step s runs, so the first stage never
+waits for its inputs.
 
-Every wait has a deadline and names what it waited for, and a worker process
-that dies ends the attempt within a fraction of a second.
+Every wait has a deadline and names what it waited for. Watching the worker
+processes is the supervisor's part: it kills this attempt when one dies.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import JobFailed, SpecError
-from gpipe.worker import attempt as remote
+from gpipe.files import atomic_write, atomic_write_json
+from gpipe.state import StageState, layer_of
 from gpipe.worker.stage import StageConfig
+from gpipe.worker.stage_server import StageServer
 
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
 
@@ -56,17 +60,16 @@ class StepMetrics:
 class Attempt:
     """Runs `plan` on stages that join the RPC world at `master`."""
 
-    def __init__(self, plan: Plan, store_host: str, store_port: int,
-                 alive_check: Callable[[], tuple[str, int] | None], device_of: Callable[[int], str],
-                 on_step: Callable[[StepMetrics], None]):
+    def __init__(self, plan: Plan, store_host: str, store_port: int, device_of: Callable[[int], str],
+                 on_step: Callable[[StepMetrics], None], attempt_no: int = 1):
         self.plan, self.spec = plan, plan.spec
         # One store serves the RPC rendezvous and the stages' data-plane process group.
         self.store_host, self.store_port = store_host, store_port
         self.master = f"{store_host}:{store_port}"
-        self.alive_check = alive_check  # (why, stage) once a worker is gone, else None
         self.device_of = device_of
         self.on_step = on_step
-        self.attempt_no = 1
+        self.attempt_no = attempt_no
+        self.stages: list[rpc.RRef] = []  # StageServer k, on worker stage{k}
 
     # -- waiting -------------------------------------------------------------
 
@@ -75,18 +78,10 @@ class Attempt:
         layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
         return f"stage {k} ({layers})"
 
-    def _check_alive(self) -> None:
-        dead = self.alive_check()
-        if dead:
-            why, stage = dead
-            raise JobFailed(why, stage=stage)
-
     def _result(self, what: str, k: int, fut: torch.futures.Future) -> Any:
         try:
             value = fut.wait()
         except Exception as e:
-            time.sleep(0.3)  # a dead process is the likelier cause: let it be seen
-            self._check_alive()
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise JobFailed(f"lost contact with {self._stage_name(k)} {what}: {first}", stage=k) from None
         if isinstance(value, dict) and value.get("error"):
@@ -101,22 +96,19 @@ class Attempt:
         deadline = time.monotonic() + timeout
         while len(out) < len(futs):
             try:
-                k = q.get(timeout=0.1)
+                k = q.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    late = [k for k in futs if k not in out]
-                    pending = ", ".join(self._stage_name(k) for k in late)
-                    raise JobFailed(f"timed out after {timeout:.0f}s {what}, waiting for {pending}",
-                                    stage=late[0]) from None
-                continue
+                late = [k for k in futs if k not in out]
+                pending = ", ".join(self._stage_name(k) for k in late)
+                raise JobFailed(f"timed out after {timeout:.0f}s {what}, waiting for {pending}",
+                                stage=late[0]) from None
             out[k] = self._result(what, k, futs[k])
         return out
 
     # -- the attempt ---------------------------------------------------------
 
     def join(self) -> None:
-        """Start this end of the RPC world, while watching that the workers are alive."""
+        """Start this end of the RPC world, within start_timeout_s."""
         spec = self.spec
         opts = net.rpc_options(self.master, spec.start_timeout_s)
         err: list[BaseException] = []
@@ -129,36 +121,29 @@ class Attempt:
 
         t = threading.Thread(target=init, name="rpc-init", daemon=True)
         t.start()
-        deadline = time.monotonic() + spec.start_timeout_s
-        while t.is_alive():
-            t.join(0.1)
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise JobFailed(f"timed out after {spec.start_timeout_s:.0f}s waiting for the workers to join")
+        t.join(spec.start_timeout_s)
+        if t.is_alive():
+            raise JobFailed(f"timed out after {spec.start_timeout_s:.0f}s waiting for the workers to join")
         if err:
             raise JobFailed(f"the RPC world could not start: {str(err[0]).splitlines()[0]}")
 
     def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
-        """Build every stage, with the plan's initial weights or, resuming, a checkpoint's state."""
+        """Create every stage on its worker, with the plan's initial weights or, resuming, a checkpoint's state.
+
+        Returns each stage's figures (parameters, pid, threads) once all are built.
+        """
         spec = self.spec
         parts = resume_parts(self.plan, resume) if resume is not None else None
         futs = {}
-        for k, (start, end) in enumerate(self.plan.bounds):
-            cfg = StageConfig(
-                stage=k, stages=spec.stages, start=start, end=end,
-                model_factory=spec.model.factory, model_args=spec.model.args,
-                optimizer=spec.optimizer.name, optimizer_args=spec.optimizer.torch_kwargs(),
-                loss=spec.loss, schedule=spec.schedule, chunks=spec.chunks,
-                activation_checkpoint=spec.activation_checkpoint, seed=spec.seed,
-                clip_grad_norm=spec.clip_grad_norm, device=self.device_of(k),
-                step_timeout_s=spec.step_timeout_s, store_host=self.store_host,
-                store_port=self.store_port, import_paths=self.plan.import_paths,
-            )
+        for k in range(spec.stages):
+            cfg = stage_config(self.plan, k, self.device_of(k), self.store_host, self.store_port)
             if parts is None:
                 args: tuple[Any, ...] = (asdict(cfg), self.plan.stage_state(k))
             else:
                 args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]
-            futs[k] = rpc.rpc_async(f"stage{k}", remote.build_stage, args=args, timeout=spec.start_timeout_s)
+            rref = rpc.remote(f"stage{k}", StageServer, args=args, timeout=spec.start_timeout_s)
+            self.stages.append(rref)
+            futs[k] = rref.rpc_async(timeout=spec.start_timeout_s).built()
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
 
     def train(self, first_step: int = 0, on_snapshot: Callable[[checkpoint.Snapshot], None] | None = None) -> None:
@@ -184,24 +169,21 @@ class Attempt:
                 futs = {}
                 snap = on_snapshot is not None and self.snapshot_after(issued)
                 for k in range(spec.stages):
-                    args = (issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, snap)
-                    f = rpc.rpc_async(f"stage{k}", remote.run_step, args=args, timeout=0)
+                    f = self.stages[k].rpc_async(timeout=0).run_step(
+                        issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, snap)
                     f.add_done_callback(lambda _f, s=issued, k=k: q.put((s, k)))
                     futs[k] = f
                 pending[issued], results[issued] = futs, {}
                 issued += 1
             try:
-                s, k = q.get(timeout=0.1)
+                s, k = q.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    late = [k for k in pending[finished] if k not in results[finished]]
-                    waiting = ", ".join(self._stage_name(k) for k in late)
-                    raise JobFailed(
-                        f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}",
-                        stage=late[0],
-                    ) from None
-                continue
+                late = [k for k in pending[finished] if k not in results[finished]]
+                waiting = ", ".join(self._stage_name(k) for k in late)
+                raise JobFailed(
+                    f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}",
+                    stage=late[0],
+                ) from None
             results[s][k] = self._result(f"at step {s}", k, pending[s][k])
             while finished in results and len(results[finished]) == spec.stages:
                 per_stage = results.pop(finished)
@@ -237,13 +219,26 @@ class Attempt:
         ))
 
 
+def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int) -> StageConfig:
+    """What stage k is built with: its layers, the spec's training settings, its device and the data-plane store."""
+    spec = plan.spec
+    start, end = plan.bounds[k]
+    return StageConfig(
+        stage=k, stages=spec.stages, start=start, end=end,
+        model_factory=spec.model.factory, model_args=spec.model.args,
+        optimizer=spec.optimizer.name, optimizer_args=spec.optimizer.torch_kwargs(),
+        loss=spec.loss, schedule=spec.schedule, chunks=spec.chunks,
+        activation_checkpoint=spec.activation_checkpoint, seed=spec.seed,
+        clip_grad_norm=spec.clip_grad_norm, device=device,
+        step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s,
+        store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
+    )
+
+
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write a safetensors file atomically: a temporary name, fsync, rename."""
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """Write a safetensors file atomically (gpipe.files.atomic_write)."""
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
@@ -258,10 +253,6 @@ def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
     t.start()
     t.join(timeout)
     return not t.is_alive()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
@@ -286,7 +277,7 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     }
 
 
-def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], StageState]]:
     """Per stage: (its weights, its optimizer and RNG state) out of checkpoint `ck`, cut by the plan's balance.
 
     The checkpoint names every tensor by the un-partitioned model, so it fits
@@ -311,29 +302,30 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
     if set(weights) - set(want):
         raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
     scalars: dict[str, Any] = {}
-    for st in ck.stage_states:
-        scalars.update(st.get("optimizer_state", {}))
-    same = len(ck.stage_states) == plan.spec.stages
+    for st in ck.stages:
+        scalars.update(st.optimizer_scalars)
+    same = len(ck.stages) == plan.spec.stages
     parts = []
     for k in range(plan.spec.stages):
         # Non-persistent buffers are not in a state dict: they are the model's own.
         state = {name: weights.get(name, initial) for name, initial in plan.stage_state(k).items()}
-        layers = {name.split(".", 1)[0] for name in state}
-        tensors = {key: t for key, t in ck.tensors.items()
-                   if key.startswith("optim/") and key.split("/", 2)[1].split(".", 1)[0] in layers}
+        layers = {layer_of(name) for name in state}
+        tensors: dict[str, torch.Tensor] = {}
+        for st in ck.stages:
+            tensors.update(st.optim_tensors_for(layers))
         if same:
-            tensors.update(ck.rng[k])
-        groups = ck.stage_states[k if same else 0].get("param_groups", [])
-        parts.append((state, {"tensors": tensors, "param_groups": groups, "optimizer_state": scalars}))
+            tensors.update(ck.stages[k].rng())
+        groups = ck.stages[k if same else 0].param_groups
+        parts.append((state, StageState(tensors, {"param_groups": groups, "optimizer_state": scalars})))
     return parts
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
     """plan.json: the balance, what it was chosen by, and where each stage runs."""
     spec = plan.spec
-    write_json(out / "plan.json", {
+    atomic_write_json(out / "plan.json", {
         "balance": plan.balance,
-        "balance_by": spec.balance if isinstance(spec.balance, str) else "spec",
+        "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
@@ -367,8 +359,7 @@ class MetricsLog:
         self.f.close()
 
 
-def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
-          alive_check: Callable[[], tuple[str, int] | None], on_step: Callable[[StepMetrics], None],
+def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_step: Callable[[StepMetrics], None],
           on_checkpoint: Callable[[int, Path, int, float, float], None] | None = None,
           resume: checkpoint.Loaded | None = None, attempt_no: int = 1) -> None:
     """One attempt, start to end: join, build, train (checkpointing), save the weights and the timeline, leave.
@@ -396,8 +387,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
         except OSError as e:
             raise JobFailed(str(e)) from None
 
-    attempt = Attempt(plan, host, port, alive_check, devices.__getitem__, on_step)
-    attempt.attempt_no = attempt_no
+    attempt = Attempt(plan, host, port, devices.__getitem__, on_step, attempt_no)
     left = False
     try:
         attempt.join()
@@ -414,6 +404,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str],
             timeline.write(out, spec.trace_step)
         except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter
             print(f"gpipe: no timeline drawn: {e}", file=sys.stderr, flush=True)
+        attempt.stages.clear()  # drop the RRefs, so the stages are released as the world is left
         left = shutdown(graceful=True)
         if not left:
             raise JobFailed("the stages did not leave the RPC world in time")

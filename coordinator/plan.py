@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from gpipe import schedule
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.spec import JobSpec
@@ -29,6 +30,7 @@ class Plan:
     dataset: Dataset[Any]
     import_paths: list[str]
     balance_costs: list[float] | None = None  # per layer, when the balance was computed
+    balance_by: str = "spec"  # "spec", the method that computed it (by_params, ...), or "checkpoint"
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -63,7 +65,9 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     """Build the model and the data, check them against the spec, and choose the balance.
 
     `device` and `threads` are those of the stages: by_time measures layers there.
-    `balance_of` keeps a balance chosen before (a resumed job's), if it still fits.
+    `balance_of` is a balance chosen before (a resumed job's checkpoint's): a
+    computed balance keeps it when it still fits (the same stages and layers),
+    so a resumed job is cut as before; a balance given in the spec wins.
     """
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
@@ -89,14 +93,16 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             resolve(spec.loss)
         except LookupError as e:
             raise SpecError(f"loss: {e}") from None
-    if balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers:
-        balance, costs = list(balance_of), None
+    fits = balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers
+    if isinstance(spec.balance, str) and fits:
+        balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]
     else:
         balance, costs = _balance(spec, model, dataset, torch.device(device), threads)
+        by = spec.balance if isinstance(spec.balance, str) else "spec"
     shared = _shared_parameters(model, balance)
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
-    return Plan(spec, model, balance, dataset, import_paths, costs)
+    return Plan(spec, model, balance, dataset, import_paths, costs, by)
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset[Any], device: torch.device,
@@ -116,7 +122,7 @@ def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset[Any], device:
             if spec.balance == "by_time":
                 costs = balance.time_costs(model, sample, device, threads)
             else:
-                in_flight = spec.chunks if spec.schedule == "gpipe" else min(spec.stages, spec.chunks)
+                in_flight = max(schedule.simulate(spec.schedule, spec.stages, spec.chunks).max_in_flight)
                 costs = balance.memory_costs(model, sample, device, spec.optimizer.name,
                                              spec.optimizer.momentum, in_flight)
         except Exception as e:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from gpipe.coordinator.outputs import prepare_output
 from gpipe.coordinator.spec import parse_spec
 from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, Supervisor
 from gpipe.errors import SpecError
+from gpipe.files import atomic_write_json
 from gpipe.serde import JobRecord
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
@@ -47,12 +47,7 @@ class JobTable:
     def save(self, job: JobRecord) -> None:
         out = Path(job.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".job.", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(job.to_json(), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / "job.json")
+        atomic_write_json(out / "job.json", job.to_json())
 
     def load(self, sup: Supervisor) -> None:
         """Hand every readable record to the supervisor, oldest first, with its logged steps."""

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpipe.errors import SpecError
+from gpipe.optim import OptimizerName
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -57,7 +58,7 @@ class DataSpec(_Spec):
 
 
 class OptimizerSpec(_Spec):
-    name: Literal["sgd", "adam", "adamw"] = Field(description="The optimizer, run on every stage.")
+    name: OptimizerName = Field(description="The optimizer, run on every stage.")
     lr: float = Field(gt=0, description="Learning rate (the peak, under an LR schedule).")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd: momentum.")
     dampening: float = Field(default=0.0, ge=0, le=1, description="sgd: dampening of momentum.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from torch import nn
 
 from gpipe.builtins import mlp
 from gpipe.coordinator import balance
+from gpipe.coordinator.driver import write_plan
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import parse_spec
+from gpipe.schedule import simulate
 from tests.models import Slow
 
 
@@ -86,3 +89,38 @@ steps: 1
     assert all(torch.equal(a, b) for a, b in zip(plan.model.state_dict().values(), fresh.state_dict().values(),
                                                   strict=True))
     assert sum(plan.balance) == 4 and len(plan.balance_costs) == 4
+
+
+def _resume_spec(balance: str) -> str:
+    return f"""
+name: b
+model: {{factory: mlp, args: {{width: 8, depth: 5}}}}
+stages: 2
+balance: {balance}
+data: {{factory: random_regression, args: {{n: 8, in_features: 8, out_features: 8}}, batch_size: 4}}
+optimizer: {{name: sgd, lr: 0.1}}
+steps: 1
+"""
+
+
+@pytest.mark.parametrize(("balance", "checkpoints", "want", "by"), [
+    ("[1, 5]", [3, 3], [1, 5], "spec"),  # the spec's own balance wins over the checkpoint's
+    ("by_params", [5, 1], [5, 1], "checkpoint"),  # a computed one keeps the checkpoint's cut
+    ("by_memory", [5, 1], [5, 1], "checkpoint"),
+    ("by_params", [2, 2, 2], None, "by_params"),  # the checkpoint's has other stages: computed afresh
+    ("by_params", None, None, "by_params"),
+])
+def test_a_resumed_plan_keeps_the_spec_balance_or_else_the_checkpoints(tmp_path, balance, checkpoints, want, by):
+    plan = make_plan(parse_spec(_resume_spec(balance)), tmp_path, balance_of=checkpoints)
+    if want is not None:
+        assert plan.balance == want
+    assert plan.balance_by == by and sum(plan.balance) == 6 and len(plan.balance) == 2
+    write_plan(tmp_path, plan, [{"device": "cpu"}, {"device": "cpu"}])
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["balance"] == plan.balance and written["balance_by"] == by
+
+
+@pytest.mark.parametrize(("schedule", "stages", "chunks"), [("gpipe", 3, 5), ("1f1b", 3, 5), ("1f1b", 4, 2)])
+def test_by_memory_counts_the_micro_batches_the_schedule_holds(schedule, stages, chunks):
+    in_flight = max(simulate(schedule, stages, chunks).max_in_flight)
+    assert in_flight == (chunks if schedule == "gpipe" else min(stages, chunks))

@@ -6,14 +6,13 @@ import threading
 
 import torch
 
-from gpipe.worker.attempt import _StepQueue
+from gpipe.worker.stage_server import StepQueue
 
 
 def test_steps_run_in_step_order_whatever_order_their_rpcs_arrive():
     # "1stage-1chunk: largest weight difference 0.00146": TensorPipe serves RPCs on a
     # thread pool, so run_step(s+1) was sometimes queued, and run, before run_step(s).
-    q = _StepQueue()
-    q.start_at(5)
+    q = StepQueue(5)
     futs = {s: torch.futures.Future() for s in (5, 6, 7)}
     for s in (7, 6, 5):
         q.put(s, futs[s], (s,))

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from gpipe.coordinator import checkpoint
 from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
+from gpipe.state import StageState
 
 
 def sample() -> dict[str, torch.Tensor]:
@@ -43,10 +44,10 @@ def test_shards_are_safetensors_the_library_reads_bit_for_bit(tmp_path):
 
 
 def snap(step: int, scale: float = 1.0) -> checkpoint.Snapshot:
-    stages = [({"model/0.weight": torch.full((4, 4), scale), "rng/cpu": torch.get_rng_state()},
-               {"param_groups": [{"lr": 0.1}], "optimizer_state": {}}),
-              ({"model/1.weight": torch.full((4,), -scale), "optim/1.weight/momentum_buffer": torch.ones(4)},
-               {"param_groups": [{"lr": 0.1}], "optimizer_state": {}})]
+    stages = [StageState({"model/0.weight": torch.full((4, 4), scale), "rng/cpu": torch.get_rng_state()},
+                         {"param_groups": [{"lr": 0.1}], "optimizer_state": {}}),
+              StageState({"model/1.weight": torch.full((4,), -scale), "optim/1.weight/momentum_buffer": torch.ones(4)},
+                         {"param_groups": [{"lr": 0.1}], "optimizer_state": {}})]
     return checkpoint.Snapshot(step, stages, {"balance": [1, 1], "data": {"dataset_len": 10}})
 
 
@@ -59,9 +60,10 @@ def test_a_written_checkpoint_verifies_and_loads(tmp_path):
     ck = checkpoint.load(d)
     assert ck.step == 4 and ck.meta["balance"] == [1, 1] and ck.meta["step"] == 4
     assert torch.equal(ck.model_state()["0.weight"], torch.full((4, 4), 2.0))
-    assert torch.equal(ck.tensors["optim/1.weight/momentum_buffer"], torch.ones(4))
-    assert "rng/cpu" in ck.rng[0] and not ck.rng[1]
-    assert not list(d.glob("*.tmp"))
+    assert torch.equal(ck.stages[1].optim_tensors_for({"1"})["optim/1.weight/momentum_buffer"], torch.ones(4))
+    assert "rng/cpu" in ck.stages[0].rng() and not ck.stages[1].rng()
+    assert ck.stages[0].param_groups == [{"lr": 0.1}]
+    assert not list(d.glob("*.tmp")) and not list(d.glob(".*"))
 
 
 def truncate(d: Path) -> None:

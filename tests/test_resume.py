@@ -251,16 +251,20 @@ def test_a_killed_run_resumes_with_run_resume(cli):
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
-def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished):
-    # The same job resumed on 3 stages instead of 2, for 4 more steps: the names in a checkpoint are the
-    # un-partitioned model's, so each new stage takes its slice of weights and optimizer state.
+@pytest.mark.parametrize("balance", [[1, 2, 1], [3, 1]])
+def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished, balance):
+    # The same job (2 stages, [2, 2]) resumed on another balance, for 4 more steps: the names in a checkpoint
+    # are the un-partitioned model's, so each new stage takes its slice of weights and optimizer state.
+    # With as many stages as before, the spec's balance still wins over the checkpoint's.
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
-    longer = {**s, "stages": 3, "balance": [1, 2, 1], "steps": 14}
+    longer = {**s, "stages": len(balance), "balance": balance, "steps": 14}
     r = cli.run("run", str(cli.write(longer)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
     assert r.returncode == 0, r.stderr
-    assert "r: resuming from checkpoint step-10 " in r.stderr and "3 stages, balance [1, 2, 1]" in r.stderr
+    assert "r: resuming from checkpoint step-10 " in r.stderr and f"{len(balance)} stages, balance {balance}" in r.stderr
     out = cli.tmp / "state" / "r"
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["balance"] == balance and plan["balance_by"] == "spec"
     assert [m["step"] for m in metrics(out) if m["attempt"] == 2] == [10, 11, 12, 13]
     assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-6
 

@@ -8,7 +8,9 @@ communicator is the same on both ends: NCCL needs that, gloo is happy with it.
 
 Sends and receives run on one thread each, so compute never waits for a send,
 and a receive is posted as soon as the previous one finished: the next
-micro-batch is usually already there when the stage needs it.
+micro-batch is usually already there when the stage needs it. Each send and
+receive waits at most the channel's timeout (the step's), whatever timeout
+the process group was formed with.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,11 +40,24 @@ def _header(mb: int, t: torch.Tensor) -> torch.Tensor:
     return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64)
 
 
+def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
+    work = dist.isend(t, peer, group=group)
+    assert work is not None  # this process is in `group`
+    work.wait(timeout)
+
+
+def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
+    work = dist.irecv(t, peer, group=group)
+    assert work is not None
+    work.wait(timeout)
+
+
 class Sender:
     """Sends (micro-batch, tensor) pairs to `peer` in order, on a thread."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str):
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
+        self.timeout = timedelta(seconds=timeout)
         self._q: queue.Queue[tuple[int, torch.Tensor] | None] = queue.Queue()
         self._pending = 0
         self._cv = threading.Condition()
@@ -72,8 +88,8 @@ class Sender:
         while (item := self._q.get()) is not None:
             mb, t = item
             try:
-                dist.send(_header(mb, t).to(self.device), self.peer, group=self.group)
-                dist.send(t, self.peer, group=self.group)
+                _send(_header(mb, t).to(self.device), self.peer, self.group, self.timeout)
+                _send(t, self.peer, self.group, self.timeout)
             except BaseException as e:  # the peer is gone: report it at the next send or flush
                 self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {e}")
             with self._cv:
@@ -89,8 +105,9 @@ class Sender:
 class Receiver:
     """Receives (micro-batch, tensor) pairs from `peer`, on a thread, as they arrive."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str):
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
+        self.timeout = timedelta(seconds=timeout)
         self._todo: queue.Queue[int | None] = queue.Queue()
         self._inbox: dict[int, torch.Tensor] = {}
         self._cv = threading.Condition()
@@ -122,11 +139,11 @@ class Receiver:
         while (count := self._todo.get()) is not None:
             for _ in range(count):
                 try:
-                    dist.recv(header, self.peer, group=self.group)
+                    _recv(header, self.peer, self.group, self.timeout)
                     h = header.tolist()
                     mb, dtype, ndim = h[0], DTYPES[h[1]], h[2]
                     t = torch.empty(h[3 : 3 + ndim], dtype=dtype, device=self.device)
-                    dist.recv(t, self.peer, group=self.group)
+                    _recv(t, self.peer, self.group, self.timeout)
                 except BaseException as e:
                     with self._cv:
                         self._error = ConnectionError(f"receiving {self.name} failed: {e}")

@@ -17,15 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe import schedule
+from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
+from gpipe.optim import optimizer_class
 from gpipe.rng import seeded_forward
+from gpipe.state import StageState
 from gpipe.worker.channel import Receiver, Sender
-
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 @dataclass
@@ -47,7 +49,8 @@ class StageConfig:
     seed: int
     clip_grad_norm: float | None
     device: str
-    step_timeout_s: float
+    step_timeout_s: float  # bounds each wait of a step: a receive, a send, the all-reduce
+    start_timeout_s: float  # bounds building: the store, the process group and its subgroups
     store_host: str
     store_port: int
     import_paths: list[str] = field(default_factory=list)
@@ -86,7 +89,9 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
 
 
 class Stage:
-    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor], resume: dict[str, Any] | None = None):
+    """A stage built and joined to its neighbours; `resume` is a checkpoint's optimizer and RNG state."""
+
+    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor], resume: StageState | None = None):
         self.cfg = cfg
         add_import_paths(cfg.import_paths)
         self.device = torch.device(cfg.device)
@@ -98,7 +103,7 @@ class Stage:
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
-        self.optimizer = OPTIMIZERS[cfg.optimizer](params, **cfg.optimizer_args) if params else None
+        self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) if params else None
         if resume is not None:
             self._restore(resume)
         self.loss_fn = resolve(cfg.loss) if self.last else None
@@ -106,22 +111,25 @@ class Stage:
         self._init_data_plane()
 
     def _init_data_plane(self) -> None:
+        """Join the stages' process group; forming it may take start_timeout_s, each step's waits step_timeout_s."""
         cfg = self.cfg
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.step_timeout_s))
-        dist.init_process_group(
-            backend, store=store, rank=cfg.stage, world_size=cfg.stages,
-            timeout=timedelta(seconds=cfg.step_timeout_s),
-        )
+        start, step = timedelta(seconds=cfg.start_timeout_s), timedelta(seconds=cfg.step_timeout_s)
+        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
+        dist.init_process_group(backend, store=store, rank=cfg.stage, world_size=cfg.stages, timeout=start)
         ranks = list(range(cfg.stages))
         # One group per direction, so each communicator carries one ordered stream.
-        forward = dist.new_group(ranks, backend=backend)
-        backward = dist.new_group(ranks, backend=backend)
-        k = cfg.stage
-        self.recv_act = None if self.first else Receiver(k - 1, forward, self.device, f"stage {k - 1}'s activation")
-        self.send_act = None if self.last else Sender(k + 1, forward, self.device, f"activation to stage {k + 1}")
-        self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient")
-        self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}")
+        forward = dist.new_group(ranks, backend=backend, timeout=start)
+        backward = dist.new_group(ranks, backend=backend, timeout=start)
+        # Formed: from now on a collective (the clipping all-reduce) waits at most a step's timeout. The
+        # channels pass that timeout to each send and receive, since gloo keeps its connect timeout for those.
+        for group in (None, forward, backward):
+            _set_pg_timeout(step, group)
+        k, t = cfg.stage, cfg.step_timeout_s
+        self.recv_act = None if self.first else Receiver(k - 1, forward, self.device, f"stage {k - 1}'s activation", t)
+        self.send_act = None if self.last else Sender(k + 1, forward, self.device, f"activation to stage {k + 1}", t)
+        self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient", t)
+        self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}", t)
 
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
@@ -238,55 +246,48 @@ class Stage:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The stage's state dict on the CPU, under the un-partitioned model's names."""
-        return {name: t.to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
+    def snapshot(self) -> StageState:
+        """A copy of everything a resumed stage needs, in the checkpoint layout (gpipe.state).
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """A copy of everything a resumed stage needs: (tensors on the CPU, JSON-able state).
-
-        Tensors: model/<name> (the state dict), optim/<param name>/<key>,
-        rng/cpu (and rng/cuda). JSON: the optimizer's hyper-parameters and its
-        non-tensor state, by parameter name, so a checkpoint fits any balance.
+        Weights, the optimizer's tensors by parameter name (so a checkpoint fits
+        any balance) and the generator states on the CPU; the optimizer's
+        hyper-parameters and non-tensor state as JSON.
         """
         tensors: dict[str, torch.Tensor] = {}
         for name, t in self.layers.state_dict().items():  # non-persistent buffers are rebuilt, not saved
-            tensors[f"model/{name}"] = t.detach().to("cpu", copy=True)
+            tensors[layout.model_key(name)] = t.detach().to("cpu", copy=True)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         if self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
                 for key, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        tensors[f"optim/{name}/{key}"] = v.detach().to("cpu", copy=True)
+                        tensors[layout.optim_key(name, key)] = v.detach().to("cpu", copy=True)
                     else:
                         scalars.setdefault(name, {})[key] = v
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        tensors["rng/cpu"] = torch.get_rng_state()
+        tensors[layout.RNG_CPU] = torch.get_rng_state()
         if self.device.type == "cuda":
-            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
-        return tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names}
+            tensors[layout.RNG_CUDA] = torch.cuda.get_rng_state(self.device)
+        return StageState(tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names})
 
-    def _restore(self, resume: dict[str, Any]) -> None:
+    def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""
-        tensors: dict[str, torch.Tensor] = resume["tensors"]
         if self.optimizer is not None:
             state: dict[int, dict[str, Any]] = {}
             for i, name in enumerate(self.param_names):
-                entry = dict(resume["optimizer_state"].get(name, {}))
-                prefix = f"optim/{name}/"
-                entry.update({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)})
-                if entry:
+                if entry := resume.optimizer_state_of(name):
                     state[i] = entry
             groups = []
-            for g, saved in zip(self.optimizer.param_groups, resume["param_groups"], strict=True):
+            for g, saved in zip(self.optimizer.param_groups, resume.param_groups, strict=True):
                 restored = {k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()}
                 groups.append({**restored, "params": list(range(len(g["params"])))})
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        if "rng/cpu" in tensors:
-            torch.set_rng_state(tensors["rng/cpu"])
-        if "rng/cuda" in tensors and self.device.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng/cuda"], self.device)
+        rng = resume.rng()
+        if layout.RNG_CPU in rng:
+            torch.set_rng_state(rng[layout.RNG_CPU])
+        if layout.RNG_CUDA in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng[layout.RNG_CUDA], self.device)
 
     def close(self) -> None:
         for ch in (self.recv_act, self.send_act, self.recv_grad, self.send_grad):

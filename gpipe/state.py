@@ -1,0 +1,88 @@
+"""A stage's state as checkpoints hold it: the one definition of its layout.
+
+The stages write it (worker/stage.py: snapshot, restore), the coordinator
+stores it (coordinator/checkpoint.py) and cuts it for another balance
+(coordinator/driver.py). Tensors are named by the un-partitioned model, so a
+checkpoint fits any balance:
+
+    model/<name>            the stage's state dict (parameters and persistent buffers)
+    optim/<param>/<key>     the optimizer's tensor state of parameter <param> (exp_avg, momentum_buffer, ...)
+    rng/cpu, rng/cuda       the stage's generator states
+
+and its JSON state is
+
+    {"param_groups": [hyper-parameters, per group], "optimizer_state": {param: {key: non-tensor value}},
+     "params": [the stage's parameter names, in order]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MODEL = "model/"
+OPTIM = "optim/"
+RNG = "rng/"
+RNG_CPU = "rng/cpu"
+RNG_CUDA = "rng/cuda"
+
+
+def model_key(name: str) -> str:
+    return MODEL + name
+
+
+def optim_key(param: str, key: str) -> str:
+    return f"{OPTIM}{param}/{key}"
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter or buffer belongs to: its index in the un-partitioned nn.Sequential."""
+    return name.split(".", 1)[0]
+
+
+@dataclass
+class StageState:
+    """One stage's state: tensors on the CPU under the keys above, and its JSON state."""
+
+    tensors: dict[str, torch.Tensor]
+    json_state: dict[str, Any] = field(default_factory=dict)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The weights under the un-partitioned model's names (model/ stripped)."""
+        return {k.removeprefix(MODEL): v for k, v in self.tensors.items() if k.startswith(MODEL)}
+
+    def optim_tensors_for(self, layers: Collection[str]) -> dict[str, torch.Tensor]:
+        """The optimizer tensors (optim/... keys kept) of the parameters in `layers`."""
+        return {k: v for k, v in self.tensors.items()
+                if k.startswith(OPTIM) and layer_of(k.removeprefix(OPTIM)) in layers}
+
+    def rng(self) -> dict[str, torch.Tensor]:
+        """The generator states (rng/... keys kept)."""
+        return {k: v for k, v in self.tensors.items() if k.startswith(RNG)}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.json_state.get("param_groups", [])
+
+    @property
+    def optimizer_scalars(self) -> dict[str, dict[str, Any]]:
+        """Per parameter name, the optimizer's non-tensor state (such as adam's step, when it is a number)."""
+        return self.json_state.get("optimizer_state", {})
+
+    def optimizer_state_of(self, param: str) -> dict[str, Any]:
+        """Everything the optimizer keeps for parameter `param`: its scalars and its tensors, by key."""
+        prefix = optim_key(param, "")
+        entry = dict(self.optimizer_scalars.get(param, {}))
+        entry.update({k.removeprefix(prefix): v for k, v in self.tensors.items() if k.startswith(prefix)})
+        return entry
+
+
+def model_state(stages: Iterable[StageState]) -> dict[str, torch.Tensor]:
+    """The whole model's weights out of every stage's state."""
+    out: dict[str, torch.Tensor] = {}
+    for st in stages:
+        out.update(st.model_state())
+    return out

@@ -1,0 +1,121 @@
+"""One Stage in this process, a world of one: the step equals one device, and a snapshot resumes bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.driver import stage_config
+from gpipe.coordinator.plan import Plan, make_plan
+from gpipe.coordinator.spec import parse_spec
+from gpipe.state import StageState
+from gpipe.worker.stage import Stage
+from gpipe.worker.stage_server import StageServer
+from tests import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def job(**kw) -> dict:
+    spec = {
+        "name": "s", "seed": 5, "stages": 1, "chunks": 3,
+        "model": {"factory": "tests.models:mlp_dropout", "args": {"width": 8, "depth": 2}},
+        "data": {"factory": "random_regression", "args": {"n": 20, "in_features": 8, "out_features": 8},
+                 "batch_size": 7},
+        "loss": "mse", "optimizer": {"name": "adamw", "lr": 0.01}, "clip_grad_norm": 0.5, "steps": 3,
+        "start_timeout_s": 30, "step_timeout_s": 30,
+    }
+    spec.update(kw)
+    return spec
+
+
+def plan_of(spec: dict) -> Plan:
+    return make_plan(parse_spec(yaml.safe_dump(spec)), ROOT)
+
+
+@contextmanager
+def built(plan: Plan, weights: dict[str, torch.Tensor], resume: StageState | None = None) -> Iterator[Stage]:
+    """Stage 0 of `plan` on a fresh store; its process group is destroyed on the way out."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stage = None
+    try:
+        stage = Stage(stage_config(plan, 0, "cpu", "127.0.0.1", store.port), weights, resume)
+        yield stage
+    finally:
+        if stage is not None:
+            stage.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(stage: Stage, plan: Plan, steps: range) -> list[float]:
+    spec = plan.spec
+    stream = DataStream(plan.dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed)
+    losses = []
+    for s in steps:
+        xs, ys, sizes = stream.micro_batches(s)
+        out = stage.step(s, spec.optimizer.lr, xs, ys, sizes)
+        losses.append(out["loss_sum"])
+    return losses
+
+
+def weights_of(stage: Stage) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in stage.layers.state_dict().items()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpointing", ["never", "always", "except_last"])
+def test_a_stage_trains_as_one_device(schedule, checkpointing):
+    spec = job(schedule=schedule, activation_checkpoint=checkpointing)
+    plan = plan_of(spec)
+    with built(plan, plan.stage_state(0)) as stage:
+        losses = run(stage, plan, range(spec["steps"]))
+        got = weights_of(stage)
+    want = reference.train(spec)
+    assert set(got) == set(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-6, f"weights differ from one device by {worst}"
+    assert all(loss > 0 for loss in losses)
+
+
+@pytest.mark.parametrize("optimizer", [{"name": "adamw", "lr": 0.01}, {"name": "sgd", "lr": 0.1, "momentum": 0.9}])
+def test_a_snapshot_restored_into_a_fresh_stage_takes_the_same_next_step(optimizer):
+    plan = plan_of(job(optimizer=optimizer))
+    with built(plan, plan.stage_state(0)) as stage:
+        run(stage, plan, range(2))
+        snap = stage.snapshot()
+        [loss] = run(stage, plan, range(2, 3))
+        want = weights_of(stage)
+    assert snap.optim_tensors_for({"0"}), "the optimizer's state is in the snapshot"
+    assert set(snap.json_state["params"]) == set(want)  # mlp_dropout has parameters only
+
+    # What the coordinator hands a resumed stage: the weights, and the rest of the state.
+    rest = StageState({k: v for k, v in snap.tensors.items() if not k.startswith("model/")}, snap.json_state)
+    with built(plan, snap.model_state(), rest) as fresh:
+        [loss_again] = run(fresh, plan, range(2, 3))
+        got = weights_of(fresh)
+    assert loss_again == loss
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_stage_that_cannot_be_built_says_so_in_one_line():
+    # What the coordinator creates remotely: a build error is kept, and answered in one line.
+    plan = plan_of(job())
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = asdict(stage_config(plan, 0, "cpu", "127.0.0.1", store.port))
+    server = StageServer({**cfg, "model_factory": "tests.models:no_such_model"}, plan.stage_state(0))
+    try:
+        error = server.built()["error"]
+        assert "no_such_model" in error and "\n" not in error
+        assert "no_such_model" in server.run_step(0, 0.1, None, None, [1]).wait()["error"]
+        assert not dist.is_initialized()
+    finally:
+        StageServer.close_all()

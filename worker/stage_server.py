@@ -1,0 +1,149 @@
+"""A stage as an RPC object: the coordinator creates it remotely and drives it through its RRef.
+
+    rref = rpc.remote("stage1", StageServer, args=(cfg, weights))   # builds the stage on its worker
+    rref.rpc_async(timeout=...).built()                             # its figures, or {"error": ...}
+    rref.rpc_async(timeout=0).run_step(step, lr, inputs, targets, sizes, snapshot)
+
+A StageServer owns its Stage, the queue of steps it was sent, and the thread
+that runs them one at a time, in step order, off the RPC threads. Errors come
+back as {"error": "<type>: <first line>"} with the traceback in the worker's
+log, so the coordinator can name the stage in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed.rpc as rpc
+
+from gpipe.state import StageState
+from gpipe.worker.stage import Stage, StageConfig
+
+StepArgs = tuple[int, float, list[torch.Tensor] | None, list[torch.Tensor] | None, list[int], bool]
+
+
+class StepQueue:
+    """Steps by number, handed out strictly in order.
+
+    RPCs are served by a thread pool, so run_step(s+1) may arrive before
+    run_step(s); the stage must still run s first.
+    """
+
+    def __init__(self, first: int = 0) -> None:
+        self._cv = threading.Condition()
+        self._steps: dict[int, tuple[torch.futures.Future, StepArgs]] = {}
+        self._next = first
+        self._closed = False
+
+    def put(self, step: int, fut: torch.futures.Future, args: StepArgs) -> None:
+        with self._cv:
+            self._steps[step] = (fut, args)
+            self._cv.notify_all()
+
+    def take(self) -> tuple[torch.futures.Future, StepArgs] | None:
+        """The next step in order, waiting for it; None once closed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or self._next in self._steps)
+            if self._closed:
+                return None
+            job = self._steps.pop(self._next)
+            self._next += 1
+            return job
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+def describe(e: BaseException) -> str:
+    """One line for the coordinator: the error's type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+class StageServer:
+    """One stage of an attempt, living on its worker for the attempt's life (see the module's docstring)."""
+
+    # The stages this process serves, closed when it leaves the RPC world (close_all).
+    live: ClassVar[list[StageServer]] = []
+
+    def __init__(self, cfg: dict[str, Any], weights: dict[str, torch.Tensor], first_step: int = 0,
+                 resume: StageState | None = None):
+        """Build the stage (and join the stages' data plane); its steps start at `first_step`.
+
+        `weights` are its parameters and buffers; `resume`, when resuming, the
+        checkpoint's optimizer and RNG state. A failure is kept for built().
+        """
+        self.stage: Stage | None = None
+        self.error: str | None = None
+        self._steps = StepQueue(first_step)
+        self._thread: threading.Thread | None = None
+        StageServer.live.append(self)
+        try:
+            self.stage = Stage(StageConfig(**cfg), weights, resume)
+        except BaseException as e:
+            traceback.print_exc()
+            self.error = describe(e)
+            return
+        self._thread = threading.Thread(target=self._run, name="stage-executor", daemon=True)
+        self._thread.start()
+
+    def built(self) -> dict[str, Any]:
+        """The built stage's figures, or {"error": ...} when building failed."""
+        if self.stage is None:
+            return {"error": self.error}
+        return {"params": sum(p.numel() for p in self.stage.layers.parameters()), "pid": os.getpid(),
+                "threads": torch.get_num_threads()}
+
+    @rpc.functions.async_execution
+    def run_step(self, step: int, lr: float, inputs: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor] | None, sizes: list[int],
+                 snapshot: bool = False) -> torch.futures.Future:
+        """Queue one step; the returned future completes when its optimizer step is done.
+
+        The coordinator sends step s+1 while step s runs, so a stage never waits
+        for its inputs. With `snapshot`, the answer also carries a copy of the
+        stage's state after the step (a StageState, for a checkpoint), taken
+        before the next step starts.
+        """
+        fut: torch.futures.Future = torch.futures.Future()
+        if self.stage is None:
+            fut.set_result({"error": f"the stage was not built: {self.error}"})
+        else:
+            self._steps.put(step, fut, (step, lr, inputs, targets, sizes, snapshot))
+        return fut
+
+    def _run(self) -> None:
+        """Runs the queued steps one at a time, in step order."""
+        assert self.stage is not None
+        while (job := self._steps.take()) is not None:
+            fut, (step, lr, inputs, targets, sizes, snapshot) = job
+            try:
+                result = self.stage.step(step, lr, inputs, targets, sizes)
+                if snapshot:
+                    # Between steps, before the next one changes anything: the stall a checkpoint costs.
+                    t0 = time.perf_counter()
+                    result["snapshot"] = self.stage.snapshot()
+                    result["snapshot_s"] = time.perf_counter() - t0
+                fut.set_result(result)
+            except BaseException as e:
+                traceback.print_exc()
+                fut.set_result({"error": describe(e)})
+
+    def close(self) -> None:
+        """Stop taking steps and close the stage's channels."""
+        self._steps.close()
+        if self.stage is not None:
+            self.stage.close()
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Close every stage this process serves (it is leaving the RPC world)."""
+        while cls.live:
+            cls.live.pop().close()
