@@ -25,6 +25,7 @@ if __name__ == "__main__":
 import argparse
 import json
 import os
+import signal
 import traceback
 import warnings
 from dataclasses import asdict
@@ -33,7 +34,7 @@ from pathlib import Path
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
-from gpipe.errors import GpipeError, SpecError
+from gpipe.errors import GpipeError, JobFailed, SpecError
 
 
 def device_for(spec: JobSpec, device: str, stage: int) -> str:
@@ -117,6 +118,12 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         log.close()
 
 
+def _stopped(signum: int, frame: object) -> None:
+    """SIGTERM from the supervisor (a worker of this attempt was lost): fail, committing the snapshots taken."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the commit that follows must not be cut short
+    raise JobFailed("the supervisor ended this attempt")
+
+
 def main(argv: list[str] | None = None) -> int:
     # Reports go to the stream that was stdout; from here on, anything printed goes to the log.
     tell = report.Reporter(os.fdopen(os.dup(1), "w"))
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", help="once planned, send this process's stderr to this file")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="You are using a Backend")
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         attempt(a, tell)
     except GpipeError as e:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -409,7 +410,10 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         if not left:
             raise JobFailed("the stages did not leave the RPC world in time")
     finally:
+        # A failed attempt still commits the snapshots it took: a stop request (SIGTERM) waits for that.
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to ignore
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with contextlib.suppress(OSError):
-            writer.close(timeout=60)  # a failed attempt still commits the snapshots it took
+            writer.close(timeout=60)
         if not left:
             shutdown(graceful=False, timeout=5)

@@ -36,10 +36,17 @@ class AttemptProcess:
     async def wait(self) -> int:
         return await self.proc.wait()
 
-    def kill(self) -> None:
-        if self.proc.returncode is None:
+    def kill(self, grace_s: float = 0.0) -> None:
+        """SIGKILL the attempt's process group; with `grace_s`, SIGTERM first (it commits what it holds)."""
+        if self.proc.returncode is not None:
+            return
+        if grace_s > 0:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.kill(self.proc.pid, signal.SIGTERM)
+            asyncio.get_running_loop().call_later(grace_s, self.kill)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 class ProcessLauncher:

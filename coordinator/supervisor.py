@@ -44,6 +44,7 @@ from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
 WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker has to say so
+COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 
 
@@ -73,7 +74,9 @@ class AttemptProcess(Protocol):
 
     def reports(self) -> AsyncIterator[report.Report]: ...
     async def wait(self) -> int: ...
-    def kill(self) -> None: ...
+    def kill(self, grace_s: float = 0.0) -> None:
+        """End it: at once, or with `grace_s` to commit the checkpoints it holds (SIGTERM, then SIGKILL)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,7 @@ class Supervisor:
             if attempt.id == w.attempt_id and attempt.failure is None and not attempt.stopped:
                 attempt.failure = (why, w.rank)
                 attempt.failed.set()
-                self._kill(attempt)
+                self._kill(attempt, COMMIT_GRACE_S)
 
     # -- the loops --------------------------------------------------------------------
 
@@ -369,9 +372,9 @@ class Supervisor:
 
     # -- attempts ---------------------------------------------------------------------
 
-    def _kill(self, attempt: Attempt) -> None:
+    def _kill(self, attempt: Attempt, grace_s: float = 0.0) -> None:
         if attempt.process is not None:
-            attempt.process.kill()
+            attempt.process.kill(grace_s)
 
     async def _run(self, e: Entry, attempt: Attempt) -> None:
         job, spec = e.record, e.spec

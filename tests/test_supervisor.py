@@ -58,7 +58,7 @@ class FakeAttempt:
         if not self.code.done():
             self.code.set_result(code)
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 0.0) -> None:
         if not self.code.done():
             self.killed = True
             self.end(-9)
