@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -41,6 +41,18 @@ from gpipe.files import atomic_write, atomic_write_json
 from gpipe.state import StageState, layer_of
 from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
+
+T = TypeVar("T")
+
+
+def _put_when_done(q: queue.Queue[T], key: T) -> Callable[[Any], None]:
+    """A future's done-callback that puts `key` on `q` (the waits below take whichever finishes first)."""
+
+    def done(_fut: Any) -> None:
+        q.put(key)
+
+    return done
+
 
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
 
@@ -92,7 +104,7 @@ class Attempt:
     def _wait_all(self, futs: dict[int, torch.futures.Future], timeout: float, what: str) -> dict[int, Any]:
         q: queue.Queue[int] = queue.Queue()
         for k, f in futs.items():
-            f.add_done_callback(lambda _f, k=k: q.put(k))
+            f.add_done_callback(_put_when_done(q, k))
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(out) < len(futs):
@@ -141,7 +153,7 @@ class Attempt:
             if parts is None:
                 args: tuple[Any, ...] = (asdict(cfg), self.plan.stage_state(k))
             else:
-                args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]
+                args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]  # parts is set only when resume is
             rref = rpc.remote(f"stage{k}", StageServer, args=args, timeout=spec.start_timeout_s)
             self.stages.append(rref)
             futs[k] = rref.rpc_async(timeout=spec.start_timeout_s).built()
@@ -168,11 +180,11 @@ class Attempt:
                 xs, ys, sizes = stream.micro_batches(issued)
                 lr = lr_at(spec, issued)
                 futs = {}
-                snap = on_snapshot is not None and self.snapshot_after(issued)
+                want_snapshot = on_snapshot is not None and self.snapshot_after(issued)
                 for k in range(spec.stages):
                     f = self.stages[k].rpc_async(timeout=0).run_step(
-                        issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, snap)
-                    f.add_done_callback(lambda _f, s=issued, k=k: q.put((s, k)))
+                        issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, want_snapshot)
+                    f.add_done_callback(_put_when_done(q, (issued, k)))
                     futs[k] = f
                 pending[issued], results[issued] = futs, {}
                 issued += 1
@@ -192,7 +204,8 @@ class Attempt:
                     parts = [per_stage[k].pop("snapshot") for k in range(spec.stages)]
                     stall = max(per_stage[k]["snapshot_s"] for k in range(spec.stages))
                     snap = checkpoint.Snapshot(finished + 1, parts, checkpoint_meta(self.plan, finished + 1), stall)
-                    on_snapshot(snap)  # type: ignore[misc]
+                    assert on_snapshot is not None  # asked for only when there is one
+                    on_snapshot(snap)
                 now = time.perf_counter()
                 self._report(finished, per_stage, now - t_prev)
                 del pending[finished]
@@ -264,7 +277,7 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     checks them against its own plan.
     """
     spec = plan.spec
-    batch, n = spec.data.batch_size, len(plan.dataset)  # type: ignore[arg-type]
+    batch, n = spec.data.batch_size, len(plan.dataset)  # type: ignore[arg-type]  # torch's Dataset type has no __len__; the plan checked it
     return {
         "job": spec.name, "steps": spec.steps, "stages": spec.stages, "balance": plan.balance,
         "data": {"next_step": step, "samples_seen": step * batch, "epoch": step * batch // n,
@@ -287,7 +300,7 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
     input: SpecError, and no restart would help.
     """
     where = f"checkpoint {ck.path.name}"
-    n = len(plan.dataset)  # type: ignore[arg-type]
+    n = len(plan.dataset)  # type: ignore[arg-type]  # torch's Dataset type has no __len__; the plan checked it
     if ck.meta.get("data", {}).get("dataset_len") != n:
         raise SpecError(f"{where} was taken with a data set of {ck.meta.get('data', {}).get('dataset_len')} "
                         f"items; this job's has {n}")
@@ -399,7 +412,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
             writer.close()
         except OSError as e:
             raise JobFailed(str(e)) from None
-        weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]
+        weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]  # no final snapshot: resumed at the last step
         save_weights(weights, out / "model.safetensors")
         try:
             timeline.write(out, spec.trace_step)

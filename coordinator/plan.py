@@ -95,7 +95,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             raise SpecError(f"loss: {e}") from None
     fits = balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers
     if isinstance(spec.balance, str) and fits:
-        balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]
+        balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]  # balance_by names the spec's choices, and this one
     else:
         balance, costs = _balance(spec, model, dataset, torch.device(device), threads)
         by = spec.balance if isinstance(spec.balance, str) else "spec"

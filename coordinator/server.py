@@ -182,6 +182,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         w = self.c.sup.worker(request.worker_id)
         if w is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker id: register again")
+            return
         try:
             while (cmd := await w.commands.get()) is not None:
                 yield serde.command_to_pb(cmd)

@@ -127,7 +127,7 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
     await d.agent.close()
     await server.stop(grace=1)
     if task in done and task.exception():
-        raise task.exception()  # type: ignore[misc]
+        raise task.exception()  # type: ignore[misc]  # a done task with an exception: not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,17 +158,17 @@ class Stage:
         def forward(mb: int, x: torch.Tensor) -> torch.Tensor:
             y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
             if self.last:
-                target = targets[mb].to(dev, non_blocking=True)  # type: ignore[index]
-                y = self.loss_fn(y, target)  # type: ignore[misc]
+                target = targets[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the last stage gets targets
+                y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
             return y
 
         for action in schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks):
             mb = action.micro_batch
             if action.kind == "F":
                 if self.first:
-                    x = inputs[mb].to(dev, non_blocking=True)  # type: ignore[index]
+                    x = inputs[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the first stage gets inputs
                 else:
-                    x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]
+                    x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]  # every stage but the first receives
                     if x.is_floating_point():
                         x.requires_grad_()
                 t0 = time.perf_counter()
@@ -180,14 +180,14 @@ class Stage:
                 if self.last:
                     loss_sum += y.detach().double() * sizes[mb]
                 else:
-                    self.send_act.send(mb, y.detach())  # type: ignore[union-attr]
+                    self.send_act.send(mb, y.detach())  # type: ignore[union-attr]  # every stage but the last sends
                     if wants_grad:
-                        self.recv_grad.expect(1)  # type: ignore[union-attr]
+                        self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
                 held_x = self.meter.hold(x) if not self.first else None
                 stash[mb] = (x, held_x, None if ckpt else y, wants_grad)
             else:
                 x, held_x, y, wants_grad = stash.pop(mb)
-                grad = self.recv_grad.get(mb, timeout) if wants_grad else None  # type: ignore[union-attr]
+                grad = self.recv_grad.get(mb, timeout) if wants_grad else None  # type: ignore[union-attr]  # wants_grad: not the last
                 t0 = time.perf_counter()
                 if y is None:  # checkpointed: recompute the forward, replaying its randomness
                     with self.meter.hooks():
@@ -199,7 +199,7 @@ class Stage:
                 del y, held_x
                 if not self.first and x.is_floating_point():
                     g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    self.send_grad.send(mb, g)  # type: ignore[union-attr]
+                    self.send_grad.send(mb, g)  # type: ignore[union-attr]  # not the first stage
             t1 = time.perf_counter()
             busy += t1 - t0
             timeline.append((action.kind, mb, t0 - t_step, t1 - t_step))
@@ -235,7 +235,7 @@ class Stage:
             sq += g.detach().double().pow(2).sum()
         dist.all_reduce(sq)  # the norm is over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
-        coef = self.cfg.clip_grad_norm / (norm + 1e-6)  # type: ignore[operator]
+        coef = self.cfg.clip_grad_norm / (norm + 1e-6)  # type: ignore[operator]  # called only when clip_grad_norm is set
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
