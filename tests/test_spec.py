@@ -120,8 +120,8 @@ def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     path = cli.write(__import__("yaml").safe_load(spec_with(balance=[1, 1])))
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), timeout=60)
     assert r.returncode == 2
-    assert r.stderr.strip() == "error: balance: sums to 2 but the model has 4 layers"
-    assert "Traceback" not in r.stderr
+    line, = r.stderr.strip().splitlines()  # one line, naming the field
+    assert line.startswith("error: balance:") and "4 layers" in line, line
     assert not (cli.tmp / "state").exists()
 
 
