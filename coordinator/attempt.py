@@ -23,6 +23,7 @@ if __name__ == "__main__":
     proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -34,7 +35,10 @@ from pathlib import Path
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
-from gpipe.errors import GpipeError, JobFailed, SpecError
+from gpipe.errors import CAUSE_DISK, GpipeError, JobFailed, SpecError, describe_os_error
+
+# Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
 
 
 def device_for(spec: JobSpec, device: str, stage: int) -> str:
@@ -143,8 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         attempt(a, tell)
     except GpipeError as e:
-        tell(report.Failed(str(e), getattr(e, "stage", None), e.exit_code))
+        tell(report.Failed(str(e), getattr(e, "stage", None), e.exit_code, getattr(e, "cause", "")))
         return e.exit_code
+    except OSError as e:
+        if e.filename is None and e.errno not in DISK_ERRNOS:
+            traceback.print_exc()
+            tell(report.Failed(f"internal error: {type(e).__name__}: {e}", None, 1))
+            return 1
+        tell(report.Failed(describe_os_error(e), None, 1, CAUSE_DISK))  # a restart would meet the same disk
+        return 1
     except Exception as e:
         traceback.print_exc()  # to the log: a bug of ours
         tell(report.Failed(f"internal error: {type(e).__name__}: {e}", None, 1))

@@ -42,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gpipe import state as layout
-from gpipe.files import atomic_write_bytes, fsync_dir, json_bytes, write_synced
+from gpipe.files import atomic_write_bytes, fsync_dir, json_bytes, naming, write_synced
 from gpipe.state import StageState
 
 FORMAT = 1
@@ -163,11 +163,11 @@ def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     fsync_dir(root)
     files: dict[str, dict[str, Any]] = {}
     for k, st in enumerate(snap.stages):
-        for name, (size, sha) in (
-            (f"stage-{k}.safetensors", write_safetensors(st.tensors, d / f"stage-{k}.safetensors")),
-            (f"stage-{k}.json", _write_json(d / f"stage-{k}.json", st.json_state)),
-        ):
-            files[name] = {"bytes": size, "sha256": sha}
+        with naming(d / f"stage-{k}.safetensors"):
+            files[f"stage-{k}.safetensors"] = dict(zip(
+                ("bytes", "sha256"), write_safetensors(st.tensors, d / f"stage-{k}.safetensors"), strict=True))
+        size, sha = _write_json(d / f"stage-{k}.json", st.json_state)
+        files[f"stage-{k}.json"] = {"bytes": size, "sha256": sha}
     size, sha = _write_json(d / META, {"format": FORMAT, **snap.meta, "step": snap.step})
     files[META] = {"bytes": size, "sha256": sha}
     manifest = {"format": FORMAT, "step": snap.step, "stages": len(snap.stages), "files": files,
@@ -236,8 +236,9 @@ class Writer:
     def _raise(self) -> None:
         if self._error is not None:
             e, self._error = self._error, None
-            what = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
-            raise OSError(f"could not write a checkpoint under {self.root}: {what}")
+            if isinstance(e, OSError):  # keep the errno and the path: the supervisor reads them
+                raise OSError(e.errno, e.strerror or str(e), e.filename or str(self.root))
+            raise OSError(f"could not write a checkpoint under {self.root}: {e}")
 
     def submit(self, snap: Snapshot) -> None:
         """Queue `snap`, waiting while the previous one is still being written."""

@@ -75,9 +75,10 @@ class Client:
             return EXIT_OK
         return await self.follow(job.name, job.steps, progress=True, since=len(job.history) - 1)
 
-    async def follow(self, name: str, steps: int, progress: bool, since: int = 0) -> int:
+    async def follow(self, name: str, steps: int, progress: bool, since: int = 0,
+                     final_after: int | None = None) -> int:
         """Show the job's events until it ends; the exit code follows its final state."""
-        follower = Follower(name, Progress(steps) if progress else None, since)
+        follower = Follower(name, Progress(steps) if progress else None, since, final_after)
         final = None
         try:
             async for m in self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name)):
@@ -122,7 +123,9 @@ class Client:
     async def logs(self, name: str, follow: bool) -> int:
         job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
         if follow or job.state.ended:
-            code = await self.follow(name, job.steps, progress=False)
+            # The end to wait for: the last state of an ended job, else the next end (not a past run's).
+            ends = len(job.history) - 1 if job.state.ended else len(job.history)
+            code = await self.follow(name, job.steps, progress=False, final_after=ends)
             return EXIT_OK if not follow else code
         # Not following a running job: what happened so far, then return.
         events = self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name))

@@ -36,7 +36,14 @@ from gpipe.coordinator import checkpoint, timeline
 from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
-from gpipe.errors import JobFailed, SpecError
+from gpipe.errors import (
+    CAUSE_DISK,
+    CAUSE_IMPORT,
+    CAUSE_RAISED,
+    JobFailed,
+    SpecError,
+    describe_os_error,
+)
 from gpipe.files import atomic_write, atomic_write_json
 from gpipe.state import StageState, layer_of
 from gpipe.worker.stage import StageConfig
@@ -98,7 +105,11 @@ class Attempt:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise JobFailed(f"lost contact with {self._stage_name(k)} {what}: {first}", stage=k) from None
         if isinstance(value, dict) and value.get("error"):
-            raise JobFailed(f"{self._stage_name(k)} failed {what}: {value['error']}", stage=k)
+            error = str(value["error"])
+            # gpipe.factory.resolve says LookupError when the job's code cannot be imported here.
+            cause = CAUSE_IMPORT if error.startswith(("ModuleNotFoundError", "ImportError", "LookupError")) \
+                else CAUSE_RAISED
+            raise JobFailed(f"{self._stage_name(k)} failed {what}: {error}", stage=k, cause=cause)
         return value
 
     def _wait_all(self, futs: dict[int, torch.futures.Future], timeout: float, what: str) -> dict[int, Any]:
@@ -354,7 +365,8 @@ class MetricsLog:
     """Appends every `log_every`-th step (and the last) to metrics.jsonl, a line at a time."""
 
     def __init__(self, out: Path, log_every: int, steps: int):
-        self.f = open(out / "metrics.jsonl", "a+")
+        self.path = out / "metrics.jsonl"
+        self.f = open(self.path, "a+")
         self.f.seek(0, os.SEEK_END)
         if self.f.tell():
             self.f.seek(self.f.tell() - 1)
@@ -365,12 +377,17 @@ class MetricsLog:
     def write(self, m: StepMetrics) -> bool:
         if m.step % self.log_every and m.step != self.steps - 1:
             return False
-        self.f.write(json.dumps(asdict(m)) + "\n")
-        self.f.flush()
+        try:
+            self.f.write(json.dumps(asdict(m)) + "\n")
+            self.f.flush()
+        except OSError as e:  # a full disk: name the file
+            raise JobFailed(f"metrics: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",
+                            cause=CAUSE_DISK) from None
         return True
 
     def close(self) -> None:
-        self.f.close()
+        with contextlib.suppress(OSError):  # a write that failed already said so
+            self.f.close()
 
 
 def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_step: Callable[[StepMetrics], None],
@@ -399,7 +416,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         try:
             writer.submit(snap)
         except OSError as e:
-            raise JobFailed(str(e)) from None
+            raise JobFailed(f"checkpoint step-{snap.step}: {describe_os_error(e)}", cause=CAUSE_DISK) from None
 
     attempt = Attempt(plan, host, port, devices.__getitem__, on_step, attempt_no)
     left = False
@@ -411,7 +428,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         try:
             writer.close()
         except OSError as e:
-            raise JobFailed(str(e)) from None
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None
         weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]  # no final snapshot: resumed at the last step
         save_weights(weights, out / "model.safetensors")
         try:

@@ -55,11 +55,14 @@ class Follower:
     """Shows a job's events as they come: steps on `bar` (or as JSON lines without one), states and log lines.
 
     `since` skips that many state changes already shown (a resumed job's
-    stream starts with its past). `show` returns the final state once the job ended.
+    stream starts with its past). `show` returns the final state once the job ended:
+    the first end past state number `final_after` (default `since`), as a resumed
+    job's past holds the ends of its earlier runs.
     """
 
-    def __init__(self, name: str, bar: Progress | None, since: int = 0):
+    def __init__(self, name: str, bar: Progress | None, since: int = 0, final_after: int | None = None):
         self.name, self.since, self.bar = name, since, bar
+        self.final_after = since if final_after is None else final_after
         self.states = 0
         self.last_step = -1
 
@@ -78,7 +81,7 @@ class Follower:
             if self.states <= self.since:
                 return None
             self.write(f"{self.name}: {value.state.value}" + (f": {value.message}" if value.message else ""))
-            return value.state if value.state.ended else None
+            return value.state if value.state.ended and self.states > self.final_after else None
         self.write(f"{self.name}: {value}")
         return None
 

@@ -11,7 +11,7 @@ not take the supervisor down.
     Master(address)                  the workers may join the rendezvous at HOST:PORT now
     Metrics(values)                  a logged step (also in metrics.jsonl)
     Checkpoint(step, path, ...)      a checkpoint was committed
-    Failed(message, stage, exit_code)the attempt failed (stage None when no stage is to blame)
+    Failed(message, stage, exit_code, cause)  the attempt failed (stage None: no stage to blame)
     Done()                           trained; model.safetensors is written
 """
 
@@ -57,6 +57,7 @@ class Failed:
     message: str
     stage: int | None
     exit_code: int
+    cause: str = ""  # gpipe.errors.CAUSE_*: why, where a restart may not help; "" unknown
 
 
 @dataclass(frozen=True)

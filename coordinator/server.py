@@ -19,6 +19,7 @@ import json
 import signal
 import sys
 import tempfile
+from collections import deque
 from pathlib import Path
 
 import grpc
@@ -29,10 +30,15 @@ from gpipe import serde
 from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.outputs import prepare_output
 from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, Supervisor
-from gpipe.errors import SpecError
+from gpipe.coordinator.supervisor import (
+    EVENT_WINDOW,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    Supervisor,
+)
+from gpipe.errors import EXIT_BAD_INPUT, SpecError
 from gpipe.files import atomic_write_json
-from gpipe.serde import JobRecord
+from gpipe.serde import JobRecord, JobState, StateChange
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 VALIDATE_TIMEOUT_S = 120.0
@@ -50,29 +56,66 @@ class JobTable:
         atomic_write_json(out / "job.json", job.to_json())
 
     def load(self, sup: Supervisor) -> None:
-        """Hand every readable record to the supervisor, oldest first, with its logged steps."""
-        records = []
-        for path in self.state_dir.glob("*/job.json"):
+        """Hand every record to the supervisor, oldest first, with its newest logged steps.
+
+        A record that cannot be read, or whose spec no longer validates, is listed FAILED with one
+        line naming its file, and never runs: its name stays taken, so no new job deletes its files.
+        Nothing on disk is changed.
+        """
+        records, broken = [], []
+        for d in sorted(p for p in self.state_dir.iterdir() if p.is_dir()):
+            path = d / "job.json"
+            if not path.exists():
+                continue
             try:
                 job = JobRecord.from_json(json.loads(path.read_text()))
+                if job.name != d.name:
+                    raise ValueError(f"it names job {job.name!r}, not {d.name!r}")
                 records.append((job, parse_spec(job.spec_yaml)))
-            except (OSError, ValueError, KeyError, TypeError, SpecError) as e:
-                print(f"gpipe: ignoring {path}: not a job record ({e})", file=sys.stderr, flush=True)
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, SpecError) as e:
+                why = f"unreadable job record {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                print(f"gpipe: skipping {why}", file=sys.stderr, flush=True)
+                broken.append(JobRecord(name=d.name, spec_yaml="", steps=0, state=JobState.FAILED, history=[
+                    StateChange(JobState.FAILED, path.stat().st_mtime, why)], error=why, output_dir=str(d),
+                    exit_code=EXIT_BAD_INPUT))
         for job, spec in sorted(records, key=lambda r: r[0].history[0].time_unix if r[0].history else 0.0):
             out = Path(job.output_dir)
-            sup.add(job, spec, out / "job.yaml", out, events=_replay(job))
+            events, older = _replay(job)
+            sup.add(job, spec, out / "job.yaml", out, events=events, older=older)
+        for job in broken:
+            sup.add(job, None, Path(job.output_dir) / "job.yaml", Path(job.output_dir), events=[
+                ("state", job.history[0])])
 
 
-def _replay(job: JobRecord) -> list[serde.Event]:
-    """The states in order, the logged steps, then the final state of an ended job."""
+def _replay(job: JobRecord) -> tuple[list[serde.Event], int]:
+    """The states in order, the newest logged steps, then the final state of an ended job; and how many
+    steps of metrics.jsonl were left out (read from disk if a watcher asks)."""
     last = job.history[-1:] if job.state.ended else []
     events: list[serde.Event] = [("state", h) for h in job.history[: len(job.history) - len(last)]]
-    with contextlib.suppress(OSError):
-        for x in (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines():
-            with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
-                events.append(("metrics", json.loads(x)))
+    lines, older = _tail(Path(job.output_dir) / "metrics.jsonl", EVENT_WINDOW - len(job.history))
+    for x in lines:
+        with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
+            events.append(("metrics", json.loads(x)))
     events += [("state", h) for h in last]
-    return events
+    return events, older
+
+
+def _tail(path: Path, keep: int, block: int = 1 << 20) -> tuple[list[bytes], int]:
+    """The last `keep` lines of a file, and how many lines come before them; reads it once, a block at a time."""
+    keep = max(1, keep)
+    total, tail = 0, deque[bytes](maxlen=keep + 1)
+    rest = b""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        while chunk := f.read(block):
+            parts = (rest + chunk).split(b"\n")
+            rest = parts.pop()
+            total += len(parts)
+            tail.extend(parts[-(keep + 1):])
+    if rest:
+        total += 1
+        tail.append(rest)
+    lines = list(tail)[-keep:]
+    return lines, total - len(lines)
 
 
 class Coordinator:

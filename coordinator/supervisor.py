@@ -13,8 +13,16 @@ Every failure decision is made here, once:
   failure better than what the attempt process reported, so it comes first.
 - A failed attempt restarts from the last good checkpoint, `max_restarts`
   times, backing off (0 s, then 1, 2, 4 ... up to `BACKOFF_CAP_S`), once all
-  its ranks are back (within `restart_timeout_s`); bad input (exit code 2)
-  never restarts. Past that the job is FAILED, naming the first failure.
+  its ranks are back (within `restart_timeout_s`). What a restart cannot fix
+  fails the job at once: bad input (exit code 2), a disk error writing the
+  job's state or checkpoints, job code the workers cannot import, and the
+  same exception raised at the same step twice. Past that the job is FAILED,
+  naming the first failure.
+- One job's trouble is its own: an error in its bookkeeping fails that job,
+  never the loops, and a record that cannot be saved (a full disk) fails the
+  job and frees its workers. `serve` marks itself NOT_SERVING if a loop dies.
+- Memory is bounded by the work: each job keeps its newest `EVENT_WINDOW`
+  events; `watch` reads older metrics from the job's metrics.jsonl.
 
 `serve` gives it daemons over gRPC and a job table on disk; `run` gives it
 local workers in process and keeps nothing but the job's outputs. Time comes
@@ -29,8 +37,10 @@ import contextlib
 import signal
 import sys
 import time
+import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -38,7 +48,7 @@ from typing import Protocol
 from gpipe import serde
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec
-from gpipe.errors import EXIT_BAD_INPUT
+from gpipe.errors import CAUSE_DISK, CAUSE_IMPORT, CAUSE_RAISED, EXIT_BAD_INPUT, describe_os_error
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -46,6 +56,8 @@ HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its atte
 WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker has to say so
 COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
+STOP_TIMEOUT_S = 30.0  # how long `stop` waits for a killed attempt to be reaped
+EVENT_WINDOW = 2000  # events of a job kept in memory (older metrics are read from disk)
 
 
 class Clock(Protocol):
@@ -124,14 +136,26 @@ class Entry:
     """A job as the supervisor holds it: its record and what it was submitted with."""
 
     record: JobRecord
-    spec: JobSpec
+    spec: JobSpec | None  # None: a record that could not be read back (listed, never run or resumed)
     spec_path: Path
     job_dir: Path
     fresh: bool = False  # the next attempt starts over instead of resuming
     failed_at: float = float("-inf")  # monotonic time of the last failure: workers heard since count as back
     not_before: float = float("-inf")  # monotonic time before which no restart starts (backoff)
-    events: list[serde.Event] = field(default_factory=list)
+    last_failure: str = ""  # the previous attempt's failure, to tell an error that repeats
+    events: deque[serde.Event] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
+    older: int = 0  # metrics no longer in `events`: the first `older` lines of the job's metrics.jsonl
     watchers: set[asyncio.Queue[serde.Event]] = field(default_factory=set)
+
+    @property
+    def job_spec(self) -> JobSpec:
+        if self.spec is None:
+            raise ValueError(f"job {self.record.name!r} has no readable record: {self.record.error}")
+        return self.spec
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.record.output_dir) / "metrics.jsonl"
 
 
 @dataclass
@@ -142,6 +166,7 @@ class Attempt:
     process: AttemptProcess | None = None
     stopped: bool = False
     failure: tuple[str, int | None] | None = None  # (message, rank) decided here
+    cause: str = ""  # gpipe.errors.CAUSE_* of a failure decided here ("" for a lost worker: restart)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -162,6 +187,24 @@ def _ranks(spec: JobSpec) -> str:
     return f"ranks 0-{spec.stages - 1}" if spec.stages > 1 else "rank 0"
 
 
+def _read_metrics(path: Path, count: int, batch: int = 1000) -> Iterator[list[serde.Event]]:
+    """The first `count` lines of a metrics.jsonl as events, `batch` at a time (run off the event loop)."""
+    import json
+
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        out: list[serde.Event] = []
+        for n, line in enumerate(f):
+            if n >= count:
+                break
+            with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
+                out.append(("metrics", json.loads(line)))
+            if len(out) >= batch:
+                yield out
+                out = []
+        if out:
+            yield out
+
+
 class Supervisor:
     def __init__(self, launcher: Launcher, store: Store | None = None, clock: Clock | None = None,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, say: Callable[[str], None] | None = None,
@@ -180,11 +223,20 @@ class Supervisor:
 
     # -- jobs -------------------------------------------------------------------------
 
-    def add(self, job: JobRecord, spec: JobSpec, spec_path: Path, job_dir: Path, fresh: bool = False,
-            events: list[serde.Event] | None = None) -> Entry:
-        """Take a job: new ones go PENDING; known ones (a restarted serve's) keep their state or resume."""
-        e = Entry(job, spec, spec_path, job_dir, fresh=fresh, events=list(events or []))
+    def add(self, job: JobRecord, spec: JobSpec | None, spec_path: Path, job_dir: Path, fresh: bool = False,
+            events: list[serde.Event] | None = None, older: int = 0) -> Entry:
+        """Take a job: new ones go PENDING; known ones (a restarted serve's) keep their state or resume.
+
+        `spec` None is a record that could not be read back: it is listed, FAILED, and never runs, so
+        that its name (and its files) cannot be taken by a new job. `older` counts the metrics of its
+        metrics.jsonl that `events` leaves out.
+        """
+        e = Entry(job, spec, spec_path, job_dir, fresh=fresh)
+        e.events.extend(events or [])
+        e.older = older
         self.jobs[job.name] = e
+        if spec is None:
+            return e
         if not job.history:
             self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):
@@ -206,7 +258,11 @@ class Supervisor:
         elif attempt is not None:
             attempt.stopped = True
             self._kill(attempt)
+            deadline = self.clock.monotonic() + STOP_TIMEOUT_S
             while name in self.attempts:  # the attempt's task records STOPPED and frees the workers
+                if self.clock.monotonic() > deadline:
+                    raise TimeoutError(f"job {name!r}: its attempt did not end within {STOP_TIMEOUT_S:.0f}s "
+                                       "of being killed")
                 await asyncio.sleep(0.05)
         return job
 
@@ -216,10 +272,11 @@ class Supervisor:
         job = e.record
         if job.state not in (JobState.FAILED, JobState.STOPPED):
             raise ValueError(f"job {name!r} is {job.state.value}: only a FAILED or STOPPED job can be resumed")
+        spec = e.job_spec  # ValueError: its record could not be read
         job.restarts, job.error, job.failed_rank, job.exit_code = 0, "", -1, 0
-        e.not_before = float("-inf")
+        e.not_before, e.last_failure = float("-inf"), ""
         self._set_state(e, JobState.RESTARTING,
-                        f"resume requested: resuming from {self._from(job)} once {_ranks(e.spec)} are free")
+                        f"resume requested: resuming from {self._from(job)} once {_ranks(spec)} are free")
         self.wake.set()
         return job
 
@@ -227,6 +284,8 @@ class Supervisor:
         return f"checkpoint step-{job.checkpoint_step}" if job.checkpoint_step else "the last good checkpoint"
 
     def _emit(self, e: Entry, event: serde.Event) -> None:
+        if len(e.events) == e.events.maxlen and e.events[0][0] == "metrics":
+            e.older += 1  # the oldest is dropped from memory; metrics.jsonl still has it
         e.events.append(event)
         for q in e.watchers:
             q.put_nowait(event)
@@ -235,9 +294,34 @@ class Supervisor:
         change = StateChange(state, self.clock.time(), message)
         e.record.state = state
         e.record.history.append(change)
-        self.store.save(e.record)
         self._emit(e, ("state", change))
         self.say(f"job {e.record.name} {state.value}{': ' + message if message else ''}")
+        self._save(e)
+
+    def _save(self, e: Entry) -> None:
+        """Keep the record; if it cannot be written, the job fails (its workers are freed), not the loops."""
+        try:
+            self.store.save(e.record)
+        except OSError as ex:
+            why = f"cannot save the job's state: {describe_os_error(ex)}"
+            self.say(f"job {e.record.name}: {why}")
+            attempt = self.attempts.get(e.record.name)
+            if attempt is not None:
+                if attempt.failure is None and not attempt.stopped:
+                    attempt.failure, attempt.cause = (why, None), CAUSE_DISK
+                    attempt.failed.set()
+                self._kill(attempt)  # its task frees the workers and records FAILED
+            elif not e.record.state.ended:
+                if not e.record.error:
+                    e.record.error = why
+                e.record.exit_code = 1
+                change = StateChange(JobState.FAILED, self.clock.time(), why)
+                e.record.state = JobState.FAILED
+                e.record.history.append(change)
+                self._emit(e, ("state", change))
+                self.say(f"job {e.record.name} FAILED: {why}")
+                with contextlib.suppress(OSError):
+                    self.store.save(e.record)
 
     async def watch(self, name: str) -> AsyncIterator[serde.Event]:
         """The job's events so far, then live ones until it ends."""
@@ -245,7 +329,19 @@ class Supervisor:
         q: asyncio.Queue[serde.Event] = asyncio.Queue()
         e.watchers.add(q)
         try:
-            for ev in list(e.events):
+            window = list(e.events)
+            if e.older:
+                # The states before the window, then the metrics it left out, read from disk in batches.
+                first = next((ev[1].time_unix for ev in window if ev[0] == "state"), float("inf"))
+                for h in e.record.history:
+                    if h.time_unix <= first and ("state", h) not in window:
+                        yield "state", h
+                batches = _read_metrics(e.metrics_path, e.older)
+                none: list[serde.Event] = []
+                while batch := await asyncio.to_thread(next, batches, none):
+                    for ev in batch:
+                        yield ev
+            for ev in window:
                 yield ev
             if e.record.state.ended:
                 return
@@ -318,15 +414,31 @@ class Supervisor:
             job = e.record
             if job.state != JobState.RESTARTING or job.name in self.attempts:
                 continue
-            waited = self.clock.time() - job.history[-1].time_unix
-            if waited > e.spec.restart_timeout_s:
-                missing = [r for r in range(e.spec.stages) if r not in self.workers]
-                who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
-                       else "its workers stayed busy")
-                first = f"; the first failure: {job.error}" if job.error else ""
-                self._set_state(e, JobState.FAILED,
-                                f"{who} within restart_timeout_s ({e.spec.restart_timeout_s:.0f}s){first}")
+            with self._own_trouble(e):
+                spec = e.job_spec
+                waited = self.clock.time() - job.history[-1].time_unix
+                if waited > spec.restart_timeout_s:
+                    missing = [r for r in range(spec.stages) if r not in self.workers]
+                    who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
+                           else "its workers stayed busy")
+                    first = f"; the first failure: {job.error}" if job.error else ""
+                    job.exit_code = 1
+                    self._set_state(e, JobState.FAILED,
+                                    f"{who} within restart_timeout_s ({spec.restart_timeout_s:.0f}s){first}")
         self.wake.set()
+
+    @contextlib.contextmanager
+    def _own_trouble(self, e: Entry) -> Iterator[None]:
+        """A job whose bookkeeping raises fails alone: the loops and the other jobs go on."""
+        try:
+            yield
+        except Exception as ex:  # a bug of ours, met by one job: it must not stop the service
+            traceback.print_exc(file=sys.stderr)
+            if not e.record.state.ended and e.record.name not in self.attempts:
+                e.record.exit_code = 1
+                e.record.error = e.record.error or f"internal error: {type(ex).__name__}: {ex}"
+                with contextlib.suppress(Exception):
+                    self._set_state(e, JobState.FAILED, f"internal error: {type(ex).__name__}: {ex}")
 
     def schedule(self) -> None:
         """Start each waiting job, oldest first, once every rank it needs has an idle worker heard from lately."""
@@ -337,14 +449,15 @@ class Supervisor:
                 continue
             if now < e.not_before:
                 continue
-            ranks = list(range(e.spec.stages))
-            ready = [self.workers.get(r) for r in ranks]
-            if all(w is not None and w.attempt_id is None and w.last_seen > e.failed_at for w in ready):
-                attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
-                for r in ranks:
-                    self.workers[r].attempt_id = attempt.id
-                self.attempts[job.name] = attempt
-                self._spawn(self._run(e, attempt))
+            with self._own_trouble(e):
+                ranks = list(range(e.job_spec.stages))
+                ready = [self.workers.get(r) for r in ranks]
+                if all(w is not None and w.attempt_id is None and w.last_seen > e.failed_at for w in ready):
+                    attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
+                    for r in ranks:
+                        self.workers[r].attempt_id = attempt.id
+                    self.attempts[job.name] = attempt
+                    self._spawn(self._run(e, attempt))
 
     async def serve_forever(self) -> None:
         """Run `tick` every heartbeat interval and `schedule` whenever something changed."""
@@ -362,7 +475,12 @@ class Supervisor:
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and (ex := task.exception()) is not None:
+            traceback.print_exception(ex, file=sys.stderr)  # a bug of ours: said, never silent
 
     def shutdown(self) -> None:
         """Kill every attempt; jobs keep their state (a restarted serve resumes them)."""
@@ -377,7 +495,7 @@ class Supervisor:
             attempt.process.kill(grace_s)
 
     async def _run(self, e: Entry, attempt: Attempt) -> None:
-        job, spec = e.record, e.spec
+        job, spec = e.record, e.job_spec
         job.attempts += 1
         resuming = job.state == JobState.RESTARTING
         self._set_state(e, JobState.RUNNING, f"attempt {job.attempts} ({attempt.id}) on ranks {attempt.ranks}"
@@ -405,7 +523,7 @@ class Supervisor:
                     job.steps_done = r.step
                 elif isinstance(r, report.Checkpoint):
                     job.checkpoint_step = r.step
-                    self.store.save(job)
+                    self._save(e)
                     self._log(e, f"checkpoint step-{r.step}: {r.bytes / 2**20:,.1f} MiB in {r.write_s:.3f}s")
                 elif isinstance(r, report.Log):
                     self._log(e, r.line)
@@ -440,21 +558,29 @@ class Supervisor:
             self._failed(e, attempt, reported, code)
 
     def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
-        job, spec = e.record, e.spec
+        job, spec = e.record, e.job_spec
         bad_input = code == EXIT_BAD_INPUT or (reported is not None and reported.exit_code == EXIT_BAD_INPUT)
         if attempt.failure is not None and not bad_input:
-            message, stage = attempt.failure
+            (message, stage), cause = attempt.failure, attempt.cause
         elif reported is not None:
-            message, stage = reported.message, reported.stage
+            message, stage, cause = reported.message, reported.stage, reported.cause
         else:
-            message, stage = f"the attempt process died ({describe_exit(code)})", None
+            message, stage, cause = f"the attempt process died ({describe_exit(code)})", None, ""
         rank = -1 if stage is None else int(stage)
         e.failed_at = self.clock.monotonic()
         if not job.error:  # the first failure is the one a user needs
             job.error, job.failed_rank = message, rank
+        repeated, e.last_failure = cause == CAUSE_RAISED and message == e.last_failure, message
+        hopeless = {CAUSE_DISK: "a disk error: a restart would meet the same disk",
+                    CAUSE_IMPORT: "the workers cannot import the job's code"}.get(cause)
+        if repeated:
+            hopeless = "the same error at the same step twice: a restart cannot fix it"
         if bad_input:
             job.exit_code = EXIT_BAD_INPUT
             self._set_state(e, JobState.FAILED, message)
+        elif hopeless is not None:
+            job.exit_code = 1
+            self._set_state(e, JobState.FAILED, f"{message} (not restarted: {hopeless})")
         elif job.restarts < spec.max_restarts:
             job.restarts += 1
             delay = backoff_s(job.restarts)

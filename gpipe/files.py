@@ -11,9 +11,20 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside without a file name gets `path` (a full disk's write says which file)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -27,36 +38,41 @@ def fsync_dir(path: Path) -> None:
 
 def write_synced(path: Path, data: bytes) -> None:
     """Write `data` to `path` in place and fsync it (for files that something else commits, as a manifest)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Replace `path` with what `write(tmp)` writes to a temporary file next to it, atomically and durably."""
-    path = Path(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
+    with naming(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Replace `path` with what `write(tmp)` writes to a temporary file next to it, atomically and durably.
+
+    An OSError that names no file (a full disk) is raised naming `path`.
+    """
+    path = Path(path)
+    with naming(path):
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -221,16 +221,42 @@ def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
 
 
 def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
+    # Each attempt fails 7 forwards (3 steps of 2 micro-batches, and one) after its start: step 3, then 6.
     s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
-             max_restarts=1, steps=10)
+             max_restarts=1, steps=10, checkpoint_every=1)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("RESTARTING") == 1
     last = r.stderr.strip().splitlines()[-1]
     # The first failure is named, and the last one too.
     assert last.startswith("error: stage 1 (layers 2-3) failed at step 3: ValueError: boom after 7 forwards"), last
-    assert "gave up after 1 restarts" in last and "the last failure: stage 1" in last, last
+    assert "gave up after 1 restarts" in last and "the last failure: stage 1 (layers 2-3) failed at step 6" in last
     assert "Traceback" not in r.stderr
+
+
+def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
+    s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
+             max_restarts=3, steps=10)
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("RESTARTING") == 1  # once, to tell a deterministic error from a passing one
+    last = r.stderr.strip().splitlines()[-1]
+    assert "failed at step 3" in last and "same error at the same step twice" in last, last
+
+
+def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
+    # The plan imports the model on the coordinator's side; the stages import it again where they run.
+    (cli.tmp / "vanishing.py").write_text(
+        "import sys\nfrom tests.models import mlp_dropout\n"
+        "if getattr(sys.modules['__main__'].__spec__, 'name', '').startswith('gpipe.worker'):\n"
+        "    raise ImportError('not on this host')\n"
+        "def model():\n    return mlp_dropout(width=16, depth=4, p=0.0)\n")
+    s = spec(model={"factory": "vanishing:model"}, balance="by_params", max_restarts=3, steps=4)
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
+    assert r.returncode == 1, r.stderr
+    assert "RESTARTING" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "not on this host" in last and "cannot import the job's code" in last, last
 
 
 def test_a_killed_run_resumes_with_run_resume(cli):

@@ -247,3 +247,124 @@ async def test_a_rank_registered_again_fails_its_running_attempt(h):
     h.register(1)
     await h.settle()
     assert job.state == JobState.RESTARTING and "registered again" in job.error
+
+
+# -- failures a restart cannot fix, bad state, bounded memory ----------------------------------
+
+
+async def test_the_same_error_at_the_same_step_twice_fails_without_more_restarts(h):
+    job = h.submit(max_restarts=5)
+    h.register(0, 1)
+    boom = report.Failed("stage 1 (layer 2) failed at step 3: ValueError: bad", 1, 1, "raised")
+    for n in range(2):
+        h.clock.advance(0.1 + backoff_s(n))
+        h.beat(0, 1)
+        await h.settle()
+        assert len(h.attempts) == n + 1
+        h.attempts[-1].end(1, boom)
+        await h.settle()
+    assert job.state == JobState.FAILED and job.restarts == 1 and job.exit_code == 1
+    assert "same error at the same step twice" in job.history[-1].message
+
+
+async def test_a_different_error_each_time_keeps_restarting(h):
+    job = h.submit(max_restarts=5)
+    h.register(0, 1)
+    for n in range(2):
+        h.clock.advance(0.1 + backoff_s(n))
+        h.beat(0, 1)
+        await h.settle()
+        h.attempts[-1].end(1, report.Failed(f"stage 1 failed at step {n}: ValueError: bad", 1, 1, "raised"))
+        await h.settle()
+    assert job.state == JobState.RESTARTING and job.restarts == 2
+
+
+@pytest.mark.parametrize("cause", ["disk", "import"])
+async def test_a_disk_or_import_failure_fails_at_once(h, cause):
+    job = h.submit(max_restarts=5)
+    h.register(0, 1)
+    await h.settle()
+    h.attempts[0].end(1, report.Failed(f"a {cause} failure", None, 1, cause))
+    await h.settle()
+    assert job.state == JobState.FAILED and job.restarts == 0 and job.exit_code == 1
+    assert "not restarted" in job.history[-1].message
+    assert all(w.attempt_id is None for w in h.workers.values())
+
+
+class FullDisk:
+    def __init__(self) -> None:
+        self.full = False
+
+    def save(self, job: JobRecord) -> None:
+        if self.full:
+            raise OSError(28, "No space left on device", f"{job.output_dir}/job.json")
+
+
+async def test_a_record_that_cannot_be_saved_fails_its_job_frees_the_workers_and_resumes_once_there_is_room(h):
+    h.sup.store = disk = FullDisk()
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    a = h.attempts[0]
+    disk.full = True
+    a.queue.put_nowait(report.Checkpoint(2, "/x/step-2", 10, 0.1, 0.0))  # saving the record fails
+    await h.settle()
+    assert a.killed and job.state == JobState.FAILED and job.restarts == 0
+    assert "job.json" in job.error and "ENOSPC" in job.error
+    assert all(w.attempt_id is None for w in h.workers.values())
+    other = h.submit("other", stages=1)  # the workers serve the next job
+    await h.settle()
+    assert other.state == JobState.FAILED  # its record cannot be saved either: failed, not stuck
+    disk.full = False
+    h.sup.resume("j")
+    h.clock.advance(0.1)
+    h.beat(0, 1)
+    await h.settle()
+    assert job.state == JobState.RUNNING and len(h.attempts) == 2
+
+
+async def test_a_job_whose_bookkeeping_raises_fails_alone_and_the_scheduler_goes_on(h):
+    bad = h.submit("bad")
+    h.sup.jobs["bad"].spec = None  # what a record that no longer parses would look like, were it queued
+    good = h.submit("good")
+    h.register(0, 1)
+    await h.settle()
+    assert bad.state == JobState.FAILED and "internal error" in bad.error
+    assert good.state == JobState.RUNNING
+
+
+async def test_an_unreadable_record_is_listed_never_runs_and_cannot_be_resumed(h):
+    broken = JobRecord(name="old", spec_yaml="", steps=0, state=JobState.FAILED, error="unreadable job record",
+                       output_dir="/nonexistent/old")
+    h.sup.add(broken, None, Path("job.yaml"), Path("."))
+    h.register(0, 1)
+    await h.settle()
+    assert not h.attempts and "old" in h.sup.jobs
+    with pytest.raises(ValueError, match="no readable record"):
+        h.sup.resume("old")
+
+
+async def test_events_are_a_bounded_window_and_watch_reads_older_metrics_from_disk(h, tmp_path, monkeypatch):
+    import json
+
+    from gpipe.coordinator import supervisor
+    monkeypatch.setattr(supervisor, "EVENT_WINDOW", 10)
+    job = h.submit()
+    job.output_dir = str(tmp_path)
+    h.register(0, 1)
+    await h.settle()
+    a = h.attempts[0]
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        for s in range(30):
+            m = {"step": s, "loss": 1.0 / (s + 1)}
+            f.write(json.dumps(m) + "\n")
+            a.queue.put_nowait(report.Metrics(m))
+    await h.settle()
+    e = h.sup.jobs["j"]
+    assert len(e.events) == 10 and e.older == 20  # steps 0-19 (dropped states are in the history)
+    a.end(0, report.Done())
+    await h.settle()
+    steps = [ev[1]["step"] async for ev in h.sup.watch("j") if ev[0] == "metrics"]
+    assert steps == list(range(30))
+    states = [ev[1].state for ev in [x async for x in h.sup.watch("j")] if ev[0] == "state"]
+    assert states == [JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED]
