@@ -8,6 +8,8 @@ import os
 import re
 import socket
 import struct
+import subprocess
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -78,7 +80,7 @@ def attempt_ports(tag: str) -> dict[int, tuple[str, set[tuple[str, int]]]]:
     found = {}
     for pid in tagged_pids(tag):
         with contextlib.suppress(OSError):  # it ended meanwhile
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") + [b"", b""]
             kind = {b"gpipe.coordinator.attempt": "coordinator", b"gpipe.worker": "worker"}.get(argv[2])
             if argv[1] == b"-m" and kind and (addrs := listening(pid)):
                 found[pid] = (kind, addrs)
@@ -204,3 +206,104 @@ def test_serve_and_workers_listen_on_the_cluster_address_only_and_only_while_the
         assert all(p.poll() is None for p in s.procs.values())
     finally:
         s.stop_all()
+
+
+# -- strangers' packets ----------------------------------------------------------------------------
+
+GARBAGE = bytes.fromhex("deadbeef") * 6  # 24 bytes: TensorPipe reads a length out of them and aborts
+
+
+def _hit(host: str, port: int, mode: str) -> str:
+    """Send one stranger's packet to host:port; what became of it."""
+    try:
+        with socket.create_connection((host, port), timeout=2) as s:
+            if mode == "garbage":
+                s.sendall(GARBAGE)
+                time.sleep(0.2)
+        return "sent"
+    except OSError as e:  # the process it belonged to died of an earlier packet
+        return type(e).__name__
+
+
+def _meddle(host: str, port: int) -> None:
+    """A stranger's TCPStore requests, for keys outside the secret: torch's own names, unprefixed."""
+    import torch.distributed as dist
+
+    st = _stranger(host, port)
+    st.set("rpc_prefix_0/coordinator", "10.6.6.6:1")
+    st.add("rpc_prefix_0/shutdown_counter", 100)
+    st.delete_key("default_pg/0//cpu//0")
+    with pytest.raises(dist.DistStoreError):
+        st.get("default_pg/0//cpu//1")  # no such key outside the namespace: waits its 3 s, then gives up
+
+
+def _attempt_started(out: Path, n: int) -> bool:
+    m = out / "metrics.jsonl"
+    return m.exists() and f'"attempt": {n}' in m.read_text()
+
+
+def _ends_by_itself(p, timeout: float) -> str:
+    """`p`'s stderr once it ended; a job still running after `timeout` seconds hangs (the block then kills it)."""
+    try:
+        return p.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job was still running {timeout:.0f}s after the packets: it hangs")
+
+
+@pytest.mark.parametrize("mode", ["garbage", "close", "store"])
+def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mode):
+    """Mid-run, every port of the attempt gets garbage or a connect-and-close; or the store gets requests."""
+    path = cli.write(spec())
+    out = cli.tmp / "state" / "dp"
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+        wait_for(lambda: steps_done(out) >= 3, 120, "three steps")
+        found = attempt_ports(cli.tag)
+        port = store_port(out / "logs" / "coordinator.log")
+        t0 = time.monotonic()
+        if mode == "store":
+            _meddle("127.0.0.1", port)
+            hits = {("127.0.0.1", port): "sent"}
+        else:
+            hits = {a: _hit(*a, mode) for a in sorted(ports_of(found))}
+        restarted = None
+        while p.poll() is None and time.monotonic() - t0 < 150:
+            if restarted is None and _attempt_started(out, 2):
+                restarted = time.monotonic() - t0
+            time.sleep(0.1)
+        err = _ends_by_itself(p, 5)
+        ended = time.monotonic() - t0
+    again = f"a new attempt trained {restarted:.1f}s after" if restarted else "no restart"
+    print(f"{mode}: {len(hits)} port(s) hit ({sorted(set(hits.values()))}); {again}; "
+          f"the job ended {ended:.1f}s after the first packet, exit {p.returncode}")
+    assert p.returncode == 0, err[-3000:]
+    if mode != "garbage":
+        assert restarted is None, "a packet that is not garbage cost a restart"
+
+
+@pytest.mark.parametrize("mode", ["garbage", "close"])
+def test_packets_while_an_attempt_starts_may_fail_it_but_the_job_goes_on(cli, mode):
+    """Each port of the first attempt is hit the moment it listens, before or as the RPC world forms."""
+    path = cli.write(spec(steps=40))
+    out = cli.tmp / "state" / "dp"
+    hits: dict[tuple[str, int], str] = {}
+    first = None  # the first attempt's coordinator process: its ports, then its workers', are hit while it lives
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+        t0 = deadline = time.monotonic() + 120
+        while p.poll() is None and not steps_done(out) and time.monotonic() < deadline:
+            found = attempt_ports(cli.tag)
+            first = first or next((pid for pid, (kind, _) in found.items() if kind == "coordinator"), None)
+            if first is not None and first not in found:
+                break  # the first attempt ended
+            for _, addrs in found.values():
+                for a in sorted(addrs - set(hits)):
+                    t0 = t0 if hits else time.monotonic()
+                    hits[a] = _hit(*a, mode)
+            time.sleep(0.002)
+        assert hits, "no attempt port was seen listening"
+        t_last = time.monotonic()
+        err = _ends_by_itself(p, 150)
+        ended = time.monotonic() - t0
+    restarts = err.count("RESTARTING")
+    print(f"{mode} at start: {len(hits)} port(s) hit over {t_last - t0:.1f}s; {restarts} restart(s); "
+          f"the job ended {ended:.1f}s after the first packet, exit {p.returncode}")
+    assert p.returncode == 0, err[-3000:]
