@@ -3,8 +3,9 @@
 The supervisor starts one per attempt (for `run` and `serve` alike), so every
 attempt gets a fresh RPC world and a fresh rendezvous: one that saw a failure
 is never reused. It plans the job first (a job that fails its checks writes
-nothing), then reports `Master`, and the supervisor tells each rank's worker
-to join. With --resume it starts from the newest checkpoint that verifies,
+nothing), then reports `Master` with the attempt's secret, and the supervisor
+tells each rank's worker to join, handing it the secret over the authenticated
+command stream. With --resume it starts from the newest checkpoint that verifies,
 passing over damaged or torn ones with a line each; without it, it starts over
 and drops an earlier run's metrics and checkpoints.
 
@@ -27,6 +28,7 @@ import errno
 import json
 import os
 import signal
+import sys
 import traceback
 import warnings
 from dataclasses import asdict
@@ -91,6 +93,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
             tell(report.Log("no checkpoint to resume from: starting at step 0"))
     tell(report.Resumed(resume.step if resume else 0))
     net.bind_to(a.host)
+    secret = net.new_secret()  # this attempt's: the workers get it from the supervisor, never from argv
+    net.use_secret(secret)
     _, port = net.bound_store(a.host, spec.start_timeout_s)
     plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads,
                      balance_of=resume.meta.get("balance") if resume else None)
@@ -100,8 +104,9 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     prepare_output(spec.name, Path(a.state_dir), fresh=not a.resume)
     if a.log:
         _redirect_stderr(a.log)
+    print(f"gpipe: attempt {a.attempt}: rendezvous store on {a.host}:{port}", file=sys.stderr, flush=True)
     torch.set_num_threads(1)  # the cores belong to the stages
-    tell(report.Master(f"{a.host}:{port}"))
+    tell(report.Master(f"{a.host}:{port}", secret))
     threads = sorted({p.threads for p in placement})
     tell(report.Log(f"{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
                     f"schedule {spec.schedule}, {'/'.join(map(str, threads))} thread(s) per stage"))

@@ -8,7 +8,8 @@ not take the supervisor down.
 
     Log(line)                        a line for the user
     Resumed(step)                    training starts at `step` (0: the beginning)
-    Master(address)                  the workers may join the rendezvous at HOST:PORT now
+    Master(address, secret)          the workers may join the rendezvous at HOST:PORT now, under the
+                                     attempt's secret (every store key lives under it: gpipe.net)
     Metrics(values)                  a logged step (also in metrics.jsonl)
     Checkpoint(step, path, ...)      a checkpoint was committed
     Failed(message, stage, exit_code, cause)  the attempt failed (stage None: no stage to blame)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import IO, Any
 
 
@@ -36,6 +37,7 @@ class Resumed:
 @dataclass(frozen=True)
 class Master:
     address: str
+    secret: str = field(repr=False)  # never in a log line
 
 
 @dataclass(frozen=True)

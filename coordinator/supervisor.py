@@ -515,7 +515,7 @@ class Supervisor:
                         w = self.workers.get(rank)
                         if w is not None and w.attempt_id == attempt.id:
                             w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.stages,
-                                                       spec.start_timeout_s))
+                                                       spec.start_timeout_s, r.secret))
                 elif isinstance(r, report.Metrics):
                     job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])
                     self._emit(e, ("metrics", r.values))

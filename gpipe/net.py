@@ -1,4 +1,4 @@
-"""Networking for the RPC and c10d ports: bind them to one interface only.
+"""Networking for the RPC and c10d ports: bind them to one interface only, keys under the attempt's secret.
 
 torch's RPC agent and its TCPStore execute or trust what they receive, so they
 must listen on the cluster network alone. TensorPipe and gloo pick their
@@ -6,12 +6,22 @@ interface from TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME; a TCPStore master
 binds to every interface unless it is handed a listening socket, which is what
 `bound_store` does. The `gpipe://` rendezvous lets `rpc.init_rpc` use that
 store instead of opening its own.
+
+A TCPStore has no authentication, and any client may list its keys. Each
+attempt has a random secret (`new_secret`, handed to its members over the
+authenticated gRPC channel, never on a command line), and every store of an
+attempt process is a PrefixStore under it (`use_secret`): our keys cannot be
+guessed, and a stranger's keys are never read as ours. What keeps strangers
+out is the network: these ports listen on the cluster address only, live
+only for their attempt, and the deployment's NetworkPolicy fences them.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
+import secrets
 import socket
 import struct
 from collections.abc import Iterator
@@ -25,8 +35,10 @@ if TYPE_CHECKING:
     from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
 _SIOCGIFADDR = 0x8915
-_master_stores: dict[int, dist.TCPStore] = {}
+_SECRET_RE = re.compile(r"[0-9a-f]{32,128}")
+_master_stores: dict[int, dist.Store] = {}
 _sockets: dict[int, socket.socket] = {}
+_secret: str | None = None  # the attempt's; one attempt per process
 
 
 def resolve_ip(host: str) -> str:
@@ -37,20 +49,27 @@ def resolve_ip(host: str) -> str:
         raise ValueError(f"cannot resolve host {host!r}: {e}") from None
 
 
+def interfaces() -> dict[str, str]:
+    """This machine's network interfaces that have an IPv4 address: name -> address."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                found[name] = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+            except OSError:
+                continue
+    return found
+
+
 def iface_for(host: str) -> str:
     """The name of the network interface that owns `host`'s address."""
     ip = resolve_ip(host)
     if ip.startswith("127."):
         return "lo"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
-            except OSError:
-                continue
-            if addr == ip:
-                return name
+    for name, addr in interfaces().items():
+        if addr == ip:
+            return name
     raise ValueError(f"no network interface on this machine has address {ip} ({host})")
 
 
@@ -70,21 +89,43 @@ def listen(host: str) -> socket.socket:
     return sock
 
 
-def bound_store(host: str, timeout: float, sock: socket.socket | None = None) -> tuple[dist.TCPStore, int]:
-    """A TCPStore master listening on `host` only (on `sock`, if given); returns it and its port."""
+def new_secret() -> str:
+    """A fresh attempt secret: 128 random bits in hex."""
+    return secrets.token_hex(16)
+
+
+def use_secret(secret: str) -> None:
+    """Put every store this process opens from now on under `secret` (its attempt's)."""
+    global _secret
+    if not _SECRET_RE.fullmatch(secret):
+        raise ValueError("the attempt secret must be 32 to 128 lowercase hex digits")
+    _secret = secret
+
+
+def _attempt_secret() -> str:
+    if _secret is None:
+        raise RuntimeError("no attempt secret: call net.use_secret before opening a store")
+    return _secret
+
+
+def bound_store(host: str, timeout: float, sock: socket.socket | None = None) -> tuple[dist.Store, int]:
+    """A TCPStore master listening on `host` only (on `sock`, if given), under the secret; returns it and its port."""
+    secret = _attempt_secret()
     sock = sock or listen(host)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(
+    store = dist.PrefixStore(secret, dist.TCPStore(
         host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(),
         use_libuv=True, timeout=timedelta(seconds=timeout),
-    )
+    ))
     _master_stores[port] = store
     _sockets[port] = sock  # the store serves on this fd: keep it open
     return store, port
 
 
-def client_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+def client_store(host: str, port: int, timeout: float) -> dist.Store:
+    """A client of the store at host:port, under the secret."""
+    secret = _attempt_secret()
+    return dist.PrefixStore(secret, dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout)))
 
 
 def _rendezvous(

@@ -69,6 +69,7 @@ class Join:
     stage: int
     stages: int
     start_timeout_s: float
+    secret: str = field(repr=False)  # the attempt's: its store keys live under it (gpipe.net)
 
 
 @dataclass
@@ -139,5 +140,5 @@ def command_to_pb(c: Join | Abort) -> wpb.WorkerCommand:
 def command_from_pb(m: wpb.WorkerCommand) -> Join | Abort:
     if m.WhichOneof("command") == "join":
         j = m.join
-        return Join(j.attempt_id, j.master, j.stage, j.stages, j.start_timeout_s)
+        return Join(j.attempt_id, j.master, j.stage, j.stages, j.start_timeout_s, j.secret)
     return Abort(m.abort.attempt_id)

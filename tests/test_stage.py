@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from gpipe import net
 from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.driver import stage_config
 from gpipe.coordinator.plan import Plan, make_plan
@@ -22,6 +23,11 @@ from gpipe.worker.stage_server import StageServer
 from tests import reference
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def attempt_secret() -> None:
+    net.use_secret(net.new_secret())  # as an attempt process does: its stores live under it
 
 
 def job(**kw) -> dict:

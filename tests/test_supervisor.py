@@ -122,7 +122,7 @@ async def test_a_job_starts_once_every_rank_is_registered_and_succeeds(h):
     assert job.state == JobState.RUNNING and len(h.attempts) == 1
     a = h.attempts[0]
     assert a.launch.resume  # serve's jobs always resume (a new one finds no checkpoint)
-    a.queue.put_nowait(report.Master("127.0.0.1:1234"))
+    a.queue.put_nowait(report.Master("127.0.0.1:1234", "0" * 32))
     await h.settle()
     joins = [c for r in (0, 1) for c in h.commands(r)]
     assert [(j.stage, j.master) for j in joins if isinstance(j, Join)] == [(0, "127.0.0.1:1234"),

@@ -3,7 +3,7 @@
 Started ahead of its attempt by its agent (gpipe.worker.agent), it imports
 torch and what building a stage needs, then waits for one line of JSON on
 stdin saying which attempt to join: {"stage", "stages", "master", "host",
-"start_timeout_s", "log"}. So a join costs no import time. With arguments, it
+"start_timeout_s", "log", "secret"}. So a join costs no import time. With arguments, it
 joins at once (`python -m gpipe.worker --stage K --stages P --master H:P --host H`).
 """
 
@@ -30,4 +30,4 @@ os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)
 proc.exit_now(main(["--stage", str(j["stage"]), "--stages", str(j["stages"]), "--master", j["master"],
-                    "--host", j["host"], "--start-timeout", str(j["start_timeout_s"])]))
+                    "--host", j["host"], "--start-timeout", str(j["start_timeout_s"])], secret=j["secret"]))

@@ -6,7 +6,11 @@ between stages go over the stage's own channels. The process lives for one
 attempt only: a failed attempt's processes are killed, never reused, since an
 RPC world or a communicator that saw a failure cannot be trusted again.
 
-    python -m gpipe.worker --stage K --stages P --master HOST:PORT --host HOST
+    GPIPE_ATTEMPT_SECRET=... python -m gpipe.worker --stage K --stages P --master HOST:PORT --host HOST
+
+The attempt's secret (every key of its store lives under it: gpipe.net) comes
+from the agent's join line, or from the environment, never from the command
+line, which any user of the machine can read.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ import torch.distributed.rpc as rpc
 from gpipe import net
 from gpipe.worker.stage_server import StageServer
 
+SECRET_ENV = "GPIPE_ATTEMPT_SECRET"
 
-def main(argv: list[str] | None = None) -> int:
+
+def main(argv: list[str] | None = None, secret: str | None = None) -> int:
+    """Join the attempt, serve the stage, leave; `secret` is the attempt's (default: env GPIPE_ATTEMPT_SECRET)."""
     p = argparse.ArgumentParser(prog="python -m gpipe.worker")
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--stages", type=int, required=True)
@@ -33,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True, help="the address this process listens on")
     p.add_argument("--start-timeout", type=float, default=120.0)
     a = p.parse_args(argv)
+    try:
+        net.use_secret(secret if secret is not None else os.environ.get(SECRET_ENV, ""))
+    except ValueError as e:
+        p.error(f"{e} (env {SECRET_ENV})")
     warnings.filterwarnings("ignore", message="You are using a Backend")
     net.bind_to(a.host)
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
