@@ -37,7 +37,18 @@ _MERGE = "tag:yaml.org,2002:merge"
 _SEQ = "tag:yaml.org,2002:seq"
 _MAP = "tag:yaml.org,2002:map"
 _SCALAR_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "binary", "timestamp", "str")}
-_DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,17})\Z")  # int() takes these as YAML does, fast
+# The first characters of a plain scalar that may be a bool, int, float, null ... (the safe
+# resolver has none for any first character; a fuzz test holds the loader to yaml.safe_load).
+_RESOLVED_FIRST = frozenset(Resolver.yaml_implicit_resolvers)
+# Plain scalars that int(), float() or a look-up read as safe_load does, without its resolver.
+_DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,17})\Z")
+_FLOAT = re.compile(r"(?:[-+]?[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+][0-9]+)?\Z")
+_LITERALS: dict[str, bool | None] = {
+    **{w: True for t in ("yes", "true", "on") for w in (t, t.title(), t.upper())},
+    **{w: False for f in ("no", "false", "off") for w in (f, f.title(), f.upper())},
+    **{w: None for w in ("", "~", "null", "Null", "NULL")},
+}
+_UNSET = object()  # a scalar not read yet
 _NO_KEY = object()  # a mapping waiting for its next key
 _MERGE_KEY = object()  # the key `<<`: merge the value's mapping(s) into this one
 
@@ -134,14 +145,22 @@ def _build(text: str, source: str, max_depth: int, max_nodes: int) -> Any:
                 nodes += 1
                 if nodes > max_nodes:
                     raise too_many()
-                tag = ev.tag
-                if tag is None or tag == "!":
-                    if ev.implicit[0] and _DECIMAL.match(ev.value):
-                        tag = None
+                tag, text, value = ev.tag, ev.value, _UNSET
+                if tag is None or tag == "!":  # resolve's answer, without calling it for most scalars
+                    if not ev.implicit[0] or (text and text[0] not in _RESOLVED_FIRST):
+                        value = text  # quoted; or plain, and no implicit type starts so
+                    elif text in _LITERALS:
+                        value = _LITERALS[text]
+                    elif _DECIMAL.match(text):
+                        value = int(text)
+                    elif _FLOAT.match(text):
+                        value = float(text)
                     else:
-                        tag = resolve(ScalarNode, ev.value, ev.implicit)
-                if tag is None:
-                    value = int(ev.value)
+                        tag = resolve(ScalarNode, text, ev.implicit)
+                if value is not _UNSET:
+                    pass
+                elif tag == _STR:
+                    value = text
                 elif tag == _MERGE and stack and stack[-1].key is _NO_KEY and isinstance(stack[-1].value, dict):
                     value = _MERGE_KEY
                 elif tag in _SCALAR_TAGS:
@@ -210,6 +229,14 @@ def _build(text: str, source: str, max_depth: int, max_nodes: int) -> Any:
                 root = value
             elif type(top := stack[-1].value) is list:
                 top.append(value)
+            elif (key := stack[-1].key) is _NO_KEY:
+                if type(value) is str and value not in top:  # a new key, most often
+                    stack[-1].key = value
+                else:
+                    _add(stack[-1], value, mark, fail)
+            elif key is not _MERGE_KEY:  # a key's value
+                top[key] = value
+                stack[-1].key = _NO_KEY
             else:
                 _add(stack[-1], value, mark, fail)
     finally:

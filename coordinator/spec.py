@@ -44,7 +44,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # The spec text (what serve may check before parsing anything).
 MAX_SPEC_BYTES = 1 << 20  # UTF-8 bytes
 MAX_DEPTH = 64  # collections nested in one another; the top-level mapping is 1
-MAX_NODES = 1_000_000  # scalars and collections, every alias expanded
+MAX_NODES = 250_000  # scalars and collections, every alias expanded
 # The numbers in it.
 MAX_STEPS = 10**9  # steps, and every count of steps; well inside int64 on the wire
 MAX_STAGES = 64

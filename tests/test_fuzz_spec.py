@@ -115,6 +115,10 @@ ARGS_LAST = GOOD.replace(MODEL, "") + "model:\n  factory: mlp\n  args:\n    widt
 assert MODEL in GOOD
 
 
+def bounded_load(text: str) -> object:
+    return boundedyaml.load(text, source="s", max_bytes=1 << 20, max_depth=64, max_nodes=10**6)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
@@ -125,7 +129,7 @@ json_values = st.recursive(
 @given(json_values)
 def test_the_bounded_loader_reads_what_safe_load_reads(value):
     text = yaml.safe_dump(value)
-    assert boundedyaml.load(text, source="s", max_bytes=1 << 20, max_depth=64, max_nodes=10**6) == yaml.safe_load(text)
+    assert bounded_load(text) == yaml.load(text, Loader=boundedyaml.Loader)
 
 
 def job_record_outcome(d: object) -> None:
@@ -156,3 +160,18 @@ def test_a_valid_job_record_with_fields_replaced(changes, history):
     if history:
         d["history"] = history
     job_record_outcome(d)
+
+
+def _read(load, text: str) -> str:
+    try:
+        return repr(load(text))
+    except (yaml.YAMLError, SpecError, ValueError):
+        return "refused"
+
+
+@FUZZ
+@given(st.text(alphabet="0123456789+-._eE:~ntrueflsaoyNTFYO<=!&*'\" ", max_size=10))
+def test_scalars_read_as_safe_load_reads_them(scalar):
+    text = f"a: {scalar}\n"
+    bounded = _read(bounded_load, text)
+    assert bounded == _read(lambda t: yaml.load(t, Loader=boundedyaml.Loader), text)  # the same parser

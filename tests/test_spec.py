@@ -291,6 +291,9 @@ def test_alias_bombs_are_refused_while_parsing(loader):
     text = _with_args("{" + ", ".join(lol) + "}")
     assert len(text) < 1000  # 10**10 values once expanded
     assert _refused(text) == f"job spec: more than {MAX_NODES} values once aliases are expanded"
+    # Values written out count the same: 1 MiB of one-digit integers is some 340k of them.
+    ones = _with_args("{ones: [" + ", ".join(["1"] * ((MAX_SPEC_BYTES - len(GOOD)) // 3 - 10)) + "]}")
+    assert _refused(ones) == f"job spec: more than {MAX_NODES} values once aliases are expanded"
 
 
 def test_aliases_and_merge_keys_that_fit_are_fine(loader):
