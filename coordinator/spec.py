@@ -65,7 +65,8 @@ class Range:
     """Annotated metadata: the number lies in [lo, hi] (open at an end when told) and is finite.
 
     Anything else (out of range, inf, nan, a bool, text or 2.0 for an integer) is
-    one line that names both bounds: `must be between 1 and 1000000000, got 1e+30`.
+    one line that names both bounds: `must be an integer between 1 and 1000000000,
+    got 1e+30`, `must be greater than 0 and at most 604800, got inf`.
     """
 
     lo: float
@@ -77,11 +78,11 @@ class Range:
         inner = handler(source)
         what = "an integer " if inner.get("type") == "int" else ""
 
-        def validate(v: Any, inner: core_schema.ValidatorFunctionWrapHandler) -> Any:
+        def validate(v: Any, as_number: core_schema.ValidatorFunctionWrapHandler) -> Any:
             if isinstance(v, bool):
                 raise ValueError(self._refuse(what, v))
             try:
-                x = inner(v)
+                x = as_number(v)
             except ValidationError:
                 raise ValueError(self._refuse(what, v)) from None
             below = x <= self.lo if self.lo_open else x < self.lo
@@ -357,9 +358,9 @@ def parse_spec(text: str, source: str = "job spec") -> JobSpec:
     Whatever the input, nothing else is raised, and the work is bounded before it
     is done: the text is at most MAX_SPEC_BYTES of UTF-8, its collections are
     nested at most MAX_DEPTH deep, and it holds at most MAX_NODES values once every
-    YAML alias is expanded (so a "billion laughs" of nested aliases is refused
-    while it is parsed, and aliases still share one object, so nothing downstream
-    walks more). Parsing uses libyaml when PyYAML has it; see
+    YAML alias is expanded. So a "billion laughs" of nested aliases is refused
+    while it is parsed, and whatever walks a spec (a JSON dump of it, say) meets
+    at most MAX_NODES values. Parsing uses libyaml when PyYAML has it; see
     `coordinator.boundedyaml`.
     """
     raw = boundedyaml.load(
