@@ -2,24 +2,116 @@
 
 Every model forbids unknown fields and describes each field, so that an error
 names the field path and `JobSpec.model_json_schema()` documents the format.
-Checks that need the model or the data set (balance against the layer count,
-say) live in `coordinator.plan`, and run before any worker is started.
+Every number has a range that fits the wire format (int64 steps) and the
+machine, and floats are finite; an integer field takes integers only (not
+`true`, not `2.0`). The text itself is bounded before it is parsed: see
+`parse_spec`. Checks that need the model or the data set (balance against the
+layer count, say) live in `coordinator.plan`, and run before any worker is
+started.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, core_schema
 
+from gpipe.coordinator import boundedyaml
 from gpipe.errors import SpecError
 from gpipe.optim import OptimizerName
+from gpipe.show import one_line, short
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+# The spec text (what serve may check before parsing anything).
+MAX_SPEC_BYTES = 1 << 20  # UTF-8 bytes
+MAX_DEPTH = 64  # collections nested in one another; the top-level mapping is 1
+MAX_NODES = 250_000  # scalars and collections, every alias expanded
+# The numbers in it.
+MAX_STEPS = 10**9  # steps, and every count of steps; well inside int64 on the wire
+MAX_STAGES = 64
+MAX_CHUNKS = 4096
+MAX_BATCH_SIZE = 1 << 20
+MAX_LAYERS_PER_STAGE = 10**6
+MAX_SEED = 2**32 - 1  # the shuffle seeds torch with seed * 1_000_003 + epoch, below 2**64
+MAX_KEEP_CHECKPOINTS = 1000
+MAX_RESTARTS = 100
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_FACTORY_CHARS = 256
+MAX_LR = 1000  # lr, min_lr and weight_decay: finite, and a bound no training comes near
+MAX_CLIP_GRAD_NORM = 10**6
+
+
+@dataclass(frozen=True)
+class Range:
+    """Annotated metadata: the number lies in [lo, hi] (open at an end when told) and is finite.
+
+    Anything else (out of range, inf, nan, a bool, text or 2.0 for an integer) is
+    one line that names both bounds: `must be an integer between 1 and 1000000000,
+    got 1e+30`, `must be greater than 0 and at most 604800, got inf`.
+    """
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        inner = handler(source)
+        what = "an integer " if inner.get("type") == "int" else ""
+
+        def validate(v: Any, as_number: core_schema.ValidatorFunctionWrapHandler) -> Any:
+            if isinstance(v, bool):
+                raise ValueError(self._refuse(what, v))
+            try:
+                x = as_number(v)
+            except ValidationError:
+                raise ValueError(self._refuse(what, v)) from None
+            below = x <= self.lo if self.lo_open else x < self.lo
+            above = x >= self.hi if self.hi_open else x > self.hi
+            if below or above or not math.isfinite(x):
+                raise ValueError(self._refuse(what, v))
+            return x
+
+        return core_schema.no_info_wrap_validator_function(validate, inner)
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        js = handler(schema)
+        js["exclusiveMinimum" if self.lo_open else "minimum"] = self.lo
+        js["exclusiveMaximum" if self.hi_open else "maximum"] = self.hi
+        return js
+
+    def _refuse(self, what: str, v: Any) -> str:
+        lo, hi = short(self.lo), short(self.hi)
+        if self.lo_open or self.hi_open:
+            span = (f"greater than {lo}" if self.lo_open else f"at least {lo}") + " and " + (
+                f"less than {hi}" if self.hi_open else f"at most {hi}")
+        else:
+            span = f"between {lo} and {hi}"
+        return f"must be {what}{span}, got {short(v)}"
+
+
+Steps = Annotated[StrictInt, Range(1, MAX_STEPS)]
+Seconds = Annotated[float, Range(0, MAX_TIMEOUT_S, lo_open=True)]
+Fraction = Annotated[float, Range(0, 1, hi_open=True)]  # [0, 1)
 
 
 class _Spec(BaseModel):
@@ -34,7 +126,8 @@ def _check_factory(v: str) -> str:
 
 class ModelSpec(_Spec):
     factory: str = Field(
-        description="'module:function' returning an nn.Sequential, or a registered name (mlp)."
+        max_length=MAX_FACTORY_CHARS,
+        description="'module:function' returning an nn.Sequential, or a registered name (mlp).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
 
@@ -43,11 +136,14 @@ class ModelSpec(_Spec):
 
 class DataSpec(_Spec):
     factory: str = Field(
+        max_length=MAX_FACTORY_CHARS,
         description="'module:function' returning a map-style Dataset of (input, target) pairs, "
-        "or a registered name (random_regression)."
+        "or a registered name (random_regression).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
-    batch_size: int = Field(gt=0, description="Samples per step, cut into `chunks` micro-batches.")
+    batch_size: Annotated[StrictInt, Range(1, MAX_BATCH_SIZE)] = Field(
+        description="Samples per step, cut into `chunks` micro-batches."
+    )
     shuffle: bool = Field(
         default=False,
         description="Visit the data set in a seeded random order each epoch. With false, step s "
@@ -59,15 +155,17 @@ class DataSpec(_Spec):
 
 class OptimizerSpec(_Spec):
     name: OptimizerName = Field(description="The optimizer, run on every stage.")
-    lr: float = Field(gt=0, description="Learning rate (the peak, under an LR schedule).")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd: momentum.")
-    dampening: float = Field(default=0.0, ge=0, le=1, description="sgd: dampening of momentum.")
-    nesterov: bool = Field(default=False, description="sgd: Nesterov momentum.")
-    weight_decay: float | None = Field(
-        default=None, ge=0, description="L2 penalty (decoupled for adamw). Default: 0, adamw 0.01."
+    lr: Annotated[float, Range(0, MAX_LR, lo_open=True)] = Field(
+        description="Learning rate (the peak, under an LR schedule)."
     )
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="adam/adamw: betas.")
-    eps: float = Field(default=1e-8, gt=0, description="adam/adamw: epsilon.")
+    momentum: Fraction = Field(default=0.0, description="sgd: momentum.")
+    dampening: Annotated[float, Range(0, 1)] = Field(default=0.0, description="sgd: dampening of momentum.")
+    nesterov: bool = Field(default=False, description="sgd: Nesterov momentum.")
+    weight_decay: Annotated[float, Range(0, MAX_LR)] | None = Field(
+        default=None, description="L2 penalty (decoupled for adamw). Default: 0, adamw 0.01."
+    )
+    betas: tuple[Fraction, Fraction] = Field(default=(0.9, 0.999), description="adam/adamw: betas.")
+    eps: Annotated[float, Range(0, 1, lo_open=True)] = Field(default=1e-8, description="adam/adamw: epsilon.")
 
     @model_validator(mode="after")
     def _per_optimizer(self) -> OptimizerSpec:
@@ -75,9 +173,6 @@ class OptimizerSpec(_Spec):
             raise ValueError(f"momentum, dampening and nesterov apply to sgd only, not {self.name}")
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening 0")
-        for b in self.betas:
-            if not 0 <= b < 1:
-                raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
         return self
 
     def torch_kwargs(self) -> dict[str, Any]:
@@ -96,14 +191,16 @@ class OptimizerSpec(_Spec):
 
 class StepLR(_Spec):
     name: Literal["step"] = Field(description="Multiply the LR by `gamma` every `step_size` steps.")
-    step_size: int = Field(gt=0, description="Steps between decays.")
-    gamma: float = Field(default=0.1, gt=0, description="Decay factor.")
+    step_size: Steps = Field(description="Steps between decays.")
+    gamma: Annotated[float, Range(0, 1, lo_open=True)] = Field(default=0.1, description="Decay factor.")
 
 
 class CosineLR(_Spec):
     name: Literal["cosine"] = Field(description="Linear warmup, then cosine decay to `min_lr`.")
-    warmup_steps: int = Field(default=0, ge=0, description="Steps of linear warmup from 0.")
-    min_lr: float = Field(default=0.0, ge=0, description="The LR at the last step.")
+    warmup_steps: Annotated[StrictInt, Range(0, MAX_STEPS)] = Field(
+        default=0, description="Steps of linear warmup from 0."
+    )
+    min_lr: Annotated[float, Range(0, MAX_LR)] = Field(default=0.0, description="The LR at the last step.")
 
 
 LRSchedule = Annotated[StepLR | CosineLR, Field(discriminator="name")]
@@ -113,15 +210,20 @@ class JobSpec(_Spec):
     """A training job: what to train, how to cut it into stages, and how long."""
 
     name: str = Field(description="The job's name; outputs go to <state-dir>/<name>/.")
-    seed: int = Field(default=0, ge=0, description="Seeds the initial weights, shuffling and dropout.")
+    seed: Annotated[StrictInt, Range(0, MAX_SEED)] = Field(
+        default=0, description="Seeds the initial weights, shuffling and dropout."
+    )
     model: ModelSpec = Field(description="The model, as an nn.Sequential factory.")
-    stages: int = Field(ge=1, le=64, description="Pipeline stages, one worker each.")
-    balance: list[int] | Literal["by_params", "by_time", "by_memory"] = Field(
+    stages: Annotated[StrictInt, Range(1, MAX_STAGES)] = Field(description="Pipeline stages, one worker each.")
+    balance: (
+        Annotated[list[Annotated[StrictInt, Range(1, MAX_LAYERS_PER_STAGE)]], Field(max_length=MAX_STAGES)]
+        | Literal["by_params", "by_time", "by_memory"]
+    ) = Field(
         default="by_params",
         description="Layers per stage, in order; or by_params, by_time (measured on a sample "
         "micro-batch) or by_memory (weights, optimizer state and activations in flight).",
     )
-    chunks: int = Field(default=1, ge=1, description="Micro-batches per step.")
+    chunks: Annotated[StrictInt, Range(1, MAX_CHUNKS)] = Field(default=1, description="Micro-batches per step.")
     schedule: Literal["gpipe", "1f1b"] = Field(
         default="gpipe",
         description="gpipe: all forwards, then all backwards. 1f1b: one forward, one backward; "
@@ -135,40 +237,43 @@ class JobSpec(_Spec):
     data: DataSpec = Field(description="The training data.")
     loss: str = Field(
         default="cross_entropy",
+        max_length=MAX_FACTORY_CHARS,
         description="cross_entropy | mse | 'module:function' taking (output, target) and "
         "returning the mean loss of a micro-batch.",
     )
     optimizer: OptimizerSpec = Field(description="The optimizer.")
     lr_schedule: LRSchedule | None = Field(default=None, description="The LR over steps; none: constant.")
-    clip_grad_norm: float | None = Field(
-        default=None, gt=0, description="Clip gradients to this global norm, taken over all stages."
+    clip_grad_norm: Annotated[float, Range(0, MAX_CLIP_GRAD_NORM, lo_open=True)] | None = Field(
+        default=None, description="Clip gradients to this global norm, taken over all stages."
     )
-    steps: int = Field(ge=1, description="Optimizer steps to train.")
+    steps: Steps = Field(description="Optimizer steps to train.")
     device: Literal["cpu", "cuda"] = Field(
         default="cpu", description="Where stages run: cpu, or cuda (one GPU per worker)."
     )
-    log_every: int = Field(default=1, ge=1, description="Write metrics every this many steps.")
-    trace_step: int | None = Field(
-        default=None, ge=0, description="The step drawn in trace.json and timeline.png; none: the last.",
+    log_every: Steps = Field(default=1, description="Write metrics every this many steps.")
+    trace_step: Annotated[StrictInt, Range(0, MAX_STEPS - 1)] | None = Field(
+        default=None, description="The step drawn in trace.json and timeline.png; none: the last.",
     )
-    checkpoint_every: int | None = Field(
-        default=100, ge=1, description="Checkpoint every this many steps, and after the last; "
+    checkpoint_every: Steps | None = Field(
+        default=100, description="Checkpoint every this many steps, and after the last; "
         "none: after the last only. A failed job resumes from its last good checkpoint.",
     )
-    keep_checkpoints: int = Field(default=3, ge=2, description="Checkpoints kept on disk, newest first (at least 2).")
-    max_restarts: int = Field(
-        default=3, ge=0, description="Restarts from the last good checkpoint after a failure (a stage "
+    keep_checkpoints: Annotated[StrictInt, Range(2, MAX_KEEP_CHECKPOINTS)] = Field(
+        default=3, description="Checkpoints kept on disk, newest first (at least 2)."
+    )
+    max_restarts: Annotated[StrictInt, Range(0, MAX_RESTARTS)] = Field(
+        default=3, description="Restarts from the last good checkpoint after a failure (a stage "
         "that raises, a worker lost) before the job fails.",
     )
-    restart_timeout_s: float = Field(
-        default=600.0, gt=0, description="serve: how long a restarting job waits for its workers to be "
+    restart_timeout_s: Seconds = Field(
+        default=600.0, description="serve: how long a restarting job waits for its workers to be "
         "back before it fails.",
     )
-    start_timeout_s: float = Field(
-        default=120.0, gt=0, description="How long to wait for workers to join and build their stage."
+    start_timeout_s: Seconds = Field(
+        default=120.0, description="How long to wait for workers to join and build their stage."
     )
-    step_timeout_s: float = Field(
-        default=300.0, gt=0, description="How long one step may take before the job fails, "
+    step_timeout_s: Seconds = Field(
+        default=300.0, description="How long one step may take before the job fails, "
         "naming the stage it waited for.",
     )
 
@@ -188,13 +293,6 @@ class JobSpec(_Spec):
             return v
         if ":" not in v or not FACTORY_RE.match(v):
             raise ValueError(f"{v!r} is not cross_entropy, mse or 'module:function'")
-        return v
-
-    @field_validator("balance")
-    @classmethod
-    def _balance(cls, v: list[int] | str) -> list[int] | str:
-        if isinstance(v, list) and any(n < 1 for n in v):
-            raise ValueError(f"every stage needs at least one layer, got {v}")
         return v
 
     @model_validator(mode="after")
@@ -217,29 +315,57 @@ class JobSpec(_Spec):
 
 def format_validation_error(err: ValidationError) -> str:
     """One line: the first error's field path and what is wrong with it."""
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-    # A discriminated union adds the tag to the path: lr_schedule.cosine.min_lr.
+    errors = err.errors()
+    e = errors[0]
+    # A discriminated union adds the tag to the path (lr_schedule.cosine.min_lr); other unions
+    # and validators add their own labels (list[...], literal[...], function-after[...]).
+    loc = _loc(e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg = "unknown field"
     if e["type"] == "missing":
-        msg = "required field is missing"
+        msg = "required item is missing" if isinstance(e["loc"][-1], int) else "required field is missing"
+    # Each member of a union that refused the value at the same place: balance: a list or 'by_params'.
+    for other in errors[1:]:
+        if _loc(other["loc"]) == loc and any(map(_is_label, e["loc"])) and e["type"].endswith("_type"):
+            msg += " or " + other["msg"].removeprefix("Value error, ").removeprefix("Input should be ")
     if not loc:
         # A check across fields names its own field at the start of the message.
-        return msg
-    return f"{loc}: {msg}"
+        return one_line(msg)
+    return one_line(f"{loc}: {msg}")  # a message may quote the input: Input tag 'x' ...
+
+
+def _loc(loc: tuple[str | int, ...]) -> str:
+    return ".".join(_loc_part(p) for p in loc if not _is_label(p))
+
+
+def _is_label(p: str | int) -> bool:
+    return isinstance(p, str) and p.endswith("]") and p.startswith(("function-", "list[", "literal[", "tagged-union["))
+
+
+def _loc_part(p: str | int) -> str:
+    """A field name or index as written; a key the user made up, quoted and cut short."""
+    s = str(p)
+    if isinstance(p, int) or (s.isprintable() and len(s) <= 64 and " " not in s):
+        return s
+    r = repr(s)
+    return r if len(r) <= 64 else r[:60] + "...'"
 
 
 def parse_spec(text: str, source: str = "job spec") -> JobSpec:
-    """Parse YAML text into a JobSpec, or raise SpecError with one clear line."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError(f"{source}: not valid YAML{where}: {problem}") from None
+    """Parse YAML text into a JobSpec, or raise SpecError with one clear line.
+
+    Whatever the input, nothing else is raised, and the work is bounded before it
+    is done: the text is at most MAX_SPEC_BYTES of UTF-8, its collections are
+    nested at most MAX_DEPTH deep, and it holds at most MAX_NODES values once every
+    YAML alias is expanded. So a "billion laughs" of nested aliases is refused
+    while it is parsed, and whatever walks a spec (a JSON dump of it, say) meets
+    at most MAX_NODES values. Parsing uses libyaml when PyYAML has it; see
+    `coordinator.boundedyaml`.
+    """
+    raw = boundedyaml.load(
+        text, source=source, max_bytes=MAX_SPEC_BYTES, max_depth=MAX_DEPTH, max_nodes=MAX_NODES
+    )
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping of fields, got {type(raw).__name__}")
     try:
@@ -248,11 +374,23 @@ def parse_spec(text: str, source: str = "job spec") -> JobSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job file."""
+def read_spec_text(path: str | Path) -> str:
+    """A job file's text: UTF-8, at most MAX_SPEC_BYTES (no more is read), or SpecError."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+            size = max(len(data), os.fstat(f.fileno()).st_size)
     except OSError as e:
         raise SpecError(f"{p}: cannot read job file: {e.strerror}") from None
-    return parse_spec(text, source=str(p))
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(f"{p}: {size} bytes is over the {MAX_SPEC_BYTES >> 20} MiB limit")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{p}: not UTF-8 text (byte {e.start})") from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a job file."""
+    return parse_spec(read_spec_text(path), source=str(path))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from gpipe.show import short
 from gpipe.v1 import jobs_pb2 as jpb
 from gpipe.v1 import workers_pb2 as wpb
 
@@ -55,11 +58,94 @@ class JobRecord:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> JobRecord:
-        d = dict(d)
-        d["state"] = JobState(d["state"])
-        d["history"] = [StateChange(JobState(h["state"]), h["time_unix"], h["message"]) for h in d["history"]]
-        return cls(**d)
+    def from_json(cls, d: object) -> JobRecord:
+        """The record `to_json` wrote, or ValueError with one line naming the field.
+
+        Every field is checked: its type (an integer is no bool and no 2.0), an
+        integer's range in the proto (int64 steps, int32 restarts), text that
+        encodes as UTF-8. So a record read back can always be sent: `job_to_pb`
+        never raises for one. A field missing from an older record takes its
+        default, but name, spec_yaml, steps and state are required.
+        """
+        return cls(**_fields_from_json(d, _RECORD_FIELDS, "job record"))
+
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(lo: int, hi: int) -> Callable[[str, object], int]:
+    def check(name: str, v: object) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"{name}: must be an integer between {lo} and {hi}, got {short(v)}")
+        return v
+    return check
+
+
+def _float(finite: bool) -> Callable[[str, object], float]:
+    def check(name: str, v: object) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name}: must be a number, got {short(v)}")
+        try:
+            x = float(v)
+        except OverflowError:
+            raise ValueError(f"{name}: must be a number a double holds, got {short(v)}") from None
+        if finite and not math.isfinite(x):
+            raise ValueError(f"{name}: must be a finite number, got {short(v)}")
+        return x
+    return check
+
+
+def _text(name: str, v: object) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{name}: must be text, got {short(v)}")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: not valid UTF-8 text (a lone surrogate at character {e.start})") from None
+    return v
+
+
+def _state(name: str, v: object) -> JobState:
+    if not isinstance(v, str) or v not in JobState.__members__:
+        raise ValueError(f"{name}: must be one of {', '.join(JobState)}, got {short(v)}")
+    return JobState(v)
+
+
+def _history(name: str, v: object) -> list[StateChange]:
+    if not isinstance(v, list):
+        raise ValueError(f"{name}: must be a list, got {short(v)}")
+    return [StateChange(**_fields_from_json(h, _CHANGE_FIELDS, f"{name}.{i}")) for i, h in enumerate(v)]
+
+
+_Check = Callable[[str, object], Any]
+_CHANGE_FIELDS: dict[str, tuple[_Check, bool]] = {  # name: (check, required)
+    "state": (_state, True), "time_unix": (_float(finite=True), True), "message": (_text, False),
+}
+# Every field of JobRecord (a test checks). The proto's integer types bound the counters, so that
+# ListJobs can always send a record.
+_RECORD_FIELDS: dict[str, tuple[_Check, bool]] = {
+    "name": (_text, True), "spec_yaml": (_text, True), "steps": (_int(0, INT64[1]), True),
+    "state": (_state, True), "history": (_history, False), "steps_done": (_int(0, INT64[1]), False),
+    "loss": (_float(finite=False), False),  # a loss that went nan is recorded as such
+    "failed_rank": (_int(-1, INT32[1]), False), "error": (_text, False), "output_dir": (_text, False),
+    "restarts": (_int(0, INT32[1]), False), "attempts": (_int(0, INT32[1]), False),
+    "checkpoint_step": (_int(0, INT64[1]), False), "exit_code": (_int(0, 255), False),
+}
+
+
+def _fields_from_json(d: object, checks: dict[str, tuple[_Check, bool]], what: str) -> dict[str, Any]:
+    """The checked fields of a JSON object; ValueError naming the first that is wrong."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what}: must be an object, got {short(d)}")
+    for k in d:
+        if k not in checks:
+            raise ValueError(f"{what}: unknown field {short(k)}")
+    prefix = "" if what == "job record" else f"{what}."
+    for k, (_, required) in checks.items():
+        if required and k not in d:
+            raise ValueError(f"{prefix}{k}: required field is missing")
+    return {k: checks[k][0](prefix + k, v) for k, v in d.items()}
 
 
 @dataclass

@@ -155,9 +155,9 @@ def test_spec_fields():
     s = parse_spec(base)
     assert (s.checkpoint_every, s.keep_checkpoints, s.max_restarts, s.restart_timeout_s) == (100, 3, 3, 600.0)
     assert parse_spec(base + "checkpoint_every: null\n").checkpoint_every is None
-    for extra, msg in [("keep_checkpoints: 1", "keep_checkpoints: Input should be greater than or equal to 2"),
-                       ("checkpoint_every: 0", "checkpoint_every: Input should be greater than or equal to 1"),
-                       ("max_restarts: -1", "max_restarts: Input should be greater than or equal to 0")]:
+    for extra, msg in [("keep_checkpoints: 1", "keep_checkpoints: must be an integer between 2 and 1000, got 1"),
+                       ("checkpoint_every: 0", "checkpoint_every: must be an integer between 1 and 1000000000, got 0"),
+                       ("max_restarts: -1", "max_restarts: must be an integer between 0 and 100, got -1")]:
         with pytest.raises(SpecError) as e:
             parse_spec(base + extra + "\n")
         assert str(e.value) == msg
