@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -58,10 +57,9 @@ class Client:
     # -- verbs -------------------------------------------------------------------------
 
     async def submit(self, path: str, follow: bool) -> int:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise SpecError(f"{path}: cannot read job file: {e.strerror}") from None
+        from gpipe.coordinator.spec import read_spec_text
+
+        text = read_spec_text(path)  # SpecError: unreadable, not UTF-8, or over the size limit
         job = serde.job_from_pb(await self.call("SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text), 300))
         print(f"{job.name}: submitted ({job.state.value})", file=sys.stderr, flush=True)
         if not follow:
