@@ -50,6 +50,8 @@ from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
 
 T = TypeVar("T")
+LOOK_EVERY_S = 2.0  # while no step finishes, how often the stages are asked what they are doing
+LOOK_TIMEOUT_S = 5.0
 
 
 def _put_when_done(q: queue.Queue[T], key: T) -> Callable[[Any], None]:
@@ -185,6 +187,8 @@ class Attempt:
         issued, finished = first_step, first_step
         t_prev = time.perf_counter()
         deadline = time.monotonic() + spec.step_timeout_s + 10.0
+        last_news = time.monotonic()  # when a stage last finished a step
+        next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
 
         while finished < spec.steps:
             while issued < spec.steps and issued - finished < STEPS_AHEAD:
@@ -200,14 +204,20 @@ class Attempt:
                 pending[issued], results[issued] = futs, {}
                 issued += 1
             try:
-                s, k = q.get(timeout=max(0.0, deadline - time.monotonic()))
+                s, k = q.get(timeout=max(0.0, min(deadline, next_look) - time.monotonic()))
             except queue.Empty:
+                if time.monotonic() < deadline:
+                    self._look_for_a_partition(finished, time.monotonic() - last_news)
+                    next_look = time.monotonic() + LOOK_EVERY_S
+                    continue
                 late = [k for k in pending[finished] if k not in results[finished]]
                 waiting = ", ".join(self._stage_name(k) for k in late)
                 raise JobFailed(
                     f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}",
                     stage=late[0],
                 ) from None
+            last_news = time.monotonic()
+            next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
             results[s][k] = self._result(f"at step {s}", k, pending[s][k])
             while finished in results and len(results[finished]) == spec.stages:
                 per_stage = results.pop(finished)
@@ -223,6 +233,25 @@ class Attempt:
                 t_prev = now
                 finished += 1
                 deadline = time.monotonic() + spec.step_timeout_s + 10.0
+
+    def _look_for_a_partition(self, step: int, quiet_s: float) -> None:
+        """No stage has finished a step for a while: if every stage is waiting on a neighbour, and has been
+        for peer_timeout_s, none computing, the data between them is not arriving (a partition between
+        workers that still reach the coordinator, which heartbeats cannot see): fail now, not at
+        step_timeout_s. A stage that is computing, or idle, or does not answer at once proves nothing."""
+        spec = self.spec
+        futs = [self.stages[k].rpc_async(timeout=LOOK_TIMEOUT_S).activity() for k in range(spec.stages)]
+        seen = []
+        for k, f in enumerate(futs):
+            try:
+                state, what, seconds = f.wait()
+            except Exception:  # no answer: the heartbeats and step_timeout_s judge that
+                return
+            if state != "waiting" or seconds < spec.peer_timeout_s:
+                return
+            seen.append(f"stage {k} for {what}")
+        raise JobFailed(f"step {step}: every stage has waited on its neighbours for {spec.peer_timeout_s:.0f}s or "
+                        f"more, none computing (a network partition between workers?): {'; '.join(seen)}")
 
     def snapshot_after(self, step: int) -> bool:
         """Whether step `step` ends with a checkpoint."""

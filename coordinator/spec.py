@@ -276,6 +276,11 @@ class JobSpec(_Spec):
         default=300.0, description="How long one step may take before the job fails, "
         "naming the stage it waited for.",
     )
+    peer_timeout_s: Seconds = Field(
+        default=20.0, description="How long every stage may wait on its neighbours at once (none "
+        "computing) before the job fails: a network partition between workers, caught before "
+        "step_timeout_s.",
+    )
 
     @field_validator("name")
     @classmethod

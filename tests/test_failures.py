@@ -41,6 +41,16 @@ def test_stage_that_raises_fails_the_job_naming_it(cli):
     assert "Traceback" in (cli.tmp / "state" / "f" / "logs" / "stage-1.log").read_text()
 
 
+def test_slow_stages_are_asked_what_they_do_and_are_not_taken_for_a_partition(cli):
+    # Steps of about 1.2 s against peer_timeout_s 0.5: the coordinator asks the stages (over RPC) while no
+    # step finishes; one of them is always computing, so the job trains on.
+    s = spec(model={"factory": "tests.models:slow_mlp", "args": {"width": 8, "seconds": 0.3}}, steps=3,
+             peer_timeout_s=0.5)
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "RESTARTING" not in r.stderr
+
+
 def _steps_done(out: Path) -> int:
     m = out / "metrics.jsonl"
     return len(m.read_text().splitlines()) if m.exists() else 0

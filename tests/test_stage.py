@@ -125,3 +125,29 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
         assert not dist.is_initialized()
     finally:
         StageServer.close_all()
+
+
+def test_a_partition_between_workers_is_told_from_a_slow_stage():
+    """Every stage waiting on a neighbour for peer_timeout_s is a partition; one computing, or idle, is not."""
+    from types import SimpleNamespace
+
+    from gpipe.coordinator.driver import Attempt
+    from gpipe.errors import JobFailed
+
+    def answering(*activities):
+        def stage(a):
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(a)
+            return SimpleNamespace(rpc_async=lambda timeout: SimpleNamespace(activity=lambda: fut))
+        return [stage(a) for a in activities]
+
+    at = object.__new__(Attempt)
+    at.spec = SimpleNamespace(stages=2, peer_timeout_s=20.0)
+    at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0),
+                          ("waiting", "stage 0's activation of micro-batch 1", 21.0))
+    with pytest.raises(JobFailed, match="partition between workers") as failed:
+        at._look_for_a_partition(7, 25.0)
+    assert "stage 1 for stage 0's activation of micro-batch 1" in str(failed.value)
+    for other in (("computing", "", 60.0), ("idle", "", 60.0), ("waiting", "stage 0's activation", 5.0)):
+        at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0), other)
+        at._look_for_a_partition(7, 25.0)  # not a partition: nothing raised

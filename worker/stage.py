@@ -8,6 +8,7 @@ away and rebuilt at any time.
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -108,7 +109,21 @@ class Stage:
             self._restore(resume)
         self.loss_fn = resolve(cfg.loss) if self.last else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
+        self._activity_lock = threading.Lock()
+        self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         self._init_data_plane()
+
+    def _doing(self, state: str, what: str = "") -> None:
+        """What the stage does now: idle (between steps), computing, or waiting on a neighbour for `what`."""
+        with self._activity_lock:
+            self._activity = (state, what, time.monotonic())
+
+    def activity(self) -> tuple[str, str, float]:
+        """(idle | computing | waiting, what it waits for, seconds since it began): the coordinator tells a
+        partition between workers (every stage waiting) from a slow stage (one computing)."""
+        with self._activity_lock:
+            state, what, since = self._activity
+        return state, what, time.monotonic() - since
 
     def _init_data_plane(self) -> None:
         """Join the stages' process group; forming it may take start_timeout_s, each step's waits step_timeout_s."""
@@ -162,13 +177,16 @@ class Stage:
                 y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
             return y
 
+        self._doing("computing")
         for action in schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks):
             mb = action.micro_batch
             if action.kind == "F":
                 if self.first:
                     x = inputs[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the first stage gets inputs
                 else:
+                    self._doing("waiting", f"stage {cfg.stage - 1}'s activation of micro-batch {mb}")
                     x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]  # every stage but the first receives
+                    self._doing("computing")
                     if x.is_floating_point():
                         x.requires_grad_()
                 t0 = time.perf_counter()
@@ -187,7 +205,11 @@ class Stage:
                 stash[mb] = (x, held_x, None if ckpt else y, wants_grad)
             else:
                 x, held_x, y, wants_grad = stash.pop(mb)
-                grad = self.recv_grad.get(mb, timeout) if wants_grad else None  # type: ignore[union-attr]  # wants_grad: not the last
+                grad = None
+                if wants_grad:
+                    self._doing("waiting", f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}")
+                    grad = self.recv_grad.get(mb, timeout)  # type: ignore[union-attr]  # wants_grad: not the last
+                    self._doing("computing")
                 t0 = time.perf_counter()
                 if y is None:  # checkpointed: recompute the forward, replaying its randomness
                     with self.meter.hooks():
@@ -206,15 +228,20 @@ class Stage:
 
         for sender in (self.send_act, self.send_grad):
             if sender:
+                self._doing("waiting", f"{sender.name} to be sent")
                 sender.flush(timeout)
         t0 = time.perf_counter()
+        if cfg.clip_grad_norm:
+            self._doing("waiting", "the other stages' gradient norms")
         grad_norm = self._clip() if cfg.clip_grad_norm else None
+        self._doing("computing")
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
         busy += time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
+        self._doing("idle")
         return {
             "stage": cfg.stage,
             "loss_sum": float(loss_sum) if self.last else None,

@@ -101,6 +101,10 @@ class StageServer:
         return {"params": sum(p.numel() for p in self.stage.layers.parameters()), "pid": os.getpid(),
                 "threads": torch.get_num_threads()}
 
+    def activity(self) -> tuple[str, str, float]:
+        """What the stage does now (Stage.activity); a stage not built is idle."""
+        return self.stage.activity() if self.stage is not None else ("idle", "", 0.0)
+
     @rpc.functions.async_execution
     def run_step(self, step: int, lr: float, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, sizes: list[int],
