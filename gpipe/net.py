@@ -62,6 +62,26 @@ def interfaces() -> dict[str, str]:
     return found
 
 
+def route_source(peer: str) -> str:
+    """This machine's address on the route to `peer` (HOST or HOST:PORT): what the kernel picks for a UDP
+    connect to it. No packet is sent."""
+    host = peer.rsplit(":", 1)[0] if peer.count(":") == 1 else peer
+    ip = resolve_ip(host.strip("[]"))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))
+        except OSError as e:
+            raise ValueError(f"no route to {host} ({ip}): {e.strerror}") from None
+        return str(s.getsockname()[0])
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return resolve_ip(host).startswith("127.")
+    except ValueError:
+        return False
+
+
 def iface_for(host: str) -> str:
     """The name of the network interface that owns `host`'s address."""
     ip = resolve_ip(host)
