@@ -16,26 +16,45 @@ import asyncio
 import contextlib
 import hmac
 import json
+import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import serde
+from gpipe import grpcutil, serde
 from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.outputs import prepare_output
-from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, Supervisor
-from gpipe.errors import SpecError
+from gpipe.coordinator.spec import NAME_RE, JobSpec, parse_spec
+from gpipe.coordinator.supervisor import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    RankTaken,
+    Supervisor,
+)
+from gpipe.errors import GpipeError, SpecError
 from gpipe.files import atomic_write_json
 from gpipe.serde import JobRecord
+from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 VALIDATE_TIMEOUT_S = 120.0
+MAX_SPEC_BYTES = 1 << 20  # a bigger spec is refused before it is parsed
+MAX_MESSAGE_BYTES = 2 << 20  # gRPC itself refuses a bigger request (RESOURCE_EXHAUSTED)
+VALIDATIONS_RUNNING, VALIDATIONS_WAITING = 2, 8  # past both, a submission is RESOURCE_EXHAUSTED
+SECRET_ENV = (grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV)  # never handed to a validation process
+STOP_GRACE_S = 0.5  # on SIGTERM, how long calls in flight may finish (streams never do)
+ERROR_TAIL_BYTES = 64 << 10  # what is read of a failed validation's stderr
+# Bounds on worker requests: a field out of range is INVALID_ARGUMENT naming it.
+MAX_HOSTNAME, MAX_HOST, MAX_DEVICE, MAX_ID = 253, 255, 64, 64
+MAX_CORES, MAX_THREADS = 4096, 4096
+MAX_ATTEMPT_ERROR = 4096  # a longer attempt_error is cut
 
 
 class JobTable:
@@ -84,14 +103,27 @@ class Coordinator:
         self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log"),
                               self.table, heartbeat_timeout=heartbeat_timeout)
         self.table.load(self.sup)
+        self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
+        self.admitted = 0  # submissions being parsed, validated or waiting to be
 
     async def submit(self, spec_yaml: str) -> JobRecord:
-        spec = parse_spec(spec_yaml)  # SpecError: INVALID_ARGUMENT
-        if spec.name in self.sup.jobs:
-            raise FileExistsError(f"a job named {spec.name!r} exists already")
-        await self._validate(spec_yaml)
-        if spec.name in self.sup.jobs:  # submitted twice while validating
-            raise FileExistsError(f"a job named {spec.name!r} exists already")
+        """Parse (off the event loop), validate (a few at a time) and queue a spec; SpecError, FileExistsError
+        or Busy say why not."""
+        size = len(spec_yaml.encode())
+        if size > MAX_SPEC_BYTES:
+            raise SpecError(f"spec_yaml: {size:,} bytes is over the limit of {MAX_SPEC_BYTES:,} (1 MiB)")
+        if self.admitted >= VALIDATIONS_RUNNING + VALIDATIONS_WAITING:
+            raise Busy(f"{self.admitted} submissions are being validated or waiting (at most "
+                       f"{VALIDATIONS_RUNNING} at once, {VALIDATIONS_WAITING} waiting): try again later")
+        self.admitted += 1
+        try:
+            spec = await asyncio.to_thread(_parse, spec_yaml)
+            self._unused(spec.name)
+            async with self.validations:
+                await self._validate(spec_yaml)
+        finally:
+            self.admitted -= 1
+        self._unused(spec.name)  # submitted twice while validating
         out = self.state_dir / spec.name
         job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out))
         prepare_output(spec.name, self.state_dir, fresh=True)  # nothing of an older job by this name is kept
@@ -99,27 +131,66 @@ class Coordinator:
         self.sup.add(job, spec, out / "job.yaml", out)
         return job
 
+    def _unused(self, name: str) -> None:
+        if name in self.sup.jobs:
+            raise FileExistsError(f"a job named {name!r} exists already")
+
     async def _validate(self, spec_yaml: str) -> None:
-        """The checks that need the model and the data, in a throwaway process: user code stays out of here."""
+        """The checks that need the model and the data, in a throwaway process: user code stays out of here.
+
+        It gets none of serve's secrets: no token in its environment, no file or socket of serve's open.
+        """
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / "job.yaml"
+            path, err_path = Path(d) / "job.yaml", Path(d) / "stderr"
             path.write_text(spec_yaml)
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            )
+            with err_path.open("wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                    env=env, close_fds=True,
+                )
             try:
-                _, err = await asyncio.wait_for(proc.communicate(), VALIDATE_TIMEOUT_S)
+                async with asyncio.timeout(VALIDATE_TIMEOUT_S):
+                    await proc.wait()
             except TimeoutError:
-                proc.kill()
-                await proc.wait()
                 raise SpecError(f"model: building the model took longer than {VALIDATE_TIMEOUT_S:.0f}s") from None
-        if proc.returncode:
-            lines = err.decode(errors="replace").strip().splitlines()
-            raise SpecError(lines[-1].removeprefix("error: ") if lines else "the spec failed validation")
+            finally:  # timed out, or serve is stopping
+                if proc.returncode is None:
+                    proc.kill()
+                    await asyncio.shield(proc.wait())
+            if proc.returncode:
+                with err_path.open("rb") as f:
+                    f.seek(max(0, err_path.stat().st_size - ERROR_TAIL_BYTES))
+                    lines = f.read().decode(errors="replace").strip().splitlines()
+                raise SpecError(lines[-1].removeprefix("error: ") if lines else "the spec failed validation")
+
+
+class Busy(GpipeError):
+    """Too many submissions at once: RESOURCE_EXHAUSTED."""
+
+
+def _parse(spec_yaml: str) -> JobSpec:
+    """parse_spec, for a worker thread; a job name must be a whole line."""
+    try:
+        spec = parse_spec(spec_yaml)
+    except RecursionError:
+        raise SpecError("job spec: nested too deeply") from None
+    if not NAME_RE.fullmatch(spec.name):
+        raise SpecError(f"name: '{printable(spec.name, 80)}' must be 1-64 letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit")
+    return spec
 
 
 # -- gRPC --------------------------------------------------------------------------------
+
+
+def _bad_name(name: str) -> str | None:
+    """Why `name` cannot name a job, or None."""
+    if NAME_RE.fullmatch(name):
+        return None
+    return (f"name: '{printable(name, 80)}' is not a job name: 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
 
 
 class JobService(jobs_pb2_grpc.JobServiceServicer):
@@ -127,6 +198,8 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         self.c = c
 
     async def _job(self, name: str, context: grpc.aio.ServicerContext) -> JobRecord:
+        if (why := _bad_name(name)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if name not in self.c.sup.jobs:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {name!r}")
         return self.c.sup.record(name)
@@ -135,15 +208,21 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         try:
             return serde.job_to_pb(await self.c.submit(request.spec_yaml))
         except SpecError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, printable(str(e), 1024))
         except FileExistsError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except Busy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def GetJob(self, request, context):
         return serde.job_to_pb(await self._job(request.name, context))
 
     async def ListJobs(self, request, context):
-        return jobs_pb2.ListJobsResponse(jobs=[serde.job_to_pb(e.record) for e in self.c.sup.jobs.values()])
+        # Without their specs (up to 1 MiB each; GetJob has them): the list fits in a message however many.
+        jobs = [serde.job_to_pb(e.record) for e in self.c.sup.jobs.values()]
+        for j in jobs:
+            j.ClearField("spec_yaml")
+        return jobs_pb2.ListJobsResponse(jobs=jobs)
 
     async def ResumeJob(self, request, context):
         await self._job(request.name, context)
@@ -162,27 +241,71 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             yield serde.event_to_pb(e)
 
 
+def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
+    """The first field of a registration out of range, named, or None."""
+    if not 0 <= r.rank <= grpcutil.MAX_RANK:
+        return f"rank: must be 0-{grpcutil.MAX_RANK}, got {r.rank}"
+    for field, value, limit in (("host", r.host, MAX_HOST), ("device", r.device, MAX_DEVICE)):
+        if len(value) > limit:
+            return f"{field}: at most {limit} characters, got {len(value)}"
+        if not value.isprintable() or " " in value:
+            return f"{field}: '{printable(value, 80)}' has spaces or control characters"
+    if not r.host:
+        return "host: required (the address its attempt processes listen on)"
+    if len(r.hostname) > MAX_HOSTNAME:
+        return f"hostname: at most {MAX_HOSTNAME} characters, got {len(r.hostname)}"
+    if len(r.cores) > MAX_CORES:
+        return f"cores: at most {MAX_CORES} entries, got {len(r.cores)}"
+    if any(not 0 <= c < MAX_CORES for c in r.cores):
+        return f"cores: each must be 0-{MAX_CORES - 1}, got {min(r.cores)}-{max(r.cores)}"
+    if not 1 <= r.threads <= MAX_THREADS:
+        return f"threads: must be 1-{MAX_THREADS}, got {r.threads}"
+    return None
+
+
+def _bad_id(field: str, value: str) -> str | None:
+    if len(value) > MAX_ID or not value.isalnum() and value:
+        return f"{field}: '{printable(value, 80)}' is not an id (at most {MAX_ID} letters and digits)"
+    return None
+
+
 class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
     def __init__(self, c: Coordinator):
         self.c = c
+        self.streaming: set[str] = set()  # the workers whose command stream is open
 
     async def Register(self, request, context):
-        if request.rank < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank: must be 0 or more, got {request.rank}")
-        w = self.c.sup.register(request.rank, request.host, request.device, request.hostname, list(request.cores),
-                                request.threads)
+        if (why := _bad_registration(request)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        sup, rank = self.c.sup, request.rank
+        old = sup.workers.get(rank)
+        if old is not None and old.id not in self.streaming:  # registered, but never took its commands
+            sup.drop(old, f"stage {rank}'s worker registered again before it took its commands")
+        try:
+            w = sup.register(rank, request.host, request.device, printable(request.hostname, MAX_HOSTNAME),
+                             list(request.cores), request.threads)
+        except RankTaken as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         return workers_pb2.RegisterResponse(worker_id=w.id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
 
     async def Heartbeat(self, request, context):
+        for field in ("worker_id", "attempt_id"):
+            if (why := _bad_id(field, getattr(request, field))) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         known = self.c.sup.heartbeat(request.worker_id, request.attempt_id, request.attempt_ended,
-                                     request.attempt_exit, request.attempt_error)
+                                     request.attempt_exit, printable(request.attempt_error, MAX_ATTEMPT_ERROR))
         return workers_pb2.HeartbeatResponse(known=known)
 
     async def Commands(self, request, context):
+        if (why := _bad_id("worker_id", request.worker_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         w = self.c.sup.worker(request.worker_id)
         if w is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker id: register again")
+            await context.abort(grpc.StatusCode.NOT_FOUND, "worker_id: unknown worker: register again")
             return
+        if w.id in self.streaming:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "worker_id: its command stream is open already")
+        self.streaming.add(w.id)
         try:
             while (cmd := await w.commands.get()) is not None:
                 yield serde.command_to_pb(cmd)
@@ -191,50 +314,81 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             if self.c.sup.workers.get(w.rank) is w:
                 self.c.sup.drop(w, f"stage {w.rank}'s worker disconnected")
             raise
+        finally:
+            self.streaming.discard(w.id)
+
+
+JOBS, WORKERS = "/gpipe.v1.JobService/", "/gpipe.v1.WorkerService/"
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Every call but health probes must carry `authorization: Bearer <token>`."""
+    """Each service its own token: the client token for JobService, the worker token for WorkerService.
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+    Calls carry `authorization: Bearer <token>`; health probes need none. With
+    one token set and not the other, the service without one refuses every
+    call (PERMISSION_DENIED): a half-configured serve opens no door.
+    """
+
+    def __init__(self, client: str | None, worker: str | None):
+        self.tokens = {JOBS: _bearer(client), WORKERS: _bearer(worker)}
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if details.method.startswith("/grpc.health.v1.") or handler is None:
             return handler
+        service = JOBS if details.method.startswith(JOBS) else WORKERS
+        other = WORKERS if service == JOBS else JOBS
+        what, flag = (("client", "--auth-token-file") if service == JOBS else ("worker", "--worker-token-file"))
         got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self.expected):
+        got = got.encode() if isinstance(got, str) else got
+        expected = self.tokens[service]
+        if expected is not None and hmac.compare_digest(got, expected):
             return handler
+        if expected is None:
+            return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
+                         f"the {service.strip('/').split('.')[-1]} is closed: serve was started without a "
+                         f"{what} token ({flag})")
+        other_token = self.tokens[other]
+        if other_token is not None and hmac.compare_digest(got, other_token):
+            return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
+                         f"a {'worker' if what == 'client' else 'client'} token cannot call this: the "
+                         f"{what} token is needed ({flag})")
+        return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, f"a valid {what} token is required ({flag})")
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid token is required (--auth-token-file)")
 
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer,
-                                                   handler.response_serializer)
+def _bearer(token: str | None) -> bytes | None:
+    return None if token is None else f"Bearer {token}".encode()
 
 
-async def serve(host: str, port: int, state_dir: Path, token: str | None = None,
+def _deny(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler like `handler` that refuses the call."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    make: Callable[..., Any] = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                                else grpc.unary_unary_rpc_method_handler)
+    return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+async def serve(host: str, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
+    options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    auth = [TokenAuth(token, worker_token)] if token or worker_token else None
+    server = grpc.aio.server(interceptors=auth, options=options)
+    address = f"{host}:{port}"
+    creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
+    grpcutil.listen(server, address, "--port", creds)  # first: a taken port changes nothing
     net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
     c = Coordinator(state_dir, host)
-    server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else None)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = f"{host}:{port}"
-    if tls:
-        server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
-    else:
-        server.add_insecure_port(address)
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"gpipe: coordinator serving on {address}, state in {state_dir}", file=sys.stderr, flush=True)
@@ -248,6 +402,6 @@ async def serve(host: str, port: int, state_dir: Path, token: str | None = None,
     await stop.wait()
     await health.enter_graceful_shutdown()
     c.sup.shutdown()
-    await server.stop(grace=3)
+    await server.stop(grace=STOP_GRACE_S)
     for t in tasks:
         t.cancel()

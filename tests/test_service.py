@@ -26,6 +26,7 @@ from tests.test_failures import _worker_pid
 pytestmark = pytest.mark.multiprocess
 
 TOKEN = "s3cret-token"
+WORKER_TOKEN = "w0rker-token"
 
 
 def free_port() -> int:
@@ -52,15 +53,18 @@ SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.0
 class Service:
     """serve and its workers as real processes, each in its own process group."""
 
-    def __init__(self, cli, token: str | None = None):
-        self.cli, self.tmp, self.token = cli, cli.tmp, token
+    def __init__(self, cli, token: str | None = None, worker_token: str | None = None):
+        self.cli, self.tmp, self.token, self.worker_token = cli, cli.tmp, token, worker_token
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.state = self.tmp / "state"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(cli.env)
+        self.tls: list[str] = []  # --tls-ca CERT, for clients and workers of a TLS serve
         if token:
             (self.tmp / "token").write_text(token + "\n")
+        if worker_token:
+            (self.tmp / "worker-token").write_text(worker_token + "\n")
 
     def _spawn(self, key: str, args: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{key}.log", "ab")
@@ -71,12 +75,21 @@ class Service:
         return p
 
     def auth(self) -> list[str]:
-        return ["--auth-token-file", str(self.tmp / "token")] if self.token else []
+        """A client's flags: the client token, TLS."""
+        return (["--auth-token-file", str(self.tmp / "token")] if self.token else []) + self.tls
 
-    def start_serve(self) -> None:
+    def worker_auth(self) -> list[str]:
+        """A worker's flags: the worker token, TLS."""
+        return (["--worker-token-file", str(self.tmp / "worker-token")] if self.worker_token else []) + self.tls
+
+    def serve_auth(self) -> list[str]:
+        return ((["--auth-token-file", str(self.tmp / "token")] if self.token else [])
+                + (["--worker-token-file", str(self.tmp / "worker-token")] if self.worker_token else []))
+
+    def start_serve(self, *extra: str) -> None:
         before = self.log("serve").count("coordinator serving on")
         self._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(self.port),
-                              "--state-dir", str(self.state), *self.auth()])
+                              "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
     def start_worker(self, rank: int) -> None:
@@ -84,7 +97,7 @@ class Service:
         cores = sorted(os.sched_getaffinity(0))
         self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
-                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.auth()])
+                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth()])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
                       f"rank {rank} to register")
 
@@ -230,21 +243,58 @@ def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
     print(f"worker daemon SIGKILLed: the job failed {detected:.1f}s later")
 
 
-def test_the_token_is_enforced(cli):
-    s = Service(cli, token=TOKEN)
+def run_worker(cli, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A gpipe-worker that should end by itself (refused, or bad flags)."""
+    return subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *args], env=cli.env, cwd=cli.tmp,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
+    s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
     try:
         s.start_serve()
         s.start_worker(0)
         path = str(cli.write(job("t", stages=1, balance=[4])))
         r = cli.run("submit", path, "--coordinator", s.address)  # no token
-        assert r.returncode == 1 and "refused the call" in r.stderr and "valid token" in r.stderr
+        assert r.returncode == 1 and "refused the call" in r.stderr and "valid client token" in r.stderr
         (cli.tmp / "wrong").write_text("not-it")
         r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "wrong"))
         assert r.returncode == 1 and "refused the call" in r.stderr
+        # The worker token cannot submit, and the client token cannot register a worker.
+        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "worker-token"))
+        assert r.returncode == 1 and "a worker token cannot call this" in r.stderr, r.stderr
+        r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--worker-token-file", str(cli.tmp / "token"))
+        assert r.returncode == 1 and "a client token cannot call this" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
         r = s.client("submit", path, "--follow")
         assert r.returncode == 0, r.stderr
     finally:
         s.stop_all()
+
+
+@pytest.mark.parametrize("only", ["client", "worker"])
+def test_a_serve_with_one_token_closes_the_service_that_has_none(cli, only):
+    s = Service(cli, token=TOKEN if only == "client" else None,
+                worker_token=WORKER_TOKEN if only == "worker" else None)
+    try:
+        s.start_serve()
+        if only == "client":
+            assert s.client("list").returncode == 0
+            r = run_worker(cli, "--rank", "0", "--coordinator", s.address)
+            assert r.returncode == 1 and "WorkerService is closed" in r.stderr and "--worker-token-file" in r.stderr
+        else:
+            s.start_worker(0)
+            r = s.client("list")
+            assert r.returncode == 1 and "JobService is closed" in r.stderr and "--auth-token-file" in r.stderr
+    finally:
+        s.stop_all()
+
+
+def test_one_token_for_both_services_is_refused(cli):
+    (cli.tmp / "t").write_text(TOKEN)
+    r = cli.run("serve", "--port", str(free_port()), "--state-dir", str(cli.tmp / "state"),
+                "--auth-token-file", str(cli.tmp / "t"), "--worker-token-file", str(cli.tmp / "t"))
+    assert r.returncode == 2 and "tokens must differ" in r.stderr and not (cli.tmp / "state").exists()
 
 
 def test_an_unreachable_coordinator_is_one_clear_line(cli):
@@ -261,7 +311,7 @@ def test_worker_flags(cli):
     r = run("--coordinator", "127.0.0.1:1")
     assert r.returncode == 2 and "--rank is required (or env RANK)" in r.stderr
     r = run("--rank", "-1", "--coordinator", "127.0.0.1:1")
-    assert r.returncode == 2 and "--rank: must be 0 or more" in r.stderr
+    assert r.returncode == 2 and "--rank: must be 0-4095" in r.stderr
     r = run("--rank", "0")
     assert r.returncode == 2 and "--coordinator HOST:PORT is required" in r.stderr
     r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--cores", "0-x")
@@ -282,15 +332,10 @@ def test_tls_with_a_token(cli):
     subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpipe",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
-    s = Service(cli, token=TOKEN)
-    tls = ["--tls-ca", str(cert)]
-    s.auth = lambda: ["--auth-token-file", str(cli.tmp / "token"), *tls]  # clients and workers speak TLS
+    s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
+    s.tls = ["--tls-ca", str(cert)]  # clients and workers speak TLS
     try:
-        before = s.log("serve").count("coordinator serving on")
-        s._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(s.port), "--state-dir", str(s.state),
-                           "--auth-token-file", str(cli.tmp / "token"), "--tls-cert", str(cert),
-                           "--tls-key", str(key)])
-        s.wait_for(lambda: s.log("serve").count("coordinator serving on") > before, "serve to start")
+        s.start_serve("--tls-cert", str(cert), "--tls-key", str(key))
         s.start_worker(0)
         r = s.client("submit", str(cli.write(job("tls", stages=1, balance=[4]))), "--follow")
         assert r.returncode == 0, r.stderr
