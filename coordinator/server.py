@@ -20,11 +20,12 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -55,6 +56,7 @@ ERROR_TAIL_BYTES = 64 << 10  # what is read of a failed validation's stderr
 MAX_HOSTNAME, MAX_HOST, MAX_DEVICE, MAX_ID = 253, 255, 64, 64
 MAX_CORES, MAX_THREADS = 4096, 4096
 MAX_ATTEMPT_ERROR = 4096  # a longer attempt_error is cut
+MAX_WIRE_INT = 2**63 - 1
 
 
 class JobTable:
@@ -176,6 +178,8 @@ def _parse(spec_yaml: str) -> JobSpec:
         spec = parse_spec(spec_yaml)
     except RecursionError:
         raise SpecError("job spec: nested too deeply") from None
+    if spec.steps > MAX_WIRE_INT:  # it travels as an int64: a bigger one would break ListJobs for everyone
+        raise SpecError(f"steps: must be at most {MAX_WIRE_INT}, got {spec.steps}")
     if not NAME_RE.fullmatch(spec.name):
         raise SpecError(f"name: '{printable(spec.name, 80)}' must be 1-64 letters, digits, '.', '_' or '-', "
                         "starting with a letter or digit")
@@ -256,8 +260,8 @@ def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
         return f"hostname: at most {MAX_HOSTNAME} characters, got {len(r.hostname)}"
     if len(r.cores) > MAX_CORES:
         return f"cores: at most {MAX_CORES} entries, got {len(r.cores)}"
-    if any(not 0 <= c < MAX_CORES for c in r.cores):
-        return f"cores: each must be 0-{MAX_CORES - 1}, got {min(r.cores)}-{max(r.cores)}"
+    if (bad := next((c for c in r.cores if not 0 <= c < MAX_CORES), None)) is not None:
+        return f"cores: each must be 0-{MAX_CORES - 1}, got {bad}"
     if not 1 <= r.threads <= MAX_THREADS:
         return f"threads: must be 1-{MAX_THREADS}, got {r.threads}"
     return None
@@ -307,6 +311,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "worker_id: its command stream is open already")
         self.streaming.add(w.id)
         try:
+            await context.send_initial_metadata(())  # the worker may know its stream is open
             while (cmd := await w.commands.get()) is not None:
                 yield serde.command_to_pb(cmd)
         except asyncio.CancelledError:
@@ -371,14 +376,62 @@ def _deny(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     return make(deny, handler.request_deserializer, handler.response_serializer)
 
 
+class _Undecodable:
+    def __init__(self, why: str):
+        self.why = why
+
+
+class StrictDecoding(grpc.aio.ServerInterceptor):
+    """A request that is not a valid message (bad UTF-8 in a string, a cut field) is INVALID_ARGUMENT.
+
+    gRPC's own answer is UNKNOWN, with the decoder's exception in it.
+    """
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/gpipe.v1."):
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except DecodeError as e:
+                return _Undecodable(str(e).rpartition(": ")[2] or "cannot be decoded")
+
+        async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request is not a valid {details.method.rpartition('/')[2]} request: "
+                                    f"{request.why}")
+
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await check(request, context)
+                async for m in inner_stream(request, context):
+                    yield m
+
+            return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
+        inner = handler.unary_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(request, context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
+
+
 async def serve(host: str, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
     options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    auth = [TokenAuth(token, worker_token)] if token or worker_token else None
-    server = grpc.aio.server(interceptors=auth, options=options)
+    # TokenAuth first: a stranger learns nothing, not even that the request was malformed.
+    auth = [TokenAuth(token, worker_token)] if token or worker_token else []
+    server = grpc.aio.server(interceptors=[*auth, StrictDecoding()], options=options)
     address = f"{host}:{port}"
     creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
     grpcutil.listen(server, address, "--port", creds)  # first: a taken port changes nothing

@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import grpcutil, serde
+from gpipe import grpcutil, proc, serde
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except GpipeError as e:  # the port is taken, or the coordinator refused this worker
         print(f"gpipe-worker: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    proc.exit_now(0)  # stopped, its attempt processes killed: no interpreter teardown (gRPC's threads)
     return 0
 
 
