@@ -20,9 +20,9 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -38,10 +38,11 @@ from gpipe.coordinator.supervisor import (
     HEARTBEAT_TIMEOUT_S,
     RankTaken,
     Supervisor,
+    Worker,
 )
 from gpipe.errors import GpipeError, SpecError
 from gpipe.files import atomic_write_json
-from gpipe.serde import JobRecord
+from gpipe.serde import Abort, JobRecord, Join
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
@@ -57,6 +58,7 @@ MAX_HOSTNAME, MAX_HOST, MAX_DEVICE, MAX_ID = 253, 255, 64, 64
 MAX_CORES, MAX_THREADS = 4096, 4096
 MAX_ATTEMPT_ERROR = 4096  # a longer attempt_error is cut
 MAX_WIRE_INT = 2**63 - 1
+T = TypeVar("T")
 
 
 class JobTable:
@@ -107,10 +109,13 @@ class Coordinator:
         self.table.load(self.sup)
         self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
         self.admitted = 0  # submissions being parsed, validated or waiting to be
+        self.stopping = asyncio.Event()  # set on SIGTERM: calls in flight end UNAVAILABLE
 
     async def submit(self, spec_yaml: str) -> JobRecord:
-        """Parse (off the event loop), validate (a few at a time) and queue a spec; SpecError, FileExistsError
-        or Busy say why not."""
+        """Parse a spec off the event loop, validate it (a few at a time) and queue it.
+
+        SpecError, FileExistsError or Busy say why not.
+        """
         size = len(spec_yaml.encode())
         if size > MAX_SPEC_BYTES:
             raise SpecError(f"spec_yaml: {size:,} bytes is over the limit of {MAX_SPEC_BYTES:,} (1 MiB)")
@@ -122,6 +127,8 @@ class Coordinator:
             spec = await asyncio.to_thread(_parse, spec_yaml)
             self._unused(spec.name)
             async with self.validations:
+                if self.stopping.is_set():
+                    raise Stopping("the coordinator is stopping")
                 await self._validate(spec_yaml)
         finally:
             self.admitted -= 1
@@ -154,7 +161,7 @@ class Coordinator:
                 )
             try:
                 async with asyncio.timeout(VALIDATE_TIMEOUT_S):
-                    await proc.wait()
+                    await _unless(self.stopping, proc.wait())
             except TimeoutError:
                 raise SpecError(f"model: building the model took longer than {VALIDATE_TIMEOUT_S:.0f}s") from None
             finally:  # timed out, or serve is stopping
@@ -170,6 +177,33 @@ class Coordinator:
 
 class Busy(GpipeError):
     """Too many submissions at once: RESOURCE_EXHAUSTED."""
+
+
+class Stopping(GpipeError):
+    """serve is stopping: calls in flight end UNAVAILABLE, each by itself, rather than cancelled by gRPC."""
+
+
+async def _unless(stopping: asyncio.Event, aw: Awaitable[T]) -> T:
+    """`aw`'s result; Stopping (and `aw` cancelled) if `stopping` is set first."""
+    task, stop = asyncio.ensure_future(aw), asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise Stopping("the coordinator is stopping")
+        return task.result()
+    finally:
+        task.cancel()
+        stop.cancel()
+
+
+async def _until_stopping(stopping: asyncio.Event, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of `items`, until `stopping` is set: then Stopping."""
+    while True:
+        try:
+            item = await _unless(stopping, anext(items))
+        except StopAsyncIteration:
+            return
+        yield item
 
 
 def _parse(spec_yaml: str) -> JobSpec:
@@ -217,6 +251,8 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except Busy as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def GetJob(self, request, context):
         return serde.job_to_pb(await self._job(request.name, context))
@@ -241,8 +277,11 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
 
     async def WatchJob(self, request, context):
         await self._job(request.name, context)
-        async for e in self.c.sup.watch(request.name):
-            yield serde.event_to_pb(e)
+        try:
+            async for e in _until_stopping(self.c.stopping, self.c.sup.watch(request.name)):
+                yield serde.event_to_pb(e)
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
 
 def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
@@ -312,8 +351,10 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         self.streaming.add(w.id)
         try:
             await context.send_initial_metadata(())  # the worker may know its stream is open
-            while (cmd := await w.commands.get()) is not None:
+            async for cmd in _until_stopping(self.c.stopping, _commands(w)):
                 yield serde.command_to_pb(cmd)
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except asyncio.CancelledError:
             # The worker hung up: its daemon died (or restarted). Its rank waits for the next one.
             if self.c.sup.workers.get(w.rank) is w:
@@ -321,6 +362,12 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             raise
         finally:
             self.streaming.discard(w.id)
+
+
+async def _commands(w: Worker) -> AsyncIterator[Join | Abort]:
+    """A worker's commands, until it is dropped."""
+    while (cmd := await w.commands.get()) is not None:
+        yield cmd
 
 
 JOBS, WORKERS = "/gpipe.v1.JobService/", "/gpipe.v1.WorkerService/"
@@ -454,6 +501,7 @@ async def serve(host: str, port: int, state_dir: Path, token: str | None = None,
         ready.set()
     await stop.wait()
     await health.enter_graceful_shutdown()
+    c.stopping.set()
     c.sup.shutdown()
     await server.stop(grace=STOP_GRACE_S)
     for t in tasks:

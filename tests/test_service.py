@@ -512,8 +512,12 @@ def sigterm(s: Service, key: str) -> tuple[int, float]:
 
 def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     out = submit_running(service, "term", 3, steps=400, checkpoint_every=5)
-    code, took = sigterm(service, "serve")
+    with service.cli.running("logs", "term", "--follow", "--coordinator", service.address) as follower:
+        assert follower.stdout.readline().startswith("{")  # a step: it follows (the job's steps so far come first)
+        code, took = sigterm(service, "serve")
+        _, err = follower.communicate(timeout=30)
     assert code == 0 and "Traceback" not in service.log("serve"), service.log("serve")[-2000:]
+    assert follower.returncode == 1 and "the coordinator is stopping" in err, err  # told, not cut off
     assert json.loads((out / "job.json").read_text())["state"] == "RUNNING"  # for the next serve to resume
     print(f"serve with a running attempt: exit {code} {took:.2f}s after SIGTERM")
 
