@@ -8,6 +8,11 @@ user code), then queued. Every state change is written to
 resumes running ones once their workers have reconnected.
 
     gpipe-coordinator serve --port 7000 --state-dir /var/lib/gpipe [--host 10.0.0.5]
+        [--auth-token-file CLIENT_TOKEN --worker-token-file WORKER_TOKEN]
+
+Every request is bounded before it is used (sizes, ranges, names), every
+string from one is escaped before it is logged, and heavy work (parsing,
+validating) runs off the event loop, a few at a time.
 """
 
 from __future__ import annotations

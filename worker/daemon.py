@@ -8,6 +8,10 @@ jobs. A child process never outlives its attempt: a failed RPC world or
 communicator is thrown away with it.
 
     gpipe-worker --rank 0 --coordinator 10.0.0.5:7000 [--host 10.0.0.6] [--device cuda:0]
+        [--worker-token-file WORKER_TOKEN]
+
+A rank held by a live worker is refused (ALREADY_EXISTS): the daemon waits
+with backoff until it is free.
 """
 
 from __future__ import annotations
