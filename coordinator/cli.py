@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, GpipeError, SpecError
+from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 
 DEFAULT_STATE_DIR = "gpipe-state"
 EXIT_INTERRUPTED = 130
@@ -59,7 +59,13 @@ def _parser() -> argparse.ArgumentParser:
                           "there too (default 127.0.0.1)")
     srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
                      help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
-    srv.add_argument("--auth-token-file", help="require this shared token on every call (or env GPIPE_TOKEN)")
+    srv.add_argument("--auth-token-file",
+                     help="the client token: JobService calls (submit, status, stop ...) must carry it "
+                          "(or env GPIPE_TOKEN)")
+    srv.add_argument("--worker-token-file",
+                     help="the worker token: WorkerService calls (register, heartbeat, commands) must carry it "
+                          "(or env GPIPE_WORKER_TOKEN). Set both tokens or neither: with one set, the "
+                          "service without a token refuses every call")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -67,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help)
         c.add_argument("--coordinator", default=os.environ.get("GPIPE_COORDINATOR", "127.0.0.1:7000"),
                        help="HOST:PORT of serve (env GPIPE_COORDINATOR; default 127.0.0.1:7000)")
-        c.add_argument("--auth-token-file", help="the shared token (default: env GPIPE_TOKEN)")
+        c.add_argument("--auth-token-file", help="the client token (default: env GPIPE_TOKEN)")
         c.add_argument("--tls-ca", help="the CA certificate that signed serve's TLS certificate")
         return c
 
@@ -94,10 +100,14 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gpipe import grpcutil, net
+    from gpipe import grpcutil, net, proc
     from gpipe.coordinator.server import serve
 
     token = grpcutil.read_token(args.auth_token_file)
+    worker_token = grpcutil.read_token(args.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
+    if token is not None and token == worker_token:
+        raise SpecError("--auth-token-file and --worker-token-file: the client and worker tokens must differ")
+    grpcutil.forget_tokens()  # read: no attempt or validation process inherits them
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SpecError("--tls-cert and --tls-key go together")
     tls = None
@@ -108,7 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SpecError(f"--host: {e}") from None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
-    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, tls))
+    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls))
+    # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
+    # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
+    proc.exit_now(EXIT_OK)
     return 0
 
 

@@ -8,6 +8,11 @@ user code), then queued. Every state change is written to
 resumes running ones once their workers have reconnected.
 
     gpipe-coordinator serve --port 7000 --state-dir /var/lib/gpipe [--host 10.0.0.5]
+        [--auth-token-file CLIENT_TOKEN --worker-token-file WORKER_TOKEN]
+
+Every request is bounded before it is used (sizes, ranges, names), every
+string from one is escaped before it is logged, and heavy work (parsing,
+validating) runs off the event loop, a few at a time.
 """
 
 from __future__ import annotations
@@ -16,32 +21,51 @@ import asyncio
 import contextlib
 import hmac
 import json
+import os
+import shutil
 import signal
 import sys
 import tempfile
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import serde
+from gpipe import grpcutil, serde
 from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.outputs import prepare_output
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
 from gpipe.coordinator.supervisor import (
     EVENT_WINDOW,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
+    RankTaken,
     Supervisor,
+    Worker,
 )
-from gpipe.errors import EXIT_BAD_INPUT, SpecError
-from gpipe.files import atomic_write_json
-from gpipe.serde import JobRecord, JobState, StateChange
+from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
+from gpipe.files import atomic_write_json, naming
+from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
+from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 VALIDATE_TIMEOUT_S = 120.0
+MAX_MESSAGE_BYTES = 2 << 20  # gRPC itself refuses a bigger request (RESOURCE_EXHAUSTED)
+VALIDATIONS_RUNNING, VALIDATIONS_WAITING = 2, 8  # past both, a submission is RESOURCE_EXHAUSTED
+SECRET_ENV = (grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV)  # never handed to a validation process
+STOP_GRACE_S = 0.5  # on SIGTERM, how long calls in flight may finish (streams never do)
+ERROR_TAIL_BYTES = 64 << 10  # what is read of a failed validation's stderr
+# Bounds on worker requests: a field out of range is INVALID_ARGUMENT naming it.
+MAX_HOSTNAME, MAX_HOST, MAX_DEVICE, MAX_ID = 253, 255, 64, 64
+MAX_CORES, MAX_THREADS = 4096, 4096
+MAX_ATTEMPT_ERROR = 4096  # a longer attempt_error is cut
+MAX_WIRE_INT = 2**63 - 1
+T = TypeVar("T")
 
 
 class JobTable:
@@ -127,42 +151,141 @@ class Coordinator:
         self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log"),
                               self.table, heartbeat_timeout=heartbeat_timeout)
         self.table.load(self.sup)
+        self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
+        self.admitted = 0  # submissions being parsed, validated or waiting to be
+        self.stopping = asyncio.Event()  # set on SIGTERM: calls in flight end UNAVAILABLE
 
     async def submit(self, spec_yaml: str) -> JobRecord:
-        spec = parse_spec(spec_yaml)  # SpecError: INVALID_ARGUMENT
-        if spec.name in self.sup.jobs:
-            raise FileExistsError(f"a job named {spec.name!r} exists already")
-        await self._validate(spec_yaml)
-        if spec.name in self.sup.jobs:  # submitted twice while validating
-            raise FileExistsError(f"a job named {spec.name!r} exists already")
+        """Parse a spec off the event loop, validate it (a few at a time) and queue it.
+
+        SpecError, FileExistsError or Busy say why not.
+        """
+        size = len(spec_yaml.encode())
+        if size > MAX_SPEC_BYTES:
+            raise SpecError(f"spec_yaml: {size:,} bytes is over the limit of {MAX_SPEC_BYTES:,} (1 MiB)")
+        if self.admitted >= VALIDATIONS_RUNNING + VALIDATIONS_WAITING:
+            raise Busy(f"{self.admitted} submissions are being validated or waiting (at most "
+                       f"{VALIDATIONS_RUNNING} at once, {VALIDATIONS_WAITING} waiting): try again later")
+        self.admitted += 1
+        try:
+            spec = await asyncio.to_thread(_parse, spec_yaml)
+            self._unused(spec.name)
+            async with self.validations:
+                if self.stopping.is_set():
+                    raise Stopping("the coordinator is stopping")
+                await self._validate(spec_yaml)
+        finally:
+            self.admitted -= 1
+        self._unused(spec.name)  # submitted twice while validating
         out = self.state_dir / spec.name
         job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out))
-        prepare_output(spec.name, self.state_dir, fresh=True)  # nothing of an older job by this name is kept
-        (out / "job.yaml").write_text(spec_yaml)
+        try:
+            with naming(out / "job.yaml"):
+                prepare_output(spec.name, self.state_dir, fresh=True)  # the directory holds nothing of ours
+                (out / "job.yaml").write_text(spec_yaml)
+                self.table.save(job)  # first: a job that cannot be recorded is not taken
+        except OSError as e:
+            shutil.rmtree(out, ignore_errors=True)
+            raise DiskError(f"cannot take the job: {describe_os_error(e)}") from None
         self.sup.add(job, spec, out / "job.yaml", out)
         return job
 
+    def _unused(self, name: str) -> None:
+        if name in self.sup.jobs:
+            raise FileExistsError(f"a job named {name!r} exists already")
+        d = self.state_dir / name
+        if d.is_dir() and any(d.iterdir()):  # files of a job serve does not know (its job.json is gone)
+            raise FileExistsError(f"{d} holds the files of another job: move them away, or pick another name")
+
     async def _validate(self, spec_yaml: str) -> None:
-        """The checks that need the model and the data, in a throwaway process: user code stays out of here."""
+        """The checks that need the model and the data, in a throwaway process: user code stays out of here.
+
+        It gets none of serve's secrets: no token in its environment, no file or socket of serve's open.
+        """
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / "job.yaml"
+            path, err_path = Path(d) / "job.yaml", Path(d) / "stderr"
             path.write_text(spec_yaml)
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            )
+            with err_path.open("wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                    env=env, close_fds=True,
+                )
             try:
-                _, err = await asyncio.wait_for(proc.communicate(), VALIDATE_TIMEOUT_S)
+                async with asyncio.timeout(VALIDATE_TIMEOUT_S):
+                    await _unless(self.stopping, proc.wait())
             except TimeoutError:
-                proc.kill()
-                await proc.wait()
                 raise SpecError(f"model: building the model took longer than {VALIDATE_TIMEOUT_S:.0f}s") from None
-        if proc.returncode:
-            lines = err.decode(errors="replace").strip().splitlines()
-            raise SpecError(lines[-1].removeprefix("error: ") if lines else "the spec failed validation")
+            finally:  # timed out, or serve is stopping
+                if proc.returncode is None:
+                    proc.kill()
+                    await asyncio.shield(proc.wait())
+            if proc.returncode:
+                with err_path.open("rb") as f:
+                    f.seek(max(0, err_path.stat().st_size - ERROR_TAIL_BYTES))
+                    lines = f.read().decode(errors="replace").strip().splitlines()
+                raise SpecError(lines[-1].removeprefix("error: ") if lines else "the spec failed validation")
+
+
+class DiskError(GpipeError):
+    """The state dir cannot take a new job (full, read-only): nothing was queued."""
+
+
+class Busy(GpipeError):
+    """Too many submissions at once: RESOURCE_EXHAUSTED."""
+
+
+class Stopping(GpipeError):
+    """serve is stopping: calls in flight end UNAVAILABLE, each by itself, rather than cancelled by gRPC."""
+
+
+async def _unless(stopping: asyncio.Event, aw: Awaitable[T]) -> T:
+    """`aw`'s result; Stopping (and `aw` cancelled) if `stopping` is set first."""
+    task, stop = asyncio.ensure_future(aw), asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise Stopping("the coordinator is stopping")
+        return task.result()
+    finally:
+        task.cancel()
+        stop.cancel()
+
+
+async def _until_stopping(stopping: asyncio.Event, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of `items`, until `stopping` is set: then Stopping."""
+    while True:
+        try:
+            item = await _unless(stopping, anext(items))
+        except StopAsyncIteration:
+            return
+        yield item
+
+
+def _parse(spec_yaml: str) -> JobSpec:
+    """parse_spec, for a worker thread; a job name must be a whole line."""
+    try:
+        spec = parse_spec(spec_yaml)
+    except RecursionError:
+        raise SpecError("job spec: nested too deeply") from None
+    if spec.steps > MAX_WIRE_INT:  # it travels as an int64: a bigger one would break ListJobs for everyone
+        raise SpecError(f"steps: must be at most {MAX_WIRE_INT}, got {spec.steps}")
+    if not NAME_RE.fullmatch(spec.name):
+        raise SpecError(f"name: '{printable(spec.name, 80)}' must be 1-64 letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit")
+    return spec
 
 
 # -- gRPC --------------------------------------------------------------------------------
+
+
+def _bad_name(name: str) -> str | None:
+    """Why `name` cannot name a job, or None."""
+    if NAME_RE.fullmatch(name):
+        return None
+    return (f"name: '{printable(name, 80)}' is not a job name: 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
 
 
 class JobService(jobs_pb2_grpc.JobServiceServicer):
@@ -170,6 +293,8 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         self.c = c
 
     async def _job(self, name: str, context: grpc.aio.ServicerContext) -> JobRecord:
+        if (why := _bad_name(name)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if name not in self.c.sup.jobs:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {name!r}")
         return self.c.sup.record(name)
@@ -178,15 +303,23 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         try:
             return serde.job_to_pb(await self.c.submit(request.spec_yaml))
         except SpecError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, printable(str(e), 1024))
         except FileExistsError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except (Busy, DiskError) as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def GetJob(self, request, context):
         return serde.job_to_pb(await self._job(request.name, context))
 
     async def ListJobs(self, request, context):
-        return jobs_pb2.ListJobsResponse(jobs=[serde.job_to_pb(e.record) for e in self.c.sup.jobs.values()])
+        # Without their specs (up to 1 MiB each; GetJob has them): the list fits in a message however many.
+        jobs = [serde.job_to_pb(e.record) for e in self.c.sup.jobs.values()]
+        for j in jobs:
+            j.ClearField("spec_yaml")
+        return jobs_pb2.ListJobsResponse(jobs=jobs)
 
     async def ResumeJob(self, request, context):
         await self._job(request.name, context)
@@ -201,87 +334,230 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
 
     async def WatchJob(self, request, context):
         await self._job(request.name, context)
-        async for e in self.c.sup.watch(request.name):
-            yield serde.event_to_pb(e)
+        try:
+            async for e in _until_stopping(self.c.stopping, self.c.sup.watch(request.name)):
+                yield serde.event_to_pb(e)
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+
+def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
+    """The first field of a registration out of range, named, or None."""
+    if not 0 <= r.rank <= grpcutil.MAX_RANK:
+        return f"rank: must be 0-{grpcutil.MAX_RANK}, got {r.rank}"
+    for field, value, limit in (("host", r.host, MAX_HOST), ("device", r.device, MAX_DEVICE)):
+        if len(value) > limit:
+            return f"{field}: at most {limit} characters, got {len(value)}"
+        if not value.isprintable() or " " in value:
+            return f"{field}: '{printable(value, 80)}' has spaces or control characters"
+    if not r.host:
+        return "host: required (the address its attempt processes listen on)"
+    if len(r.hostname) > MAX_HOSTNAME:
+        return f"hostname: at most {MAX_HOSTNAME} characters, got {len(r.hostname)}"
+    if len(r.cores) > MAX_CORES:
+        return f"cores: at most {MAX_CORES} entries, got {len(r.cores)}"
+    if (bad := next((c for c in r.cores if not 0 <= c < MAX_CORES), None)) is not None:
+        return f"cores: each must be 0-{MAX_CORES - 1}, got {bad}"
+    if not 1 <= r.threads <= MAX_THREADS:
+        return f"threads: must be 1-{MAX_THREADS}, got {r.threads}"
+    return None
+
+
+def _bad_id(field: str, value: str) -> str | None:
+    if len(value) > MAX_ID or not value.isalnum() and value:
+        return f"{field}: '{printable(value, 80)}' is not an id (at most {MAX_ID} letters and digits)"
+    return None
 
 
 class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
     def __init__(self, c: Coordinator):
         self.c = c
+        self.streaming: set[str] = set()  # the workers whose command stream is open
 
     async def Register(self, request, context):
-        if request.rank < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank: must be 0 or more, got {request.rank}")
-        w = self.c.sup.register(request.rank, request.host, request.device, request.hostname, list(request.cores),
-                                request.threads)
+        if (why := _bad_registration(request)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        sup, rank = self.c.sup, request.rank
+        old = sup.workers.get(rank)
+        if old is not None and old.id not in self.streaming:  # registered, but never took its commands
+            sup.drop(old, f"stage {rank}'s worker registered again before it took its commands")
+        try:
+            w = sup.register(rank, request.host, request.device, printable(request.hostname, MAX_HOSTNAME),
+                             list(request.cores), request.threads)
+        except RankTaken as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         return workers_pb2.RegisterResponse(worker_id=w.id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
 
     async def Heartbeat(self, request, context):
+        for field in ("worker_id", "attempt_id"):
+            if (why := _bad_id(field, getattr(request, field))) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         known = self.c.sup.heartbeat(request.worker_id, request.attempt_id, request.attempt_ended,
-                                     request.attempt_exit, request.attempt_error)
+                                     request.attempt_exit, printable(request.attempt_error, MAX_ATTEMPT_ERROR))
         return workers_pb2.HeartbeatResponse(known=known)
 
     async def Commands(self, request, context):
+        if (why := _bad_id("worker_id", request.worker_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         w = self.c.sup.worker(request.worker_id)
         if w is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker id: register again")
+            await context.abort(grpc.StatusCode.NOT_FOUND, "worker_id: unknown worker: register again")
             return
+        if w.id in self.streaming:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "worker_id: its command stream is open already")
+        self.streaming.add(w.id)
         try:
-            while (cmd := await w.commands.get()) is not None:
+            await context.send_initial_metadata(())  # the worker may know its stream is open
+            async for cmd in _until_stopping(self.c.stopping, _commands(w)):
                 yield serde.command_to_pb(cmd)
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except asyncio.CancelledError:
             # The worker hung up: its daemon died (or restarted). Its rank waits for the next one.
             if self.c.sup.workers.get(w.rank) is w:
                 self.c.sup.drop(w, f"stage {w.rank}'s worker disconnected")
             raise
+        finally:
+            self.streaming.discard(w.id)
+
+
+async def _commands(w: Worker) -> AsyncIterator[Join | Abort]:
+    """A worker's commands, until it is dropped."""
+    while (cmd := await w.commands.get()) is not None:
+        yield cmd
+
+
+JOBS, WORKERS = "/gpipe.v1.JobService/", "/gpipe.v1.WorkerService/"
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Every call but health probes must carry `authorization: Bearer <token>`."""
+    """Each service its own token: the client token for JobService, the worker token for WorkerService.
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+    Calls carry `authorization: Bearer <token>`; health probes need none. With
+    one token set and not the other, the service without one refuses every
+    call (PERMISSION_DENIED): a half-configured serve opens no door.
+    """
+
+    def __init__(self, client: str | None, worker: str | None):
+        self.tokens = {JOBS: _bearer(client), WORKERS: _bearer(worker)}
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if details.method.startswith("/grpc.health.v1.") or handler is None:
             return handler
+        service = JOBS if details.method.startswith(JOBS) else WORKERS
+        other = WORKERS if service == JOBS else JOBS
+        what, flag = (("client", "--auth-token-file") if service == JOBS else ("worker", "--worker-token-file"))
         got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self.expected):
+        got = got.encode() if isinstance(got, str) else got
+        expected = self.tokens[service]
+        if expected is not None and hmac.compare_digest(got, expected):
             return handler
+        if expected is None:
+            return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
+                         f"the {service.strip('/').split('.')[-1]} is closed: serve was started without a "
+                         f"{what} token ({flag})")
+        other_token = self.tokens[other]
+        if other_token is not None and hmac.compare_digest(got, other_token):
+            return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
+                         f"a {'worker' if what == 'client' else 'client'} token cannot call this: the "
+                         f"{what} token is needed ({flag})")
+        return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, f"a valid {what} token is required ({flag})")
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid token is required (--auth-token-file)")
+
+def _bearer(token: str | None) -> bytes | None:
+    return None if token is None else f"Bearer {token}".encode()
+
+
+def _deny(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler like `handler` that refuses the call."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    make: Callable[..., Any] = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                                else grpc.unary_unary_rpc_method_handler)
+    return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class _Undecodable:
+    def __init__(self, why: str):
+        self.why = why
+
+
+class StrictDecoding(grpc.aio.ServerInterceptor):
+    """A request that is not a valid message (bad UTF-8 in a string, a cut field) is INVALID_ARGUMENT.
+
+    gRPC's own answer is UNKNOWN, with the decoder's exception in it.
+    """
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/gpipe.v1."):
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except DecodeError as e:
+                return _Undecodable(str(e).rpartition(": ")[2] or "cannot be decoded")
+
+        async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request is not a valid {details.method.rpartition('/')[2]} request: "
+                                    f"{request.why}")
 
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer,
-                                                   handler.response_serializer)
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await check(request, context)
+                async for m in inner_stream(request, context):
+                    yield m
+
+            return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
+        inner = handler.unary_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(request, context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
 
 
-async def serve(host: str, port: int, state_dir: Path, token: str | None = None,
+async def serve(host: str, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
+    options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    # TokenAuth first: a stranger learns nothing, not even that the request was malformed.
+    auth = [TokenAuth(token, worker_token)] if token or worker_token else []
+    server = grpc.aio.server(interceptors=[*auth, StrictDecoding()], options=options)
+    address = f"{host}:{port}"
+    creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
+    grpcutil.listen(server, address, "--port", creds)  # first: a taken port changes nothing
     net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
     c = Coordinator(state_dir, host)
-    server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else None)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = f"{host}:{port}"
-    if tls:
-        server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
-    else:
-        server.add_insecure_port(address)
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"gpipe: coordinator serving on {address}, state in {state_dir}", file=sys.stderr, flush=True)
     tasks = [asyncio.create_task(c.sup.serve_forever())]
+
+    def died(task: asyncio.Task[None]) -> None:  # a bug of ours: the probes must see it
+        if not task.cancelled():
+            print(f"gpipe: the scheduler stopped: {task.exception()!r}; health is NOT_SERVING",
+                  file=sys.stderr, flush=True)
+            tasks.append(asyncio.ensure_future(health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)))
+
+    tasks[0].add_done_callback(died)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -290,7 +566,8 @@ async def serve(host: str, port: int, state_dir: Path, token: str | None = None,
         ready.set()
     await stop.wait()
     await health.enter_graceful_shutdown()
+    c.stopping.set()
     c.sup.shutdown()
-    await server.stop(grace=3)
+    await server.stop(grace=STOP_GRACE_S)
     for t in tasks:
         t.cancel()

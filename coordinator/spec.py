@@ -285,7 +285,7 @@ class JobSpec(_Spec):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(
                 f"{v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )

@@ -205,6 +205,10 @@ def _read_metrics(path: Path, count: int, batch: int = 1000) -> Iterator[list[se
             yield out
 
 
+class RankTaken(Exception):
+    """A registration for a rank that a live worker holds: refused, the holder and its attempt untouched."""
+
+
 class Supervisor:
     def __init__(self, launcher: Launcher, store: Store | None = None, clock: Clock | None = None,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, say: Callable[[str], None] | None = None,
@@ -357,9 +361,15 @@ class Supervisor:
 
     def register(self, rank: int, host: str, device: str, hostname: str, cores: list[int] | None = None,
                  threads: int = 1) -> Worker:
+        """A worker for `rank`; RankTaken while a live worker (heard from within the timeout) holds it."""
         old = self.workers.get(rank)
         if old is not None:
-            self.drop(old, f"stage {rank}'s worker registered again (it restarted)")
+            silent = self.clock.monotonic() - old.last_seen
+            if silent <= self.heartbeat_timeout:
+                raise RankTaken(f"rank {rank} is held by a live worker on {old.hostname or old.host}, heard from "
+                                f"{silent:.1f}s ago: it is dropped if silent {self.heartbeat_timeout - silent:.1f}s "
+                                "more")
+            self.drop(old, f"stage {rank}'s worker was replaced after {silent:.0f}s of silence")
         w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, list(cores or []), max(1, threads),
                    self.clock.monotonic())
         self.workers[rank] = w

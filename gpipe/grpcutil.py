@@ -1,8 +1,9 @@
-"""What every gRPC client of ours shares: the channel, its token, and one-line errors."""
+"""What our gRPC servers and clients share: ports, bounds, tokens, the channel and one-line errors."""
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
@@ -11,18 +12,55 @@ import grpc
 
 from gpipe.errors import SpecError
 
+NO_SHARED_PORT = ("grpc.so_reuseport", 0)  # a server option: bind fails when the port is taken
+MAX_RANK = 4095  # ranks a worker may register: 0 ... MAX_RANK
+CLIENT_TOKEN_ENV, WORKER_TOKEN_ENV = "GPIPE_TOKEN", "GPIPE_WORKER_TOKEN"
 
-def read_token(path: str | None) -> str | None:
-    """The shared token: from --auth-token-file, else env GPIPE_TOKEN, else none."""
+
+def read_token(path: str | None, flag: str = "--auth-token-file", env: str = CLIENT_TOKEN_ENV) -> str | None:
+    """A token: from the file `flag` names, else env `env`, else none."""
     if path:
         try:
             token = Path(path).read_text().strip()
         except OSError as e:
-            raise SpecError(f"--auth-token-file: cannot read {path}: {e.strerror}") from None
+            raise SpecError(f"{flag}: cannot read {path}: {e.strerror}") from None
         if not token:
-            raise SpecError(f"--auth-token-file: {path} is empty")
+            raise SpecError(f"{flag}: {path} is empty")
         return token
-    return os.environ.get("GPIPE_TOKEN") or None
+    return os.environ.get(env) or None
+
+
+def forget_tokens() -> None:
+    """Take the tokens out of this process's environment, so that no child (user code) inherits them."""
+    for k in (CLIENT_TOKEN_ENV, WORKER_TOKEN_ENV):
+        os.environ.pop(k, None)
+
+
+def listen(server: grpc.aio.Server, address: str, flag: str, creds: grpc.ServerCredentials | None = None) -> int:
+    """Bind `server` to `address` and return its port, or SpecError naming the address.
+
+    The server must be made with NO_SHARED_PORT: gRPC's default, SO_REUSEPORT,
+    lets a second server bind a port in use, and the two answer at random.
+    """
+    host, _, port_text = address.rpartition(":")
+    why = "the address is not this machine's"
+    try:  # first on a socket of ours, for the reason in one line (gRPC logs its own, at length)
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host.strip("[]") or None, int(port_text),
+                                                                   type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(sockaddr)
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        port = 0
+    else:
+        try:
+            port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        except RuntimeError:  # grpc raises where older versions returned 0
+            port = 0
+    if not port:
+        raise SpecError(f"{flag}: cannot listen on {address}: {why}")
+    return port
 
 
 def read_file(flag: str, path: str) -> bytes:
@@ -87,6 +125,6 @@ def describe(e: grpc.RpcError, address: str) -> str:
     code = e.code()
     if code == grpc.StatusCode.UNAVAILABLE:
         return f"cannot reach the coordinator at {address}: {e.details()}"
-    if code == grpc.StatusCode.UNAUTHENTICATED:
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return f"the coordinator at {address} refused the call: {e.details()}"
     return e.details() or code.name

@@ -109,6 +109,11 @@ def test_an_unreadable_record_is_listed_skipped_and_its_name_and_files_are_kept(
         assert r.returncode == 2 and "exists" in r.stderr
         r = s.client("submit", "--resume", "old")
         assert r.returncode == 2 and "record" in r.stderr, r.stderr
+        (s.state / "orphan").mkdir()  # a job's files whose job.json is gone
+        (s.state / "orphan" / "metrics.jsonl").write_text("{}\n")
+        r = s.client("submit", str(cli.write(job("orphan"))))
+        assert r.returncode == 2 and "holds the files" in r.stderr, r.stderr
+        assert (s.state / "orphan" / "metrics.jsonl").read_text() == "{}\n"
         assert (bad / "checkpoints" / "step-5" / "stage-0.safetensors").read_bytes() == b"weights"
         assert json.loads((bad / "job.json").read_text())["steps"] == "twenty"  # nothing on disk changed
         # Other jobs run as ever.
@@ -117,3 +122,39 @@ def test_an_unreadable_record_is_listed_skipped_and_its_name_and_files_are_kept(
         assert s.client("submit", str(cli.write(job("fine"))), "--follow").returncode == 0
     finally:
         s.stop_all()
+
+
+async def test_health_goes_not_serving_if_the_scheduler_dies(tmp_path, monkeypatch):
+    import asyncio
+    import signal
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from gpipe import net
+    from gpipe.coordinator import server, supervisor
+    from tests.test_service import free_port
+
+    async def broken(self):
+        await asyncio.sleep(0.2)
+        raise RuntimeError("a bug in the scheduler")
+
+    monkeypatch.setattr(supervisor.Supervisor, "serve_forever", broken)
+    monkeypatch.setattr(net, "bind_to", lambda host: None)  # the test process keeps its interfaces
+    port, ready = free_port(), asyncio.Event()
+    task = asyncio.create_task(server.serve("127.0.0.1", port, tmp_path / "state", ready=ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            seen = []
+            for _ in range(100):
+                seen.append((await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status)
+                if seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert seen[0] == health_pb2.HealthCheckResponse.SERVING
+            assert seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, seen
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # serve's own handler: it stops as it would in production
+        await asyncio.wait_for(task, 30)

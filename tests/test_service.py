@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,6 +28,7 @@ from tests.test_failures import _worker_pid
 pytestmark = pytest.mark.multiprocess
 
 TOKEN = "s3cret-token"
+WORKER_TOKEN = "w0rker-token"
 
 
 def free_port() -> int:
@@ -52,15 +55,18 @@ SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.0
 class Service:
     """serve and its workers as real processes, each in its own process group."""
 
-    def __init__(self, cli, token: str | None = None):
-        self.cli, self.tmp, self.token = cli, cli.tmp, token
+    def __init__(self, cli, token: str | None = None, worker_token: str | None = None):
+        self.cli, self.tmp, self.token, self.worker_token = cli, cli.tmp, token, worker_token
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.state = self.tmp / "state"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(cli.env)
+        self.tls: list[str] = []  # --tls-ca CERT, for clients and workers of a TLS serve
         if token:
             (self.tmp / "token").write_text(token + "\n")
+        if worker_token:
+            (self.tmp / "worker-token").write_text(worker_token + "\n")
 
     def _spawn(self, key: str, args: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{key}.log", "ab")
@@ -71,12 +77,21 @@ class Service:
         return p
 
     def auth(self) -> list[str]:
-        return ["--auth-token-file", str(self.tmp / "token")] if self.token else []
+        """A client's flags: the client token, TLS."""
+        return (["--auth-token-file", str(self.tmp / "token")] if self.token else []) + self.tls
 
-    def start_serve(self) -> None:
+    def worker_auth(self) -> list[str]:
+        """A worker's flags: the worker token, TLS."""
+        return (["--worker-token-file", str(self.tmp / "worker-token")] if self.worker_token else []) + self.tls
+
+    def serve_auth(self) -> list[str]:
+        return ((["--auth-token-file", str(self.tmp / "token")] if self.token else [])
+                + (["--worker-token-file", str(self.tmp / "worker-token")] if self.worker_token else []))
+
+    def start_serve(self, *extra: str) -> None:
         before = self.log("serve").count("coordinator serving on")
         self._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(self.port),
-                              "--state-dir", str(self.state), *self.auth()])
+                              "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
     def start_worker(self, rank: int) -> None:
@@ -84,7 +99,7 @@ class Service:
         cores = sorted(os.sched_getaffinity(0))
         self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
-                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.auth()])
+                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth()])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
                       f"rank {rank} to register")
 
@@ -230,21 +245,58 @@ def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
     print(f"worker daemon SIGKILLed: the job failed {detected:.1f}s later")
 
 
-def test_the_token_is_enforced(cli):
-    s = Service(cli, token=TOKEN)
+def run_worker(cli, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A gpipe-worker that should end by itself (refused, or bad flags)."""
+    return subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *args], env=cli.env, cwd=cli.tmp,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
+    s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
     try:
         s.start_serve()
         s.start_worker(0)
         path = str(cli.write(job("t", stages=1, balance=[4])))
         r = cli.run("submit", path, "--coordinator", s.address)  # no token
-        assert r.returncode == 1 and "refused the call" in r.stderr and "valid token" in r.stderr
+        assert r.returncode == 1 and "refused the call" in r.stderr and "valid client token" in r.stderr
         (cli.tmp / "wrong").write_text("not-it")
         r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "wrong"))
         assert r.returncode == 1 and "refused the call" in r.stderr
+        # The worker token cannot submit, and the client token cannot register a worker.
+        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "worker-token"))
+        assert r.returncode == 1 and "a worker token cannot call this" in r.stderr, r.stderr
+        r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--worker-token-file", str(cli.tmp / "token"))
+        assert r.returncode == 1 and "a client token cannot call this" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
         r = s.client("submit", path, "--follow")
         assert r.returncode == 0, r.stderr
     finally:
         s.stop_all()
+
+
+@pytest.mark.parametrize("only", ["client", "worker"])
+def test_a_serve_with_one_token_closes_the_service_that_has_none(cli, only):
+    s = Service(cli, token=TOKEN if only == "client" else None,
+                worker_token=WORKER_TOKEN if only == "worker" else None)
+    try:
+        s.start_serve()
+        if only == "client":
+            assert s.client("list").returncode == 0
+            r = run_worker(cli, "--rank", "0", "--coordinator", s.address)
+            assert r.returncode == 1 and "WorkerService is closed" in r.stderr and "--worker-token-file" in r.stderr
+        else:
+            s.start_worker(0)
+            r = s.client("list")
+            assert r.returncode == 1 and "JobService is closed" in r.stderr and "--auth-token-file" in r.stderr
+    finally:
+        s.stop_all()
+
+
+def test_one_token_for_both_services_is_refused(cli):
+    (cli.tmp / "t").write_text(TOKEN)
+    r = cli.run("serve", "--port", str(free_port()), "--state-dir", str(cli.tmp / "state"),
+                "--auth-token-file", str(cli.tmp / "t"), "--worker-token-file", str(cli.tmp / "t"))
+    assert r.returncode == 2 and "tokens must differ" in r.stderr and not (cli.tmp / "state").exists()
 
 
 def test_an_unreachable_coordinator_is_one_clear_line(cli):
@@ -261,7 +313,7 @@ def test_worker_flags(cli):
     r = run("--coordinator", "127.0.0.1:1")
     assert r.returncode == 2 and "--rank is required (or env RANK)" in r.stderr
     r = run("--rank", "-1", "--coordinator", "127.0.0.1:1")
-    assert r.returncode == 2 and "--rank: must be 0 or more" in r.stderr
+    assert r.returncode == 2 and "--rank: must be 0-4095" in r.stderr
     r = run("--rank", "0")
     assert r.returncode == 2 and "--coordinator HOST:PORT is required" in r.stderr
     r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--cores", "0-x")
@@ -282,15 +334,10 @@ def test_tls_with_a_token(cli):
     subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpipe",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
-    s = Service(cli, token=TOKEN)
-    tls = ["--tls-ca", str(cert)]
-    s.auth = lambda: ["--auth-token-file", str(cli.tmp / "token"), *tls]  # clients and workers speak TLS
+    s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
+    s.tls = ["--tls-ca", str(cert)]  # clients and workers speak TLS
     try:
-        before = s.log("serve").count("coordinator serving on")
-        s._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(s.port), "--state-dir", str(s.state),
-                           "--auth-token-file", str(cli.tmp / "token"), "--tls-cert", str(cert),
-                           "--tls-key", str(key)])
-        s.wait_for(lambda: s.log("serve").count("coordinator serving on") > before, "serve to start")
+        s.start_serve("--tls-cert", str(cert), "--tls-key", str(key))
         s.start_worker(0)
         r = s.client("submit", str(cli.write(job("tls", stages=1, balance=[4]))), "--follow")
         assert r.returncode == 0, r.stderr
@@ -305,6 +352,15 @@ def steps_of(out) -> list[tuple[int, int]]:
     """(attempt, step) of every logged step."""
     lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
     return [(m["attempt"], m["step"]) for m in map(yaml.safe_load, lines)]
+
+
+def submit_running(s: Service, name: str, after: int, **kw) -> Path:
+    """Submit a slow job `name` and wait until it has logged step `after`; its output folder."""
+    spec = job(name, model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}, **kw)
+    out = s.state / name
+    assert s.client("submit", str(s.cli.write(spec))).returncode == 0
+    s.wait_for(lambda: len(steps_of(out)) > after, f"step {after}", 90)
+    return out
 
 
 def test_a_coordinator_killed_mid_run_lists_past_jobs_and_resumes_from_its_checkpoint(service):
@@ -392,11 +448,8 @@ def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(service):
 
 def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_when_it_is_back(service):
     # SIGSTOP freezes the daemon and its attempt process: to the coordinator, a worker cut off from the network.
-    spec = job("partition", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               steps=24, checkpoint_every=4)
-    out = service.state / "partition"
-    assert service.client("submit", str(service.cli.write(spec))).returncode == 0
-    service.wait_for(lambda: len(steps_of(out)) > 6, "step 6", 90)
+    out = submit_running(service, "partition", 6, steps=24, checkpoint_every=4)
+    spec = yaml.safe_load((out / "job.yaml").read_text())
     frozen = [service.procs["worker1"].pid]
     frozen += [pid for pid in [_worker_pid(service.cli.tag, 1)] if pid]
     for pid in frozen:
@@ -418,3 +471,83 @@ def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_wh
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
     print(f"a frozen worker was dropped and its job RESTARTING {detected:.1f}s later")
+
+
+def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_port(cli):
+    s = Service(cli)
+    try:
+        s.start_serve()
+        r = cli.run("serve", "--port", str(s.port), "--state-dir", str(cli.tmp / "second"), timeout=60)
+        line, = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and f"--port: cannot listen on {s.address}" in line and "in use" in line, r.stderr
+        assert not (cli.tmp / "second").exists()  # nothing started
+        r = run_worker(cli, "--rank", "0", "--coordinator", s.address, "--health-host", "127.0.0.1",
+                       "--health-port", str(s.port))
+        line, = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and f"--health-port: cannot listen on {s.address}" in line, r.stderr
+        # A worker's health port in use is refused just the same.
+        health = free_port()
+        s.start_worker(0)
+        s.kill("worker0")
+        s._spawn("worker0", ["-m", "gpipe.worker.daemon", "--rank", "0", "--coordinator", s.address,
+                             "--health-host", "127.0.0.1", "--health-port", str(health)])
+        s.wait_for(lambda: "registered as rank 0" in s.log("worker0"), "the worker with a health port")
+        r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--health-host", "127.0.0.1",
+                       "--health-port", str(health))
+        assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{health}" in r.stderr, r.stderr
+        assert s.client("list").returncode == 0 and "Traceback" not in s.log("serve")
+    finally:
+        s.stop_all()
+
+
+def sigterm(s: Service, key: str) -> tuple[int, float]:
+    """SIGTERM the process `key` alone (as Kubernetes does); its exit code and the seconds it took to exit."""
+    p = s.procs[key]
+    t0 = time.monotonic()
+    os.kill(p.pid, signal.SIGTERM)
+    code = p.wait(timeout=10)  # the bound: the aim is well under 2 s (bench/robustness.py measures it)
+    del s.procs[key]
+    return code, time.monotonic() - t0
+
+
+def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
+    out = submit_running(service, "term", 3, steps=400, checkpoint_every=5)
+    with service.cli.running("logs", "term", "--follow", "--coordinator", service.address) as follower:
+        assert follower.stdout.readline().startswith("{")  # a step: it follows (the job's steps so far come first)
+        code, took = sigterm(service, "serve")
+        _, err = follower.communicate(timeout=30)
+    assert code == 0 and "Traceback" not in service.log("serve"), service.log("serve")[-2000:]
+    assert follower.returncode == 1 and "the coordinator is stopping" in err, err  # told, not cut off
+    assert json.loads((out / "job.json").read_text())["state"] == "RUNNING"  # for the next serve to resume
+    print(f"serve with a running attempt: exit {code} {took:.2f}s after SIGTERM")
+
+    # Started again, it resumes the job once the workers are back; then a worker in the job, and one idle.
+    service.start_serve()
+    service.wait_for(lambda: len(steps_of(out)) > 12 and "RUNNING" in service.client("status", "term").stdout,
+                     "the job to run again", 120)
+    code, took = sigterm(service, "worker1")
+    assert code == 0 and "Traceback" not in service.log("worker1"), service.log("worker1")[-2000:]
+    print(f"a worker in a running job: exit {code} {took:.2f}s after SIGTERM")
+    service.wait_for(lambda: "RESTARTING" in service.client("status", "term").stdout, "the job to restart", 30)
+    code, took = sigterm(service, "worker0")
+    assert code == 0 and "Traceback" not in service.log("worker0")
+    print(f"an idle worker: exit {code} {took:.2f}s after SIGTERM")
+
+
+def test_a_rogue_registration_for_a_live_rank_is_refused_and_the_job_runs_on(service):
+    out = submit_running(service, "guarded", 3, steps=60)
+    # A second daemon for rank 0, on this very host: refused, and it keeps trying.
+    service._spawn("rogue", ["-m", "gpipe.worker.daemon", "--rank", "0", "--coordinator", service.address,
+                             "--log-dir", str(service.tmp / "rogue-attempts")])
+    service.wait_for(lambda: service.log("rogue").count("registration refused: rank 0 is held by a live worker") >= 2,
+                     "the rogue to be refused twice")
+    r = service.client("logs", "guarded", "--follow", timeout=180)
+    assert r.returncode == 0 and "guarded: SUCCEEDED" in r.stderr, r.stderr
+    status = service.client("status", "guarded").stdout
+    assert "attempts: 1, restarts 0 of 3" in status, status  # never disturbed
+    assert [s for a, s in steps_of(out)] == list(range(60))
+    service.kill("rogue")
+    # A daemon killed with -9 and started again gets its rank back: its old stream ended with its connection.
+    service.kill("worker0")
+    service.start_worker(0)
+    assert "registration refused" not in service.log("worker0")

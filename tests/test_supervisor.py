@@ -16,7 +16,7 @@ import pytest
 
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.supervisor import Launch, Supervisor, Worker, backoff_s
+from gpipe.coordinator.supervisor import Launch, RankTaken, Supervisor, Worker, backoff_s
 from gpipe.serde import Abort, JobRecord, JobState, Join
 
 
@@ -240,13 +240,25 @@ async def test_stop_and_resume(h):
     assert pending.state == JobState.STOPPED
 
 
-async def test_a_rank_registered_again_fails_its_running_attempt(h):
+async def test_a_rank_held_by_a_live_worker_is_refused_and_its_attempt_runs_on(h):
     job = h.submit()
     h.register(0, 1)
     await h.settle()
+    holder = h.workers[1]
+    h.clock.advance(4)
+    with pytest.raises(RankTaken, match=r"rank 1 is held by a live worker on host, heard from 4.0s ago: "
+                                        r"it is dropped if silent 6.0s more"):
+        h.sup.register(1, "10.9.9.9", "cpu", "rogue")
+    await h.settle()
+    assert job.state == JobState.RUNNING and h.sup.workers[1] is holder and not h.attempts[0].killed
+    assert h.commands(1) == []  # nothing reached the holder
+
+    # Silent past the timeout, the holder is replaced (a restarted daemon whose old stream was never closed).
+    h.clock.advance(7)
     h.register(1)
     await h.settle()
-    assert job.state == JobState.RESTARTING and "registered again" in job.error
+    assert h.sup.workers[1] is not holder
+    assert job.state == JobState.RESTARTING and "stage 1's worker was replaced after 11s of silence" in job.error
 
 
 # -- failures a restart cannot fix, bad state, bounded memory ----------------------------------

@@ -8,6 +8,10 @@ jobs. A child process never outlives its attempt: a failed RPC world or
 communicator is thrown away with it.
 
     gpipe-worker --rank 0 --coordinator 10.0.0.5:7000 [--host 10.0.0.6] [--device cuda:0]
+        [--worker-token-file WORKER_TOKEN]
+
+A rank held by a live worker is refused (ALREADY_EXISTS): the daemon waits
+with backoff until it is free.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import grpcutil, serde
-from gpipe.errors import EXIT_BAD_INPUT, GpipeError
+from gpipe import grpcutil, proc, serde
+from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent
 from gpipe.worker.cores import parse_cores, threads_for
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
+STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
 
 
 class Daemon:
@@ -40,26 +45,32 @@ class Daemon:
         self.agent = Agent(a.host, a.cores, a.threads, on_change=self._changed)
         self.changed = asyncio.Event()  # the attempt process ended or was killed: heartbeat at once
         self.log_dir = Path(a.log_dir)
+        self.failures = 0  # since the last registration: picks the backoff
 
     def _changed(self) -> None:
         self.changed.set()
 
     async def run(self) -> None:
         await self.agent.prestart()
-        failures = 0
         while True:
             try:
                 await self._session()
-                failures = 0
             except grpc.RpcError as e:
-                self._say(f"lost the coordinator at {self.a.coordinator}: {grpcutil.describe(e, self.a.coordinator)}")
-                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    raise SystemExit(1) from None
+                code = e.code()
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise GpipeError(grpcutil.describe(e, self.a.coordinator)) from None
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise SpecError(f"the coordinator refused this worker: {e.details()}") from None
+                if code == grpc.StatusCode.ALREADY_EXISTS:  # another worker holds this rank: wait for it to go
+                    self._say(f"registration refused: {e.details()}")
+                else:
+                    self._say(f"lost the coordinator at {self.a.coordinator}: "
+                              f"{grpcutil.describe(e, self.a.coordinator)}")
             except ConnectionError as e:
                 self._say(f"registering again: {e}")
             await self.agent.abort(self.agent.attempt_id)
-            delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
-            failures += 1
+            delay = BACKOFF_S[min(self.failures, len(BACKOFF_S) - 1)]
+            self.failures += 1
             await asyncio.sleep(delay)
 
     async def _session(self) -> None:
@@ -69,6 +80,7 @@ class Daemon:
             reg = await stub.Register(workers_pb2.RegisterRequest(
                 rank=self.a.rank, host=self.a.host, device=self.a.device, hostname=socket.gethostname(),
                 cores=self.a.cores, threads=self.a.threads))
+            self.failures = 0
             self._say(f"registered as rank {self.a.rank} with {self.a.coordinator}")
             tasks = [asyncio.ensure_future(self._commands(stub, reg.worker_id)),
                      asyncio.ensure_future(self._heartbeat(stub, reg.worker_id, reg.heartbeat_interval_s))]
@@ -110,10 +122,10 @@ class Daemon:
 
 async def _main(a: argparse.Namespace, token: str | None) -> None:
     health = health_aio.HealthServicer()
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[grpcutil.NO_SHARED_PORT])
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if a.health_port is not None:
-        server.add_insecure_port(f"{a.health_host}:{a.health_port}")
+        grpcutil.listen(server, f"{a.health_host}:{a.health_port}", "--health-port")
         await server.start()
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
     d = Daemon(a, token)
@@ -125,7 +137,7 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
     done, _ = await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     task.cancel()
     await d.agent.close()
-    await server.stop(grace=1)
+    await server.stop(grace=STOP_GRACE_S)
     if task in done and task.exception():
         raise task.exception()  # type: ignore[misc]  # a done task with an exception: not None
 
@@ -145,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-host", default="0.0.0.0", help="where the health port listens")
     p.add_argument("--log-dir", default=os.environ.get("GPIPE_WORKER_LOG_DIR", "gpipe-worker-logs"),
                    help="attempt logs (scratch: nothing here is needed after a restart)")
-    p.add_argument("--auth-token-file", default=None, help="the shared token (default: env GPIPE_TOKEN)")
+    p.add_argument("--worker-token-file", "--auth-token-file", default=None,
+                   help="the worker token, serve's --worker-token-file (default: env GPIPE_WORKER_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA certificate of the coordinator's TLS")
     a = p.parse_args(argv)
     try:
@@ -154,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             if not env.strip().lstrip("-").isdigit():
                 raise GpipeError("--rank is required (or env RANK), the stage index this worker serves")
             a.rank = int(env)
-        if a.rank < 0:
-            raise GpipeError(f"--rank: must be 0 or more, got {a.rank}")
+        if not 0 <= a.rank <= grpcutil.MAX_RANK:
+            raise GpipeError(f"--rank: must be 0-{grpcutil.MAX_RANK}, got {a.rank}")
         if not a.coordinator:
             raise GpipeError("--coordinator HOST:PORT is required (or env GPIPE_COORDINATOR)")
         a.cores = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
@@ -165,14 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         from gpipe import net
 
         net.iface_for(a.host)
-        token = grpcutil.read_token(a.auth_token_file)
+        token = grpcutil.read_token(a.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
+        grpcutil.forget_tokens()  # read: no attempt process inherits it
     except (GpipeError, ValueError) as e:
         print(f"gpipe-worker: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         asyncio.run(_main(a, token))
-    except SystemExit as e:
-        return int(e.code or 0)
+    except GpipeError as e:  # the port is taken, or the coordinator refused this worker
+        print(f"gpipe-worker: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    proc.exit_now(0)  # stopped, its attempt processes killed: no interpreter teardown (gRPC's threads)
     return 0
 
 

@@ -86,7 +86,8 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """Every job the coordinator knows, past ones included, oldest first.
+        """Every job the coordinator knows, past ones included, oldest first;
+        without their spec_yaml (GetJob has it), so that the list fits in a message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

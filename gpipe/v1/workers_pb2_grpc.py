@@ -55,8 +55,9 @@ class WorkerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """Announce a worker daemon for one rank (its stage index). A new
-        registration for a rank replaces the old one; any attempt it was in is failed.
+        """Announce a worker daemon for one rank (its stage index). ALREADY_EXISTS
+        while a live worker (heard from within the heartbeat timeout, its command
+        stream open) holds the rank: the holder and its attempt are not touched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
