@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("job")
     srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
     srv.add_argument("--port", type=int, default=7000, help="the gRPC port (default 7000)")
-    srv.add_argument("--host", default="127.0.0.1",
+    srv.add_argument("--host", default=None,
                      help="the cluster-network address to listen on; the attempts' RPC and c10d ports bind "
                           "there too (default 127.0.0.1)")
     srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
@@ -113,10 +113,11 @@ def _serve(args: argparse.Namespace) -> int:
     tls = None
     if args.tls_cert:
         tls = (grpcutil.read_file("--tls-cert", args.tls_cert), grpcutil.read_file("--tls-key", args.tls_key))
-    try:
-        net.iface_for(args.host)
-    except ValueError as e:
-        raise SpecError(f"--host: {e}") from None
+    if args.host is not None:
+        try:
+            net.iface_for(args.host)
+        except ValueError as e:
+            raise SpecError(f"--host: {e}") from None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just

@@ -50,14 +50,26 @@ class AttemptProcess:
 
 
 class ProcessLauncher:
-    """Starts attempt processes that plan and drive on `host`, logging to `log_for(job)` once planned."""
+    """Starts attempt processes that plan and drive on `host`, logging to `log_for(job)` once planned.
 
-    def __init__(self, state_dir: Path, host: str, log_for: Callable[[str], Path]):
+    With no `host`, each attempt's rendezvous and RPC listen on this machine's address on the route to its
+    workers: the one they reach it by.
+    """
+
+    def __init__(self, state_dir: Path, host: str | None, log_for: Callable[[str], Path]):
         self.state_dir, self.host, self.log_for = state_dir, host, log_for
 
+    def host_for(self, launch: Launch) -> str:
+        if self.host is not None:
+            return self.host
+        from gpipe.net import route_source
+
+        return route_source(launch.placement[0].host)
+
     async def __call__(self, launch: Launch) -> AttemptProcess:
+        host = self.host_for(launch)
         cmd = [sys.executable, "-m", "gpipe.coordinator.attempt", "--spec", str(launch.spec_path),
-               "--job-dir", str(launch.job_dir), "--state-dir", str(self.state_dir), "--host", self.host,
+               "--job-dir", str(launch.job_dir), "--state-dir", str(self.state_dir), "--host", host,
                "--placement", json.dumps([asdict(p) for p in launch.placement]),
                "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
                *(["--resume"] if launch.resume else [])]

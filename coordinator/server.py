@@ -145,7 +145,7 @@ def _tail(path: Path, keep: int, block: int = 1 << 20) -> tuple[list[bytes], int
 class Coordinator:
     """serve's side of the supervisor: submissions, validated in a throwaway process, into the job table."""
 
-    def __init__(self, state_dir: Path, host: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S):
+    def __init__(self, state_dir: Path, host: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S):
         self.state_dir = state_dir
         self.table = JobTable(state_dir)
         self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log"),
@@ -375,7 +375,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         self.streaming: set[str] = set()  # the workers whose command stream is open
 
     async def Register(self, request, context):
-        if (why := _bad_registration(request)) is not None:
+        if (why := _bad_registration(request) or _unreachable(request, context.peer())) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         sup, rank = self.c.sup, request.rank
         old = sup.workers.get(rank)
@@ -428,6 +428,22 @@ async def _commands(w: Worker) -> AsyncIterator[Join | Abort]:
 
 
 JOBS, WORKERS = "/gpipe.v1.JobService/", "/gpipe.v1.WorkerService/"
+
+
+def _unreachable(r: workers_pb2.RegisterRequest, peer: str) -> str | None:
+    """Why the worker's data-plane address cannot be reached by its peers, if we can tell: a loopback
+    address from a worker that calls from another host."""
+    from gpipe import net
+
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    seen = rest.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
+    if net.is_loopback(r.host) and not (seen.startswith("127.") or seen == "::1"):
+        return (f"host: rank {r.rank} ({printable(r.hostname, MAX_HOSTNAME)}) gave {r.host!r} as its data-plane "
+                f"address, but it calls from {seen}: its peers cannot reach {r.host}. Start gpipe-worker without "
+                f"--host (it takes the address that routes to the coordinator), or with --host {seen}")
+    return None
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -527,19 +543,21 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
 
 
-async def serve(host: str, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
+async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
-    options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               *grpcutil.SERVER_KEEPALIVE]
     # TokenAuth first: a stranger learns nothing, not even that the request was malformed.
     auth = [TokenAuth(token, worker_token)] if token or worker_token else []
     server = grpc.aio.server(interceptors=[*auth, StrictDecoding()], options=options)
-    address = f"{host}:{port}"
+    address = f"{host or '0.0.0.0'}:{port}"  # no --host: every interface (attempts pick theirs)
     creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
     grpcutil.listen(server, address, "--port", creds)  # first: a taken port changes nothing
-    net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
+    if host is not None:
+        net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
     c = Coordinator(state_dir, host)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)

@@ -53,6 +53,7 @@ from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
+SILENT_S = 3 * HEARTBEAT_INTERVAL_S  # every worker silent this long when one is lost: the coordinator is cut off
 WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker has to say so
 COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
@@ -394,7 +395,16 @@ class Supervisor:
         return True
 
     def drop(self, w: Worker, why: str) -> None:
-        """Forget a worker (lost, or replaced); its attempt fails and its command stream ends."""
+        """Forget a worker (lost, or replaced); its attempt fails and its command stream ends.
+
+        If it and every other worker have been silent for a few heartbeats, the coordinator itself is the
+        likelier one cut off, and the failure says so rather than blame one rank.
+        """
+        now = self.clock.monotonic()
+        silent = [o for o in self.workers.values() if now - o.last_seen >= SILENT_S]
+        if len(self.workers) > 1 and len(silent) == len(self.workers) and w in silent:
+            why = (f"all {len(silent)} workers missed their heartbeats for {now - w.last_seen:.0f}s or more "
+                   f"(the coordinator may be cut off); the first to go: {why}")
         if self.workers.get(w.rank) is w:
             del self.workers[w.rank]
         self._fail_attempt_of(w, why)

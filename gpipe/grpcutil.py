@@ -13,6 +13,13 @@ import grpc
 from gpipe.errors import SpecError
 
 NO_SHARED_PORT = ("grpc.so_reuseport", 0)  # a server option: bind fails when the port is taken
+# HTTP/2 keepalive, both sides: a connection whose peer is gone (a cut link, a dead host) is closed within
+# about 15 s even while no call is under way, so a worker's command stream ends and it registers again.
+CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 0)]
 MAX_RANK = 4095  # ranks a worker may register: 0 ... MAX_RANK
 CLIENT_TOKEN_ENV, WORKER_TOKEN_ENV = "GPIPE_TOKEN", "GPIPE_WORKER_TOKEN"
 
@@ -77,9 +84,9 @@ def channel(address: str, token: str | None, tls_ca: str | None) -> grpc.aio.Cha
         if token:
             creds = grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(token))
-        return grpc.aio.secure_channel(address, creds)
+        return grpc.aio.secure_channel(address, creds, options=CLIENT_KEEPALIVE)
     interceptors = [_UnaryToken(token), _StreamToken(token)] if token else None
-    return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, interceptors=interceptors, options=CLIENT_KEEPALIVE)
 
 
 def _with_token(d: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:

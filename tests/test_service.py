@@ -479,19 +479,20 @@ def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_p
         s.start_serve()
         r = cli.run("serve", "--port", str(s.port), "--state-dir", str(cli.tmp / "second"), timeout=60)
         line, = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and f"--port: cannot listen on {s.address}" in line and "in use" in line, r.stderr
+        assert r.returncode == 2 and f"--port: cannot listen on 0.0.0.0:{s.port}" in line and "in use" in line, r.stderr
         assert not (cli.tmp / "second").exists()  # nothing started
-        r = run_worker(cli, "--rank", "0", "--coordinator", s.address, "--health-host", "127.0.0.1",
+        r = run_worker(cli, "--rank", "0", "--coordinator", s.address, "--health-host", "0.0.0.0",
                        "--health-port", str(s.port))
         line, = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and f"--health-port: cannot listen on {s.address}" in line, r.stderr
+        assert r.returncode == 2 and f"--health-port: cannot listen on 0.0.0.0:{s.port}" in line, r.stderr
         # A worker's health port in use is refused just the same.
         health = free_port()
         s.start_worker(0)
         s.kill("worker0")
+        before = s.log("worker0").count("registered as rank 0")  # the log is appended to
         s._spawn("worker0", ["-m", "gpipe.worker.daemon", "--rank", "0", "--coordinator", s.address,
                              "--health-host", "127.0.0.1", "--health-port", str(health)])
-        s.wait_for(lambda: "registered as rank 0" in s.log("worker0"), "the worker with a health port")
+        s.wait_for(lambda: s.log("worker0").count("registered as rank 0") > before, "the worker with a health port")
         r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--health-host", "127.0.0.1",
                        "--health-port", str(health))
         assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{health}" in r.stderr, r.stderr

@@ -380,3 +380,23 @@ async def test_events_are_a_bounded_window_and_watch_reads_older_metrics_from_di
     assert steps == list(range(30))
     states = [ev[1].state for ev in [x async for x in h.sup.watch("j")] if ev[0] == "state"]
     assert states == [JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED]
+
+
+async def test_a_lost_stream_while_every_worker_is_silent_blames_the_coordinators_link(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    h.clock.advance(4)  # nobody heard from for 4 s: then stage 0's stream ends
+    h.sup.drop(h.workers[0], "stage 0's worker disconnected")
+    await h.settle()
+    assert "all 2 workers missed their heartbeats" in job.error and "coordinator may be cut off" in job.error
+
+    other = Harness()
+    job = other.submit()
+    other.register(0, 1)
+    await other.settle()
+    other.clock.advance(4)
+    other.beat(1)  # stage 1 is heard from: only stage 0 is lost
+    other.sup.drop(other.workers[0], "stage 0's worker disconnected")
+    await other.settle()
+    assert job.error.startswith("stage 0's worker disconnected")

@@ -128,6 +128,7 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
         grpcutil.listen(server, f"{a.health_host}:{a.health_port}", "--health-port")
         await server.start()
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"gpipe-worker[{a.rank}]: data-plane address {a.address_note}", file=sys.stderr, flush=True)
     d = Daemon(a, token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -147,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=None, help="this worker's stage index (default: env RANK)")
     p.add_argument("--coordinator", default=os.environ.get("GPIPE_COORDINATOR"),
                    help="the coordinator's HOST:PORT (default: env GPIPE_COORDINATOR)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the cluster-network address the attempt's RPC and c10d ports listen on")
+    p.add_argument("--host", default=None,
+                   help="the cluster-network address the attempt's RPC and c10d ports listen on (default: "
+                        "this machine's address on the route to the coordinator)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:K")
     p.add_argument("--cores", default=None,
                    help="the CPU cores its stages run on, e.g. 0-3,8 (default: all this process may use); "
@@ -177,7 +179,16 @@ def main(argv: list[str] | None = None) -> int:
             raise GpipeError(f"--device: {a.device!r} is neither cpu nor cuda:K")
         from gpipe import net
 
-        net.iface_for(a.host)
+        if a.host is None:
+            try:
+                a.host = net.route_source(a.coordinator)
+            except ValueError as e:
+                raise GpipeError(f"--coordinator: {e}") from None
+            a.address_note = (f"{a.host}, the address that routes to the coordinator at {a.coordinator} "
+                              "(--host overrides)")
+        else:
+            net.iface_for(a.host)
+            a.address_note = f"{a.host} (--host)"
         token = grpcutil.read_token(a.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
         grpcutil.forget_tokens()  # read: no attempt process inherits it
     except (GpipeError, ValueError) as e:

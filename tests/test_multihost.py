@@ -1,0 +1,192 @@
+"""serve and three workers on four "hosts" (network namespaces), run as deploy/ says, through cut links.
+
+Each "pod" runs the command, args and env of the rendered cpu overlay
+(`kubectl kustomize deploy/overlays/cpu`), with only what Kubernetes would
+fill in: the rank (the pod-index label), the CPU limit, the Service's address
+(its DNS name), and where the volumes are mounted. No `--host` anywhere: the
+workers find their address by the route to the coordinator, and serve's
+attempts by the route to their workers. The job is the example job's, with
+three stages and a model slow enough to be cut mid-run: one worker's link is
+cut for 20 s, then the coordinator's for 15 s, and the job must end SUCCEEDED
+on the uninterrupted weights, with no process touched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from tests import netns, reference
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.multiprocess
+
+WORKERS = 3
+API_PORT = 7000
+MOUNTS_IN_TMP = ("/var/lib/gpipe", "/etc/gpipe/tokens", "/var/log/gpipe", "/tmp", "/job")
+
+
+def _render(target: str) -> list[dict[str, Any]]:
+    from tests.test_deploy import render
+
+    return render(target)
+
+
+def pod_command(obj: dict[str, Any], root: Path, fill: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A workload's first container as a process: argv and env, as the kubelet would run it.
+
+    Volume mounts become folders under `root`; `fill` gives the downward API's values (RANK) and the
+    Service's address; `$(VAR)` in env and args expands as Kubernetes expands it.
+    """
+    c = obj["spec"]["template"]["spec"]["containers"][0]
+
+    where = re.compile(r"(^|=)(" + "|".join(map(re.escape, MOUNTS_IN_TMP)) + r")(?=/|$)")
+
+    def mounted(text: str) -> str:
+        text = where.sub(lambda m: m[1] + str(root / m[2].strip("/").replace("/", "-")), text)
+        return text.replace(f"gpipe-coordinator:{API_PORT}", fill["coordinator"])
+
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(root / "tmp"),
+           "PYTHONPATH": str(ROOT),  # the image's packages: the model's (tests.models) and gpipe's
+           "GPIPE_TEST_TAG": fill["tag"]}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = mounted(re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), e["value"]))
+        elif "fieldRef" in e.get("valueFrom", {}):
+            assert "pod-index" in e["valueFrom"]["fieldRef"]["fieldPath"], e  # the only one the pods use
+            env[e["name"]] = fill["rank"]
+        elif "resourceFieldRef" in e.get("valueFrom", {}):
+            env[e["name"]] = "1"  # limits.cpu, rounded up, as the kubelet gives it
+    argv = [mounted(re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a))
+            for a in [*c.get("command", []), *c.get("args", [])]]
+    return argv, env
+
+
+def _steps(out: Path) -> list[tuple[int, int]]:
+    """(attempt, step) of every logged step so far."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        rows.append((m["attempt"], m["step"]))
+    return rows
+
+
+def _history(out: Path) -> list[dict[str, Any]]:
+    try:
+        return json.loads((out / "job.json").read_text())["history"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+class Cluster:
+    def __init__(self, hosts: netns.Hosts, root: Path, tag: str):
+        self.hosts, self.root, self.tag = hosts, root, tag
+        self.logs: dict[str, Path] = {}
+        objs = _render("overlays/cpu")
+        self.serve_obj = next(o for o in objs if o["kind"] == "StatefulSet" and "coordinator" in o["metadata"]["name"])
+        self.worker_obj = next(o for o in objs if o["kind"] == "StatefulSet" and "worker" in o["metadata"]["name"])
+        self.job_obj = next(o for o in _render("example") if o["kind"] == "Job")
+        tokens = root / "etc-gpipe-tokens"
+        tokens.mkdir(parents=True)
+        (tokens / "client-token").write_text("client-" + tag)
+        (tokens / "worker-token").write_text("worker-" + tag)
+        for m in MOUNTS_IN_TMP:
+            (root / m.strip("/").replace("/", "-")).mkdir(parents=True, exist_ok=True)
+
+    def run(self, host: int, obj: dict[str, Any], name: str, rank: str = "") -> None:
+        argv, env = pod_command(obj, self.root, {"rank": rank, "tag": self.tag,
+                                                 "coordinator": f"{self.hosts.addr(0)}:{API_PORT}"})
+        self.logs[name] = self.root / f"{name}.log"
+        self.hosts.spawn(host, argv, env, self.logs[name], cwd=self.root / "tmp")
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace") if name in self.logs else ""
+
+    def wait_for(self, cond: Any, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {k}\n{self.log(k)[-3000:]}" for k in self.logs)
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+
+
+def job_spec() -> dict[str, Any]:
+    """The example job's spec, on three stages, with a model slow enough to be cut mid-run."""
+    spec = yaml.safe_load((ROOT / "deploy" / "example" / "job.yaml").read_text())
+    spec.update(name="multihost", stages=WORKERS, balance=[2, 1, 1], steps=120, checkpoint_every=5,
+                model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.04}},
+                data={**spec["data"], "args": {"n": 256, "in_features": 16, "out_features": 16}, "batch_size": 16})
+    return spec
+
+
+@pytest.fixture
+def hosts():
+    if (why := netns.skip_reason()) is not None:
+        print(f"skipped: {why}", file=sys.stderr)
+        pytest.skip(why)
+    with netns.Hosts(1 + WORKERS) as h:
+        yield h
+
+
+def test_four_hosts_from_the_manifests_train_through_cut_links_to_the_one_device_weights(cli, tmp_path, hosts):
+    c = Cluster(hosts, tmp_path, cli.tag)
+    spec = job_spec()
+    (tmp_path / "job" / "job.yaml").write_text(yaml.safe_dump(spec))
+    c.run(0, c.serve_obj, "serve")
+    c.wait_for(lambda: "coordinator serving on" in c.log("serve"), "serve to start", 60)
+    for rank in range(WORKERS):
+        c.run(1 + rank, c.worker_obj, f"worker{rank}", rank=str(rank))
+    for rank in range(WORKERS):
+        c.wait_for(lambda rank=rank: f"worker for rank {rank} registered" in c.log("serve"), f"rank {rank}", 60)
+        # No --host: each worker took its own host's address, the one that routes to the coordinator.
+        assert f"data-plane address {hosts.addr(1 + rank)}" in c.log(f"worker{rank}")
+    c.run(0, c.job_obj, "submit")  # the example Job's pod: submit --follow
+
+    out = tmp_path / "var-lib-gpipe" / "multihost"
+    c.wait_for(lambda: len(_steps(out)) >= 10, "10 steps", 120)
+
+    # One worker's link is cut for 20 s: the coordinator drops it after its heartbeats stop and the
+    # attempt fails; when the link is back the worker registers again and the job resumes.
+    cut = time.time()
+    hosts.cut(2)
+    c.wait_for(lambda: any(h["state"] == "RESTARTING" and h["time_unix"] > cut for h in _history(out)),
+               "RESTARTING after the cut", 60)
+    restarting_s = next(h["time_unix"] for h in _history(out) if h["state"] == "RESTARTING") - cut
+    time.sleep(max(0.0, cut + 20 - time.time()))
+    hosts.mend(2)
+    mended = time.monotonic()
+    c.wait_for(lambda: any(a == 2 for a, _ in _steps(out)), "a step of attempt 2", 120)
+    first_step_s = time.monotonic() - mended
+    c.wait_for(lambda: sum(a == 2 for a, _ in _steps(out)) >= 10, "10 steps of attempt 2", 120)
+
+    # The coordinator's own link is cut for 15 s: every worker is lost at once, and it says so.
+    cut2 = time.time()
+    hosts.cut(0)
+    time.sleep(15)
+    hosts.mend(0)
+    c.wait_for(lambda: "multihost: SUCCEEDED" in c.log("submit"), "the job to succeed", 240)
+    history = _history(out)
+    assert history[-1]["state"] == "SUCCEEDED", history
+    later = [h["message"] for h in history if h["state"] == "RESTARTING" and h["time_unix"] > cut2]
+    assert later and "all 3 workers missed their heartbeats" in later[0], later
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    print(f"\nlink cut -> RESTARTING {restarting_s:.1f}s; mended -> next trained step {first_step_s:.1f}s",
+          file=sys.stderr)
