@@ -149,9 +149,29 @@ class Attempt:
         t.start()
         t.join(spec.start_timeout_s)
         if t.is_alive():
-            raise JobFailed(f"timed out after {spec.start_timeout_s:.0f}s waiting for the workers to join")
+            raise JobFailed(f"timed out after {spec.start_timeout_s:.0f}s waiting for the workers to join: "
+                            f"{self._who_did_not_join()}")
         if err:
             raise JobFailed(f"the RPC world could not start: {str(err[0]).splitlines()[0]}")
+
+    def _who_did_not_join(self) -> str:
+        """Which workers never reached the rendezvous, or else where the ones that did listen."""
+        store = net.master_store(self.store_port)
+        if store is None:
+            return "no rendezvous store"
+        reached: dict[int, str] = {}
+        for k in range(self.spec.stages):
+            key = f"{net.REACHED_KEY}{k}"
+            with contextlib.suppress(Exception):
+                if store.check([key]):
+                    reached[k] = store.get(key).decode(errors="replace")
+        missing = [k for k in range(self.spec.stages) if k not in reached]
+        if missing:
+            return (f"{', '.join(self._stage_name(k) for k in missing)} never reached the rendezvous at "
+                    f"{self.master}: check that its worker can reach this address (serve --host sets it)")
+        where = ", ".join(f"stage {k} at {a}" for k, a in sorted(reached.items()))
+        return (f"every worker reached the rendezvous, but they could not all connect to each other ({where}): "
+                "check that these addresses reach one another (gpipe-worker --host sets a worker's)")
 
     def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
         """Create every stage on its worker, with the plan's initial weights or, resuming, a checkpoint's state.

@@ -142,6 +142,14 @@ def bound_store(host: str, timeout: float, sock: socket.socket | None = None) ->
     return store, port
 
 
+def master_store(port: int) -> dist.Store | None:
+    """The store `bound_store` opened on `port` in this process, if any."""
+    return _master_stores.get(port)
+
+
+REACHED_KEY = "reached/"  # + stage: its worker reached the rendezvous, from this address
+
+
 def client_store(host: str, port: int, timeout: float) -> dist.Store:
     """A client of the store at host:port, under the secret."""
     secret = _attempt_secret()

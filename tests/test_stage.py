@@ -151,3 +151,20 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
     for other in (("computing", "", 60.0), ("idle", "", 60.0), ("waiting", "stage 0's activation", 5.0)):
         at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0), other)
         at._look_for_a_partition(7, 25.0)  # not a partition: nothing raised
+
+
+def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
+    from types import SimpleNamespace
+
+    from gpipe.coordinator.driver import Attempt
+
+    store, port = net.bound_store("127.0.0.1", 10)
+    at = object.__new__(Attempt)
+    at.spec, at.plan = SimpleNamespace(stages=2), SimpleNamespace(bounds=[(0, 2), (2, 4)])
+    at.store_port, at.master = port, f"127.0.0.1:{port}"
+    net.client_store("127.0.0.1", port, 10).set(f"{net.REACHED_KEY}0", "10.0.0.6")
+    why = at._who_did_not_join()
+    assert "stage 1 (layers 2-3) never reached the rendezvous" in why and "stage 0" not in why
+    store.set(f"{net.REACHED_KEY}1", "10.0.0.7")
+    why = at._who_did_not_join()
+    assert "could not all connect to each other" in why and "stage 0 at 10.0.0.6, stage 1 at 10.0.0.7" in why

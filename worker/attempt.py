@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None, secret: str | None = None) -> int:
         torch.set_num_threads(threads)
     # Building the optimizer imports torch._dynamo (1.5 s on a CPU build): import it while the RPC world forms.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
+    # Say that this worker reached the rendezvous, and from where: if the RPC world does not form, the
+    # coordinator can tell a worker that never got here from workers that cannot reach each other.
+    host, _, port = a.master.rpartition(":")
+    net.client_store(host, int(port), a.start_timeout).set(f"{net.REACHED_KEY}{a.stage}", a.host)
     opts = net.rpc_options(a.master, a.start_timeout)
     rpc.init_rpc(f"stage{a.stage}", rank=a.stage + 1, world_size=a.stages + 1, rpc_backend_options=opts)
     rpc.shutdown()  # waits until the coordinator is done with every stage
