@@ -54,6 +54,14 @@ LOOK_EVERY_S = 2.0  # while no step finishes, how often the stages are asked wha
 LOOK_TIMEOUT_S = 5.0
 
 
+@dataclass
+class Looking:
+    """The stages' answers to "what are you doing?", asked at `since`."""
+
+    answers: list[torch.futures.Future[Any]]
+    since: float
+
+
 def _put_when_done(q: queue.Queue[T], key: T) -> Callable[[Any], None]:
     """A future's done-callback that puts `key` on `q` (the waits below take whichever finishes first)."""
 
@@ -209,6 +217,7 @@ class Attempt:
         deadline = time.monotonic() + spec.step_timeout_s + 10.0
         last_news = time.monotonic()  # when a stage last finished a step
         next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
+        looking: Looking | None = None  # the stages asked what they are doing, answers pending
 
         while finished < spec.steps:
             while issued < spec.steps and issued - finished < STEPS_AHEAD:
@@ -227,7 +236,7 @@ class Attempt:
                 s, k = q.get(timeout=max(0.0, min(deadline, next_look) - time.monotonic()))
             except queue.Empty:
                 if time.monotonic() < deadline:
-                    self._look_for_a_partition(finished, time.monotonic() - last_news)
+                    looking = self._look_for_a_partition(finished, looking)
                     next_look = time.monotonic() + LOOK_EVERY_S
                     continue
                 late = [k for k in pending[finished] if k not in results[finished]]
@@ -236,7 +245,7 @@ class Attempt:
                     f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}",
                     stage=late[0],
                 ) from None
-            last_news = time.monotonic()
+            last_news, looking = time.monotonic(), None
             next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
             results[s][k] = self._result(f"at step {s}", k, pending[s][k])
             while finished in results and len(results[finished]) == spec.stages:
@@ -254,24 +263,32 @@ class Attempt:
                 finished += 1
                 deadline = time.monotonic() + spec.step_timeout_s + 10.0
 
-    def _look_for_a_partition(self, step: int, quiet_s: float) -> None:
-        """No stage has finished a step for a while: if every stage is waiting on a neighbour, and has been
-        for peer_timeout_s, none computing, the data between them is not arriving (a partition between
-        workers that still reach the coordinator, which heartbeats cannot see): fail now, not at
-        step_timeout_s. A stage that is computing, or idle, or does not answer at once proves nothing."""
+    def _look_for_a_partition(self, step: int, looking: Looking | None) -> Looking | None:
+        """No stage has finished a step for a while: ask each stage what it is doing, and judge the answers
+        at the next look. This never waits: a stage cut off must not hold up the attempt (nor a SIGTERM).
+
+        If every stage is waiting on a neighbour, and has been for peer_timeout_s, none computing, the data
+        between them is not arriving (a partition between workers that still reach the coordinator, which
+        heartbeats cannot see): fail now, not at step_timeout_s. A stage that is computing, or idle, or
+        does not answer in time proves nothing.
+        """
         spec = self.spec
-        futs = [self.stages[k].rpc_async(timeout=LOOK_TIMEOUT_S).activity() for k in range(spec.stages)]
-        seen = []
-        for k, f in enumerate(futs):
-            try:
-                state, what, seconds = f.wait()
-            except Exception:  # no answer: the heartbeats and step_timeout_s judge that
-                return
-            if state != "waiting" or seconds < spec.peer_timeout_s:
-                return
-            seen.append(f"stage {k} for {what}")
-        raise JobFailed(f"step {step}: every stage has waited on its neighbours for {spec.peer_timeout_s:.0f}s or "
-                        f"more, none computing (a network partition between workers?): {'; '.join(seen)}")
+        if looking is not None and all(f.done() for f in looking.answers):
+            seen = []
+            for k, f in enumerate(looking.answers):
+                try:
+                    state, what, seconds = f.value()
+                except Exception:  # no answer: the heartbeats and step_timeout_s judge that
+                    return None
+                if state != "waiting" or seconds < spec.peer_timeout_s:
+                    return None
+                seen.append(f"stage {k} for {what}")
+            raise JobFailed(f"step {step}: every stage has waited on its neighbours for {spec.peer_timeout_s:.0f}s "
+                            f"or more, none computing (a network partition between workers?): {'; '.join(seen)}")
+        if looking is not None and time.monotonic() < looking.since + LOOK_TIMEOUT_S:
+            return looking  # answers still to come
+        return Looking([self.stages[k].rpc_async(timeout=LOOK_TIMEOUT_S).activity() for k in range(spec.stages)],
+                       time.monotonic())
 
     def snapshot_after(self, step: int) -> bool:
         """Whether step `step` ends with a checkpoint."""

@@ -106,6 +106,15 @@ class Hosts:
     def mend(self, i: int) -> None:
         _ip("-n", self.bridge_ns, "link", "set", f"gp{self.tag}p{i}", "up")
 
+    def block(self, i: int, j: int) -> None:
+        """Hosts i and j no longer reach each other (a blackhole route each way); both reach the rest."""
+        _ip("-n", self.ns[i], "route", "add", "blackhole", f"{self.addr(j)}/32")
+        _ip("-n", self.ns[j], "route", "add", "blackhole", f"{self.addr(i)}/32")
+
+    def unblock(self, i: int, j: int) -> None:
+        _ip("-n", self.ns[i], "route", "del", "blackhole", f"{self.addr(j)}/32")
+        _ip("-n", self.ns[j], "route", "del", "blackhole", f"{self.addr(i)}/32")
+
     def spawn(self, i: int, argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
               ) -> subprocess.Popen[bytes]:
         with log.open("ab") as f:

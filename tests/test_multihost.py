@@ -7,8 +7,9 @@ fill in: the rank (the pod-index label), the CPU limit, the Service's address
 workers find their address by the route to the coordinator, and serve's
 attempts by the route to their workers. The job is the example job's, with
 three stages and a model slow enough to be cut mid-run: one worker's link is
-cut for 20 s, then the coordinator's for 15 s, and the job must end SUCCEEDED
-on the uninterrupted weights, with no process touched.
+cut for 20 s, then the coordinator's for 15 s, and then two workers lose each other while
+both still reach the coordinator; the job must end SUCCEEDED on the
+uninterrupted weights, with no process touched.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class Cluster:
 def job_spec() -> dict[str, Any]:
     """The example job's spec, on three stages, with a model slow enough to be cut mid-run."""
     spec = yaml.safe_load((ROOT / "deploy" / "example" / "job.yaml").read_text())
-    spec.update(name="multihost", stages=WORKERS, balance=[2, 1, 1], steps=120, checkpoint_every=5,
+    spec.update(name="multihost", stages=WORKERS, balance=[2, 1, 1], steps=160, checkpoint_every=5,
+                max_restarts=5, peer_timeout_s=5,
                 model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.04}},
                 data={**spec["data"], "args": {"n": 256, "in_features": 16, "out_features": 16}, "batch_size": 16})
     return spec
@@ -180,11 +182,23 @@ def test_four_hosts_from_the_manifests_train_through_cut_links_to_the_one_device
     hosts.cut(0)
     time.sleep(15)
     hosts.mend(0)
+    c.wait_for(lambda: sum(a == 3 for a, _ in _steps(out)) >= 5, "5 steps of attempt 3", 120)
+
+    # Stages 0 and 1 lose each other while both still reach the coordinator: their heartbeats go on,
+    # so the stages' own waits tell (peer_timeout_s, 5 s here), not step_timeout_s (300 s).
+    cut3 = time.time()
+    hosts.block(1, 2)
+    c.wait_for(lambda: any(h["state"] == "RESTARTING" and h["time_unix"] > cut3 for h in _history(out)),
+               "RESTARTING after the partition between workers", 90)
+    hosts.unblock(1, 2)
     c.wait_for(lambda: "multihost: SUCCEEDED" in c.log("submit"), "the job to succeed", 240)
     history = _history(out)
     assert history[-1]["state"] == "SUCCEEDED", history
-    later = [h["message"] for h in history if h["state"] == "RESTARTING" and h["time_unix"] > cut2]
+    later = [h["message"] for h in history if h["state"] == "RESTARTING" and cut2 < h["time_unix"] < cut3]
     assert later and "all 3 workers missed their heartbeats" in later[0], later
+    split = [h for h in history if h["state"] == "RESTARTING" and h["time_unix"] > cut3]
+    assert "partition between workers" in split[0]["message"], split
+    print(f"\npartition between workers -> RESTARTING {split[0]['time_unix'] - cut3:.1f}s", file=sys.stderr)
     got = load_file(out / "model.safetensors")
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6

@@ -145,12 +145,20 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
     at.spec = SimpleNamespace(stages=2, peer_timeout_s=20.0)
     at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0),
                           ("waiting", "stage 0's activation of micro-batch 1", 21.0))
+    looking = at._look_for_a_partition(7, None)  # asks, and never waits for the answers
+    assert looking is not None
     with pytest.raises(JobFailed, match="partition between workers") as failed:
-        at._look_for_a_partition(7, 25.0)
+        at._look_for_a_partition(7, looking)  # the next look judges them
     assert "stage 1 for stage 0's activation of micro-batch 1" in str(failed.value)
     for other in (("computing", "", 60.0), ("idle", "", 60.0), ("waiting", "stage 0's activation", 5.0)):
         at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0), other)
-        at._look_for_a_partition(7, 25.0)  # not a partition: nothing raised
+        assert at._look_for_a_partition(7, at._look_for_a_partition(7, None)) is None  # not a partition
+
+    # A stage that has not answered yet holds up nothing: the look is kept, and asked again later.
+    pending: torch.futures.Future = torch.futures.Future()
+    at.stages = [SimpleNamespace(rpc_async=lambda timeout: SimpleNamespace(activity=lambda: pending))] * 2
+    looking = at._look_for_a_partition(7, None)
+    assert at._look_for_a_partition(7, looking) is looking
 
 
 def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
