@@ -234,6 +234,11 @@ class JobSpec(_Spec):
         description="Recompute a stage's forward in its backward instead of keeping its "
         "activations: for every micro-batch, all but the last, or none.",
     )
+    deferred_batch_norm: bool = Field(
+        default=False,
+        description="BatchNorm updates its running statistics once per step, with the whole "
+        "batch's statistics; false: once per micro-batch, as gradient accumulation does.",
+    )
     data: DataSpec = Field(description="The training data.")
     loss: str = Field(
         default="cross_entropy",

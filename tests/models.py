@@ -82,3 +82,25 @@ def not_sequential() -> nn.Module:
 
 def pid_marker() -> int:
     return os.getpid()
+
+
+class Calls(nn.Module):
+    """Counts its training forwards in a buffer, updated in place: a forward's state that is no BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls.add_(1)
+        return x
+
+
+def bn_net(width: int = 8) -> nn.Sequential:
+    """BatchNorm1d and BatchNorm2d (one with a cumulative average, one without affine), with dropout."""
+    return nn.Sequential(
+        nn.Linear(width, 16), nn.BatchNorm1d(16), nn.Tanh(), Calls(),
+        nn.Unflatten(1, (4, 2, 2)), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None), nn.Dropout(0.1),
+        nn.Flatten(), nn.Linear(16, width), nn.BatchNorm1d(width, momentum=0.3, affine=False), nn.Linear(width, width),
+    )

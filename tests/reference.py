@@ -3,6 +3,11 @@
 Plain torch only (the model, torch.optim, clip_grad_norm_), apart from the
 documented per-layer seeding of randomness (gpipe.rng), which makes dropout
 independent of where the model is cut.
+
+BatchNorm: each micro-batch's forward runs once, in training mode, so it updates
+the running statistics once per micro-batch. With `deferred_batch_norm`, the
+running statistics are set back after the micro-batches, and BatchNorm's own
+update runs once on the step's inputs of each layer, all micro-batches together.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe.factory import resolve
 from gpipe.rng import seeded_forward
@@ -48,12 +55,35 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
         xs, ys = zip(*(data[i] for i in idx), strict=True)
         x, y = torch.stack(xs), torch.stack(ys)
         opt.zero_grad()
+        whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
         for i, (xm, ym) in enumerate(zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks), strict=True)):
             out = seeded_forward(layers, xm, seed, step, i)
             (loss_fn(out, ym) * (len(xm) / batch)).backward()
+        if whole_batch:
+            whole_batch.update()
         if spec.get("clip_grad_norm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_grad_norm"])
         opt.step()
         if sched:
             sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class WholeBatchStatistics:
+    """Keeps each BatchNorm's running statistics and its inputs; `update` runs BatchNorm's update once on them."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        self.saved = [{k: b.clone() for k, b in m.named_buffers()} for m in self.layers]
+        self.inputs: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        self.hooks = [m.register_forward_pre_hook(lambda m, args, i=i: self.inputs[i].append(args[0].detach()))
+                      for i, m in enumerate(self.layers)]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        for m, saved, inputs in zip(self.layers, self.saved, self.inputs, strict=True):
+            for name, b in m.named_buffers():
+                b.copy_(saved[name])
+            m(torch.cat(inputs))  # training mode: one update with the whole batch's statistics

@@ -20,12 +20,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import schedule
+from gpipe import batchnorm, schedule
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.optim import optimizer_class
+from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
 from gpipe.worker.channel import Receiver, Sender
@@ -55,6 +56,7 @@ class StageConfig:
     store_host: str
     store_port: int
     import_paths: list[str] = field(default_factory=list)
+    deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -100,6 +102,9 @@ class Stage:
             torch.cuda.set_device(self.device)
         self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
         self.layers = build_layers(cfg, state, self.device)
+        if cfg.deferred_batch_norm:
+            batchnorm.convert_deferred_batch_norm(self.layers)
+        self.buffers = Buffers(self.layers)  # a recomputed forward leaves running statistics be
         self.indexed = [(int(n), m) for n, m in self.layers.named_children()]
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -160,6 +165,7 @@ class Stage:
         t_step, start_unix = time.perf_counter(), time.time()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        batchnorm.discard(self.layers)  # what a failed step tracked
         if self.recv_act:
             self.recv_act.expect(chunks)
         self.meter.reset_peak()
@@ -191,7 +197,7 @@ class Stage:
                         x.requires_grad_()
                 t0 = time.perf_counter()
                 ckpt = self.checkpointed(mb)
-                with torch.no_grad() if ckpt else self.meter.hooks():
+                with torch.no_grad() if ckpt else self.meter.hooks(), self.buffers.watch():
                     y = forward(mb, x)
                 # The next stage sends a gradient back for every floating-point activation.
                 wants_grad = not self.last and y.is_floating_point()
@@ -212,7 +218,7 @@ class Stage:
                     self._doing("computing")
                 t0 = time.perf_counter()
                 if y is None:  # checkpointed: recompute the forward, replaying its randomness
-                    with self.meter.hooks():
+                    with self.meter.hooks(), self.buffers.recompute():
                         y = forward(mb, x)
                 if self.last:
                     (y * (sizes[mb] / batch)).backward()
@@ -235,6 +241,7 @@ class Stage:
             self._doing("waiting", "the other stages' gradient norms")
         grad_norm = self._clip() if cfg.clip_grad_norm else None
         self._doing("computing")
+        batchnorm.commit(self.layers)  # deferred BatchNorm: the whole batch's running statistics, once a step
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
