@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from gpipe.factory import resolve
 from gpipe.rng import seeded_forward
@@ -45,15 +46,28 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
                 int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + p // n))[p % n])
                 for p in range(step * batch, (step + 1) * batch)
             ]
-        xs, ys = zip(*(data[i] for i in idx), strict=True)
-        x, y = torch.stack(xs), torch.stack(ys)
+        collate = resolve(spec["data"]["collate"]) if spec["data"].get("collate") else default_collate
+        x, y = collate([data[i] for i in idx])
         opt.zero_grad()
-        for i, (xm, ym) in enumerate(zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks), strict=True)):
+        sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), chunks)]
+        for i, (xm, ym) in enumerate(zip(split(x, chunks), split(y, chunks), strict=True)):
             out = seeded_forward(layers, xm, seed, step, i)
-            (loss_fn(out, ym) * (len(xm) / batch)).backward()
+            (loss_fn(out, ym) * (sizes[i] / batch)).backward()
         if spec.get("clip_grad_norm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_grad_norm"])
         opt.step()
         if sched:
             sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def split(batch: Any, chunks: int) -> list[Any]:
+    """Micro-batches: every tensor cut along dim 0 by torch.tensor_split, everything else copied."""
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, chunks))
+    if isinstance(batch, tuple | list):
+        return [type(batch)(parts) for parts in zip(*(split(v, chunks) for v in batch), strict=True)]
+    if isinstance(batch, dict):
+        cut = {k: split(v, chunks) for k, v in batch.items()}
+        return [{k: cut[k][i] for k in batch} for i in range(chunks)]
+    return [batch] * chunks

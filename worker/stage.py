@@ -11,6 +11,7 @@ import resource
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import schedule
+from gpipe import schedule, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -89,6 +90,27 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
     return layers
 
 
+def wants_grad(y: Any, checkpointed: bool) -> list[bool]:
+    """Which tensors of a stage's output want a gradient back: the floating-point ones that require grad.
+
+    A checkpointed forward ran without autograd, so it cannot tell: every
+    floating-point tensor asks, and `backward` drops those that turn out not to need one.
+    """
+    return [t.is_floating_point() and (checkpointed or t.requires_grad) for t in structure.tensors(y)]
+
+
+def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
+             more: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+    """Backward from the tensors of `y` that wanted a gradient, with the next stage's gradients for them,
+    and from the (tensor, gradient) pairs of `more` (skip connections), in one pass."""
+    outs = [t for t, w in zip(structure.tensors(y), wants, strict=True) if w]
+    if len(outs) != len(grads):
+        raise RuntimeError(f"{len(grads)} gradients came back for {len(outs)} tensors that wanted one")
+    pairs = [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
 class Stage:
     """A stage built and joined to its neighbours; `resume` is a checkpoint's optimizer and RNG state."""
 
@@ -151,8 +173,7 @@ class Stage:
         return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
 
     def step(
-        self, step: int, lr: float, inputs: list[torch.Tensor] | None,
-        targets: list[torch.Tensor] | None, sizes: list[int],
+        self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
     ) -> dict[str, Any]:
         """Run one step of the schedule, then the optimizer; return the step's figures."""
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
@@ -165,15 +186,15 @@ class Stage:
         self.meter.reset_peak()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        stash: dict[int, tuple[Any, ...]] = {}
+        in_flight: dict[int, tuple[Any, ...]] = {}  # forwarded micro-batches, until their backward
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         timeline: list[tuple[str, int, float, float]] = []
         busy = 0.0
 
-        def forward(mb: int, x: torch.Tensor) -> torch.Tensor:
+        def forward(mb: int, x: Any) -> Any:
             y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
             if self.last:
-                target = targets[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the last stage gets targets
+                target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
                 y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
             return y
 
@@ -182,33 +203,33 @@ class Stage:
             mb = action.micro_batch
             if action.kind == "F":
                 if self.first:
-                    x = inputs[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the first stage gets inputs
+                    x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
                 else:
                     self._doing("waiting", f"stage {cfg.stage - 1}'s activation of micro-batch {mb}")
+                    # Its tensors that want a gradient back require grad.
                     x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]  # every stage but the first receives
                     self._doing("computing")
-                    if x.is_floating_point():
-                        x.requires_grad_()
                 t0 = time.perf_counter()
                 ckpt = self.checkpointed(mb)
                 with torch.no_grad() if ckpt else self.meter.hooks():
                     y = forward(mb, x)
-                # The next stage sends a gradient back for every floating-point activation.
-                wants_grad = not self.last and y.is_floating_point()
+                wants: list[bool] = []
                 if self.last:
                     loss_sum += y.detach().double() * sizes[mb]
                 else:
-                    self.send_act.send(mb, y.detach())  # type: ignore[union-attr]  # every stage but the last sends
-                    if wants_grad:
+                    wants = wants_grad(y, ckpt)
+                    self.send_act.send(mb, structure.map_tensors(y, torch.Tensor.detach), wants)  # type: ignore[union-attr]  # every stage but the last sends
+                    if any(wants):
                         self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
-                held_x = self.meter.hold(x) if not self.first else None
-                stash[mb] = (x, held_x, None if ckpt else y, wants_grad)
+                held_x = [self.meter.hold(t) for t in structure.tensors(x)] if not self.first else None
+                in_flight[mb] = (x, held_x, None if ckpt else y, wants)
             else:
-                x, held_x, y, wants_grad = stash.pop(mb)
-                grad = None
-                if wants_grad:
+                x, held_x, y, wants = in_flight.pop(mb)
+                grads: list[torch.Tensor] = []
+                if any(wants):
                     self._doing("waiting", f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}")
-                    grad = self.recv_grad.get(mb, timeout)  # type: ignore[union-attr]  # wants_grad: not the last
+                    g = self.recv_grad.get(mb, timeout)  # type: ignore[union-attr]  # wants: not the last
+                    grads = [g] if isinstance(g, torch.Tensor) else list(g)
                     self._doing("computing")
                 t0 = time.perf_counter()
                 if y is None:  # checkpointed: recompute the forward, replaying its randomness
@@ -216,12 +237,14 @@ class Stage:
                         y = forward(mb, x)
                 if self.last:
                     (y * (sizes[mb] / batch)).backward()
-                elif grad is not None and y.requires_grad:
-                    torch.autograd.backward(y, grad)
+                else:
+                    backward(y, wants, grads)
                 del y, held_x
-                if not self.first and x.is_floating_point():
-                    g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    self.send_grad.send(mb, g)  # type: ignore[union-attr]  # not the first stage
+                if not self.first:
+                    inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
+                    if inputs_back:  # the ones that wanted a gradient, in order
+                        g_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs_back]
+                        self.send_grad.send(mb, g_in[0] if len(g_in) == 1 else g_in)  # type: ignore[union-attr]  # not the first stage
             t1 = time.perf_counter()
             busy += t1 - t0
             timeline.append((action.kind, mb, t0 - t_step, t1 - t_step))

@@ -1,0 +1,146 @@
+"""Whatever a layer returns crosses a cut, as nn.Sequential passes it: every run still equals one device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gpipe import structure
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
+from gpipe.errors import SpecError
+from gpipe.worker.channel import MAX_JSON_BYTES, decode, encode
+from tests.test_transparency import job, train_and_compare
+
+PAIRS = {"factory": "tests.models:pair_mlp", "args": {"width": 16, "blocks": 4}}
+MASKED = {"factory": "tests.models:masked_mlp", "args": {"width": 16, "blocks": 3}}
+DICTS = {"factory": "tests.models:dict_items", "args": {"n": 40, "width": 16}}
+SEQ = {"factory": "tests.models:seq_model", "args": {}}
+SENTENCES = {"factory": "tests.models:sentences", "args": {}, "collate": "tests.models:pad_collate"}
+
+CASES = {
+    # (hidden, skip) tuples across every cut; 10 = 4+3+3
+    "tuples-gpipe": job(model=PAIRS, stages=3, balance=[2, 2, 2], chunks=3, data={**job()["data"], "batch_size": 10}),
+    "tuples-1f1b-always": job(model=PAIRS, stages=3, chunks=3, schedule="1f1b", activation_checkpoint="always",
+                              data={**job()["data"], "batch_size": 10}),
+    # a dict input {"x", "mask"}; bool and int tensors, None and scalars cross every cut
+    "dict-mask-gpipe-always": job(model=MASKED, stages=3, chunks=2, activation_checkpoint="always",
+                                  data={**DICTS, "batch_size": 8}),
+    "dict-mask-1f1b-except_last": job(model=MASKED, stages=2, chunks=4, schedule="1f1b",
+                                      activation_checkpoint="except_last", data={**DICTS, "batch_size": 9}),
+    # padded sequences whose length changes step to step (a custom collate), 7 = 3+2+2, the mask crossing
+    "varlen-1f1b-always": job(model=SEQ, stages=2, balance=[2, 2], chunks=3, schedule="1f1b", steps=5,
+                              activation_checkpoint="always", data={**SENTENCES, "batch_size": 7, "shuffle": True},
+                              loss="cross_entropy"),
+    "varlen-gpipe": job(model=SEQ, stages=3, balance=[1, 2, 1], chunks=3, steps=5,
+                        data={**SENTENCES, "batch_size": 7}, loss="cross_entropy"),
+}
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_structures_cross_cuts_as_on_one_device(cli, name):
+    train_and_compare(cli, name, CASES[name])
+
+
+def test_sequence_lengths_change_step_to_step():
+    """The varlen cases above do see batches of several lengths."""
+    plan = make_plan(parse_spec(yaml.safe_dump(CASES["varlen-gpipe"])), Path("."))
+    lengths = {plan.stream().micro_batches(s)[0][0]["tokens"].size(1) for s in range(5)}
+    assert len(lengths) > 1, lengths
+
+
+# -- validate runs the model ------------------------------------------------------------------------
+
+
+def _plan(**kw) -> None:
+    make_plan(parse_spec(yaml.safe_dump(job(**kw))), Path("."))
+
+
+@pytest.mark.parametrize(("kw", "says"), [
+    # a layer that cannot take what the previous one returns: named, with what it got
+    ({"model": {"factory": "tests.models:bad_cut", "args": {"kind": "tuple_to_linear"}}},
+     "model: layer 1 (Linear) raised TypeError: linear(): argument 'input' (position 1) must be Tensor, not tuple, "
+     "given tuple(Tensor[2,16] float32, Tensor[2] bool)"),
+    # what cannot travel between stages
+    ({"model": {"factory": "tests.models:bad_cut", "args": {"kind": "set"}}},
+     "model: layer 0 (Returns) returned set, which cannot cross to layer 1: the value: a set cannot cross a cut"),
+    ({"model": {"factory": "tests.models:bad_cut", "args": {"kind": "complex"}}},
+     "cannot cross to layer 1: tensor 0 of tuple(Tensor[2,16] complex64, 1): dtype complex64 cannot travel"),
+    ({"model": {"factory": "tests.models:bad_cut", "args": {"kind": "deep"}}},
+     "which cannot cross to layer 1: [0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: nested more than 16 deep"),
+    # the loss cannot take the output and target
+    ({"loss": "cross_entropy"}, "loss: raised"),
+    # a batch whose tensors are not all batch_size long
+    ({"data": {**DICTS, "batch_size": 8, "collate": "tests.models:short_mask_collate"}},
+     "data: the first batch: StructureError: input['mask']: dim 0 is 3, but a tensor of a batch must have the batch "
+     "size (8) there"),
+])
+def test_validate_names_the_layer_and_what_it_got(kw, says):
+    with pytest.raises(SpecError) as e:
+        _plan(**kw)
+    assert says in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_probe_false_skips_the_probe():
+    model = {"factory": "tests.models:bad_cut", "args": {"kind": "tuple_to_linear"}}
+    _plan(model=model, probe=False)  # starts nothing: fails only once running
+    with pytest.raises(SpecError):
+        _plan(model=model)
+
+
+def test_validate_exits_2_in_one_line(cli):
+    path = cli.write(job(model={"factory": "tests.models:bad_cut", "args": {"kind": "tuple_to_linear"}}))
+    r = cli.run("validate", str(path), timeout=60)
+    assert r.returncode == 2, r.stderr
+    line, = r.stderr.strip().splitlines()
+    assert line.startswith("error: model: layer 1 (Linear) raised TypeError") and "Traceback" not in r.stderr
+    good = cli.write(CASES["dict-mask-gpipe-always"], "good.yaml")
+    r = cli.run("validate", str(good), timeout=60)
+    assert r.returncode == 0 and "ok (5 layers" in r.stdout, r.stderr
+
+
+# -- the wire format --------------------------------------------------------------------------------
+
+
+def test_a_structure_round_trips_through_its_description():
+    value = {"h": torch.randn(3, 4), "m": (torch.ones(3, dtype=torch.bool), None, [1, 2.5, "s", True]),
+             7: torch.zeros(0, 5)}
+    header, text, leaves = encode(5, value, [True, False, False])
+    assert header[:2].tolist() == [5, -1] and text is not None and len(text) == header[2]
+    skeleton, metas = decode(text)
+    assert [(d, s, g) for d, s, g in metas] == [(torch.float32, [3, 4], True), (torch.bool, [3], False),
+                                                 (torch.float32, [0, 5], False)]
+    back = structure.unflatten(skeleton, leaves)
+    assert back["m"][1:] == (None, [1, 2.5, "s", True]) and back["h"] is leaves[0] and set(back) == {"h", "m", 7}
+
+
+def test_one_tensor_needs_no_description():
+    header, text, leaves = encode(2, torch.randn(4, 8), [True])
+    assert text is None and header[:6].tolist() == [2, 0, 2, 1, 4, 8]
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ([torch.zeros(1)] * 1025, "more than 1024 values"),
+    ("x" * (MAX_JSON_BYTES + 1), "over the 64 KiB"),
+    (torch.zeros((1,) * 9), "at most 8 dims"),
+    ({(1, 2): 3}, "a dict key must be a str or an int"),
+])
+def test_what_cannot_travel_is_refused_at_once(value, says):
+    with pytest.raises(ValueError, match=r".") as e:
+        encode(0, value)
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"s": {"T": 0}, "t": []}', b'{"s": {"X": 1}, "t": []}', b'{"s": {"T": 0}, "t": [[99, [1], 0]]}',
+    b'{"s": {"T": 0}, "t": [[0, [-1], 0]]}', b"[" * 5000, b'{"s": 1}',
+])
+def test_a_bad_description_is_refused(text):
+    with pytest.raises((ValueError, RecursionError)):
+        decode(text)
