@@ -309,6 +309,7 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         clip_grad_norm=spec.clip_grad_norm, device=device,
         step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s,
         store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
+        skip_routes=plan.skip_routes(),
     )
 
 

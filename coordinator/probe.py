@@ -27,8 +27,8 @@ from torch import nn
 from gpipe import skip, structure
 from gpipe.errors import SpecError
 from gpipe.show import first_line
-from gpipe.worker.channel import encode
-from gpipe.worker.stage import backward, wants_grad
+from gpipe.worker.channel import encode, gradient_message, gradients, wants_grad
+from gpipe.worker.stage import backward
 
 PROBE_SAMPLES = 2  # samples of the first micro-batch the probe runs
 
@@ -40,8 +40,9 @@ def _received(y: Any, wants: list[bool]) -> Any:
 
 
 def _grads(x: Any) -> list[torch.Tensor]:
-    """The gradients a stage sends back for its input `x` (zeros for an unused tensor that wanted one)."""
-    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in structure.tensors(x) if t.requires_grad]
+    """The gradients a stage sends back for its input `x`."""
+    wanted = [t for t in structure.tensors(x) if t.requires_grad]
+    return gradients(gradient_message(wanted)) if wanted else []
 
 
 @dataclass

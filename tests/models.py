@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from gpipe import skip
+
 
 def mlp_dropout(width: int = 16, depth: int = 5, p: float = 0.2) -> nn.Sequential:
     """Linear+Dropout layers: the weights depend on every dropout mask."""
@@ -282,3 +284,64 @@ def short_mask_collate(items: list) -> tuple[dict, torch.Tensor]:
     """default_collate, but the mask keeps only 3 rows."""
     x, y = torch.utils.data.default_collate(items)
     return {"x": x["x"], "mask": x["mask"][:3]}, y
+
+
+# -- skip connections between stages ----------------------------------------------------------------
+
+
+class SkipIn(nn.Module):
+    """Stashes "s" (skip_width wide, float) and "ids" (int64) for a later layer."""
+
+    def __init__(self, width: int, skip_width: int, p: float = 0.1):
+        super().__init__()
+        self.lin, self.proj, self.drop = nn.Linear(width, width), nn.Linear(width, skip_width), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip.stash("s", self.drop(self.proj(x)))
+        skip.stash("ids", (x > 0).long().sum(-1) % 8)
+        return torch.tanh(self.lin(x))
+
+
+class SkipMid(nn.Module):
+    def __init__(self, width: int, name: str | None = None, pops: str | None = None):
+        super().__init__()
+        self.lin, self.name, self.pops = nn.Linear(width, width), name, pops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        if self.name:
+            skip.stash(self.name, 2 * h)
+        if self.pops:
+            h = h + skip.pop(self.pops)
+        return h
+
+
+class SkipPop(nn.Module):
+    def __init__(self, width: int, skip_width: int):
+        super().__init__()
+        self.lin, self.back, self.emb = nn.Linear(width, width), nn.Linear(skip_width, width), nn.Embedding(8, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h)) + self.back(skip.pop("s")) + self.emb(skip.pop("ids"))
+
+
+class SkipOut(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h + skip.pop("local") + skip.pop("s2"))
+
+
+def skip_mlp(width: int = 16, skip_width: int = 24) -> nn.Sequential:
+    """Layer 0 stashes s and ids for layer 3, layer 1 stashes s2 for layer 5, layer 4 stashes local for layer 5."""
+    return nn.Sequential(SkipIn(width, skip_width), SkipMid(width, "s2"), SkipMid(width), SkipPop(width, skip_width),
+                         SkipMid(width, "local"), SkipOut(width))
+
+
+def bad_skips(kind: str, width: int = 16) -> nn.Sequential:
+    """pop: a pop with no stash before it; twice: a name stashed by two layers."""
+    if kind == "pop":
+        return nn.Sequential(SkipMid(width), SkipMid(width, pops="nope"), nn.Linear(width, width))
+    return nn.Sequential(SkipMid(width, "x"), SkipMid(width, "x"), SkipMid(width, pops="x"))

@@ -144,3 +144,69 @@ def test_what_cannot_travel_is_refused_at_once(value, says):
 def test_a_bad_description_is_refused(text):
     with pytest.raises((ValueError, RecursionError)):
         decode(text)
+
+
+# -- skip connections that jump stages --------------------------------------------------------------
+
+SKIPS = {"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}
+SKIP_CASES = {
+    # s and ids go from stage 0 to stage 2, past stage 1; s2 from stage 1 to 2; local stays in stage 2
+    "skip-3stages-gpipe": job(model=SKIPS, stages=3, balance=[1, 2, 3], chunks=3, data={**job()["data"], "batch_size": 10}),
+    "skip-3stages-1f1b-always": job(model=SKIPS, stages=3, balance=[1, 2, 3], chunks=3, schedule="1f1b",
+                                    activation_checkpoint="always", data={**job()["data"], "batch_size": 10}),
+    "skip-4stages-gpipe-always": job(model=SKIPS, stages=4, balance=[1, 1, 1, 3], chunks=4,
+                                     activation_checkpoint="always"),
+}
+
+
+@pytest.mark.parametrize("name", list(SKIP_CASES))
+def test_skips_jump_stages_as_on_one_device(cli, name):
+    spec = SKIP_CASES[name]
+    lines = train_and_compare(cli, name, spec)
+    batch, stages = spec["data"]["batch_size"], spec["stages"]
+    last = stages - 1
+    for m in lines:
+        st = m["stages"]
+        # s (24 floats) and ids (one int64) a sample go straight from stage 0 to the last stage, and s's gradient back
+        assert st[0]["sent_bytes"][f"skips to stage {last}"] == batch * (24 * 4 + 8)
+        assert st[last]["received_bytes"]["stage 0's skips"] == batch * (24 * 4 + 8)
+        assert st[last]["sent_bytes"]["skip gradients to stage 0"] == batch * 24 * 4
+        # The stages between carry their neighbours' 16-float activations and gradients, and not a byte more:
+        # stage 0's skips reach none of their channels.
+        for k in range(1, last):
+            neighbours = {f"stage {k - 1}'s activation": st[k]["received_bytes"], f"stage {k + 1}'s gradient":
+                          st[k]["received_bytes"], f"activation to stage {k + 1}": st[k]["sent_bytes"],
+                          f"gradient to stage {k - 1}": st[k]["sent_bytes"]}
+            carried = sum(d[c] for c, d in neighbours.items())
+            through = carried - 4 * batch * 16 * 4
+            print(f"{name}: step {m['step']}: bytes of stage 0's skips through stage {k}: {through}")
+            assert through == 0
+            assert not [c for c in [*st[k]["received_bytes"], *st[k]["sent_bytes"]]
+                        if c in ("stage 0's skips", "skip gradients to stage 0")]
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("pop", "model: layer 1 pops 'nope', which no earlier layer stashed"),
+    ("twice", "model: layers 0 and 1 both stash 'x'"),
+])
+def test_bad_skips_are_spec_errors_naming_the_layers(kind, says):
+    with pytest.raises(SpecError) as e:
+        _plan(model={"factory": "tests.models:bad_skips", "args": {"kind": kind}})
+    assert says in str(e.value), str(e.value)
+
+
+def test_the_probe_finds_the_routes():
+    plan = make_plan(parse_spec(yaml.safe_dump(SKIP_CASES["skip-4stages-gpipe-always"])), Path("."))
+    assert plan.skips == {"s": (0, 3), "ids": (0, 3), "s2": (1, 5), "local": (4, 5)}
+    assert plan.skip_routes() == [("ids", 0, 3), ("s", 0, 3), ("s2", 1, 3)]
+
+
+def test_skips_work_in_plain_pytorch():
+    """The same model on one device, no gpipe: each pop meets its forward's stash."""
+    from tests.models import skip_mlp
+
+    model = skip_mlp()
+    x = torch.randn(5, 16)
+    assert model(x).shape == (5, 16)
+    model(x).sum().backward()
+    assert model[0].proj.weight.grad is not None and model[3].emb.weight.grad is not None

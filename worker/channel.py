@@ -105,6 +105,27 @@ def decode(text: bytes) -> tuple[Any, list[tuple[torch.dtype, list[int], bool]]]
     return d["s"], metas
 
 
+def wants_grad(value: Any, checkpointed: bool) -> list[bool]:
+    """Which tensors of a stage's output want a gradient back: the floating-point ones that require grad.
+
+    A checkpointed forward ran without autograd, so it cannot tell: every
+    floating-point tensor asks, and the backward drops those that turn out not to need one.
+    """
+    return [t.is_floating_point() and (checkpointed or t.requires_grad) for t in structure.tensors(value)]
+
+
+def gradient_message(wanted: Sequence[torch.Tensor]) -> Any:
+    """What goes back for tensors that wanted a gradient: their gradients (zeros for one unused) in order;
+    a single tensor needs no description."""
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
+    return grads[0] if len(grads) == 1 else grads
+
+
+def gradients(message: Any) -> list[torch.Tensor]:
+    """The gradients of a `gradient_message`, as a list."""
+    return [message] if isinstance(message, torch.Tensor) else list(message)
+
+
 def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
     work = dist.isend(t, peer, group=group)
     assert work is not None  # this process is in `group`

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import schedule, structure
+from gpipe import schedule, skip, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -29,7 +29,8 @@ from gpipe.net import client_store
 from gpipe.optim import optimizer_class
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.worker.channel import Receiver, Sender, gradient_message, gradients, wants_grad
+from gpipe.worker.skips import Routed, SkipLinks
 
 
 @dataclass
@@ -56,6 +57,7 @@ class StageConfig:
     store_host: str
     store_port: int
     import_paths: list[str] = field(default_factory=list)
+    skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -88,15 +90,6 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
         for name, t in own.items():
             t.copy_(state[name])
     return layers
-
-
-def wants_grad(y: Any, checkpointed: bool) -> list[bool]:
-    """Which tensors of a stage's output want a gradient back: the floating-point ones that require grad.
-
-    A checkpointed forward ran without autograd, so it cannot tell: every
-    floating-point tensor asks, and `backward` drops those that turn out not to need one.
-    """
-    return [t.is_floating_point() and (checkpointed or t.requires_grad) for t in structure.tensors(y)]
 
 
 def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
@@ -168,6 +161,17 @@ class Stage:
         self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient", t)
         self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}", t)
 
+        def pair_group(ranks: list[int]) -> dist.ProcessGroup:
+            group = dist.new_group(ranks, backend=backend, timeout=start)
+            if cfg.stage in ranks:
+                _set_pg_timeout(step, group)
+            return group
+
+        routes = [(n, a, b) for n, a, b in cfg.skip_routes]
+        self.skips = SkipLinks(k, routes, self.device, t, pair_group)
+        self.channels = [c for c in (self.recv_act, self.send_act, self.recv_grad, self.send_grad) if c] + \
+            self.skips.channels()
+
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
         return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
@@ -183,6 +187,8 @@ class Stage:
             self.optimizer.zero_grad(set_to_none=True)
         if self.recv_act:
             self.recv_act.expect(chunks)
+        self.skips.expect(chunks)
+        bytes_before = [c.bytes for c in self.channels]
         self.meter.reset_peak()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -191,8 +197,9 @@ class Stage:
         timeline: list[tuple[str, int, float, float]] = []
         busy = 0.0
 
-        def forward(mb: int, x: Any) -> Any:
-            y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
+        def forward(mb: int, x: Any, ctx: Routed) -> Any:
+            with skip.use(ctx):
+                y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
             if self.last:
                 target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
                 y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
@@ -209,10 +216,17 @@ class Stage:
                     # Its tensors that want a gradient back require grad.
                     x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]  # every stage but the first receives
                     self._doing("computing")
+                arrived = {}
+                if self.skips.recv:
+                    self._doing("waiting", f"the skip connections of micro-batch {mb}")
+                    arrived = self.skips.receive(mb, timeout)
+                    self._doing("computing")
                 t0 = time.perf_counter()
                 ckpt = self.checkpointed(mb)
+                ctx = self.skips.context(arrived)
                 with torch.no_grad() if ckpt else self.meter.hooks():
-                    y = forward(mb, x)
+                    y = forward(mb, x, ctx)
+                skip_wants = self.skips.send_forward(mb, ctx.out, ckpt)
                 wants: list[bool] = []
                 if self.last:
                     loss_sum += y.detach().double() * sizes[mb]
@@ -221,36 +235,43 @@ class Stage:
                     self.send_act.send(mb, structure.map_tensors(y, torch.Tensor.detach), wants)  # type: ignore[union-attr]  # every stage but the last sends
                     if any(wants):
                         self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
-                held_x = [self.meter.hold(t) for t in structure.tensors(x)] if not self.first else None
-                in_flight[mb] = (x, held_x, None if ckpt else y, wants)
+                held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))] if not self.first else None
+                in_flight[mb] = (x, held_x, None if ckpt else y, wants, arrived, None if ckpt else ctx.out, skip_wants)
             else:
-                x, held_x, y, wants = in_flight.pop(mb)
+                x, held_x, y, wants, arrived, stashed, skip_wants = in_flight.pop(mb)
                 grads: list[torch.Tensor] = []
                 if any(wants):
                     self._doing("waiting", f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}")
-                    g = self.recv_grad.get(mb, timeout)  # type: ignore[union-attr]  # wants: not the last
-                    grads = [g] if isinstance(g, torch.Tensor) else list(g)
+                    grads = gradients(self.recv_grad.get(mb, timeout))  # type: ignore[union-attr]  # wants: not the last
                     self._doing("computing")
+                if any(map(any, skip_wants.values())):
+                    self._doing("waiting", f"the skip gradients of micro-batch {mb}")
+                    skip_grads = self.skips.gradients(mb, skip_wants, timeout)
+                    self._doing("computing")
+                else:
+                    skip_grads = {}
                 t0 = time.perf_counter()
                 if y is None:  # checkpointed: recompute the forward, replaying its randomness
+                    ctx = self.skips.context(arrived)
                     with self.meter.hooks():
-                        y = forward(mb, x)
+                        y = forward(mb, x, ctx)
+                    stashed = ctx.out
                 if self.last:
                     (y * (sizes[mb] / batch)).backward()
                 else:
-                    backward(y, wants, grads)
-                del y, held_x
+                    backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
+                del y, held_x, stashed, skip_grads
                 if not self.first:
                     inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
                     if inputs_back:  # the ones that wanted a gradient, in order
-                        g_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs_back]
-                        self.send_grad.send(mb, g_in[0] if len(g_in) == 1 else g_in)  # type: ignore[union-attr]  # not the first stage
+                        self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
+                self.skips.send_gradients(mb, arrived)
             t1 = time.perf_counter()
             busy += t1 - t0
             timeline.append((action.kind, mb, t0 - t_step, t1 - t_step))
 
-        for sender in (self.send_act, self.send_grad):
-            if sender:
+        for sender in self.channels:
+            if isinstance(sender, Sender):
                 self._doing("waiting", f"{sender.name} to be sent")
                 sender.flush(timeout)
         t0 = time.perf_counter()
@@ -275,6 +296,11 @@ class Stage:
             "peak_memory_bytes": self._peak_memory(),
             "start_unix": start_unix,
             "timeline": timeline,  # (F or B, micro-batch, start s, end s) from start_unix
+            # Tensor bytes each channel carried this step (headers left out), by the channel's name.
+            "sent_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
+                           if isinstance(c, Sender)},
+            "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
+                               if isinstance(c, Receiver)},
         }
 
     def _clip(self) -> float:
@@ -340,6 +366,5 @@ class Stage:
             torch.cuda.set_rng_state(rng[layout.RNG_CUDA], self.device)
 
     def close(self) -> None:
-        for ch in (self.recv_act, self.send_act, self.recv_grad, self.send_grad):
-            if ch:
-                ch.close()
+        for ch in self.channels:
+            ch.close()
