@@ -245,16 +245,6 @@ def sentences(n: int = 60, vocab: int = 11) -> Sentences:
     return Sentences(n, vocab)
 
 
-def pad_collate(items: list) -> tuple[dict, torch.Tensor]:
-    """Pad a step's sequences to its longest: ({"tokens", "mask": True where padded}, targets with -100 there)."""
-    longest = max(len(x) for x, _ in items)
-    tokens = torch.zeros(len(items), longest, dtype=torch.long)
-    targets = torch.full((len(items), longest), -100, dtype=torch.long)
-    for i, (x, y) in enumerate(items):
-        tokens[i, : len(x)], targets[i, : len(y)] = x, y
-    return {"tokens": tokens, "mask": targets == -100}, targets
-
-
 class Returns(nn.Module):
     """Returns what `kind` names, which the next layer (or the wire) cannot take."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from gpipe import structure
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
+from gpipe.factory import add_import_paths
 from gpipe.worker.channel import MAX_JSON_BYTES, decode, encode
 from tests.test_transparency import job, train_and_compare
 
@@ -19,7 +21,7 @@ PAIRS = {"factory": "tests.models:pair_mlp", "args": {"width": 16, "blocks": 4}}
 MASKED = {"factory": "tests.models:masked_mlp", "args": {"width": 16, "blocks": 3}}
 DICTS = {"factory": "tests.models:dict_items", "args": {"n": 40, "width": 16}}
 SEQ = {"factory": "tests.models:seq_model", "args": {}}
-SENTENCES = {"factory": "tests.models:sentences", "args": {}, "collate": "tests.models:pad_collate"}
+SENTENCES = {"factory": "tests.models:sentences", "args": {}, "collate": "gpipe.builtins:pad_collate"}
 
 CASES = {
     # (hidden, skip) tuples across every cut; 10 = 4+3+3
@@ -210,3 +212,38 @@ def test_skips_work_in_plain_pytorch():
     assert model(x).shape == (5, 16)
     model(x).sum().backward()
     assert model[0].proj.weight.grad is not None and model[3].emb.weight.grad is not None
+
+
+def test_the_unet_example_equals_one_device(cli):
+    """examples/unet.yaml, small and brief: enc1 goes from stage 0 to stage 2, enc2 from stage 0 to stage 1."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    add_import_paths([str(examples)])
+    shutil.copy(examples / "unet.py", cli.tmp / "unet.py")
+    spec = yaml.safe_load((examples / "unet.yaml").read_text())
+    width, size, batch = 8, 16, 8
+    # sgd: adam would magnify the rounding of gradients summed in another order (the skip's and the pool's)
+    spec.update(name="t", steps=3, log_every=1, model={**spec["model"], "args": {"width": width}},
+                data={**spec["data"], "args": {"n": 24, "size": size}, "batch_size": batch},
+                optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9})
+    for m in train_and_compare(cli, "unet", spec):
+        enc1, enc2 = batch * width * size * size * 4, batch * 2 * width * (size // 2) ** 2 * 4
+        assert m["stages"][0]["sent_bytes"] == {"activation to stage 1": batch * 2 * width * (size // 4) ** 2 * 4,
+                                                "skips to stage 1": enc2, "skips to stage 2": enc1}
+        assert m["stages"][1]["received_bytes"]["stage 0's skips"] == enc2
+        assert m["stages"][2]["received_bytes"]["stage 0's skips"] == enc1
+
+
+def test_the_masked_charlm_example_equals_one_device(cli):
+    """examples/charlm-masked.yaml, small: padded buckets of lines, the padding mask crossing the cut."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    add_import_paths([str(examples)])
+    shutil.copy(examples / "charlm.py", cli.tmp / "charlm.py")
+    spec = yaml.safe_load((examples / "charlm-masked.yaml").read_text())
+    spec.update(name="t", steps=4, chunks=3, lr_schedule=None, checkpoint_every=None,
+                model={**spec["model"], "args": {"d_model": 16, "heads": 2, "ff": 32, "layers": 2}},
+                data={**spec["data"], "args": {"max_len": 24, "batch_size": 8, "max_bytes": 20000}, "batch_size": 8},
+                # sgd: adamw would magnify the rounding of gradients summed in another order
+                optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9}, balance=[2, 2])
+    lines = train_and_compare(cli, "charlm-masked", spec)
+    masks = [m["stages"][1]["received_bytes"]["stage 0's activation"] for m in lines]
+    assert len(set(masks)) > 1, masks  # the lengths, and so the bytes that cross, change step to step
