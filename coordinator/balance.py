@@ -17,10 +17,12 @@ import copy
 import statistics
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from gpipe import skip, structure
 from gpipe.memory import ActivationMeter
 from gpipe.optim import state_slots
 
@@ -61,18 +63,30 @@ def param_costs(model: nn.Sequential) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters()) + 1) for layer in model]
 
 
-def _layer_runs(
-    model: nn.Sequential, sample: torch.Tensor, device: torch.device
-) -> Iterator[tuple[nn.Module, torch.Tensor]]:
+class _Replay(skip.Context):
+    """A layer runs several times here: a pop leaves the stashed tensor for the next run."""
+
+    def pop(self, name: str) -> torch.Tensor:
+        return self.stashed[name]
+
+
+def _layer_runs(model: nn.Sequential, sample: Any, device: torch.device) -> Iterator[tuple[nn.Module, Any]]:
     """Yield (layer, input) for each layer of a throwaway copy of the model, input ready for autograd."""
     model = copy.deepcopy(model).to(device)  # the plan's model holds the initial weights: leave it be
-    x = sample.to(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    x = structure.to(sample, device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), skip.use(_Replay()):
         for layer in model:
-            x_in = x.detach().requires_grad_(x.is_floating_point())
+            x_in = structure.map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
             yield layer, x_in
             with torch.no_grad():
                 x = layer(x_in)
+
+
+def _backward(y: Any) -> None:
+    """Backward from every tensor of `y` that requires grad, with gradients of ones."""
+    outs = [t for t in structure.tensors(y) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
 def _sync(device: torch.device) -> None:
@@ -80,7 +94,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_costs(model: nn.Sequential, sample: torch.Tensor, device: torch.device, threads: int,
+def time_costs(model: nn.Sequential, sample: Any, device: torch.device, threads: int,
                repeats: int = 3) -> list[float]:
     """Seconds of forward + backward per layer on `device` with `threads` threads."""
     before = torch.get_num_threads()
@@ -93,19 +107,19 @@ def time_costs(model: nn.Sequential, sample: torch.Tensor, device: torch.device,
                 _sync(device)
                 t0 = time.perf_counter()
                 y = layer(x)
-                if y.requires_grad:
-                    y.backward(torch.ones_like(y))
+                _backward(y)
                 _sync(device)
                 runs.append(time.perf_counter() - t0)
                 layer.zero_grad(set_to_none=True)
-                x.grad = None
+                for t in structure.tensors(x):
+                    t.grad = None
             costs.append(statistics.median(runs[1:]))
     finally:
         torch.set_num_threads(before)
     return costs
 
 
-def memory_costs(model: nn.Sequential, sample: torch.Tensor, device: torch.device, optimizer: str,
+def memory_costs(model: nn.Sequential, sample: Any, device: torch.device, optimizer: str,
                  momentum: float, in_flight: int) -> list[float]:
     """Bytes per layer: parameters x (weight, gradient, optimizer state) + activations x in_flight."""
     slots = state_slots(optimizer, momentum)

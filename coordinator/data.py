@@ -4,20 +4,29 @@ With shuffle off, step s takes items s*B ... s*B+B-1 modulo the data set's
 length. With shuffle on, epoch e visits the items in the order of a
 permutation seeded by (seed, e). Either way a step's batch is a function of
 the step alone, so a resumed job sees exactly the batches it would have.
+
+An item is an (input, target) pair, each a tensor or a structure of them
+(gpipe.structure). The items of a step are collated (torch's default_collate
+stacks tensors, or the job's own `data.collate`), then cut into micro-batches
+along dim 0 of every tensor; what is no tensor goes to every micro-batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from gpipe import structure
+
 
 class DataStream:
-    def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, shuffle: bool, seed: int):
+    def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, shuffle: bool, seed: int,
+                 collate: Callable[[list[Any]], Any] | None = None):
         self.dataset, self.batch_size, self.chunks = dataset, batch_size, chunks
+        self.collate = collate or default_collate
         self.shuffle, self.seed = shuffle, seed
         self.n = len(cast(Sized, dataset))  # map-style: torch's Dataset type leaves __len__ out
         self._perm: tuple[int, torch.Tensor] | None = None
@@ -36,14 +45,20 @@ class DataStream:
         return out
 
     def batch(self, step: int) -> tuple[Any, Any]:
-        """The (inputs, targets) of step `step`, collated."""
+        """The (inputs, targets) of step `step`, collated; ValueError naming what is wrong."""
         items = [self.dataset[i] for i in self.indices(step)]
-        inputs, targets = default_collate(items)
-        return inputs, targets
+        batch = self.collate(items)
+        if not (type(batch) in (tuple, list) and len(batch) == 2):
+            raise ValueError(f"the collated batch is {structure.describe(batch)}, expected an (input, target) pair")
+        return batch[0], batch[1]
 
-    def micro_batches(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """The step's inputs and targets cut by torch.tensor_split into `chunks` micro-batches."""
+    def micro_batches(self, step: int) -> tuple[list[Any], list[Any], list[int]]:
+        """The step's inputs and targets cut by torch.tensor_split into `chunks` micro-batches, and their sizes.
+
+        Every tensor's dim 0 must be the batch size; ValueError naming the one whose is not.
+        """
         inputs, targets = self.batch(step)
-        xs = list(torch.tensor_split(inputs, self.chunks))
-        ys = list(torch.tensor_split(targets, self.chunks))
-        return xs, ys, [len(x) for x in xs]
+        xs = structure.split(inputs, self.chunks, self.batch_size, "input")
+        ys = structure.split(targets, self.chunks, self.batch_size, "target")
+        sizes = [len(r) for r in torch.tensor_split(torch.arange(self.batch_size), self.chunks)]
+        return xs, ys, sizes

@@ -33,7 +33,6 @@ from safetensors.torch import save_file
 
 from gpipe import net
 from gpipe.coordinator import checkpoint, timeline
-from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import (
@@ -45,6 +44,7 @@ from gpipe.errors import (
     describe_os_error,
 )
 from gpipe.files import atomic_write, atomic_write_json
+from gpipe.show import first_line
 from gpipe.state import StageState, layer_of
 from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
@@ -207,7 +207,7 @@ class Attempt:
         back a copy of their state, which goes to `on_snapshot`.
         """
         spec = self.spec
-        stream = DataStream(self.plan.dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed)
+        stream = self.plan.stream()
         last = spec.stages - 1
         pending: dict[int, dict[int, torch.futures.Future]] = {}
         results: dict[int, dict[int, Any]] = {}
@@ -221,7 +221,10 @@ class Attempt:
 
         while finished < spec.steps:
             while issued < spec.steps and issued - finished < STEPS_AHEAD:
-                xs, ys, sizes = stream.micro_batches(issued)
+                try:
+                    xs, ys, sizes = stream.micro_batches(issued)
+                except Exception as e:  # the job's data set or collate, on a later batch than the plan checked
+                    raise JobFailed(f"data: step {issued}: {first_line(e)}", cause=CAUSE_RAISED) from None
                 lr = lr_at(spec, issued)
                 futs = {}
                 want_snapshot = on_snapshot is not None and self.snapshot_after(issued)
@@ -324,6 +327,7 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s,
         store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
         deferred_batch_norm=spec.deferred_batch_norm,
+        skip_routes=plan.skip_routes(),
     )
 
 

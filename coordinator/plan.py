@@ -6,7 +6,8 @@ field, so a bad job never reaches a worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ from torch.utils.data import Dataset
 from gpipe import schedule
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.probe import probe
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.factory import add_import_paths, resolve
+from gpipe.show import first_line
 
 
 @dataclass
@@ -31,6 +34,21 @@ class Plan:
     import_paths: list[str]
     balance_costs: list[float] | None = None  # per layer, when the balance was computed
     balance_by: str = "spec"  # "spec", the method that computed it (by_params, ...), or "checkpoint"
+    collate: Callable[[list[Any]], Any] | None = None  # data.collate; none: torch's default_collate
+    skips: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (stashing, popping layer)
+
+    def stream(self) -> DataStream:
+        """The job's data stream (coordinator.data)."""
+        d = self.spec.data
+        return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate)
+
+    def stage_of(self, layer: int) -> int:
+        return next(k for k, (start, end) in enumerate(self.bounds) if start <= layer < end)
+
+    def skip_routes(self) -> list[tuple[str, int, int]]:
+        """(name, stashing stage, popping stage) of each skip connection that leaves its stage."""
+        routes = [(n, self.stage_of(a), self.stage_of(b)) for n, (a, b) in sorted(self.skips.items())]
+        return [r for r in routes if r[1] != r[2]]
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -88,24 +106,35 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     item = dataset[0]
     if not (isinstance(item, tuple | list) and len(item) == 2):
         raise SpecError(f"data.factory: item 0 is a {type(item).__name__}, expected an (input, target) pair")
-    if spec.loss not in ("cross_entropy", "mse"):
+    try:
+        loss_fn = resolve(spec.loss)
+    except LookupError as e:
+        raise SpecError(f"loss: {e}") from None
+    collate = None
+    if spec.data.collate is not None:
         try:
-            resolve(spec.loss)
+            collate = resolve(spec.data.collate)
         except LookupError as e:
-            raise SpecError(f"loss: {e}") from None
+            raise SpecError(f"data.collate: {e}") from None
+    stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed, collate)
+    try:
+        xs, ys, _ = stream.micro_batches(0)
+    except Exception as e:
+        raise SpecError(f"data: the first batch: {first_line(e)}") from None
+    skips = probe(model, xs[0], ys[0], loss_fn) if spec.probe else {}
     fits = balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers
     if isinstance(spec.balance, str) and fits:
         balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]  # balance_by names the spec's choices, and this one
     else:
-        balance, costs = _balance(spec, model, dataset, torch.device(device), threads)
+        balance, costs = _balance(spec, model, xs[0], torch.device(device), threads)
         by = spec.balance if isinstance(spec.balance, str) else "spec"
     shared = _shared_parameters(model, balance)
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
-    return Plan(spec, model, balance, dataset, import_paths, costs, by)
+    return Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
 
 
-def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset[Any], device: torch.device,
+def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,
              threads: int) -> tuple[list[int], list[float] | None]:
     """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
     layers = len(model)
@@ -116,8 +145,6 @@ def _balance(spec: JobSpec, model: nn.Sequential, dataset: Dataset[Any], device:
     if spec.balance == "by_params":
         costs = balance.param_costs(model)
     else:
-        stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed)
-        sample = stream.micro_batches(0)[0][0]
         try:
             if spec.balance == "by_time":
                 costs = balance.time_costs(model, sample, device, threads)

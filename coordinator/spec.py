@@ -149,8 +149,21 @@ class DataSpec(_Spec):
         description="Visit the data set in a seeded random order each epoch. With false, step s "
         "uses items s*B ... s*B+B-1, taken modulo the data set's length.",
     )
+    collate: str | None = Field(
+        default=None, max_length=MAX_FACTORY_CHARS,
+        description="'module:function' taking a step's list of items and returning the batch as an "
+        "(input, target) pair; none: torch's default_collate, which stacks tensors. Every tensor of "
+        "the batch is then cut into micro-batches along dim 0, which must be batch_size long.",
+    )
 
     _factory = field_validator("factory")(_check_factory)
+
+    @field_validator("collate")
+    @classmethod
+    def _collate(cls, v: str | None) -> str | None:
+        if v is not None and (":" not in v or not FACTORY_RE.match(v)):
+            raise ValueError(f"{v!r} is not 'module:function'")
+        return v
 
 
 class OptimizerSpec(_Spec):
@@ -240,6 +253,13 @@ class JobSpec(_Spec):
         "batch's statistics; false: once per micro-batch, as gradient accumulation does.",
     )
     data: DataSpec = Field(description="The training data.")
+    probe: bool = Field(
+        default=True,
+        description="Before anything starts, run one micro-batch of at most a few samples forward and "
+        "backward through the model on the CPU, layer by layer, checking what crosses each cut and "
+        "finding the skip connections' routes. false: skip it (a model too big for the host that "
+        "validates), and give up skip connections between stages.",
+    )
     loss: str = Field(
         default="cross_entropy",
         max_length=MAX_FACTORY_CHARS,

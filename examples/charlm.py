@@ -94,3 +94,67 @@ class ByteCorpus(Dataset):
 
 def corpus(path: str | None = None, seq_len: int = 64, max_bytes: int | None = None) -> ByteCorpus:
     return ByteCorpus(path, seq_len, max_bytes)
+
+
+# -- the same model on lines of text, padded, with the padding mask crossing the cuts -------------------
+
+
+class MaskedEncoder(Encoder):
+    """{"tokens", "mask"} -> (hidden, mask): the mask (True at padding) goes along to every layer."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return super().forward(batch["tokens"]), batch["mask"]
+
+
+class MaskedCausalEncoderLayer(nn.TransformerEncoderLayer):
+    """(hidden, mask) -> (hidden, mask): attends to earlier positions that are not padding."""
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, pad = pair
+        causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).triu(1)
+        return super().forward(x, src_mask=causal, src_key_padding_mask=pad, is_causal=True), pad
+
+
+class MaskedDecoder(Decoder):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(pair[0])
+
+
+def transformer_lm_masked(d_model: int = 128, heads: int = 4, ff: int = 256, layers: int = 4,
+                          dropout: float = 0.1) -> nn.Sequential:
+    """transformer_lm on padded batches: (hidden, padding mask) pairs cross every cut."""
+    blocks = [MaskedCausalEncoderLayer(d_model, heads, ff, dropout, batch_first=True) for _ in range(layers)]
+    return nn.Sequential(MaskedEncoder(d_model, dropout), *blocks, MaskedDecoder(d_model))
+
+
+class Lines(Dataset):
+    """The corpus's non-empty lines (at most `max_len` + 1 bytes each), bucketed by length.
+
+    The lines are sorted by length and cut into buckets of `batch_size`, and the
+    buckets are shuffled (seeded): with `shuffle: false`, each step's batch is
+    one bucket of lines of about the same length, and the length changes from
+    step to step.
+    """
+
+    def __init__(self, path: str | None = None, max_len: int = 128, batch_size: int = 32, seed: int = 0,
+                 max_bytes: int | None = None):
+        p = Path(path) if path else default_corpus()
+        lines = [ln[: max_len + 1] for ln in p.read_bytes()[:max_bytes].splitlines() if len(ln.strip()) >= 2]
+        lines.sort(key=len)
+        buckets = [lines[i : i + batch_size] for i in range(0, len(lines) - batch_size + 1, batch_size)]
+        order = torch.randperm(len(buckets), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.lines = [torch.tensor(list(ln)) for b in order for ln in buckets[b]]
+        if not self.lines:
+            raise ValueError(f"{p} has fewer than {batch_size} lines of 2 bytes or more")
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lines[i][:-1], self.lines[i][1:]
+
+
+def lines(path: str | None = None, max_len: int = 128, batch_size: int = 32, seed: int = 0,
+          max_bytes: int | None = None) -> Lines:
+    return Lines(path, max_len, batch_size, seed, max_bytes)
+

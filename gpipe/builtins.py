@@ -31,3 +31,18 @@ def random_regression(n: int = 1024, in_features: int = 64, out_features: int = 
     w = torch.randn(in_features, out_features, generator=g) / in_features**0.5
     y = torch.tanh(x @ w) + 0.01 * torch.randn(n, out_features, generator=g)
     return TensorDataset(x, y)
+
+
+def pad_collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A collate for sequences of different lengths: `data.collate: gpipe.builtins:pad_collate`.
+
+    Items are (tokens, targets) pairs of 1-d int64 tensors; the batch is padded to its longest:
+    ({"tokens": zeros at padding, "mask": True at padding}, targets with -100 at padding, which
+    cross_entropy leaves out).
+    """
+    longest = max(len(x) for x, _ in items)
+    tokens = torch.zeros(len(items), longest, dtype=torch.long)
+    targets = torch.full((len(items), longest), -100, dtype=torch.long)
+    for i, (x, y) in enumerate(items):
+        tokens[i, : len(x)], targets[i, : len(y)] = x, y
+    return {"tokens": tokens, "mask": targets == -100}, targets

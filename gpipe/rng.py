@@ -9,9 +9,12 @@ checkpointing recomputes a forward in the backward.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from gpipe import structure
 
 _MASK = (1 << 64) - 1
 
@@ -45,11 +48,13 @@ def generators(device: torch.device) -> list[torch.Generator]:
     return gens
 
 
-def seeded_forward(
-    layers: Iterable[tuple[int, nn.Module]], x: torch.Tensor, seed: int, step: int, micro_batch: int
-) -> torch.Tensor:
-    """Run (global index, layer) pairs in order, seeding each layer's randomness."""
-    gens = generators(x.device)
+def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, step: int, micro_batch: int) -> Any:
+    """Run (global index, layer) pairs in order, seeding each layer's randomness.
+
+    `x` is what the first layer takes (a tensor, or a structure of them: gpipe.structure);
+    the generators seeded are those of its first tensor's device.
+    """
+    gens = generators(next(iter(structure.tensors(x)), torch.empty(0)).device)
     for index, layer in layers:
         s = layer_seed(seed, step, micro_batch, index)
         for g in gens:

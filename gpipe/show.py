@@ -23,3 +23,9 @@ def one_line(text: str, limit: int = 300) -> str:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def first_line(e: BaseException) -> str:
+    """'ValueError: the first line of its message', for a one-line error that quotes another."""
+    lines = str(e).strip().splitlines()
+    return one_line(f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from gpipe import skip
+
 
 def mlp_dropout(width: int = 16, depth: int = 5, p: float = 0.2) -> nn.Sequential:
     """Linear+Dropout layers: the weights depend on every dropout mask."""
@@ -104,3 +106,254 @@ def bn_net(width: int = 8) -> nn.Sequential:
         nn.Unflatten(1, (4, 2, 2)), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None), nn.Dropout(0.1),
         nn.Flatten(), nn.Linear(16, width), nn.BatchNorm1d(width, momentum=0.3, affine=False), nn.Linear(width, width),
     )
+
+
+# -- structures between stages (tests/test_structures.py) ---------------------------------------------
+
+
+class PairIn(nn.Module):
+    """x -> (hidden, skip): the first layer of a model whose layers pass pairs."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.lin(x)), x
+
+
+class PairBlock(nn.Module):
+    """(hidden, skip) -> (hidden', hidden): a residual from the pair's second half."""
+
+    def __init__(self, width: int, p: float = 0.1):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(width, width), nn.Dropout(p)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, s = pair
+        return self.drop(torch.tanh(self.lin(h))) + 0.5 * s, h
+
+
+class PairOut(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(2 * width, width)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lin(torch.cat(pair, dim=-1))
+
+
+def pair_mlp(width: int = 16, blocks: int = 4) -> nn.Sequential:
+    """Layers that pass (hidden, skip) tuples across every cut."""
+    return nn.Sequential(PairIn(width), *[PairBlock(width) for _ in range(blocks)], PairOut(width))
+
+
+class MaskedIn(nn.Module):
+    """{"x", "mask"} -> a dict with a float hidden state, the bool mask, int ids, None, and scalars."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, batch: dict) -> dict:
+        mask = batch["mask"]
+        h = torch.tanh(self.lin(batch["x"])) * mask.float()
+        ids = mask.long().cumsum(-1)  # int64: crosses with no gradient
+        return {"h": h, "mask": mask, "ids": ids, "none": None, "scale": 0.5, "count": 3, "tag": "m", "on": True}
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.pos = nn.Embedding(64, width)
+
+    def forward(self, d: dict) -> dict:
+        assert d["none"] is None and d["count"] == 3 and d["tag"] == "m" and d["on"] is True
+        assert d["mask"].dtype == torch.bool and d["ids"].dtype == torch.int64
+        h = torch.tanh(self.lin(d["h"]) + d["scale"] * self.pos(d["ids"]).mean(-2)) * d["mask"].float()
+        return {**d, "h": h}
+
+
+class MaskedOut(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        return self.lin(d["h"])
+
+
+def masked_mlp(width: int = 16, blocks: int = 3) -> nn.Sequential:
+    """A dict input {"x", "mask"}; dicts with bool and int tensors, None and scalars across every cut."""
+    return nn.Sequential(MaskedIn(width), *[MaskedBlock(width) for _ in range(blocks)], MaskedOut(width))
+
+
+class DictItems(torch.utils.data.Dataset):
+    """({"x": float[width], "mask": bool[width]}, target float[width])."""
+
+    def __init__(self, n: int = 40, width: int = 16):
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randn(n, width, generator=g)
+        self.mask = torch.rand(n, width, generator=g) > 0.3
+        self.y = torch.randn(n, width, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[dict, torch.Tensor]:
+        return {"x": self.x[i], "mask": self.mask[i]}, self.y[i]
+
+
+def dict_items(n: int = 40, width: int = 16) -> DictItems:
+    return DictItems(n, width)
+
+
+class Tokens(nn.Module):
+    """{"tokens", "mask"} -> (hidden, mask): an embedding of a padded batch of sequences."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed(batch["tokens"]), batch["mask"]
+
+
+class SeqBlock(nn.Module):
+    """(hidden, mask) -> (hidden, mask): attention over the unpadded positions, then a linear."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = pair
+        a, _ = self.attn(h, h, h, key_padding_mask=mask, need_weights=False)
+        return torch.tanh(self.lin(h + a)), mask
+
+
+class SeqOut(nn.Module):
+    def __init__(self, width: int, vocab: int):
+        super().__init__()
+        self.lin = nn.Linear(width, vocab)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lin(pair[0])
+
+
+def seq_model(vocab: int = 11, width: int = 16, blocks: int = 2) -> nn.Sequential:
+    return nn.Sequential(Tokens(vocab, width), *[SeqBlock(width) for _ in range(blocks)], SeqOut(width, vocab))
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Token sequences of lengths 2-9; the target is the sequence shifted by one."""
+
+    def __init__(self, n: int = 60, vocab: int = 11):
+        g = torch.Generator().manual_seed(4)
+        self.items = [torch.randint(1, vocab, (int(torch.randint(3, 11, (), generator=g)),), generator=g)
+                      for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.items[i]
+        return s[:-1], s[1:]
+
+
+def sentences(n: int = 60, vocab: int = 11) -> Sentences:
+    return Sentences(n, vocab)
+
+
+class Returns(nn.Module):
+    """Returns what `kind` names, which the next layer (or the wire) cannot take."""
+
+    def __init__(self, kind: str, width: int):
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> object:
+        h = self.lin(x)
+        if self.kind == "tuple_to_linear":
+            return h, h[:, 0] > 0
+        if self.kind == "set":
+            return {1, 2}
+        if self.kind == "complex":
+            return h.to(torch.complex64), 1
+        deep: object = h
+        for _ in range(17):
+            deep = [deep]
+        return deep
+
+
+def bad_cut(kind: str, width: int = 16) -> nn.Sequential:
+    return nn.Sequential(Returns(kind, width), nn.Linear(width, width))
+
+
+def short_mask_collate(items: list) -> tuple[dict, torch.Tensor]:
+    """default_collate, but the mask keeps only 3 rows."""
+    x, y = torch.utils.data.default_collate(items)
+    return {"x": x["x"], "mask": x["mask"][:3]}, y
+
+
+# -- skip connections between stages ----------------------------------------------------------------
+
+
+class SkipIn(nn.Module):
+    """Stashes "s" (skip_width wide, float) and "ids" (int64) for a later layer."""
+
+    def __init__(self, width: int, skip_width: int, p: float = 0.1):
+        super().__init__()
+        self.lin, self.proj, self.drop = nn.Linear(width, width), nn.Linear(width, skip_width), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip.stash("s", self.drop(self.proj(x)))
+        skip.stash("ids", (x > 0).long().sum(-1) % 8)
+        return torch.tanh(self.lin(x))
+
+
+class SkipMid(nn.Module):
+    def __init__(self, width: int, name: str | None = None, pops: str | None = None):
+        super().__init__()
+        self.lin, self.name, self.pops = nn.Linear(width, width), name, pops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        if self.name:
+            skip.stash(self.name, 2 * h)
+        if self.pops:
+            h = h + skip.pop(self.pops)
+        return h
+
+
+class SkipPop(nn.Module):
+    def __init__(self, width: int, skip_width: int):
+        super().__init__()
+        self.lin, self.back, self.emb = nn.Linear(width, width), nn.Linear(skip_width, width), nn.Embedding(8, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h)) + self.back(skip.pop("s")) + self.emb(skip.pop("ids"))
+
+
+class SkipOut(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h + skip.pop("local") + skip.pop("s2"))
+
+
+def skip_mlp(width: int = 16, skip_width: int = 24) -> nn.Sequential:
+    """Layer 0 stashes s and ids for layer 3, layer 1 stashes s2 for layer 5, layer 4 stashes local for layer 5."""
+    return nn.Sequential(SkipIn(width, skip_width), SkipMid(width, "s2"), SkipMid(width), SkipPop(width, skip_width),
+                         SkipMid(width, "local"), SkipOut(width))
+
+
+def bad_skips(kind: str, width: int = 16) -> nn.Sequential:
+    """pop: a pop with no stash before it; twice: a name stashed by two layers."""
+    if kind == "pop":
+        return nn.Sequential(SkipMid(width), SkipMid(width, pops="nope"), nn.Linear(width, width))
+    return nn.Sequential(SkipMid(width, "x"), SkipMid(width, "x"), SkipMid(width, pops="x"))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import default_collate
 
 from gpipe.factory import resolve
 from gpipe.rng import seeded_forward
@@ -52,13 +53,14 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
                 int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + p // n))[p % n])
                 for p in range(step * batch, (step + 1) * batch)
             ]
-        xs, ys = zip(*(data[i] for i in idx), strict=True)
-        x, y = torch.stack(xs), torch.stack(ys)
+        collate = resolve(spec["data"]["collate"]) if spec["data"].get("collate") else default_collate
+        x, y = collate([data[i] for i in idx])
         opt.zero_grad()
         whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
-        for i, (xm, ym) in enumerate(zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks), strict=True)):
+        sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), chunks)]
+        for i, (xm, ym) in enumerate(zip(split(x, chunks), split(y, chunks), strict=True)):
             out = seeded_forward(layers, xm, seed, step, i)
-            (loss_fn(out, ym) * (len(xm) / batch)).backward()
+            (loss_fn(out, ym) * (sizes[i] / batch)).backward()
         if whole_batch:
             whole_batch.update()
         if spec.get("clip_grad_norm"):
@@ -87,3 +89,15 @@ class WholeBatchStatistics:
             for name, b in m.named_buffers():
                 b.copy_(saved[name])
             m(torch.cat(inputs))  # training mode: one update with the whole batch's statistics
+
+
+def split(batch: Any, chunks: int) -> list[Any]:
+    """Micro-batches: every tensor cut along dim 0 by torch.tensor_split, everything else copied."""
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, chunks))
+    if isinstance(batch, tuple | list):
+        return [type(batch)(parts) for parts in zip(*(split(v, chunks) for v in batch), strict=True)]
+    if isinstance(batch, dict):
+        cut = {k: split(v, chunks) for k, v in batch.items()}
+        return [{k: cut[k][i] for k in batch} for i in range(chunks)]
+    return [batch] * chunks

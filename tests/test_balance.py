@@ -98,6 +98,7 @@ model: {{factory: mlp, args: {{width: 8, depth: 5}}}}
 stages: 2
 balance: {balance}
 data: {{factory: random_regression, args: {{n: 8, in_features: 8, out_features: 8}}, batch_size: 4}}
+loss: mse
 optimizer: {{name: sgd, lr: 0.1}}
 steps: 1
 """

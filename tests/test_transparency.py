@@ -61,7 +61,11 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipelined_weights_equal_one_device(cli, name):
-    spec = CASES[name]
+    train_and_compare(cli, name, CASES[name])
+
+
+def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
+    """Run `spec` pipelined; its weights equal one device's to 1e-5. Returns the metrics' lines."""
     path = cli.write(spec)
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress")
     assert r.returncode == 0, r.stderr
@@ -86,6 +90,7 @@ def test_pipelined_weights_equal_one_device(cli, name):
         assert 0 <= m["bubble_fraction"] < 1
         assert [s["stage"] for s in m["stages"]] == list(range(spec["stages"]))
         assert all(s["busy_s"] > 0 and s["peak_memory_bytes"] > 0 for s in m["stages"])
+    return lines
 
 
 def check_timeline(out, stages: int, chunks: int, step: int) -> None:

@@ -1,10 +1,22 @@
-"""Point-to-point channels between neighbouring stages (gloo on CPU, NCCL on CUDA).
+"""Point-to-point channels between stages (gloo on CPU, NCCL on CUDA).
 
-Each tensor goes as a small fixed-size header (micro-batch, dtype, shape), then
-its payload, so the receiver can allocate before the data arrives. A channel
-carries one direction of one neighbour pair (activations forward or gradients
-backward) on a process group of its own, so the order of operations on any
-communicator is the same on both ends: NCCL needs that, gloo is happy with it.
+A message is one micro-batch's value: a tensor, or a structure of tensors and
+scalars (gpipe.structure). It goes as a small fixed-size int64 header, then,
+for a structure, a JSON description of it (its skeleton, scalars inline, and
+each tensor's dtype and shape), then each tensor's payload, so the receiver
+allocates exactly what arrives: no buffer keeps a shape from an earlier step.
+A single tensor, the common case, needs no JSON: its dtype and shape are in the
+header. Nothing is pickled. Each tensor also carries whether it wants a
+gradient back, and the receiver's copy requires grad exactly then.
+
+    header  [micro-batch, dtype code (or -1: a structure), ndim (or the JSON's bytes), wants grad, dims...]
+    JSON    {"s": skeleton, "t": [[dtype code, shape, wants grad], ...]}      (structures only)
+    data    each tensor's bytes, in the skeleton's order (none for an empty tensor)
+
+A channel carries one direction of one pair of stages (activations forward or
+gradients backward) on a process group of its own, so the order of operations
+on any communicator is the same on both ends: NCCL needs that, gloo is happy
+with it.
 
 Sends and receives run on one thread each, so compute never waits for a send,
 and a receive is posted as soon as the previous one finished: the next
@@ -15,29 +27,103 @@ the process group was formed with.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gpipe import structure
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 MAX_DIMS = 8
-HEADER = 3 + MAX_DIMS  # micro-batch, dtype code, ndim, dims...
+HEADER = 4 + MAX_DIMS  # micro-batch, dtype code, ndim, wants grad, dims...
+STRUCTURE = -1  # the dtype code of a message that is a structure
+MAX_JSON_BYTES = 64 << 10  # a structure's description
 
 
-def _header(mb: int, t: torch.Tensor) -> torch.Tensor:
+def _tensor_meta(t: torch.Tensor, where: str) -> tuple[int, list[int]]:
+    if t.dtype not in DTYPE_CODE:
+        raise ValueError(f"{where}: dtype {str(t.dtype).removeprefix('torch.')} cannot travel between stages "
+                         f"(supported: {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})")
     if t.dim() > MAX_DIMS:
-        raise ValueError(f"a tensor between stages may have at most {MAX_DIMS} dims, got {t.dim()}")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"dtype {t.dtype} cannot travel between stages")
-    h = [mb, DTYPES.index(t.dtype), t.dim(), *t.shape]
-    return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64)
+        raise ValueError(f"{where}: a tensor between stages may have at most {MAX_DIMS} dims, got {t.dim()}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{where}: a {t.layout} tensor cannot travel between stages (dense tensors can)")
+    return DTYPE_CODE[t.dtype], list(t.shape)
+
+
+def encode(mb: int, obj: Any, grads: Sequence[bool] = ()) -> tuple[torch.Tensor, bytes | None, list[torch.Tensor]]:
+    """(header, JSON or None, tensors to send) of one message; ValueError if `obj` cannot travel.
+
+    `grads[i]` says whether the i-th tensor (in gpipe.structure order) wants a gradient back.
+    """
+    if isinstance(obj, torch.Tensor):
+        code, shape = _tensor_meta(obj, "the value")
+        h = [mb, code, len(shape), int(bool(grads and grads[0])), *shape]
+        return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64), None, [obj.contiguous()]
+    try:
+        skeleton, leaves = structure.flatten(obj)
+    except structure.StructureError as e:
+        raise ValueError(str(e)) from None
+    metas = []
+    for i, t in enumerate(leaves):
+        code, shape = _tensor_meta(t, f"tensor {i} of {structure.describe(obj)}")
+        metas.append([code, shape, int(i < len(grads) and bool(grads[i]))])
+    text = json.dumps({"s": skeleton, "t": metas}, separators=(",", ":")).encode()
+    if len(text) > MAX_JSON_BYTES:
+        raise ValueError(f"{structure.describe(obj)}: its description is {len(text)} bytes, over the "
+                         f"{MAX_JSON_BYTES >> 10} KiB a structure between stages may take")
+    h = [mb, STRUCTURE, len(text), 0]
+    return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64), text, [t.contiguous() for t in leaves]
+
+
+def decode(text: bytes) -> tuple[Any, list[tuple[torch.dtype, list[int], bool]]]:
+    """(skeleton, [(dtype, shape, wants grad)]) of a structure's JSON; ValueError if it is not one."""
+    d = json.loads(text)
+    if not (isinstance(d, dict) and set(d) == {"s", "t"} and isinstance(d["t"], list)):
+        raise ValueError("not a structure's description")
+    if structure.check_skeleton(d["s"]) != len(d["t"]):
+        raise ValueError("the description's tensors do not match its skeleton")
+    metas = []
+    for m in d["t"]:
+        ok = (isinstance(m, list) and len(m) == 3 and type(m[0]) is int and 0 <= m[0] < len(DTYPES)
+              and isinstance(m[1], list) and len(m[1]) <= MAX_DIMS
+              and all(type(n) is int and n >= 0 for n in m[1]) and m[2] in (0, 1))
+        if not ok:
+            raise ValueError(f"not a tensor's description: {str(m)[:80]}")
+        metas.append((DTYPES[m[0]], m[1], bool(m[2])))
+    return d["s"], metas
+
+
+def wants_grad(value: Any, checkpointed: bool) -> list[bool]:
+    """Which tensors of a stage's output want a gradient back: the floating-point ones that require grad.
+
+    A checkpointed forward ran without autograd, so it cannot tell: every
+    floating-point tensor asks, and the backward drops those that turn out not to need one.
+    """
+    return [t.is_floating_point() and (checkpointed or t.requires_grad) for t in structure.tensors(value)]
+
+
+def gradient_message(wanted: Sequence[torch.Tensor]) -> Any:
+    """What goes back for tensors that wanted a gradient: their gradients (zeros for one unused) in order;
+    a single tensor needs no description."""
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
+    return grads[0] if len(grads) == 1 else grads
+
+
+def gradients(message: Any) -> list[torch.Tensor]:
+    """The gradients of a `gradient_message`, as a list."""
+    return [message] if isinstance(message, torch.Tensor) else list(message)
 
 
 def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
@@ -53,24 +139,31 @@ def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedel
 
 
 class Sender:
-    """Sends (micro-batch, tensor) pairs to `peer` in order, on a thread."""
+    """Sends (micro-batch, value) pairs to `peer` in order, on a thread."""
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
         self.timeout = timedelta(seconds=timeout)
-        self._q: queue.Queue[tuple[int, torch.Tensor] | None] = queue.Queue()
+        self.bytes = 0  # tensor data handed to this channel, headers left out
+        self._q: queue.Queue[tuple[int, torch.Tensor, bytes | None, list[torch.Tensor]] | None] = queue.Queue()
         self._pending = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"send-{name}", daemon=True)
         self._thread.start()
 
-    def send(self, mb: int, t: torch.Tensor) -> None:
+    def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
+        """Queue `obj` (see the module docstring); `grads` flags the tensors that want a gradient back.
+
+        ValueError, at once, if `obj` cannot travel.
+        """
         if self._error is not None:
             raise self._error
+        header, text, leaves = encode(mb, obj, grads)
+        self.bytes += sum(t.numel() * t.element_size() for t in leaves)
         with self._cv:
             self._pending += 1
-        self._q.put((mb, t.contiguous()))
+        self._q.put((mb, header, text, leaves))
 
     def flush(self, timeout: float) -> None:
         """Wait until everything queued has been sent."""
@@ -86,10 +179,15 @@ class Sender:
 
     def _loop(self) -> None:
         while (item := self._q.get()) is not None:
-            mb, t = item
+            mb, header, text, leaves = item
             try:
-                _send(_header(mb, t).to(self.device), self.peer, self.group, self.timeout)
-                _send(t, self.peer, self.group, self.timeout)
+                _send(header.to(self.device), self.peer, self.group, self.timeout)
+                if text is not None:
+                    _send(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device),
+                          self.peer, self.group, self.timeout)
+                for t in leaves:
+                    if t.numel():
+                        _send(t, self.peer, self.group, self.timeout)
             except BaseException as e:  # the peer is gone: report it at the next send or flush
                 self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {e}")
             with self._cv:
@@ -103,24 +201,25 @@ class Sender:
 
 
 class Receiver:
-    """Receives (micro-batch, tensor) pairs from `peer`, on a thread, as they arrive."""
+    """Receives (micro-batch, value) pairs from `peer`, on a thread, as they arrive."""
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
         self.timeout = timedelta(seconds=timeout)
+        self.bytes = 0  # tensor data received, headers left out
         self._todo: queue.Queue[int | None] = queue.Queue()
-        self._inbox: dict[int, torch.Tensor] = {}
+        self._inbox: dict[int, Any] = {}
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"recv-{name}", daemon=True)
         self._thread.start()
 
     def expect(self, count: int) -> None:
-        """Receive `count` more tensors (one step's worth)."""
+        """Receive `count` more messages (one step's worth)."""
         self._todo.put(count)
 
-    def get(self, mb: int, timeout: float) -> torch.Tensor:
-        """The tensor of micro-batch `mb`, waiting up to `timeout` seconds for it."""
+    def get(self, mb: int, timeout: float) -> Any:
+        """The value of micro-batch `mb`, waiting up to `timeout` seconds for it."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while mb not in self._inbox:
@@ -134,23 +233,41 @@ class Receiver:
                 self._cv.wait(left)
             return self._inbox.pop(mb)
 
+    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        if t.numel():
+            _recv(t, self.peer, self.group, self.timeout)
+            self.bytes += t.numel() * t.element_size()
+        return t.requires_grad_() if grad else t
+
+    def _receive(self, header: torch.Tensor) -> tuple[int, Any]:
+        _recv(header, self.peer, self.group, self.timeout)
+        h = header.tolist()
+        mb, code, n, grad = h[0], h[1], h[2], h[3]
+        if code != STRUCTURE:
+            if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS):
+                raise ValueError(f"a bad header: {h}")
+            return mb, self._tensor(DTYPES[code], h[4 : 4 + n], bool(grad))
+        if not 0 < n <= MAX_JSON_BYTES:
+            raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
+        text = torch.empty(n, dtype=torch.uint8, device=self.device)
+        _recv(text, self.peer, self.group, self.timeout)
+        skeleton, metas = decode(text.cpu().numpy().tobytes())
+        return mb, structure.unflatten(skeleton, [self._tensor(*m) for m in metas])
+
     def _loop(self) -> None:
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
         while (count := self._todo.get()) is not None:
             for _ in range(count):
                 try:
-                    _recv(header, self.peer, self.group, self.timeout)
-                    h = header.tolist()
-                    mb, dtype, ndim = h[0], DTYPES[h[1]], h[2]
-                    t = torch.empty(h[3 : 3 + ndim], dtype=dtype, device=self.device)
-                    _recv(t, self.peer, self.group, self.timeout)
+                    mb, value = self._receive(header)
                 except BaseException as e:
                     with self._cv:
                         self._error = ConnectionError(f"receiving {self.name} failed: {e}")
                         self._cv.notify_all()
                     return
                 with self._cv:
-                    self._inbox[mb] = t
+                    self._inbox[mb] = value
                     self._cv.notify_all()
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import resource
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import batchnorm, schedule
+from gpipe import batchnorm, schedule, skip, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -29,7 +30,8 @@ from gpipe.optim import optimizer_class
 from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.worker.channel import Receiver, Sender, gradient_message, gradients, wants_grad
+from gpipe.worker.skips import Routed, SkipLinks
 
 
 @dataclass
@@ -57,6 +59,7 @@ class StageConfig:
     store_port: int
     import_paths: list[str] = field(default_factory=list)
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
+    skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -89,6 +92,18 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
         for name, t in own.items():
             t.copy_(state[name])
     return layers
+
+
+def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
+             more: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+    """Backward from the tensors of `y` that wanted a gradient, with the next stage's gradients for them,
+    and from the (tensor, gradient) pairs of `more` (skip connections), in one pass."""
+    outs = [t for t, w in zip(structure.tensors(y), wants, strict=True) if w]
+    if len(outs) != len(grads):
+        raise RuntimeError(f"{len(grads)} gradients came back for {len(outs)} tensors that wanted one")
+    pairs = [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 class Stage:
@@ -151,13 +166,23 @@ class Stage:
         self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient", t)
         self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}", t)
 
+        def pair_group(ranks: list[int]) -> dist.ProcessGroup:
+            group = dist.new_group(ranks, backend=backend, timeout=start)
+            if cfg.stage in ranks:
+                _set_pg_timeout(step, group)
+            return group
+
+        routes = [(n, a, b) for n, a, b in cfg.skip_routes]
+        self.skips = SkipLinks(k, routes, self.device, t, pair_group)
+        self.channels = [c for c in (self.recv_act, self.send_act, self.recv_grad, self.send_grad) if c] + \
+            self.skips.channels()
+
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
         return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
 
     def step(
-        self, step: int, lr: float, inputs: list[torch.Tensor] | None,
-        targets: list[torch.Tensor] | None, sizes: list[int],
+        self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
     ) -> dict[str, Any]:
         """Run one step of the schedule, then the optimizer; return the step's figures."""
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
@@ -168,18 +193,21 @@ class Stage:
         batchnorm.discard(self.layers)  # what a failed step tracked
         if self.recv_act:
             self.recv_act.expect(chunks)
+        self.skips.expect(chunks)
+        bytes_before = [c.bytes for c in self.channels]
         self.meter.reset_peak()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        stash: dict[int, tuple[Any, ...]] = {}
+        in_flight: dict[int, tuple[Any, ...]] = {}  # forwarded micro-batches, until their backward
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         timeline: list[tuple[str, int, float, float]] = []
         busy = 0.0
 
-        def forward(mb: int, x: torch.Tensor) -> torch.Tensor:
-            y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
+        def forward(mb: int, x: Any, ctx: Routed) -> Any:
+            with skip.use(ctx):
+                y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
             if self.last:
-                target = targets[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the last stage gets targets
+                target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
                 y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
             return y
 
@@ -188,52 +216,68 @@ class Stage:
             mb = action.micro_batch
             if action.kind == "F":
                 if self.first:
-                    x = inputs[mb].to(dev, non_blocking=True)  # type: ignore[index]  # the first stage gets inputs
+                    x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
                 else:
                     self._doing("waiting", f"stage {cfg.stage - 1}'s activation of micro-batch {mb}")
+                    # Its tensors that want a gradient back require grad.
                     x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]  # every stage but the first receives
                     self._doing("computing")
-                    if x.is_floating_point():
-                        x.requires_grad_()
+                arrived = {}
+                if self.skips.recv:
+                    self._doing("waiting", f"the skip connections of micro-batch {mb}")
+                    arrived = self.skips.receive(mb, timeout)
+                    self._doing("computing")
                 t0 = time.perf_counter()
                 ckpt = self.checkpointed(mb)
+                ctx = self.skips.context(arrived)
                 with torch.no_grad() if ckpt else self.meter.hooks(), self.buffers.watch():
-                    y = forward(mb, x)
-                # The next stage sends a gradient back for every floating-point activation.
-                wants_grad = not self.last and y.is_floating_point()
+                    y = forward(mb, x, ctx)
+                skip_wants = self.skips.send_forward(mb, ctx.out, ckpt)
+                wants: list[bool] = []
                 if self.last:
                     loss_sum += y.detach().double() * sizes[mb]
                 else:
-                    self.send_act.send(mb, y.detach())  # type: ignore[union-attr]  # every stage but the last sends
-                    if wants_grad:
+                    wants = wants_grad(y, ckpt)
+                    self.send_act.send(mb, structure.map_tensors(y, torch.Tensor.detach), wants)  # type: ignore[union-attr]  # every stage but the last sends
+                    if any(wants):
                         self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
-                held_x = self.meter.hold(x) if not self.first else None
-                stash[mb] = (x, held_x, None if ckpt else y, wants_grad)
+                held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))] if not self.first else None
+                in_flight[mb] = (x, held_x, None if ckpt else y, wants, arrived, None if ckpt else ctx.out, skip_wants)
             else:
-                x, held_x, y, wants_grad = stash.pop(mb)
-                grad = None
-                if wants_grad:
+                x, held_x, y, wants, arrived, stashed, skip_wants = in_flight.pop(mb)
+                grads: list[torch.Tensor] = []
+                if any(wants):
                     self._doing("waiting", f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}")
-                    grad = self.recv_grad.get(mb, timeout)  # type: ignore[union-attr]  # wants_grad: not the last
+                    grads = gradients(self.recv_grad.get(mb, timeout))  # type: ignore[union-attr]  # wants: not the last
                     self._doing("computing")
+                if any(map(any, skip_wants.values())):
+                    self._doing("waiting", f"the skip gradients of micro-batch {mb}")
+                    skip_grads = self.skips.gradients(mb, skip_wants, timeout)
+                    self._doing("computing")
+                else:
+                    skip_grads = {}
                 t0 = time.perf_counter()
                 if y is None:  # checkpointed: recompute the forward, replaying its randomness
+                    ctx = self.skips.context(arrived)
                     with self.meter.hooks(), self.buffers.recompute():
-                        y = forward(mb, x)
+                        y = forward(mb, x, ctx)
+                    stashed = ctx.out
                 if self.last:
                     (y * (sizes[mb] / batch)).backward()
-                elif grad is not None and y.requires_grad:
-                    torch.autograd.backward(y, grad)
-                del y, held_x
-                if not self.first and x.is_floating_point():
-                    g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    self.send_grad.send(mb, g)  # type: ignore[union-attr]  # not the first stage
+                else:
+                    backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
+                del y, held_x, stashed, skip_grads
+                if not self.first:
+                    inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
+                    if inputs_back:  # the ones that wanted a gradient, in order
+                        self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
+                self.skips.send_gradients(mb, arrived)
             t1 = time.perf_counter()
             busy += t1 - t0
             timeline.append((action.kind, mb, t0 - t_step, t1 - t_step))
 
-        for sender in (self.send_act, self.send_grad):
-            if sender:
+        for sender in self.channels:
+            if isinstance(sender, Sender):
                 self._doing("waiting", f"{sender.name} to be sent")
                 sender.flush(timeout)
         t0 = time.perf_counter()
@@ -259,6 +303,11 @@ class Stage:
             "peak_memory_bytes": self._peak_memory(),
             "start_unix": start_unix,
             "timeline": timeline,  # (F or B, micro-batch, start s, end s) from start_unix
+            # Tensor bytes each channel carried this step (headers left out), by the channel's name.
+            "sent_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
+                           if isinstance(c, Sender)},
+            "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
+                               if isinstance(c, Receiver)},
         }
 
     def _clip(self) -> float:
@@ -324,6 +373,5 @@ class Stage:
             torch.cuda.set_rng_state(rng[layout.RNG_CUDA], self.device)
 
     def close(self) -> None:
-        for ch in (self.recv_act, self.send_act, self.recv_grad, self.send_grad):
-            if ch:
-                ch.close()
+        for ch in self.channels:
+            ch.close()

@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 from gpipe.state import StageState
 from gpipe.worker.stage import Stage, StageConfig
 
-StepArgs = tuple[int, float, list[torch.Tensor] | None, list[torch.Tensor] | None, list[int], bool]
+StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
 
 
 class StepQueue:
@@ -106,8 +106,7 @@ class StageServer:
         return self.stage.activity() if self.stage is not None else ("idle", "", 0.0)
 
     @rpc.functions.async_execution
-    def run_step(self, step: int, lr: float, inputs: list[torch.Tensor] | None,
-                 targets: list[torch.Tensor] | None, sizes: list[int],
+    def run_step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
                  snapshot: bool = False) -> torch.futures.Future:
         """Queue one step; the returned future completes when its optimizer step is done.
 
