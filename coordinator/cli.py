@@ -55,8 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
     srv.add_argument("--port", type=int, default=7000, help="the gRPC port (default 7000)")
     srv.add_argument("--host", default=None,
-                     help="the cluster-network address to listen on; the attempts' RPC and c10d ports bind "
-                          "there too (default 127.0.0.1)")
+                     help="the address to listen on; the attempts' RPC and c10d ports bind there too (default: "
+                          "with tokens, every interface, each attempt on the address on the route to its "
+                          "workers; without, 127.0.0.1 only)")
+    srv.add_argument("--insecure", action="store_true",
+                     help="allow serving a non-loopback --host without tokens: anyone who reaches it may "
+                          "submit code to run")
     srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
                      help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
     srv.add_argument("--auth-token-file",
@@ -118,8 +122,18 @@ def _serve(args: argparse.Namespace) -> int:
             net.iface_for(args.host)
         except ValueError as e:
             raise SpecError(f"--host: {e}") from None
+    note = ""
+    if token is None and worker_token is None:
+        # A spec names code to run: without tokens, only this machine may submit one.
+        if args.host is None:
+            args.host = "127.0.0.1"
+            note = " (no tokens: this machine only; set --auth-token-file and --worker-token-file to serve others)"
+        elif not net.is_loopback(args.host) and not args.insecure:
+            raise SpecError(f"--host: {args.host} is reachable from other hosts, and no token is set: anyone who "
+                            "reaches it could submit code to run. Set --auth-token-file and --worker-token-file "
+                            "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
-    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls))
+    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)

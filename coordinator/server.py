@@ -87,11 +87,11 @@ class JobTable:
         Nothing on disk is changed.
         """
         records, broken = [], []
-        for d in sorted(p for p in self.state_dir.iterdir() if p.is_dir()):
+        for d in sorted(self.state_dir.iterdir()):
             path = d / "job.json"
-            if not path.exists():
-                continue
             try:
+                if not d.is_dir() or not path.exists():  # PermissionError: a folder we may not read
+                    continue
                 job = JobRecord.from_json(json.loads(path.read_text()))
                 if job.name != d.name:
                     raise ValueError(f"it names job {job.name!r}, not {d.name!r}")
@@ -99,8 +99,13 @@ class JobTable:
             except (OSError, ValueError, KeyError, TypeError, RecursionError, SpecError) as e:
                 why = f"unreadable job record {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 print(f"gpipe: skipping {why}", file=sys.stderr, flush=True)
+                if not NAME_RE.fullmatch(d.name):
+                    continue  # not a job's folder (lost+found, say): said, and left alone
+                when = 0.0
+                with contextlib.suppress(OSError):
+                    when = path.stat().st_mtime
                 broken.append(JobRecord(name=d.name, spec_yaml="", steps=0, state=JobState.FAILED, history=[
-                    StateChange(JobState.FAILED, path.stat().st_mtime, why)], error=why, output_dir=str(d),
+                    StateChange(JobState.FAILED, when, why)], error=why, output_dir=str(d),
                     exit_code=EXIT_BAD_INPUT))
         for job, spec in sorted(records, key=lambda r: r[0].history[0].time_unix if r[0].history else 0.0):
             out = Path(job.output_dir)
@@ -330,7 +335,10 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
 
     async def StopJob(self, request, context):
         await self._job(request.name, context)
-        return serde.job_to_pb(await self.c.sup.stop(request.name))
+        try:
+            return serde.job_to_pb(await self.c.sup.stop(request.name))
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
 
     async def WatchJob(self, request, context):
         await self._job(request.name, context)
@@ -379,7 +387,8 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         sup, rank = self.c.sup, request.rank
         old = sup.workers.get(rank)
-        if old is not None and old.id not in self.streaming:  # registered, but never took its commands
+        if (old is not None and old.id not in self.streaming  # registered, but never took its commands
+                and sup.clock.monotonic() - old.registered > HEARTBEAT_TIMEOUT_S / 2):
             sup.drop(old, f"stage {rank}'s worker registered again before it took its commands")
         try:
             w = sup.register(rank, request.host, request.device, printable(request.hostname, MAX_HOSTNAME),
@@ -544,7 +553,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
 
 
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
-                tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None) -> None:
+                tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "") -> None:
     """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
@@ -566,7 +575,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"gpipe: coordinator serving on {address}, state in {state_dir}", file=sys.stderr, flush=True)
+    print(f"gpipe: coordinator serving on {address}{note}, state in {state_dir}", file=sys.stderr, flush=True)
     tasks = [asyncio.create_task(c.sup.serve_forever())]
 
     def died(task: asyncio.Task[None]) -> None:  # a bug of ours: the probes must see it

@@ -59,6 +59,7 @@ COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it ho
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 STOP_TIMEOUT_S = 30.0  # how long `stop` waits for a killed attempt to be reaped
 EVENT_WINDOW = 2000  # events of a job kept in memory (older metrics are read from disk)
+WATCH_QUEUE = 10_000  # events waiting for one watcher; a watcher that falls further behind loses the oldest
 
 
 class Clock(Protocol):
@@ -130,6 +131,7 @@ class Worker:
     last_seen: float
     commands: asyncio.Queue[Join | Abort | None] = field(default_factory=asyncio.Queue)
     attempt_id: str | None = None
+    registered: float = 0.0  # monotonic time of its registration
 
 
 @dataclass
@@ -293,6 +295,8 @@ class Supervisor:
             e.older += 1  # the oldest is dropped from memory; metrics.jsonl still has it
         e.events.append(event)
         for q in e.watchers:
+            if q.full():  # a watcher that stopped reading: it loses its oldest event, serve no memory
+                q.get_nowait()
             q.put_nowait(event)
 
     def _set_state(self, e: Entry, state: JobState, message: str = "") -> None:
@@ -331,7 +335,7 @@ class Supervisor:
     async def watch(self, name: str) -> AsyncIterator[serde.Event]:
         """The job's events so far, then live ones until it ends."""
         e = self.jobs[name]  # KeyError: no such job
-        q: asyncio.Queue[serde.Event] = asyncio.Queue()
+        q: asyncio.Queue[serde.Event] = asyncio.Queue(maxsize=WATCH_QUEUE)
         e.watchers.add(q)
         try:
             window = list(e.events)
@@ -371,8 +375,9 @@ class Supervisor:
                                 f"{silent:.1f}s ago: it is dropped if silent {self.heartbeat_timeout - silent:.1f}s "
                                 "more")
             self.drop(old, f"stage {rank}'s worker was replaced after {silent:.0f}s of silence")
+        now = self.clock.monotonic()
         w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, list(cores or []), max(1, threads),
-                   self.clock.monotonic())
+                   now, registered=now)
         self.workers[rank] = w
         self.say(f"worker for rank {rank} registered from {hostname or host} ({w.device})")
         self.wake.set()

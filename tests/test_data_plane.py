@@ -190,7 +190,7 @@ def test_serve_and_workers_listen_on_the_cluster_address_only_and_only_while_the
         pytest.skip("this machine has no non-loopback IPv4 address")
     s = HostService(cli, host)
     try:  # the cli fixture then checks that nothing is left
-        s.start_serve()
+        s.start_serve("--insecure")  # no tokens in this test: a non-loopback address must be asked for
         s.start_worker(0)
         s.start_worker(1)
         r = s.client("submit", str(cli.write(spec(name="wide", steps=60, max_restarts=0))))

@@ -130,7 +130,7 @@ class Cluster:
 def job_spec() -> dict[str, Any]:
     """The example job's spec, on three stages, with a model slow enough to be cut mid-run."""
     spec = yaml.safe_load((ROOT / "deploy" / "example" / "job.yaml").read_text())
-    spec.update(name="multihost", stages=WORKERS, balance=[2, 1, 1], steps=160, checkpoint_every=5,
+    spec.update(name="multihost", stages=WORKERS, balance=[2, 1, 1], steps=60, checkpoint_every=5,
                 max_restarts=5, peer_timeout_s=5,
                 model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.04}},
                 data={**spec["data"], "args": {"n": 256, "in_features": 16, "out_features": 16}, "batch_size": 16})

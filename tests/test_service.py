@@ -479,7 +479,7 @@ def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_p
         s.start_serve()
         r = cli.run("serve", "--port", str(s.port), "--state-dir", str(cli.tmp / "second"), timeout=60)
         line, = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and f"--port: cannot listen on 0.0.0.0:{s.port}" in line and "in use" in line, r.stderr
+        assert r.returncode == 2 and f"--port: cannot listen on {s.address}" in line and "in use" in line, r.stderr
         assert not (cli.tmp / "second").exists()  # nothing started
         r = run_worker(cli, "--rank", "0", "--coordinator", s.address, "--health-host", "0.0.0.0",
                        "--health-port", str(s.port))
@@ -497,6 +497,25 @@ def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_p
                        "--health-port", str(health))
         assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{health}" in r.stderr, r.stderr
         assert s.client("list").returncode == 0 and "Traceback" not in s.log("serve")
+    finally:
+        s.stop_all()
+
+
+def test_serve_without_tokens_stays_on_this_machine_unless_told(cli):
+    from gpipe import net
+
+    host = next((ip for ip in net.interfaces().values() if not ip.startswith("127.")), None)
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    state = cli.tmp / "state"
+    r = cli.run("serve", "--port", str(free_port()), "--host", host, "--state-dir", str(state), timeout=60)
+    line, = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and line.startswith("error: --host:") and "no token" in line, r.stderr
+    assert not state.exists()  # nothing started
+    s = Service(cli)  # no tokens, no --host: loopback only, and it says so
+    try:
+        s.start_serve()
+        assert f"serving on 127.0.0.1:{s.port} (no tokens: this machine only" in s.log("serve")
     finally:
         s.stop_all()
 

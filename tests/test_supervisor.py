@@ -400,3 +400,21 @@ async def test_a_lost_stream_while_every_worker_is_silent_blames_the_coordinator
     other.sup.drop(other.workers[0], "stage 0's worker disconnected")
     await other.settle()
     assert job.error.startswith("stage 0's worker disconnected")
+
+
+async def test_a_watcher_that_stops_reading_holds_a_bounded_queue(h, monkeypatch):
+    from gpipe.coordinator import supervisor
+    monkeypatch.setattr(supervisor, "WATCH_QUEUE", 5)
+    h.submit()
+    h.register(0, 1)
+    await h.settle()
+    stalled = h.sup.watch("j")
+    first = await anext(stalled)  # a client that read one event, then stopped reading
+    assert first[0] == "state"
+    a = h.attempts[0]
+    for s in range(50):
+        a.queue.put_nowait(report.Metrics({"step": s, "loss": 1.0}))
+    await h.settle()
+    (q,) = h.sup.jobs["j"].watchers
+    assert q.qsize() == 5 and q.get_nowait()[1]["step"] == 45  # the newest five are kept
+    await stalled.aclose()
