@@ -24,9 +24,28 @@ from gpipe.proc import child_env
 REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
 
 
+def last_error_line(log: Path | None, tail: int = 64 << 10) -> str:
+    """The last line of `log`'s final `tail` bytes that reads like an error ('Type: message'), or ''."""
+    if log is None:
+        return ""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line and not line.startswith((" ", "Traceback", "[W", "[I")) and ":" in line:
+            return line.strip()[:500]
+    return ""
+
+
 class AttemptProcess:
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
+    def __init__(self, proc: asyncio.subprocess.Process, log: Path | None = None):
+        self.proc, self.log = proc, log
+
+    def last_words(self) -> str:
+        return last_error_line(self.log)
 
     async def reports(self) -> AsyncIterator[report.Report]:
         assert self.proc.stdout is not None
@@ -77,4 +96,4 @@ class ProcessLauncher:
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
             env=child_env(dict(os.environ)), limit=REPORT_LINE_LIMIT,
         )
-        return AttemptProcess(proc)
+        return AttemptProcess(proc, self.log_for(launch.job))

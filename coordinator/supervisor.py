@@ -92,6 +92,10 @@ class AttemptProcess(Protocol):
         """End it: at once, or with `grace_s` to commit the checkpoints it holds (SIGTERM, then SIGKILL)."""
         ...
 
+    def last_words(self) -> str:
+        """The last error line it wrote to its log, or '' (for a process that died without a report)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -591,6 +595,8 @@ class Supervisor:
             message, stage, cause = reported.message, reported.stage, reported.cause
         else:
             message, stage, cause = f"the attempt process died ({describe_exit(code)})", None, ""
+            if words := attempt.process.last_words() if attempt.process is not None else "":
+                message += f": {words}"
         rank = -1 if stage is None else int(stage)
         e.failed_at = self.clock.monotonic()
         if not job.error:  # the first failure is the one a user needs

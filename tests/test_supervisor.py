@@ -63,6 +63,11 @@ class FakeAttempt:
             self.killed = True
             self.end(-9)
 
+    def last_words(self) -> str:
+        return self.words
+
+    words = ""
+
 
 class Harness:
     def __init__(self) -> None:
@@ -418,3 +423,24 @@ async def test_a_watcher_that_stops_reading_holds_a_bounded_queue(h, monkeypatch
     (q,) = h.sup.jobs["j"].watchers
     assert q.qsize() == 5 and q.get_nowait()[1]["step"] == 45  # the newest five are kept
     await stalled.aclose()
+
+
+async def test_an_attempt_process_that_dies_without_a_report_is_named_by_its_last_words(h):
+    job = h.submit(max_restarts=0)
+    h.register(0, 1)
+    await h.settle()
+    h.attempts[0].words = "RuntimeError: what(): std::bad_alloc"
+    h.attempts[0].end(-6)
+    await h.settle()
+    assert job.state == JobState.FAILED
+    assert job.error == "the attempt process died (signal SIGABRT): RuntimeError: what(): std::bad_alloc"
+
+
+def test_last_words_are_read_from_the_end_of_a_real_log(tmp_path):
+    from gpipe.coordinator.launcher import last_error_line
+
+    log = tmp_path / "coordinator.log"
+    log.write_text("x" * 200_000 + "\nValueError: an old one\nTraceback (most recent call last):\n"
+                   '  File "a.py", line 1\nMemoryError: the last one\n[W1123 socket.cpp] a warning\n')
+    assert last_error_line(log) == "MemoryError: the last one"
+    assert last_error_line(tmp_path / "missing.log") == "" and last_error_line(None) == ""
