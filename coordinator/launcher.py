@@ -19,25 +19,9 @@ from pathlib import Path
 
 from gpipe.coordinator import report
 from gpipe.coordinator.supervisor import Launch
-from gpipe.proc import child_env
+from gpipe.proc import child_env, last_error_line
 
 REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
-
-
-def last_error_line(log: Path | None, tail: int = 64 << 10) -> str:
-    """The last line of `log`'s final `tail` bytes that reads like an error ('Type: message'), or ''."""
-    if log is None:
-        return ""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        if line and not line.startswith((" ", "Traceback", "[W", "[I")) and ":" in line:
-            return line.strip()[:500]
-    return ""
 
 
 class AttemptProcess:

@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 PARENT_ENV, CORES_ENV = "GPIPE_PARENT_PID", "GPIPE_CORES"
@@ -52,3 +53,19 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def last_error_line(log: Path | None, tail: int = 64 << 10) -> str:
+    """The last line of `log`'s final `tail` bytes that reads like an error ('Type: message'), or ''."""
+    if log is None:
+        return ""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line and not line.startswith((" ", "Traceback", "[W", "[I")) and ":" in line:
+            return line.strip()[:500]
+    return ""

@@ -437,7 +437,7 @@ async def test_an_attempt_process_that_dies_without_a_report_is_named_by_its_las
 
 
 def test_last_words_are_read_from_the_end_of_a_real_log(tmp_path):
-    from gpipe.coordinator.launcher import last_error_line
+    from gpipe.proc import last_error_line
 
     log = tmp_path / "coordinator.log"
     log.write_text("x" * 200_000 + "\nValueError: an old one\nTraceback (most recent call last):\n"

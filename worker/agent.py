@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gpipe.proc import child_env
+from gpipe.proc import child_env, last_error_line
 from gpipe.serde import Join
 
 # A stage allocates activation-sized buffers every micro-batch (received tensors,
@@ -28,18 +28,6 @@ from gpipe.serde import Join
 # 0.69 of raw gloo that way, 0.85 with these (bench/transfer.py). A worker owns
 # its machine's memory, so keep it: the heap serves all sizes and is not trimmed.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
-
-
-def last_error_line(log: Path) -> str:
-    """The last exception line an attempt process wrote to its log, or ''."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        if line and not line.startswith((" ", "Traceback", "[W", "[I")) and ":" in line:
-            return line.strip()
-    return ""
 
 
 class Agent:
