@@ -43,15 +43,15 @@ from gpipe.errors import CAUSE_DISK, GpipeError, JobFailed, SpecError, describe_
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
 
 
-def device_for(spec: JobSpec, device: str, stage: int) -> str:
-    """A stage's device: its worker's, where `cuda` with no index means GPU k mod the GPU count."""
+def device_for(spec: JobSpec, device: str, rank: int) -> str:
+    """A worker's device: its own, where `cuda` with no index means GPU rank mod the GPU count."""
     import torch
 
     if not device.startswith("cuda"):
         return "cpu"
     if not torch.cuda.is_available():
         raise SpecError(f"device: {device} was asked for, but this machine has no CUDA device")
-    return device if ":" in device else f"cuda:{stage % torch.cuda.device_count()}"
+    return device if ":" in device else f"cuda:{rank % torch.cuda.device_count()}"
 
 
 def _parse_placement(text: str) -> list[Placement]:
@@ -73,8 +73,10 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     spec = load_spec(a.spec)
     out = Path(a.state_dir) / spec.name
     placement = _parse_placement(a.placement)
-    if len(placement) != spec.stages:
-        raise SpecError(f"--placement: {len(placement)} workers for {spec.stages} stages")
+    top = spec.topology
+    if len(placement) != top.world:
+        raise SpecError(f"--placement: {len(placement)} workers for {spec.replicas} replica(s) x {spec.stages} "
+                        "stages")
     import torch
 
     from gpipe import net
@@ -108,7 +110,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     torch.set_num_threads(1)  # the cores belong to the stages
     tell(report.Master(f"{a.host}:{port}", secret))
     threads = sorted({p.threads for p in placement})
-    tell(report.Log(f"{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
+    copies = f"{spec.replicas} replicas x " if spec.replicas > 1 else ""
+    tell(report.Log(f"{copies}{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
                     f"schedule {spec.schedule}, {'/'.join(map(str, threads))} thread(s) per stage"))
     write_plan(out, plan, [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
                            for k, p in enumerate(placement)])
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-dir", required=True, help="the job file's folder (its modules are importable)")
     p.add_argument("--state-dir", required=True)
     p.add_argument("--host", required=True, help="where the rendezvous and this process's RPC listen")
-    p.add_argument("--placement", required=True, help="each stage's worker: JSON [{host, device, cores, threads}]")
+    p.add_argument("--placement", required=True,
+                   help="each worker, by rank: JSON [{host, device, cores, threads}]")
     p.add_argument("--resume", action="store_true", help="start from the newest good checkpoint")
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--log", help="once planned, send this process's stderr to this file")

@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     run.add_argument("--resume", action="store_true",
                      help="continue from the job's newest good checkpoint in the state dir (default: start over)")
+    run.add_argument("--oversubscribe", action="store_true",
+                     default=os.environ.get("GPIPE_OVERSUBSCRIBE", "") not in ("", "0"),
+                     help="let workers (replicas x stages) share cores (or GPUs) when there are fewer than "
+                          "workers; without it, that is refused (exit 2). Env GPIPE_OVERSUBSCRIBE=1 sets it")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
     srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(spec, job_dir)
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
             return 0
-        run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume)
+        run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume,
+                  oversubscribe=args.oversubscribe)
         return 0
     except GpipeError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

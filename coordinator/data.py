@@ -9,6 +9,12 @@ An item is an (input, target) pair, each a tensor or a structure of them
 (gpipe.structure). The items of a step are collated (torch's default_collate
 stacks tensors, or the job's own `data.collate`), then cut into micro-batches
 along dim 0 of every tensor; what is no tensor goes to every micro-batch.
+
+With R replicas the batch is first cut into R contiguous shards (as equal as
+torch.tensor_split makes them), one per replica, and each shard into `chunks`
+micro-batches. Replica r's micro-batch i is the step's micro-batch r*chunks+i:
+that index seeds its randomness (gpipe.rng), and one device trains on the
+R*chunks micro-batches in that order.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from gpipe import structure
 
 class DataStream:
     def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, shuffle: bool, seed: int,
-                 collate: Callable[[list[Any]], Any] | None = None):
-        self.dataset, self.batch_size, self.chunks = dataset, batch_size, chunks
+                 collate: Callable[[list[Any]], Any] | None = None, replicas: int = 1):
+        self.dataset, self.batch_size, self.chunks, self.replicas = dataset, batch_size, chunks, replicas
         self.collate = collate or default_collate
         self.shuffle, self.seed = shuffle, seed
         self.n = len(cast(Sized, dataset))  # map-style: torch's Dataset type leaves __len__ out
@@ -62,3 +68,21 @@ class DataStream:
         ys = structure.split(targets, self.chunks, self.batch_size, "target")
         sizes = [len(r) for r in torch.tensor_split(torch.arange(self.batch_size), self.chunks)]
         return xs, ys, sizes
+
+    def shards(self, step: int) -> list[tuple[list[Any], list[Any], list[int]]]:
+        """Per replica: its shard's inputs and targets cut into `chunks` micro-batches, and their sizes.
+
+        One replica: micro_batches(step). ValueError as there.
+        """
+        if self.replicas == 1:
+            return [self.micro_batches(step)]
+        inputs, targets = self.batch(step)
+        xs = structure.split(inputs, self.replicas, self.batch_size, "input")
+        ys = structure.split(targets, self.replicas, self.batch_size, "target")
+        out = []
+        for x, y, rows in zip(xs, ys, torch.tensor_split(torch.arange(self.batch_size), self.replicas), strict=True):
+            n = len(rows)
+            sizes = [len(r) for r in torch.tensor_split(torch.arange(n), self.chunks)]
+            out.append((structure.split(x, self.chunks, n, "input"), structure.split(y, self.chunks, n, "target"),
+                        sizes))
+        return out

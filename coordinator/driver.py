@@ -1,12 +1,13 @@
 """The driver of one job attempt: the coordinator's side of the RPC world.
 
-The coordinator is rank 0; stage k is rank k+1. It creates each stage on its
-worker (rpc.remote of worker.stage_server.StageServer) and holds their RRefs.
-Per step it sends one RPC through each RRef (inputs to the first stage,
-targets to the last, the LR to all) and gets one answer back from each, so
-control costs O(stages) messages per step, and activations never pass
-through here. Step s+1 is sent while step s runs, so the first stage never
-waits for its inputs.
+The coordinator is RPC rank 0; worker rank N (stage N mod P of replica N div
+P: gpipe.topology) is RPC rank N+1. It creates each stage on its worker
+(rpc.remote of worker.stage_server.StageServer) and holds their RRefs, by
+rank. Per step it sends one RPC through each RRef (to each replica's first
+stage the inputs of its shard, to its last stage the targets, the LR to all)
+and gets one answer back from each, so control costs O(workers) messages per
+step, and activations never pass through here. Step s+1 is sent while step s
+runs, so the first stage never waits for its inputs.
 
 Every wait has a deadline and names what it waited for. Watching the worker
 processes is the supervisor's part: it kills this attempt when one dies.
@@ -46,6 +47,7 @@ from gpipe.errors import (
 from gpipe.files import atomic_write, atomic_write_json
 from gpipe.show import first_line
 from gpipe.state import StageState, layer_of
+from gpipe.topology import Topology
 from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
 
@@ -84,7 +86,8 @@ class StepMetrics:
     grad_norm: float | None
     bubble_fraction: float  # the share of the stages' step time spent waiting
     attempt: int = 1  # which attempt of the job ran this step (a resumed job runs some steps again)
-    stages: list[dict[str, Any]] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)  # every worker's, by rank
+    replicas: list[dict[str, Any]] = field(default_factory=list)  # per replica: its samples, time and bubble
 
 
 class Attempt:
@@ -99,14 +102,17 @@ class Attempt:
         self.device_of = device_of
         self.on_step = on_step
         self.attempt_no = attempt_no
-        self.stages: list[rpc.RRef] = []  # StageServer k, on worker stage{k}
+        self.topology = plan.spec.topology
+        # StageServer of worker rank N, by rank: the first `stages` are replica 0's stages, in order.
+        self.stages: list[rpc.RRef] = []
 
     # -- waiting -------------------------------------------------------------
 
-    def _stage_name(self, k: int) -> str:
-        start, end = self.plan.bounds[k]
+    def _stage_name(self, rank: int) -> str:
+        """'stage 1 (layers 2-3)', with 'of replica R' when there are replicas."""
+        start, end = self.plan.bounds[self.topology.stage_of(rank)]
         layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
-        return f"stage {k} ({layers})"
+        return f"{self.topology.name(rank)} ({layers})"
 
     def _result(self, what: str, k: int, fut: torch.futures.Future) -> Any:
         try:
@@ -149,7 +155,7 @@ class Attempt:
 
         def init() -> None:
             try:
-                rpc.init_rpc("coordinator", rank=0, world_size=spec.stages + 1, rpc_backend_options=opts)
+                rpc.init_rpc("coordinator", rank=0, world_size=self.topology.world + 1, rpc_backend_options=opts)
             except BaseException as e:
                 err.append(e)
 
@@ -168,36 +174,39 @@ class Attempt:
         if store is None:
             return "no rendezvous store"
         reached: dict[int, str] = {}
-        for k in range(self.spec.stages):
+        for k in self.topology.ranks():
             key = f"{net.REACHED_KEY}{k}"
             with contextlib.suppress(Exception):
                 if store.check([key]):
                     reached[k] = store.get(key).decode(errors="replace")
-        missing = [k for k in range(self.spec.stages) if k not in reached]
+        missing = [k for k in self.topology.ranks() if k not in reached]
         if missing:
             return (f"{', '.join(self._stage_name(k) for k in missing)} never reached the rendezvous at "
                     f"{self.master}: check that its worker can reach this address (serve --host sets it)")
-        where = ", ".join(f"stage {k} at {a}" for k, a in sorted(reached.items()))
+        where = ", ".join(f"{self.topology.name(k)} at {a}" for k, a in sorted(reached.items()))
         return (f"every worker reached the rendezvous, but they could not all connect to each other ({where}): "
                 "check that these addresses reach one another (gpipe-worker --host sets a worker's)")
 
     def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
         """Create every stage on its worker, with the plan's initial weights or, resuming, a checkpoint's state.
 
-        Returns each stage's figures (parameters, pid, threads) once all are built.
+        Every replica's copy of stage k starts from the same state. Returns each worker's figures (parameters,
+        pid, threads), by rank, once all are built.
         """
-        spec = self.spec
+        spec, top = self.spec, self.topology
         parts = resume_parts(self.plan, resume) if resume is not None else None
         futs = {}
-        for k in range(spec.stages):
-            cfg = stage_config(self.plan, k, self.device_of(k), self.store_host, self.store_port)
+        for rank in top.ranks():
+            k = top.stage_of(rank)
+            cfg = stage_config(self.plan, k, self.device_of(rank), self.store_host, self.store_port,
+                               top.replica_of(rank))
             if parts is None:
                 args: tuple[Any, ...] = (asdict(cfg), self.plan.stage_state(k))
             else:
                 args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]  # parts is set only when resume is
-            rref = rpc.remote(f"stage{k}", StageServer, args=args, timeout=spec.start_timeout_s)
+            rref = rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s)
             self.stages.append(rref)
-            futs[k] = rref.rpc_async(timeout=spec.start_timeout_s).built()
+            futs[rank] = rref.rpc_async(timeout=spec.start_timeout_s).built()
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
 
     def train(self, first_step: int = 0, on_snapshot: Callable[[checkpoint.Snapshot], None] | None = None) -> None:
@@ -206,7 +215,7 @@ class Attempt:
         After every checkpoint_every-th step and the last, the stages also hand
         back a copy of their state, which goes to `on_snapshot`.
         """
-        spec = self.spec
+        spec, top = self.spec, self.topology
         stream = self.plan.stream()
         last = spec.stages - 1
         pending: dict[int, dict[int, torch.futures.Future]] = {}
@@ -222,17 +231,20 @@ class Attempt:
         while finished < spec.steps:
             while issued < spec.steps and issued - finished < STEPS_AHEAD:
                 try:
-                    xs, ys, sizes = stream.micro_batches(issued)
+                    shards = stream.shards(issued)  # per replica: (inputs, targets, sizes) of its micro-batches
                 except Exception as e:  # the job's data set or collate, on a later batch than the plan checked
                     raise JobFailed(f"data: step {issued}: {first_line(e)}", cause=CAUSE_RAISED) from None
                 lr = lr_at(spec, issued)
                 futs = {}
                 want_snapshot = on_snapshot is not None and self.snapshot_after(issued)
-                for k in range(spec.stages):
-                    f = self.stages[k].rpc_async(timeout=0).run_step(
-                        issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, want_snapshot)
-                    f.add_done_callback(_put_when_done(q, (issued, k)))
-                    futs[k] = f
+                for rank in top.ranks():
+                    (xs, ys, sizes), k = shards[top.replica_of(rank)], top.stage_of(rank)
+                    # One copy of each stage's state goes into a checkpoint: replica 0's.
+                    keep = want_snapshot and top.replica_of(rank) == 0
+                    f = self.stages[rank].rpc_async(timeout=0).run_step(
+                        issued, lr, xs if k == 0 else None, ys if k == last else None, sizes, keep)
+                    f.add_done_callback(_put_when_done(q, (issued, rank)))
+                    futs[rank] = f
                 pending[issued], results[issued] = futs, {}
                 issued += 1
             try:
@@ -251,9 +263,10 @@ class Attempt:
             last_news, looking = time.monotonic(), None
             next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
             results[s][k] = self._result(f"at step {s}", k, pending[s][k])
-            while finished in results and len(results[finished]) == spec.stages:
+            while finished in results and len(results[finished]) == top.world:
                 per_stage = results.pop(finished)
                 if "snapshot" in per_stage[0]:
+                    # Replica 0's: ranks 0 .. stages-1 are its stages, in order.
                     parts = [per_stage[k].pop("snapshot") for k in range(spec.stages)]
                     stall = max(per_stage[k]["snapshot_s"] for k in range(spec.stages))
                     snap = checkpoint.Snapshot(finished + 1, parts, checkpoint_meta(self.plan, finished + 1), stall)
@@ -275,7 +288,7 @@ class Attempt:
         heartbeats cannot see): fail now, not at step_timeout_s. A stage that is computing, or idle, or
         does not answer in time proves nothing.
         """
-        spec = self.spec
+        spec, top = self.spec, self.topology
         if looking is not None and all(f.done() for f in looking.answers):
             seen = []
             for k, f in enumerate(looking.answers):
@@ -285,12 +298,12 @@ class Attempt:
                     return None
                 if state != "waiting" or seconds < spec.peer_timeout_s:
                     return None
-                seen.append(f"stage {k} for {what}")
+                seen.append(f"{top.name(k)} for {what}")
             raise JobFailed(f"step {step}: every stage has waited on its neighbours for {spec.peer_timeout_s:.0f}s "
                             f"or more, none computing (a network partition between workers?): {'; '.join(seen)}")
         if looking is not None and time.monotonic() < looking.since + LOOK_TIMEOUT_S:
             return looking  # answers still to come
-        return Looking([self.stages[k].rpc_async(timeout=LOOK_TIMEOUT_S).activity() for k in range(spec.stages)],
+        return Looking([self.stages[k].rpc_async(timeout=LOOK_TIMEOUT_S).activity() for k in top.ranks()],
                        time.monotonic())
 
     def snapshot_after(self, step: int) -> bool:
@@ -299,22 +312,39 @@ class Attempt:
         return step == self.spec.steps - 1 or (every is not None and (step + 1) % every == 0)
 
     def _report(self, step: int, per_stage: dict[int, Any], step_time: float) -> None:
-        spec = self.spec
-        loss = per_stage[spec.stages - 1]["loss_sum"] / spec.data.batch_size
-        stages = [{k: v for k, v in per_stage[k].items() if k not in ("loss_sum", "grad_norm")}
-                  for k in range(spec.stages)]
+        """One step's metrics out of every worker's answer (per_stage: by rank)."""
+        spec, top = self.spec, self.topology
+        # Each replica's last stage summed its shard's losses, each weighted by its micro-batch's size.
+        loss = sum(per_stage[top.rank(r, spec.stages - 1)]["loss_sum"] for r in range(top.replicas))
+        loss /= spec.data.batch_size
+        stages = [{k: v for k, v in per_stage[rank].items() if k not in ("loss_sum", "grad_norm")}
+                  for rank in top.ranks()]
         busy = sum(s["busy_s"] for s in stages)
         span = sum(s["busy_s"] + s["idle_s"] for s in stages)
         self.on_step(StepMetrics(
             step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
             samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
             grad_norm=per_stage[0]["grad_norm"], bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
-            attempt=self.attempt_no, stages=stages,
+            attempt=self.attempt_no, stages=stages, replicas=replica_figures(top, stages),
         ))
 
 
-def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int) -> StageConfig:
-    """What stage k is built with: its layers, the spec's training settings, its device and the data-plane store."""
+def replica_figures(top: Topology, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per replica, out of its stages' figures (by rank): its step time (its slowest stage's, the optimizer
+    step included), its stages' busy seconds, and its bubble."""
+    out = []
+    for r in range(top.replicas):
+        own = [stages[rank] for rank in top.replica_ranks(r)]
+        busy, span = sum(s["busy_s"] for s in own), sum(s["busy_s"] + s["idle_s"] for s in own)
+        out.append({"replica": r, "step_time_s": max(s["busy_s"] + s["idle_s"] for s in own), "busy_s": busy,
+                    "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0})
+    return out
+
+
+def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int,
+                 replica: int = 0) -> StageConfig:
+    """What stage k of `replica` is built with: its layers, the spec's training settings, its device and the
+    data-plane store."""
     spec = plan.spec
     start, end = plan.bounds[k]
     return StageConfig(
@@ -328,6 +358,7 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
         deferred_batch_norm=spec.deferred_batch_norm,
         skip_routes=plan.skip_routes(),
+        replica=replica, replicas=spec.replicas, batch_size=spec.data.batch_size,
     )
 
 
@@ -362,6 +393,7 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     batch, n = spec.data.batch_size, len(plan.dataset)  # type: ignore[arg-type]  # torch's Dataset type has no __len__; the plan checked it
     return {
         "job": spec.name, "steps": spec.steps, "stages": spec.stages, "balance": plan.balance,
+        "replicas": spec.replicas,  # taken from replica 0: one copy of each stage; it resumes with any count
         "data": {"next_step": step, "samples_seen": step * batch, "epoch": step * batch // n,
                  "offset": step * batch % n, "dataset_len": n, "batch_size": batch, "shuffle": spec.data.shuffle},
         "rng": {"seed": spec.seed, "next_step": step,
@@ -417,17 +449,21 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
-    """plan.json: the balance, what it was chosen by, and where each stage runs."""
-    spec = plan.spec
+    """plan.json: the balance, what it was chosen by, where each stage runs (replica 0's copy), and every
+    worker by rank: its replica, stage and placement (`placement`, by rank)."""
+    spec, top = plan.spec, plan.spec.topology
     atomic_write_json(out / "plan.json", {
         "balance": plan.balance,
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
+        "replicas": spec.replicas,
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
              **placement[k]}
             for k, b in enumerate(plan.bounds)
         ],
+        "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n), **placement[n]}
+                    for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
     })
 

@@ -1,4 +1,4 @@
-"""`run`'s workers: one per stage, in the coordinator's process, joining the supervisor as daemons do.
+"""`run`'s workers: one per rank (stage of a replica), in the coordinator's process, joining the supervisor as daemons do.
 
 Each registers with the supervisor, takes its commands (join, abort) from its
 queue, and heartbeats; its attempt processes are started by the same agent a
@@ -21,8 +21,9 @@ from gpipe.worker.agent import Agent
 
 class LocalWorker:
     def __init__(self, sup: Supervisor, rank: int, host: str, device: str, cores: list[int], threads: int,
-                 log_dir: Path):
-        self.sup, self.rank, self.host, self.device, self.log_dir = sup, rank, host, device, log_dir
+                 log: Path):
+        """A worker for `rank`, pinned to `cores`, its attempts' output going to `log`."""
+        self.sup, self.rank, self.host, self.device, self.log = sup, rank, host, device, log
         self.agent = Agent(host, cores, threads, on_change=self.beat)
         self.worker_id = ""
 
@@ -40,7 +41,7 @@ class LocalWorker:
                 self.worker_id = w.id
                 while (cmd := await w.commands.get()) is not None:
                     if isinstance(cmd, Join):
-                        await self.agent.join(cmd, self.log_dir / f"stage-{cmd.stage}.log")
+                        await self.agent.join(cmd, self.log)
                     else:
                         await self.agent.abort(cmd.attempt_id)
                 await self.agent.abort(self.agent.attempt_id)

@@ -1,8 +1,10 @@
 """`gpipe-coordinator run job.yaml`: the whole job on this machine, nothing else to start.
 
 The same supervisor as `serve` (gpipe.coordinator.supervisor) runs the job,
-with one local worker per stage (gpipe.coordinator.local) on its share of this
-machine's cores, all on loopback. So restarts, their backoff and every
+with one local worker per rank (replicas x stages: gpipe.topology;
+gpipe.coordinator.local) on its share of this machine's cores, all on
+loopback. Fewer cores (on a GPU job, GPUs) than workers is refused before
+anything starts, unless `oversubscribe` lets them share. So restarts, their backoff and every
 failure message are `serve`'s: when an attempt fails (a stage raises, a worker
 dies, a wait times out) and `max_restarts` allows, a fresh attempt resumes
 from the last good checkpoint, so the job loses at most the steps since then
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,14 +46,32 @@ def _attempts_logged(out: Path) -> int:
     return n
 
 
-async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool) -> JobRecord:
+def worker_cores(spec: JobSpec, oversubscribe: bool = False) -> list[list[int]]:
+    """Each local worker's cores, by rank: disjoint sets; SpecError when the workers outnumber this machine's
+    cores (or GPUs, for `device: cuda`), unless `oversubscribe` (then they share, round-robin)."""
+    top = spec.topology
+    cores = sorted(os.sched_getaffinity(0))
+    have, what = len(cores), "CPU core(s)"
+    if spec.device == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPU(s)"
+    if top.world > have and not oversubscribe:
+        raise SpecError(f"replicas: {spec.replicas} replica(s) x {spec.stages} stage(s) need {top.world} workers, "
+                        f"but this machine has {have} {what} for them: lower replicas or stages, or let them "
+                        "share with --oversubscribe (env GPIPE_OVERSUBSCRIBE=1)")
+    return split_cores(top.world, cores)
+
+
+async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool,
+               core_sets: list[list[int]]) -> JobRecord:
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     sup = Supervisor(ProcessLauncher(state_dir, HOST, lambda name: state_dir / name / "logs" / "coordinator.log"),
                      say=lambda line: None)
     device = "cuda" if spec.device == "cuda" else "cpu"
-    core_sets = split_cores(spec.stages)
     threads = min(threads_for(c) for c in core_sets)
-    workers = [LocalWorker(sup, k, HOST, device, cores, threads, out / "logs") for k, cores in enumerate(core_sets)]
+    workers = [LocalWorker(sup, k, HOST, device, cores, threads, out / "logs" / spec.topology.log_name(k))
+               for k, cores in enumerate(core_sets)]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
     job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),
@@ -74,10 +95,11 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
 
 
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
-              resume: bool = False) -> Path:
+              resume: bool = False, oversubscribe: bool = False) -> Path:
     """Train `spec` with local workers, restarting from checkpoints; return the job's output directory."""
     t0 = time.monotonic()
-    job = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume))
+    core_sets = worker_cores(spec, oversubscribe)
+    job = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume, core_sets))
     if job.state != JobState.SUCCEEDED:
         message = job.history[-1].message if job.history else "the job did not finish"
         if job.exit_code == EXIT_BAD_INPUT:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
 from gpipe import schedule
@@ -40,7 +41,8 @@ class Plan:
     def stream(self) -> DataStream:
         """The job's data stream (coordinator.data)."""
         d = self.spec.data
-        return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate)
+        return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate,
+                          self.spec.replicas)
 
     def stage_of(self, layer: int) -> int:
         return next(k for k, (start, end) in enumerate(self.bounds) if start <= layer < end)
@@ -96,6 +98,8 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     layers = len(model)
     if spec.stages > layers:
         raise SpecError(f"stages: {spec.stages} stages but the model has only {layers} layers")
+    if spec.replicas > 1 and not spec.deferred_batch_norm:
+        _check_batch_norm(model, spec.replicas)
     dataset = _call("data", spec.data.factory, spec.data.args)
     try:
         n = len(dataset)
@@ -116,9 +120,10 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             collate = resolve(spec.data.collate)
         except LookupError as e:
             raise SpecError(f"data.collate: {e}") from None
-    stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed, collate)
+    stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed, collate,
+                        spec.replicas)
     try:
-        xs, ys, _ = stream.micro_batches(0)
+        xs, ys, _ = stream.shards(0)[0]
     except Exception as e:
         raise SpecError(f"data: the first batch: {first_line(e)}") from None
     skips = probe(model, xs[0], ys[0], loss_fn) if spec.probe else {}
@@ -132,6 +137,15 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     return Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
+
+
+def _check_batch_norm(model: nn.Sequential, replicas: int) -> None:
+    """BatchNorm updating its running statistics per micro-batch cannot equal one device across replicas."""
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, nn.SyncBatchNorm):
+            raise SpecError(f"replicas: {replicas} replicas need deferred_batch_norm: true for the BatchNorm at "
+                            f"{name}: its running statistics are then the whole batch's, once a step, on every "
+                            "replica")
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

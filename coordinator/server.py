@@ -389,7 +389,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         old = sup.workers.get(rank)
         if (old is not None and old.id not in self.streaming  # registered, but never took its commands
                 and sup.clock.monotonic() - old.registered > HEARTBEAT_TIMEOUT_S / 2):
-            sup.drop(old, f"stage {rank}'s worker registered again before it took its commands")
+            sup.drop(old, f"{sup.worker_name(old)} registered again before it took its commands")
         try:
             w = sup.register(rank, request.host, request.device, printable(request.hostname, MAX_HOSTNAME),
                              list(request.cores), request.threads)
@@ -424,7 +424,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         except asyncio.CancelledError:
             # The worker hung up: its daemon died (or restarted). Its rank waits for the next one.
             if self.c.sup.workers.get(w.rank) is w:
-                self.c.sup.drop(w, f"stage {w.rank}'s worker disconnected")
+                self.c.sup.drop(w, f"{self.c.sup.worker_name(w)} disconnected")
             raise
         finally:
             self.streaming.discard(w.id)

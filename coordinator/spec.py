@@ -37,6 +37,7 @@ from gpipe.coordinator import boundedyaml
 from gpipe.errors import SpecError
 from gpipe.optim import OptimizerName
 from gpipe.show import one_line, short
+from gpipe.topology import Topology
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -48,6 +49,8 @@ MAX_NODES = 250_000  # scalars and collections, every alias expanded
 # The numbers in it.
 MAX_STEPS = 10**9  # steps, and every count of steps; well inside int64 on the wire
 MAX_STAGES = 64
+MAX_REPLICAS = 64
+MAX_WORKERS = 256  # replicas x stages: ranks of one c10d world (and one RPC world, with the coordinator)
 MAX_CHUNKS = 4096
 MAX_BATCH_SIZE = 1 << 20
 MAX_LAYERS_PER_STAGE = 10**6
@@ -306,6 +309,12 @@ class JobSpec(_Spec):
         "computing) before the job fails: a network partition between workers, caught before "
         "step_timeout_s.",
     )
+    replicas: Annotated[StrictInt, Range(1, MAX_REPLICAS)] = Field(
+        default=1, description="Data-parallel copies of the pipeline: replicas x stages workers (at most "
+        f"{MAX_WORKERS}). Each step's batch is cut into one contiguous shard per replica, each shard into "
+        "`chunks` micro-batches; the replicas sum their gradients stage by stage, so the weights are "
+        "those of one device on the whole batch.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -340,7 +349,22 @@ class JobSpec(_Spec):
             raise ValueError(
                 f"chunks: {self.chunks} micro-batches exceed data.batch_size {self.data.batch_size}"
             )
+        if self.replicas > 1:
+            self._check_replicas()
         return self
+
+    def _check_replicas(self) -> None:
+        if self.replicas * self.stages > MAX_WORKERS:
+            raise ValueError(f"replicas: {self.replicas} replicas x {self.stages} stages is "
+                             f"{self.replicas * self.stages} workers, over the {MAX_WORKERS} a job may have")
+        if self.replicas * self.chunks > self.data.batch_size:
+            raise ValueError(f"replicas: {self.replicas} replicas x {self.chunks} micro-batches exceed "
+                             f"data.batch_size {self.data.batch_size}")
+
+    @property
+    def topology(self) -> Topology:
+        """Which worker rank serves which stage of which replica (gpipe.topology)."""
+        return Topology(self.stages, self.replicas)
 
 
 def format_validation_error(err: ValidationError) -> str:

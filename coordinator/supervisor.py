@@ -191,7 +191,8 @@ def backoff_s(restart: int) -> float:
 
 
 def _ranks(spec: JobSpec) -> str:
-    return f"ranks 0-{spec.stages - 1}" if spec.stages > 1 else "rank 0"
+    """The ranks a job takes: 0 ... replicas x stages - 1 (gpipe.topology)."""
+    return spec.topology.describe_ranks()
 
 
 def _read_metrics(path: Path, count: int, batch: int = 1000) -> Iterator[list[serde.Event]]:
@@ -378,7 +379,7 @@ class Supervisor:
                 raise RankTaken(f"rank {rank} is held by a live worker on {old.hostname or old.host}, heard from "
                                 f"{silent:.1f}s ago: it is dropped if silent {self.heartbeat_timeout - silent:.1f}s "
                                 "more")
-            self.drop(old, f"stage {rank}'s worker was replaced after {silent:.0f}s of silence")
+            self.drop(old, f"{self.worker_name(old)} was replaced after {silent:.0f}s of silence")
         now = self.clock.monotonic()
         w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, list(cores or []), max(1, threads),
                    now, registered=now)
@@ -386,6 +387,14 @@ class Supervisor:
         self.say(f"worker for rank {rank} registered from {hostname or host} ({w.device})")
         self.wake.set()
         return w
+
+    def worker_name(self, w: Worker) -> str:
+        """"stage 1's worker", or "stage 1 of replica 2's worker (rank 5)" in an attempt of a job with replicas."""
+        for attempt in self.attempts.values():
+            e = self.jobs.get(attempt.job)
+            if attempt.id == w.attempt_id and e is not None and e.spec is not None and e.spec.replicas > 1:
+                return f"{e.spec.topology.name(w.rank)}'s worker (rank {w.rank})"
+        return f"stage {w.rank}'s worker"
 
     def worker(self, worker_id: str) -> Worker | None:
         return next((w for w in self.workers.values() if w.id == worker_id), None)
@@ -398,7 +407,7 @@ class Supervisor:
             return False
         w.last_seen = self.clock.monotonic()
         if ended and exit_code != 0 and attempt_id and w.attempt_id == attempt_id:
-            why = f"stage {w.rank}'s worker process died ({describe_exit(exit_code)})"
+            why = f"{self.worker_name(w)} process died ({describe_exit(exit_code)})"
             self._fail_attempt_of(w, f"{why}: {error}" if error else why)
         self.wake.set()
         return True
@@ -434,7 +443,7 @@ class Supervisor:
         silent = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout]
         everyone = len(silent) > 1 and len(silent) == len(self.workers)
         for w in silent:
-            why = f"stage {w.rank}'s worker missed its heartbeats for {self.heartbeat_timeout:.0f}s"
+            why = f"{self.worker_name(w)} missed its heartbeats for {self.heartbeat_timeout:.0f}s"
             if everyone:
                 why = (f"all {len(silent)} workers missed their heartbeats for {self.heartbeat_timeout:.0f}s "
                        "(the coordinator may be cut off)")
@@ -447,7 +456,7 @@ class Supervisor:
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
                 if waited > spec.restart_timeout_s:
-                    missing = [r for r in range(spec.stages) if r not in self.workers]
+                    missing = [r for r in spec.topology.ranks() if r not in self.workers]
                     who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
                            else "its workers stayed busy")
                     first = f"; the first failure: {job.error}" if job.error else ""
@@ -479,7 +488,7 @@ class Supervisor:
             if now < e.not_before:
                 continue
             with self._own_trouble(e):
-                ranks = list(range(e.job_spec.stages))
+                ranks = e.job_spec.topology.ranks()  # every stage of every replica
                 ready = [self.workers.get(r) for r in ranks]
                 if all(w is not None and w.attempt_id is None and w.last_seen > e.failed_at for w in ready):
                     attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
@@ -543,7 +552,8 @@ class Supervisor:
                     for rank in attempt.ranks:
                         w = self.workers.get(rank)
                         if w is not None and w.attempt_id == attempt.id:
-                            w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.stages,
+                            # The worker's rank and the attempt's workers (Join's stage and stages).
+                            w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.topology.world,
                                                        spec.start_timeout_s, r.secret))
                 elif isinstance(r, report.Metrics):
                     job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])

@@ -15,14 +15,22 @@ from gpipe.errors import SpecError
 
 
 def _actions(step: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
-    """(stage, kind, micro-batch, start s, end s) on a clock shared by the stages."""
+    """(row, kind, micro-batch, start s, end s) on a clock shared by the stages; a row per worker, by rank."""
     t0 = min(s["start_unix"] for s in step["stages"])
     out = []
-    for s in step["stages"]:
+    for row, s in enumerate(step["stages"]):
         off = s["start_unix"] - t0
         for kind, mb, a, b in s["timeline"]:
-            out.append((s["stage"], kind, mb, off + a, off + b))
+            out.append((row, kind, mb, off + a, off + b))
     return out
+
+
+def _labels(step: dict[str, Any]) -> list[str]:
+    """'stage 1' per row, or 'replica 1 stage 0' when the job has replicas."""
+    stages = step["stages"]
+    if any(s.get("replica", 0) for s in stages):
+        return [f"replica {s.get('replica', 0)} stage {s['stage']}" for s in stages]
+    return [f"stage {s['stage']}" for s in stages]
 
 
 def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
@@ -30,9 +38,8 @@ def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"step {step['step']}"}}
     ]
-    for s in step["stages"]:
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s["stage"],
-                       "args": {"name": f"stage {s['stage']}"}})
+    for row, label in enumerate(_labels(step)):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": row, "args": {"name": label}})
     for stage, kind, mb, a, b in _actions(step):
         events.append({
             "ph": "X", "pid": 0, "tid": stage, "name": f"{kind}{mb}",
@@ -58,7 +65,7 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
         ax.barh(stage, (b - a) * 1e3, left=a * 1e3, height=0.8, color=color, edgecolor="black", linewidth=0.4)
         if (b - a) / end > 0.012:
             ax.text((a + b) / 2 * 1e3, stage, f"{kind}{mb}", ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(stages), [f"stage {k}" for k in range(stages)])
+    ax.set_yticks(range(stages), _labels(step))
     ax.invert_yaxis()
     ax.set_xlim(0, end * 1e3)
     ax.set_xlabel("ms since the step started")

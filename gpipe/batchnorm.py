@@ -24,7 +24,11 @@ Conversion is in place: each BatchNorm keeps its parameters, buffers and
 state_dict keys, and gets a subclass (as torch.nn.utils.parametrize does), so
 optimizers and checkpoints see no difference. What a layer has tracked but not
 committed is no buffer, so a checkpoint holds committed statistics only.
-SyncBatchNorm, which synchronizes replicas gpipe does not have, is left as it is.
+SyncBatchNorm is left as it is.
+
+With data-parallel replicas, each copy of a stage tracks its own shard's
+micro-batches; `all_reduce` combines what the copies tracked before they
+commit, so every replica's running statistics are those of the whole batch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -131,3 +136,36 @@ def discard(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, DeferredBatchNorm):
             m._tracked = None
+
+
+@torch.no_grad()
+def all_reduce(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Combine what the deferred BatchNorms of `module` tracked with their copies on the other ranks of `group`
+    (the replicas of a stage), in one all-reduce: each then holds the whole batch's count, mean and squared
+    deviations. Every rank of `group` must call it, with the same layers."""
+    layers = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+    if not layers:
+        return
+    parts = []
+    for m in layers:
+        c = m.num_features
+        device = m.running_mean.device if m.running_mean is not None else torch.device("cpu")
+        if m._tracked is None:
+            parts.append(torch.zeros(1 + 2 * c, dtype=torch.float64, device=device))
+        else:
+            n, mean, m2 = m._tracked
+            # Sums that add up across ranks: count, sum of x, sum of squares about zero.
+            parts.append(torch.cat([mean.new_tensor([float(n)]), mean * n, m2 + mean.square() * n]))
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for m in layers:
+        c = m.num_features
+        count = float(flat[offset])
+        total, squares = flat[offset + 1: offset + 1 + c], flat[offset + 1 + c: offset + 1 + 2 * c]
+        offset += 1 + 2 * c
+        if count == 0:
+            m._tracked = None
+            continue
+        mean = total / count
+        m._tracked = (round(count), mean, squares - mean.square() * count)

@@ -201,7 +201,8 @@ def event_to_pb(e: Event) -> jpb.JobEvent:
     if kind == "state":
         return jpb.JobEvent(state=state_to_pb(value))
     if kind == "metrics":
-        m = jpb.StepMetrics(**{k: value[k] for k in _METRIC_FIELDS if k in value}, stages_json=json.dumps(value["stages"]))
+        m = jpb.StepMetrics(**{k: value[k] for k in _METRIC_FIELDS if k in value}, stages_json=json.dumps(value["stages"]),
+                            replicas_json=json.dumps(value.get("replicas", [])))
         return jpb.JobEvent(metrics=m)
     return jpb.JobEvent(log=value)
 
@@ -213,6 +214,7 @@ def event_from_pb(m: jpb.JobEvent) -> Event:
     if which == "metrics":
         d = {k: getattr(m.metrics, k) for k in _METRIC_FIELDS}
         d["stages"] = json.loads(m.metrics.stages_json or "[]")
+        d["replicas"] = json.loads(m.metrics.replicas_json or "[]")
         return "metrics", d
     return "log", m.log
 

@@ -44,7 +44,8 @@ def wait_for(cond, timeout: float, what: str, every: float = 0.05) -> None:
 class Cli:
     def __init__(self, tmp: Path):
         self.tmp, self.tag = tmp, uuid.uuid4().hex
-        self.env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_TEST_TAG=self.tag)
+        # GPIPE_OVERSUBSCRIBE: `run` lets a test's workers (replicas x stages) share this machine's few cores.
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_TEST_TAG=self.tag, GPIPE_OVERSUBSCRIBE="1")
         self.env.pop("OMP_NUM_THREADS", None)
 
     def write(self, spec: dict, name: str = "job.yaml") -> Path:

@@ -57,10 +57,9 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
         x, y = collate([data[i] for i in idx])
         opt.zero_grad()
         whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
-        sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), chunks)]
-        for i, (xm, ym) in enumerate(zip(split(x, chunks), split(y, chunks), strict=True)):
+        for i, (xm, ym, size) in enumerate(micro_batches(x, y, batch, chunks, spec.get("replicas", 1))):
             out = seeded_forward(layers, xm, seed, step, i)
-            (loss_fn(out, ym) * (sizes[i] / batch)).backward()
+            (loss_fn(out, ym) * (size / batch)).backward()
         if whole_batch:
             whole_batch.update()
         if spec.get("clip_grad_norm"):
@@ -89,6 +88,17 @@ class WholeBatchStatistics:
             for name, b in m.named_buffers():
                 b.copy_(saved[name])
             m(torch.cat(inputs))  # training mode: one update with the whole batch's statistics
+
+
+def micro_batches(x: Any, y: Any, batch: int, chunks: int, replicas: int = 1) -> list[tuple[Any, Any, int]]:
+    """The step's (input, target, size) micro-batches in order: the batch cut into `replicas` contiguous
+    shards, each into `chunks`; replica r's micro-batch i is number r*chunks+i."""
+    out = []
+    for xs, ys, rows in zip(split(x, replicas), split(y, replicas), torch.tensor_split(torch.arange(batch), replicas),
+                            strict=True):
+        sizes = [len(r) for r in torch.tensor_split(rows, chunks)]
+        out += list(zip(split(xs, chunks), split(ys, chunks), sizes, strict=True))
+    return out
 
 
 def split(batch: Any, chunks: int) -> list[Any]:

@@ -98,7 +98,7 @@ class Daemon:
             cmd = serde.command_from_pb(m)
             if isinstance(cmd, serde.Join):
                 await self.agent.join(cmd, self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.stage}.log")
-                self._say(f"joined attempt {cmd.attempt_id} as stage {cmd.stage} of {cmd.stages}")
+                self._say(f"joined attempt {cmd.attempt_id} as rank {cmd.stage} of {cmd.stages}")
             else:
                 await self.agent.abort(cmd.attempt_id)
         raise ConnectionError("the coordinator ended this worker's command stream")

@@ -48,10 +48,11 @@ class Routed(skip.Context):
 
 
 class SkipLinks:
-    """The skip channels of stage `stage`; `group(ranks)` forms a process group (every stage forms them all)."""
+    """The skip channels of stage `stage`; `group(stages)` forms a process group (every stage forms them all),
+    and `rank_of(stage)` is the data-plane rank of a stage of this one's replica."""
 
     def __init__(self, stage: int, routes: list[Route], device: torch.device, timeout: float,
-                 group: Callable[[list[int]], dist.ProcessGroup]):
+                 group: Callable[[list[int]], dist.ProcessGroup], rank_of: Callable[[int], int] = lambda k: k):
         self.leaving = {n: b for n, a, b in routes if a == stage}
         self.arriving = {n: a for n, a, b in routes if b == stage}
         self.send: dict[int, Sender] = {}
@@ -61,11 +62,11 @@ class SkipLinks:
         for a, b in sorted({(a, b) for _, a, b in routes}):
             forward, backward = group([a, b]), group([a, b])  # every stage forms every group, in one order
             if a == stage:
-                self.send[b] = Sender(b, forward, device, f"skips to stage {b}", timeout)
-                self.recv_grad[b] = Receiver(b, backward, device, f"stage {b}'s skip gradients", timeout)
+                self.send[b] = Sender(rank_of(b), forward, device, f"skips to stage {b}", timeout)
+                self.recv_grad[b] = Receiver(rank_of(b), backward, device, f"stage {b}'s skip gradients", timeout)
             elif b == stage:
-                self.recv[a] = Receiver(a, forward, device, f"stage {a}'s skips", timeout)
-                self.send_grad[a] = Sender(a, backward, device, f"skip gradients to stage {a}", timeout)
+                self.recv[a] = Receiver(rank_of(a), forward, device, f"stage {a}'s skips", timeout)
+                self.send_grad[a] = Sender(rank_of(a), backward, device, f"skip gradients to stage {a}", timeout)
 
     def channels(self) -> list[Sender | Receiver]:
         return [*self.send.values(), *self.recv_grad.values(), *self.recv.values(), *self.send_grad.values()]

@@ -30,7 +30,9 @@ from gpipe.optim import optimizer_class
 from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
+from gpipe.topology import Topology
 from gpipe.worker.channel import Receiver, Sender, gradient_message, gradients, wants_grad
+from gpipe.worker.reducer import GradReducer
 from gpipe.worker.skips import Routed, SkipLinks
 
 
@@ -60,6 +62,9 @@ class StageConfig:
     import_paths: list[str] = field(default_factory=list)
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
+    replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
+    replicas: int = 1
+    batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -111,6 +116,9 @@ class Stage:
 
     def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor], resume: StageState | None = None):
         self.cfg = cfg
+        self.topology = Topology(cfg.stages, cfg.replicas)
+        self.rank = self.topology.rank(cfg.replica, cfg.stage)
+        self.mb_offset = cfg.replica * cfg.chunks  # replica r's micro-batch i is the step's r*chunks+i
         add_import_paths(cfg.import_paths)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
@@ -146,36 +154,71 @@ class Stage:
         return state, what, time.monotonic() - since
 
     def _init_data_plane(self) -> None:
-        """Join the stages' process group; forming it may take start_timeout_s, each step's waits step_timeout_s."""
-        cfg = self.cfg
+        """Join the data plane's process groups (gpipe.topology): one c10d world of replicas x stages ranks.
+
+        Forming it may take start_timeout_s, each step's waits step_timeout_s. Every rank forms every group,
+        in one order, as torch requires; each keeps those it is in.
+        """
+        cfg, top, me = self.cfg, self.topology, self.rank
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         start, step = timedelta(seconds=cfg.start_timeout_s), timedelta(seconds=cfg.step_timeout_s)
         store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
-        dist.init_process_group(backend, store=store, rank=cfg.stage, world_size=cfg.stages, timeout=start)
-        ranks = list(range(cfg.stages))
-        # One group per direction, so each communicator carries one ordered stream.
-        forward = dist.new_group(ranks, backend=backend, timeout=start)
-        backward = dist.new_group(ranks, backend=backend, timeout=start)
-        # Formed: from now on a collective (the clipping all-reduce) waits at most a step's timeout. The
-        # channels pass that timeout to each send and receive, since gloo keeps its connect timeout for those.
-        for group in (None, forward, backward):
-            _set_pg_timeout(step, group)
-        k, t = cfg.stage, cfg.step_timeout_s
-        self.recv_act = None if self.first else Receiver(k - 1, forward, self.device, f"stage {k - 1}'s activation", t)
-        self.send_act = None if self.last else Sender(k + 1, forward, self.device, f"activation to stage {k + 1}", t)
-        self.recv_grad = None if self.last else Receiver(k + 1, backward, self.device, f"stage {k + 1}'s gradient", t)
-        self.send_grad = None if self.first else Sender(k - 1, backward, self.device, f"gradient to stage {k - 1}", t)
+        dist.init_process_group(backend, store=store, rank=me, world_size=top.world, timeout=start)
+        _set_pg_timeout(step, None)  # formed: a collective of every rank waits at most a step's timeout
 
-        def pair_group(ranks: list[int]) -> dist.ProcessGroup:
-            group = dist.new_group(ranks, backend=backend, timeout=start)
-            if cfg.stage in ranks:
+        def per_replica(stages: list[int]) -> dist.ProcessGroup:
+            """A group of `stages` in each replica, formed by every rank; this rank's own (GroupMember.NON_GROUP_MEMBER
+            when this rank's stage is not among `stages`)."""
+            if top.replicas == 1 and len(stages) == top.stages:
+                group = dist.new_group(top.ranks(), backend=backend, timeout=start)
                 _set_pg_timeout(step, group)
-            return group
+                return group
+            own: dist.ProcessGroup = dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[assignment]  # torch's sentinel
+            for r in range(top.replicas):
+                ranks = [top.rank(r, k) for k in stages]
+                group = dist.new_group(ranks, backend=backend, timeout=start)
+                if me in ranks:
+                    # The channels pass the step's timeout to each send and receive too, since gloo keeps
+                    # its connect timeout for those.
+                    _set_pg_timeout(step, group)
+                    own = group
+            return own
+
+        # One group per direction, so each communicator carries one ordered stream.
+        every_stage = list(range(top.stages))
+        forward, backward = per_replica(every_stage), per_replica(every_stage)
+        # The gradient-clipping norm: over one replica's stages (after the replicas' gradients are summed,
+        # they are the same in every replica). The world's default group when there is one replica.
+        self.replica_group = per_replica(every_stage) if top.replicas > 1 else None
+        # The copies of this stage: they sum their gradients (and deferred BatchNorm's statistics).
+        self.reducer: GradReducer | None = None
+        self.stage_group: dist.ProcessGroup | None = None
+        if top.replicas > 1:
+            for k in range(top.stages):
+                group = dist.new_group(top.stage_ranks(k), backend=backend, timeout=start)
+                if k == cfg.stage:
+                    _set_pg_timeout(step, group)
+                    self.stage_group = group
+            if self.params and self.stage_group is not None:
+                self.reducer = GradReducer(self.params, self.stage_group, cfg.step_timeout_s)
+        k, t, peer = cfg.stage, cfg.step_timeout_s, self._peer
+        self.recv_act = None if self.first else Receiver(peer(k - 1), forward, self.device,
+                                                         f"stage {k - 1}'s activation", t)
+        self.send_act = None if self.last else Sender(peer(k + 1), forward, self.device,
+                                                      f"activation to stage {k + 1}", t)
+        self.recv_grad = None if self.last else Receiver(peer(k + 1), backward, self.device,
+                                                         f"stage {k + 1}'s gradient", t)
+        self.send_grad = None if self.first else Sender(peer(k - 1), backward, self.device,
+                                                        f"gradient to stage {k - 1}", t)
 
         routes = [(n, a, b) for n, a, b in cfg.skip_routes]
-        self.skips = SkipLinks(k, routes, self.device, t, pair_group)
+        self.skips = SkipLinks(k, routes, self.device, t, per_replica, peer)
         self.channels = [c for c in (self.recv_act, self.send_act, self.recv_grad, self.send_grad) if c] + \
             self.skips.channels()
+
+    def _peer(self, stage: int) -> int:
+        """The rank of `stage` in this stage's replica: its neighbours on the data plane."""
+        return self.topology.rank(self.cfg.replica, stage)
 
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
@@ -186,11 +229,13 @@ class Stage:
     ) -> dict[str, Any]:
         """Run one step of the schedule, then the optimizer; return the step's figures."""
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
-        chunks, batch = len(sizes), sum(sizes)
+        chunks, batch = len(sizes), cfg.batch_size or sum(sizes)
         t_step, start_unix = time.perf_counter(), time.time()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         batchnorm.discard(self.layers)  # what a failed step tracked
+        if self.reducer is not None:
+            self.reducer.reset()  # what a failed step reduced
         if self.recv_act:
             self.recv_act.expect(chunks)
         self.skips.expect(chunks)
@@ -205,15 +250,19 @@ class Stage:
 
         def forward(mb: int, x: Any, ctx: Routed) -> Any:
             with skip.use(ctx):
-                y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
+                y = seeded_forward(self.indexed, x, cfg.seed, step, self.mb_offset + mb)
             if self.last:
                 target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
                 y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
             return y
 
         self._doing("computing")
-        for action in schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks):
+        actions = schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks)
+        last_backward = max(i for i, a in enumerate(actions) if a.kind == "B")
+        for n, action in enumerate(actions):
             mb = action.micro_batch
+            if n == last_backward and self.reducer is not None:
+                self.reducer.arm()  # this backward's gradients are final: sum them across replicas as they come
             if action.kind == "F":
                 if self.first:
                     x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
@@ -281,6 +330,11 @@ class Stage:
                 self._doing("waiting", f"{sender.name} to be sent")
                 sender.flush(timeout)
         t0 = time.perf_counter()
+        if self.reducer is not None:
+            self._doing("waiting", "the other replicas' gradients")
+            self.reducer.finish()  # the replicas' sum: one device's gradient on the whole batch
+        if self.stage_group is not None:
+            batchnorm.all_reduce(self.layers, self.stage_group)  # the whole batch's statistics, every replica's
         if cfg.clip_grad_norm:
             self._doing("waiting", "the other stages' gradient norms")
         grad_norm = self._clip() if cfg.clip_grad_norm else None
@@ -295,6 +349,7 @@ class Stage:
         self._doing("idle")
         return {
             "stage": cfg.stage,
+            "replica": cfg.replica,
             "loss_sum": float(loss_sum) if self.last else None,
             "grad_norm": grad_norm,
             "busy_s": busy,
@@ -316,7 +371,7 @@ class Stage:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
             sq += g.detach().double().pow(2).sum()
-        dist.all_reduce(sq)  # the norm is over all stages' parameters, not this stage's
+        dist.all_reduce(sq, group=self.replica_group)  # over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
         coef = self.cfg.clip_grad_norm / (norm + 1e-6)  # type: ignore[operator]  # called only when clip_grad_norm is set
         if coef < 1.0:

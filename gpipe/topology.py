@@ -1,0 +1,82 @@
+"""Where each worker sits: R replicas of a P-stage pipeline on ranks 0 ... R*P-1.
+
+Worker rank N serves stage N mod P of replica N div P, so the ordinals of a
+Kubernetes StatefulSet of R*P pods are the ranks, and a job with one replica
+numbers its workers by stage as before::
+
+    rank:     0  1  2  3  4  5        (replicas 2, stages 3)
+    replica:  0  0  0  1  1  1
+    stage:    0  1  2  0  1  2
+
+The launcher, the supervisor, the driver and the stages all ask this one
+place. Process groups of the data plane (one c10d world of R*P ranks):
+
+- a replica's ranks {r*P ... r*P+P-1}: its activations and gradients go point
+  to point between neighbours there, and its gradient-clipping norm is summed
+  there;
+- a stage's ranks {k, P+k, 2P+k, ...}: the R copies of stage k sum their
+  gradients (and deferred BatchNorm statistics) there;
+- the default group, every rank: what all of them must agree on.
+
+The RPC world has the coordinator at RPC rank 0 and worker rank N at N+1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def rpc_name(rank: int) -> str:
+    """The RPC worker name of worker rank `rank` (the coordinator is "coordinator")."""
+    return f"worker{rank}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    stages: int
+    replicas: int = 1
+
+    @property
+    def world(self) -> int:
+        """Workers: replicas x stages."""
+        return self.stages * self.replicas
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.stages
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def rank(self, replica: int, stage: int) -> int:
+        return replica * self.stages + stage
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """The ranks of one pipeline, stage 0 first."""
+        return [self.rank(replica, k) for k in range(self.stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks serving stage `stage`, replica 0 first."""
+        return [self.rank(r, stage) for r in range(self.replicas)]
+
+    def ranks(self) -> list[int]:
+        return list(range(self.world))
+
+    def rpc_name(self, rank: int) -> str:
+        return rpc_name(rank)
+
+    def name(self, rank: int) -> str:
+        """'stage 1', or 'stage 1 of replica 2' when there are replicas."""
+        k = self.stage_of(rank)
+        return f"stage {k}" if self.replicas == 1 else f"stage {k} of replica {self.replica_of(rank)}"
+
+    def log_name(self, rank: int) -> str:
+        """A worker's log file under `run`: stage-K.log, replica-R-stage-K.log past replica 0."""
+        r, k = self.replica_of(rank), self.stage_of(rank)
+        return f"stage-{k}.log" if r == 0 else f"replica-{r}-stage-{k}.log"
+
+    def describe_ranks(self) -> str:
+        """'rank 0', 'ranks 0-3' or 'ranks 0-7 (2 replicas x 4 stages)': what a job waits for."""
+        if self.world == 1:
+            return "rank 0"
+        ranks = f"ranks 0-{self.world - 1}"
+        return ranks if self.replicas == 1 else f"{ranks} ({self.replicas} replicas x {self.stages} stages)"

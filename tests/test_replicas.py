@@ -1,0 +1,190 @@
+"""Data parallelism: R copies of the pipeline train as one device does on the whole batch.
+
+Each step's batch is cut into R contiguous shards, each into `chunks`
+micro-batches; the one-device reference (tests/reference.py) runs the same
+R*chunks micro-batches with gradient accumulation, and the weights must agree
+to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from gpipe.coordinator.data import DataStream
+from gpipe.topology import Topology
+from tests import reference
+from tests.conftest import wait_for
+from tests.test_transparency import REGRESSION, check_timeline, job
+
+pytestmark = pytest.mark.multiprocess
+
+DROPOUT = {"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 3}}
+
+
+def run_job(cli, spec: dict, *flags: str):
+    return cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress", *flags)
+
+
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want)
+    return max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+
+
+# -- units --------------------------------------------------------------------------------------
+
+
+def test_topology_maps_ranks_to_replicas_and_stages():
+    top = Topology(stages=3, replicas=2)
+    assert top.world == 6
+    assert [(top.replica_of(n), top.stage_of(n)) for n in top.ranks()] == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert top.replica_ranks(1) == [3, 4, 5] and top.stage_ranks(2) == [2, 5]
+    assert all(top.rank(top.replica_of(n), top.stage_of(n)) == n for n in top.ranks())
+    assert "2 replicas x 3 stages" in top.describe_ranks() and "0-5" in top.describe_ranks()
+    assert Topology(stages=2).describe_ranks() == "ranks 0-1"
+
+
+def test_shards_are_contiguous_and_as_equal_as_possible():
+    data = torch.utils.data.TensorDataset(torch.arange(7.0).unsqueeze(1), torch.arange(7))
+    shards = DataStream(data, batch_size=7, chunks=2, shuffle=False, seed=0, replicas=2).shards(0)
+    assert [sizes for _, _, sizes in shards] == [[2, 2], [2, 1]]
+    xs = [x.flatten().tolist() for shard in shards for x in shard[0]]
+    assert xs == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0]]  # replica r's micro-batch i is number r*chunks+i
+    one = DataStream(data, batch_size=7, chunks=2, shuffle=False, seed=0).shards(0)
+    assert one[0][2] == [4, 3]
+
+
+# -- end to end -------------------------------------------------------------------------------------
+
+CASES = {
+    # 2 replicas x 2 stages, dropout (seeded by the global micro-batch index), momentum, clipping after the sum
+    "2x2-dropout-clip": job(model=DROPOUT, stages=2, replicas=2, chunks=2, clip_grad_norm=0.3),
+    # shards of 4 and 3 (micro-batches 2+2 and 2+1), 1f1b with recomputation, adam
+    "2x2-odd-shards-1f1b-always": job(
+        stages=2, replicas=2, chunks=2, schedule="1f1b", activation_checkpoint="always",
+        data={**REGRESSION, "batch_size": 7}, optimizer={"name": "adam", "lr": 0.01}, steps=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_replicas_equal_one_device(cli, name):
+    spec = CASES[name]
+    r = run_job(cli, spec)
+    assert r.returncode == 0, r.stderr
+    out = cli.tmp / "state" / "t"
+    diff = worst(load_file(out / "model.safetensors"), reference.train(spec))
+    print(f"{name}: largest weight difference {diff:.3g}")
+    assert diff <= 1e-5, f"{name}: weights differ from one device by {diff}"
+
+    R, P = spec["replicas"], spec["stages"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(spec["steps"]))
+    for m in lines:
+        assert [(s["replica"], s["stage"]) for s in m["stages"]] == [(r, k) for r in range(R) for k in range(P)]
+        assert [x["replica"] for x in m["replicas"]] == list(range(R))
+        assert all(x["step_time_s"] > 0 and x["busy_s"] > 0 and 0 <= x["bubble_fraction"] < 1 for x in m["replicas"])
+    plan = json.loads((out / "plan.json").read_text())
+    assert [(w["rank"], w["replica"], w["stage"]) for w in plan["workers"]] == [
+        (r * P + k, r, k) for r in range(R) for k in range(P)]
+    assert len(plan["stages"]) == P and plan["replicas"] == R
+    # one copy of each stage's state in a checkpoint
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert sorted(p.name for p in ckpt.glob("stage-*.safetensors")) == [f"stage-{k}.safetensors" for k in range(P)]
+    assert (out / "logs" / "replica-1-stage-1.log").exists()
+    trace = json.loads((out / "trace.json").read_text())
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert names == [f"replica {r} stage {k}" for r in range(R) for k in range(P)]
+
+
+def test_replicas_with_skips_and_deferred_batch_norm_equal_one_device(cli):
+    """Skip connections per replica; deferred BatchNorm's statistics summed across replicas."""
+    spec = job(model={"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}, stages=3,
+               balance=[1, 2, 3], replicas=2, chunks=2, data={**REGRESSION, "batch_size": 9}, steps=2)
+    r = run_job(cli, spec)
+    assert r.returncode == 0, r.stderr
+    diff = worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
+    print(f"skips: largest weight difference {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_replicas_with_deferred_batch_norm_equal_one_device(cli):
+    bn = {"factory": "tests.models:bn_net", "args": {"width": 8}}
+    data = {"factory": "random_regression", "args": {"n": 40, "in_features": 8, "out_features": 8}, "batch_size": 10}
+    spec = job(model=bn, data=data, stages=2, replicas=2, chunks=2, deferred_batch_norm=True, steps=2,
+               optimizer={"name": "sgd", "lr": 0.1})
+    r = run_job(cli, spec)
+    assert r.returncode == 0, r.stderr
+    got, want = load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec)
+    assert int(got["1.num_batches_tracked"]) == spec["steps"]
+    # A buffer that a forward updates, other than BatchNorm's, is replica 0's: it counted its own micro-batches.
+    assert int(got.pop("3.calls")) == spec["steps"] * spec["chunks"]
+    assert int(want.pop("3.calls")) == spec["steps"] * spec["chunks"] * spec["replicas"]
+    diff = worst(got, want)
+    print(f"deferred BatchNorm: largest difference (weights and running statistics) {diff:.3g}")
+    assert diff <= 1e-5
+
+    # Per micro-batch running statistics cannot equal one device across replicas: refused, nothing started.
+    r = run_job(cli, {**spec, "deferred_batch_norm": False, "name": "bn2"})
+    assert r.returncode == 2, r.stderr
+    assert "replicas" in r.stderr and "deferred_batch_norm" in r.stderr
+    assert not (cli.tmp / "state" / "bn2").exists()
+
+
+def test_a_checkpoint_of_two_replicas_resumes_with_one(cli):
+    """2 steps with 2 replicas x 2 micro-batches, then resumed with 1 replica x 4 micro-batches (the same
+    micro-batches, the same dropout): the weights equal 4 uninterrupted steps."""
+    spec = job(model=DROPOUT, stages=2, replicas=2, chunks=2, steps=4, checkpoint_every=2,
+               optimizer={"name": "adam", "lr": 0.01})
+    r = run_job(cli, {**spec, "steps": 2})
+    assert r.returncode == 0, r.stderr
+    out = cli.tmp / "state" / "t"
+    meta = json.loads((out / "checkpoints" / "step-2" / "checkpoint.json").read_text())
+    assert meta["replicas"] == 2 and meta["data"]["next_step"] == 2
+    r = run_job(cli, {**spec, "replicas": 1, "chunks": 4}, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resuming from checkpoint step-2" in r.stderr
+    got = load_file(out / "model.safetensors")
+    assert worst(got, reference.train({**spec, "steps": 2})) > 1e-4  # it trained on
+    diff = worst(got, reference.train(spec))
+    print(f"resume 2 -> 1 replicas: largest weight difference {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_too_few_cores_is_refused_naming_replicas_and_stages(cli):
+    spec = job(stages=2, replicas=2, chunks=1)
+    env = {k: v for k, v in cli.env.items() if k != "GPIPE_OVERSUBSCRIBE"}
+    cli.env = env
+    cores = len(os.sched_getaffinity(0))
+    if cores >= 4:
+        spec = job(stages=2, replicas=(cores + 2) // 2, chunks=1, data={**REGRESSION, "batch_size": 64})
+    r = run_job(cli, spec)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "replica" in line and "stage" in line and "core" in line and "Traceback" not in r.stderr
+    assert not (cli.tmp / "state" / "t").exists()
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("replicas", 0, "replicas"),
+    ("replicas", 65, "replicas"),
+    ("replicas", 2.0, "replicas"),
+])
+def test_bad_replicas_are_refused(cli, field, value, words):
+    r = cli.run("validate", str(cli.write(job(**{field: value}))))
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_replicas_times_stages_over_the_bound_names_both(cli):
+    r = cli.run("validate", str(cli.write(job(stages=5, replicas=64, data={**REGRESSION, "batch_size": 1024}))))
+    assert r.returncode == 2
+    assert "64 replicas x 5 stages" in r.stderr, r.stderr
+    r = cli.run("validate", str(cli.write(job(stages=2, replicas=4, chunks=3))))  # 12 micro-batches > batch 8
+    assert r.returncode == 2 and "replicas" in r.stderr and "batch_size" in r.stderr, r.stderr
+
