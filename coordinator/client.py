@@ -23,6 +23,8 @@ from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
+    from gpipe.coordinator.spec import JobSpec
+
 EXIT_STOPPED = 3
 EXIT_BY_STATE = {JobState.SUCCEEDED: EXIT_OK, JobState.FAILED: EXIT_FAILED, JobState.STOPPED: EXIT_STOPPED}
 BAD_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,
@@ -99,7 +101,11 @@ class Client:
             rank = f" (rank {job.failed_rank})" if job.failed_rank >= 0 else ""
             first = "" if job.state == JobState.FAILED else "first failure: "
             print(f"error:    {first}{job.error}{rank}")
-        spec_restarts = _max_restarts(job.spec_yaml)
+        spec = _spec(job.spec_yaml)
+        spec_restarts = spec.max_restarts if spec is not None else "?"
+        if spec is not None:
+            # Which ranks the job takes: rank N serves stage N mod stages of replica N div stages.
+            print(f"workers:  {spec.topology.describe_ranks()}")
         print(f"attempts: {job.attempts}, restarts {job.restarts} of {spec_restarts}")
         if job.checkpoint_step:
             print(f"checkpoint: step-{job.checkpoint_step}")
@@ -150,13 +156,13 @@ class Client:
         return EXIT_OK
 
 
-def _max_restarts(spec_yaml: str) -> int | str:
+def _spec(spec_yaml: str) -> JobSpec | None:
     from gpipe.coordinator.spec import parse_spec
 
     try:
-        return parse_spec(spec_yaml).max_restarts
+        return parse_spec(spec_yaml)
     except SpecError:
-        return "?"
+        return None
 
 
 async def _next(

@@ -21,12 +21,16 @@ class Progress:
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if self.tty else None
         self._t0 = time.monotonic()
 
-    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float, samples_per_s: float, replica_times: list[float] | None = None) -> None:
+        """A step done; `replica_times` are the replicas' step times when there are several."""
+        times = "/".join(f"{t:.3f}" for t in replica_times or [])
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s", refresh=False)
+            each = f", replicas {times} s" if len(replica_times or []) > 1 else ""
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{each}", refresh=False)
             self.bar.update(1)
         elif self.enabled and (step % self.every == 0 or step == self.total - 1):
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s",
+            each = f"  replicas {times} s" if len(replica_times or []) > 1 else ""
+            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s{each}",
                   file=sys.stderr, flush=True)
 
     def restart(self, step: int) -> None:
@@ -74,7 +78,8 @@ class Follower:
             if value["step"] <= self.last_step:
                 self.bar.restart(value["step"])
             self.last_step = value["step"]
-            self.bar.update(value["step"], value["loss"], value["samples_per_s"])
+            self.bar.update(value["step"], value["loss"], value["samples_per_s"],
+                            [r["step_time_s"] for r in value.get("replicas", [])])
             return None
         if kind == "state":
             self.states += 1

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from gpipe.coordinator.data import DataStream
 from gpipe.topology import Topology
 from tests import reference
-from tests.conftest import wait_for
-from tests.test_transparency import REGRESSION, check_timeline, job
+from tests.conftest import tagged_pids, wait_for
+from tests.test_transparency import REGRESSION, job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -188,3 +188,66 @@ def test_replicas_times_stages_over_the_bound_names_both(cli):
     r = cli.run("validate", str(cli.write(job(stages=2, replicas=4, chunks=3))))  # 12 micro-batches > batch 8
     assert r.returncode == 2 and "replicas" in r.stderr and "batch_size" in r.stderr, r.stderr
 
+
+
+def test_serve_waits_for_every_rank_of_every_replica_then_equals_one_device(cli):
+    """Under serve a job of 2 replicas x 2 stages takes ranks 0-3: PENDING, naming them, until all four
+    workers are there; then it trains as one device does."""
+    from tests.test_service import Service
+
+    s = Service(cli)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1)
+        spec = {**job(model=DROPOUT, stages=2, replicas=2, chunks=2, steps=3), "name": "dp"}
+        r = s.client("submit", str(cli.write(spec)))
+        assert r.returncode == 0, r.stderr
+        time.sleep(1.0)  # two workers are idle and registered: the job must still wait for ranks 2 and 3
+        r = s.client("status", "dp")
+        assert r.returncode == 0 and "state:    PENDING" in r.stdout, r.stdout
+        assert "ranks 0-3 (2 replicas x 2 stages)" in r.stdout, r.stdout
+        s.start_worker(2)
+        s.start_worker(3)
+        s.wait_for(lambda: (s.state / "dp" / "model.safetensors").exists(), "the job to finish", 120)
+        wait_for(lambda: "SUCCEEDED" in s.client("status", "dp").stdout, 30, "the job to succeed")
+        diff = worst(load_file(s.state / "dp" / "model.safetensors"), reference.train(spec))
+        assert diff <= 1e-5, diff
+        r = s.client("logs", "dp")
+        lines = [json.loads(x) for x in r.stdout.splitlines()]
+        assert [m["step"] for m in lines] == [0, 1, 2]
+        assert all([x["replica"] for x in m["replicas"]] == [0, 1] for m in lines)
+        assert all([st["replica"] for st in m["stages"]] == [0, 0, 1, 1] for m in lines)
+        assert "joined attempt" in s.log("worker3") and "as rank 3 of 4" in s.log("worker3")
+    finally:
+        s.stop_all()
+
+
+def test_a_worker_of_the_second_replica_killed_mid_run_resumes_to_the_same_weights(cli):
+    """SIGKILL stage 1 of replica 1 (rank 3) after step 3: the supervisor names it, restarts every rank from
+    the last checkpoint, and the job ends with one device's weights."""
+    from tests.test_resume import Lines, metrics
+
+    slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
+    spec = {**job(model=slow, stages=2, replicas=2, chunks=2, steps=10, checkpoint_every=2), "name": "t"}
+    out = cli.tmp / "state" / "t"
+    with cli.running("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+        lines = Lines(p)
+        wait_for(lambda: len(metrics(out)) > 3, 90, "step 3")
+        pid = next((pid for pid in tagged_pids(cli.tag) if _log_of(pid).endswith("/replica-1-stage-1.log")), None)
+        assert pid, "no worker process found for replica 1's stage 1"
+        os.kill(pid, signal.SIGKILL)
+        p.wait(timeout=120)
+        err = lines.text()
+    assert p.returncode == 0, err
+    assert "stage 1 of replica 1's worker (rank 3) process died (signal SIGKILL)" in err, err
+    assert "restart 1 of 3" in err
+    assert any(m["attempt"] == 2 for m in metrics(out))
+    assert worst(load_file(out / "model.safetensors"), reference.train(spec)) <= 1e-5
+
+
+def _log_of(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return ""
