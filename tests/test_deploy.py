@@ -220,7 +220,7 @@ def test_workers_take_their_rank_from_the_pod_index(overlay):
     objs = render(overlay)
     sts, pod, c, f = workload(objs, "StatefulSet", "gpipe-worker", "worker")
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
-    assert sts["spec"]["replicas"] == example_spec().stages == 2
+    assert sts["spec"]["replicas"] == example_spec().topology.world == 2  # a worker per stage of each replica
     # The governing Service is headless and selects these pods.
     svc = one(objs, "Service", sts["spec"]["serviceName"])
     assert svc["spec"]["clusterIP"] == "None"
@@ -380,4 +380,4 @@ def test_example_job_submits_the_configmap_spec_and_follows_it(tmp_path: Path):
     spec = example_spec()
     plan = make_plan(spec, tmp_path)
     assert plan.balance == [2, 2] and len(plan.model) == 4
-    assert spec.stages == one(render("overlays/gpu"), "StatefulSet", "gpipe-worker")["spec"]["replicas"]
+    assert spec.topology.world == one(render("overlays/gpu"), "StatefulSet", "gpipe-worker")["spec"]["replicas"]
