@@ -17,36 +17,13 @@ run's median step time. The ideal speed-ups: 2 for 2 replicas, P*M/(M+P-1) =
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import BATCH, CHUNKS, DEPTH, WIDTH, env, run_single  # noqa: E402
-
-
-def run_gpipe(replicas: int, stages: int, steps: int, tmp: Path) -> float:
-    """gpipe's median step time with `replicas` x `stages` workers, the same batch and micro-batches."""
-    name = f"bench-{replicas}x{stages}"
-    spec = {
-        "name": name, "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
-        "stages": stages, "replicas": replicas, "chunks": CHUNKS // replicas,
-        "balance": [DEPTH // stages] * stages,
-        "data": {"factory": "random_regression",
-                 "args": {"n": BATCH, "in_features": WIDTH, "out_features": WIDTH}, "batch_size": BATCH},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 1e-3}, "steps": steps + 3,
-    }
-    job = tmp / f"{name}.yaml"
-    job.write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
-                    "--no-progress"], env=env(), check=True, capture_output=True, timeout=600)
-    lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
-    return statistics.median(json.loads(x)["step_time_s"] for x in lines[3:])
+from step_time import BATCH, CHUNKS, DEPTH, WIDTH, run_gpipe, run_single  # noqa: E402
 
 
 def main() -> None:
@@ -56,8 +33,8 @@ def main() -> None:
     a = ap.parse_args()
     contenders = {
         "one process": (lambda tmp: run_single(a.steps), 1.0),
-        "2 replicas x 1 stage": (lambda tmp: run_gpipe(2, 1, a.steps, tmp), 2.0),
-        "1 replica x 2 stages": (lambda tmp: run_gpipe(1, 2, a.steps, tmp), 2 * CHUNKS / (CHUNKS + 1)),
+        "2 replicas x 1 stage": (lambda tmp: run_gpipe("gpipe", a.steps, tmp, stages=1, replicas=2), 2.0),
+        "1 replica x 2 stages": (lambda tmp: run_gpipe("gpipe", a.steps, tmp, stages=2), 2 * CHUNKS / (CHUNKS + 1)),
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
     with tempfile.TemporaryDirectory() as d:

@@ -65,15 +65,18 @@ def run_pipelining(schedule: str, steps: int) -> float:
     return float(outs[0][0].strip().splitlines()[-1])
 
 
-def run_gpipe(schedule: str, steps: int, tmp: Path) -> float:
+def run_gpipe(schedule: str, steps: int, tmp: Path, stages: int = STAGES, replicas: int = 1) -> float:
+    """gpipe's median step time; with `replicas`, each replica runs CHUNKS / replicas micro-batches of the batch."""
     spec = {
-        "name": f"bench-{schedule}", "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
-        "stages": STAGES, "chunks": CHUNKS, "schedule": schedule, "balance": [DEPTH // 2, DEPTH // 2],
+        "name": f"bench-{schedule}-{replicas}x{stages}",
+        "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
+        "stages": stages, "replicas": replicas, "chunks": CHUNKS // replicas, "schedule": schedule,
+        "balance": [DEPTH // stages] * stages,
         "data": {"factory": "random_regression",
                  "args": {"n": BATCH, "in_features": WIDTH, "out_features": WIDTH}, "batch_size": BATCH},
         "loss": "mse", "optimizer": {"name": "sgd", "lr": 1e-3}, "steps": steps + 3,
     }
-    job = tmp / f"{schedule}.yaml"
+    job = tmp / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec))
     subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
                     "--no-progress"], env=env(), check=True, capture_output=True, timeout=600)
