@@ -61,7 +61,7 @@ def api(tmp_path_factory):
     s.env.update(GPIPE_TOKEN=CLIENT, GPIPE_WORKER_TOKEN=WORKER)
     (c.tmp / "spy.py").write_text(SPY)
     try:
-        s.start_serve()
+        s.start_serve("--validate-memory-mib", "1024")
         code, details, _ = call(s, "SubmitJob", J.SubmitJobRequest(spec_yaml=spec("kept")))
         assert code == grpc.StatusCode.OK, details
         yield s
@@ -336,6 +336,16 @@ def test_validations_run_two_at_a_time_the_rest_wait_or_are_refused_and_get_no_s
         assert not any(CLIENT in v or WORKER in v for v in s["env"].values())
         assert not [t for t in s["fds"].values() if t.startswith("socket:") or "state" in t], s["fds"]
     print(f"{len(validated)} validated, {len(refused)} refused, at most {at_once} at once")
+
+
+def test_a_model_too_big_to_validate_is_one_line_not_the_hosts_memory(api):
+    """A spec's model is built by its validation, bounded to --validate-memory-mib: 3 GiB of weights is refused."""
+    model = {"factory": "mlp", "args": {"width": 16384, "depth": 3}}
+    code, details, _ = call(api, "SubmitJob", submit(spec("too-big", model=model)))
+    assert code == IA and "--validate-memory-mib" in details and "1024 MiB" in details, details
+    assert not (api.state / "too-big").exists()
+    code, details, _ = call(api, "SubmitJob", submit(spec("small-after")))  # and serve goes on
+    assert code == grpc.StatusCode.OK, details
 
 
 def test_other_calls_are_answered_while_a_1MiB_spec_is_parsed_and_validated(api):
