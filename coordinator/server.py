@@ -55,6 +55,7 @@ from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 VALIDATE_TIMEOUT_S = 120.0
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
 MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range
 
 
@@ -331,11 +332,28 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         return serde.job_to_pb(await self._job(request.name, context))
 
     async def ListJobs(self, request, context):
-        # Without their specs (up to 1 MiB each; GetJob has them): the list fits in a message however many.
-        jobs = [serde.job_to_pb(e.record) for e in self.c.sup.jobs.values()]
-        for j in jobs:
+        # A page at a time, each job without its spec (up to 1 MiB) and all but its latest state change:
+        # a page of the largest size fits in a message.
+        size = request.page_size or DEFAULT_PAGE_SIZE
+        if not 1 <= size <= MAX_PAGE_SIZE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"page_size: {request.page_size} is outside 0..{MAX_PAGE_SIZE}")
+        names = list(self.c.sup.jobs)
+        start = 0
+        if request.page_token:
+            try:
+                start = names.index(request.page_token) + 1  # the token is the last name of the page before
+            except ValueError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"page_token: {printable(request.page_token, 80)!r} is no page of this list")
+        jobs = []
+        for name in names[start : start + size]:
+            j = serde.job_to_pb(self.c.sup.jobs[name].record)
             j.ClearField("spec_yaml")
-        return jobs_pb2.ListJobsResponse(jobs=jobs)
+            del j.history[:-1]
+            jobs.append(j)
+        more = start + size < len(names)
+        return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=names[start + size - 1] if more else "")
 
     async def ResumeJob(self, request, context):
         await self._job(request.name, context)

@@ -248,6 +248,9 @@ ROWS = [
                  id="beat-attempt-newline"),
     pytest.param(Row("Commands", W.CommandsRequest(worker_id="f" * 32), NF, "worker_id"), id="commands-unknown"),
     pytest.param(Row("Commands", W.CommandsRequest(worker_id="x" * 100), IA, "worker_id"), id="commands-id-100"),
+    pytest.param(Row("ListJobs", J.ListJobsRequest(page_size=-1), IA, "page_size"), id="list-page-negative"),
+    pytest.param(Row("ListJobs", J.ListJobsRequest(page_size=1001), IA, "page_size"), id="list-page-1001"),
+    pytest.param(Row("ListJobs", J.ListJobsRequest(page_token="no-such-job"), IA, "page_token"), id="list-token"),
     # credentials
     pytest.param(Row("SubmitJob", submit(spec("noauth")), UN, "client token", None), id="submit-no-token"),
     pytest.param(Row("ListJobs", J.ListJobsRequest(), UN, "client token", "wrong"), id="list-wrong-token"),
@@ -403,8 +406,20 @@ def test_after_all_that_serve_answers_and_logged_no_traceback(api):
             J.ListJobsRequest(), metadata=[("authorization", f"Bearer {CLIENT}")], timeout=30).jobs
     names = {j.name for j in jobs}
     assert "kept" in names
+    paged, token = [], ""
+    for _ in range(len(jobs) + 1):  # a page of one at a time: the same jobs in the same order
+        code, _, body = call(api, "ListJobs", J.ListJobsRequest(page_size=1, page_token=token))
+        page = J.ListJobsResponse.FromString(body)
+        assert code == grpc.StatusCode.OK and len(page.jobs) == 1 and len(page.jobs[0].history) == 1
+        paged.append(page.jobs[0].name)
+        if not (token := page.next_page_token):
+            break
+    assert paged == [j.name for j in jobs]
+    (api.tmp / "client-token").write_text(CLIENT)
+    listed = api.client("list", "--auth-token-file", str(api.tmp / "client-token"))
+    assert listed.returncode == 0 and all(n in listed.stdout for n in names), listed.stdout
     # Only valid specs were kept (and the range rows', until ranges are checked): nothing else touched the disk.
     assert {p.name for p in api.state.iterdir()} == names
-    assert names <= {"kept", "bigspec"} | {f"r-{x}" for x in ("batch", "restarts", "inf", "keep", "every", "seed")}
+    assert names <= {"kept", "bigspec", "small-after"} | {f"r-{x}" for x in ("batch", "restarts", "inf", "keep", "every", "seed")}
     log = api.log("serve")
     assert "Traceback" not in log, log[-3000:]
