@@ -102,9 +102,13 @@ class Attempt:
         self.device_of = device_of
         self.on_step = on_step
         self.attempt_no = attempt_no
-        self.topology = plan.spec.topology
         # StageServer of worker rank N, by rank: the first `stages` are replica 0's stages, in order.
         self.stages: list[rpc.RRef] = []
+
+    @property
+    def topology(self) -> Topology:
+        """Which rank serves which stage of which replica."""
+        return self.spec.topology
 
     # -- waiting -------------------------------------------------------------
 

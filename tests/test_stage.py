@@ -18,6 +18,7 @@ from gpipe.coordinator.driver import stage_config
 from gpipe.coordinator.plan import Plan, make_plan
 from gpipe.coordinator.spec import parse_spec
 from gpipe.state import StageState
+from gpipe.topology import Topology
 from gpipe.worker.stage import Stage
 from gpipe.worker.stage_server import StageServer
 from tests import reference
@@ -142,7 +143,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
         return [stage(a) for a in activities]
 
     at = object.__new__(Attempt)
-    at.spec = SimpleNamespace(stages=2, peer_timeout_s=20.0)
+    at.spec = SimpleNamespace(stages=2, peer_timeout_s=20.0, topology=Topology(2))
     at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0),
                           ("waiting", "stage 0's activation of micro-batch 1", 21.0))
     looking = at._look_for_a_partition(7, None)  # asks, and never waits for the answers
@@ -168,7 +169,7 @@ def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
 
     store, port = net.bound_store("127.0.0.1", 10)
     at = object.__new__(Attempt)
-    at.spec, at.plan = SimpleNamespace(stages=2), SimpleNamespace(bounds=[(0, 2), (2, 4)])
+    at.spec, at.plan = SimpleNamespace(stages=2, topology=Topology(2)), SimpleNamespace(bounds=[(0, 2), (2, 4)])
     at.store_port, at.master = port, f"127.0.0.1:{port}"
     net.client_store("127.0.0.1", port, 10).set(f"{net.REACHED_KEY}0", "10.0.0.6")
     why = at._who_did_not_join()
