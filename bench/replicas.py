@@ -17,6 +17,7 @@ run's median step time. The ideal speed-ups: 2 for 2 replicas, P*M/(M+P-1) =
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -37,10 +38,13 @@ def main() -> None:
         "1 replica x 2 stages": (lambda tmp: run_gpipe("gpipe", a.steps, tmp, stages=2), 2 * CHUNKS / (CHUNKS + 1)),
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
+    waits: list[float] = []  # 2 replicas: the median wait for the gradient sums after the backward, per run
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for name, (fn, _) in contenders.items():
                 times[name].append(fn(Path(d)))
+            lines = (Path(d) / "bench-gpipe-2x1" / "metrics.jsonl").read_text().splitlines()[3:]
+            waits.append(statistics.median(max(x["reduce_s"] for x in json.loads(m)["replicas"]) for m in lines))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
                   file=sys.stderr, flush=True)
     base = statistics.median(times["one process"])
@@ -50,6 +54,8 @@ def main() -> None:
     for name, ts in times.items():
         t, ideal = statistics.median(ts), contenders[name][1]
         print(f"{name:24} {t * 1e3:8.1f} {base / t:9.3f} {ideal:6.3f} {base / t / ideal:9.3f}")
+    print(f"2 replicas: waiting for the gradient sums after the backward {statistics.median(waits) * 1e3:.1f} ms "
+          "a step (the all-reduce's part that the backward did not hide)")
 
 
 if __name__ == "__main__":

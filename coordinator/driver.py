@@ -335,13 +335,15 @@ class Attempt:
 
 def replica_figures(top: Topology, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per replica, out of its stages' figures (by rank): its step time (its slowest stage's, the optimizer
-    step included), its stages' busy seconds, and its bubble."""
+    step included), its stages' busy seconds, its bubble, and the longest any of its stages waited for the
+    gradient sums across replicas after its backward (reduce_s: idle, not busy)."""
     out = []
     for r in range(top.replicas):
         own = [stages[rank] for rank in top.replica_ranks(r)]
         busy, span = sum(s["busy_s"] for s in own), sum(s["busy_s"] + s["idle_s"] for s in own)
         out.append({"replica": r, "step_time_s": max(s["busy_s"] + s["idle_s"] for s in own), "busy_s": busy,
-                    "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0})
+                    "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0,
+                    "reduce_s": max(s.get("reduce_s", 0.0) for s in own)})
     return out
 
 

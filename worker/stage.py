@@ -329,12 +329,8 @@ class Stage:
             if isinstance(sender, Sender):
                 self._doing("waiting", f"{sender.name} to be sent")
                 sender.flush(timeout)
+        reduce_s = self._reduce_replicas()
         t0 = time.perf_counter()
-        if self.reducer is not None:
-            self._doing("waiting", "the other replicas' gradients")
-            self.reducer.finish()  # the replicas' sum: one device's gradient on the whole batch
-        if self.stage_group is not None:
-            batchnorm.all_reduce(self.layers, self.stage_group)  # the whole batch's statistics, every replica's
         if cfg.clip_grad_norm:
             self._doing("waiting", "the other stages' gradient norms")
         grad_norm = self._clip() if cfg.clip_grad_norm else None
@@ -350,6 +346,7 @@ class Stage:
         return {
             "stage": cfg.stage,
             "replica": cfg.replica,
+            **({"reduce_s": reduce_s} if cfg.replicas > 1 else {}),
             "loss_sum": float(loss_sum) if self.last else None,
             "grad_norm": grad_norm,
             "busy_s": busy,
@@ -364,6 +361,17 @@ class Stage:
             "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
                                if isinstance(c, Receiver)},
         }
+
+    def _reduce_replicas(self) -> float:
+        """With replicas: wait for the sums of this stage's gradients across replicas (started during the last
+        backward), and sum what deferred BatchNorm tracked. Returns the seconds it waited (not busy time)."""
+        t0 = time.perf_counter()
+        if self.reducer is not None:
+            self._doing("waiting", "the other replicas' gradients")
+            self.reducer.finish()  # the replicas' sum: one device's gradient on the whole batch
+        if self.stage_group is not None:
+            batchnorm.all_reduce(self.layers, self.stage_group)  # the whole batch's statistics, every replica's
+        return time.perf_counter() - t0
 
     def _clip(self) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
