@@ -259,7 +259,7 @@ def _log_of(pid: int) -> str:
 
 def _reduce_on(rank: int, port: int, out: str) -> None:
     """One of two ranks: gradients of 3 micro-batches, the last one's summed across ranks by GradReducer in
-    buckets of 64 bytes; rank 1's last micro-batch leaves one parameter out."""
+    buckets of at most 64 bytes; rank 1's last micro-batch leaves one parameter out, and no rank uses another."""
     import torch.distributed as dist
 
     from gpipe.worker.reducer import GradReducer
@@ -268,8 +268,9 @@ def _reduce_on(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     torch.manual_seed(0)
     w = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(3))]
+    w.append(torch.nn.Parameter(torch.randn(2)))  # no replica's step reaches it
     reducer = GradReducer(w, dist.new_group([0, 1]), 30.0, bucket_bytes=64)
-    assert len(reducer.buckets) == 4  # 64 bytes each: one parameter a bucket
+    assert len(reducer.buckets) == 4  # at most 64 bytes each: 4x4 floats alone, the two small ones together
     g = torch.Generator().manual_seed(rank + 1)
     for mb in range(3):
         x = torch.randn(2, 4, generator=g)
@@ -309,6 +310,7 @@ def test_the_reducer_sums_every_bucket_in_order_even_when_a_replica_skips_a_para
     # The same sums on both ranks, and they are the sums of each rank's own accumulated gradients.
     torch.manual_seed(0)
     w = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(3))]
+    w.append(torch.nn.Parameter(torch.randn(2)))  # no replica's step reaches it
     for rank in range(2):
         g = torch.Generator().manual_seed(rank + 1)
         for mb in range(3):
@@ -318,7 +320,8 @@ def test_the_reducer_sums_every_bucket_in_order_even_when_a_replica_skips_a_para
                 h = h @ w[2]
             (h.sum() + w[3].sum() * (mb + 1)).backward()
     want = [p.grad for p in w]
-    for a, b, c in zip(got[0], got[1], want, strict=True):
+    assert got[0][4] is None and got[1][4] is None and want[4] is None  # as on one device: no gradient at all
+    for a, b, c in zip(got[0][:4], got[1][:4], want[:4], strict=True):
         assert torch.equal(a, b)
         assert torch.allclose(a, c, atol=1e-6)
 

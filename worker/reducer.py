@@ -21,8 +21,9 @@ gradients are equal on every replica, before clipping and the optimizer.
 
 Each replica's last stage weights a micro-batch's loss by its share of the
 whole batch (not of its shard), so the sum is one device's gradient on the
-whole batch, for shards of any size. A parameter no replica's step reached
-gets a zero gradient rather than none.
+whole batch, for shards of any size. Each bucket also sums, per parameter,
+whether a replica had a gradient for it: one that no replica's step reached
+keeps no gradient, as on one device (an optimizer then leaves it be).
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ class GradReducer:
             self._launch(len(self._launched))
 
     def _launch(self, b: int) -> None:
-        grads = [self.params[i].grad for i in self.buckets[b]]
-        flat = torch.cat([g.detach().reshape(-1) if g is not None else torch.zeros(p.numel(), dtype=p.dtype,
-                                                                                      device=p.device)
-                          for g, p in zip(grads, (self.params[i] for i in self.buckets[b]), strict=True)])
+        params = [self.params[i] for i in self.buckets[b]]
+        parts = [p.grad.detach().reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+        had = params[0].new_tensor([float(p.grad is not None) for p in params])  # how many replicas had a gradient
+        flat = torch.cat([*parts, had])
         work = dist.all_reduce(flat, group=self.group, async_op=True)  # the replicas' sum of this bucket
         assert work is not None  # async_op
         self._launched.append((b, work, flat))
@@ -93,11 +94,14 @@ class GradReducer:
             for b, work, flat in self._launched:
                 work.wait(self.timeout)
                 offset = 0
-                for i in self.buckets[b]:
+                had = flat[-len(self.buckets[b]):].tolist()
+                for n, i in enumerate(self.buckets[b]):
                     p = self.params[i]
                     part = flat[offset:offset + p.numel()].view_as(p)
                     offset += p.numel()
-                    if p.grad is None:
+                    if had[n] == 0:
+                        p.grad = None  # no replica's step reached it
+                    elif p.grad is None:
                         p.grad = part.clone()
                     else:
                         p.grad.copy_(part)
