@@ -79,4 +79,5 @@ class Topology:
         if self.world == 1:
             return "rank 0"
         ranks = f"ranks 0-{self.world - 1}"
-        return ranks if self.replicas == 1 else f"{ranks} ({self.replicas} replicas x {self.stages} stages)"
+        stages = f"{self.stages} stage{'s' if self.stages > 1 else ''}"
+        return ranks if self.replicas == 1 else f"{ranks} ({self.replicas} replicas x {stages})"

@@ -50,6 +50,7 @@ def test_topology_maps_ranks_to_replicas_and_stages():
     assert all(top.rank(top.replica_of(n), top.stage_of(n)) == n for n in top.ranks())
     assert "2 replicas x 3 stages" in top.describe_ranks() and "0-5" in top.describe_ranks()
     assert Topology(stages=2).describe_ranks() == "ranks 0-1"
+    assert Topology(stages=1, replicas=2).describe_ranks() == "ranks 0-1 (2 replicas x 1 stage)"
 
 
 def test_shards_are_contiguous_and_as_equal_as_possible():
@@ -60,6 +61,18 @@ def test_shards_are_contiguous_and_as_equal_as_possible():
     assert xs == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0]]  # replica r's micro-batch i is number r*chunks+i
     one = DataStream(data, batch_size=7, chunks=2, shuffle=False, seed=0).shards(0)
     assert one[0][2] == [4, 3]
+
+
+def test_the_progress_line_shows_each_replicas_step_time(capsys):
+    from gpipe.coordinator.progress import Follower, Progress
+
+    follower = Follower("t", Progress(4, enabled=True))
+    follower.show("metrics", {"step": 0, "loss": 0.5, "samples_per_s": 100.0,
+                              "replicas": [{"replica": 0, "step_time_s": 0.25}, {"replica": 1, "step_time_s": 0.5}]})
+    follower.show("metrics", {"step": 1, "loss": 0.4, "samples_per_s": 100.0, "replicas": [{"step_time_s": 0.1}]})
+    err = capsys.readouterr().err.splitlines()
+    assert "replicas 0.250/0.500 s" in err[0]
+    assert "replicas" not in err[1]  # one replica: nothing to compare
 
 
 # -- end to end -------------------------------------------------------------------------------------
@@ -107,8 +120,8 @@ def test_replicas_equal_one_device(cli, name):
     assert names == [f"replica {r} stage {k}" for r in range(R) for k in range(P)]
 
 
-def test_replicas_with_skips_and_deferred_batch_norm_equal_one_device(cli):
-    """Skip connections per replica; deferred BatchNorm's statistics summed across replicas."""
+def test_replicas_with_skip_connections_equal_one_device(cli):
+    """Skip connections jump stages within each replica, on its own channels."""
     spec = job(model={"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}, stages=3,
                balance=[1, 2, 3], replicas=2, chunks=2, data={**REGRESSION, "batch_size": 9}, steps=2)
     r = run_job(cli, spec)
