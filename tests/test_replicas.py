@@ -129,6 +129,12 @@ def test_replicas_with_skip_connections_equal_one_device(cli):
     diff = worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
     print(f"skips: largest weight difference {diff:.3g}")
     assert diff <= 1e-5
+    # Each replica's stage 0 sends its own shard's s (24 floats) and ids (one int64) a sample to its stage 2.
+    for line in (cli.tmp / "state" / "t" / "metrics.jsonl").read_text().splitlines():
+        stages = json.loads(line)["stages"]
+        assert [stages[3 * r]["sent_bytes"]["skips to stage 2"] for r in range(2)] == [5 * (24 * 4 + 8),
+                                                                                      4 * (24 * 4 + 8)]
+        assert [stages[3 * r + 2]["received_bytes"]["stage 0's skips"] for r in range(2)] == [5 * 104, 4 * 104]
 
 
 def test_replicas_with_deferred_batch_norm_equal_one_device(cli):
