@@ -306,6 +306,12 @@ class JobSpec(_Spec):
         "computing) before the job fails: a network partition between workers, caught before "
         "step_timeout_s.",
     )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="The forwards' precision: fp32, or autocast to bf16 or fp16 (weights and optimizer "
+        "state stay fp32; values cross the cuts in that dtype). fp16 adds a dynamic loss scale, one "
+        "for the job: an inf or nan on any stage skips the step everywhere and halves the scale.",
+    )
 
     @field_validator("name")
     @classmethod

@@ -4,6 +4,12 @@ Plain torch only (the model, torch.optim, clip_grad_norm_), apart from the
 documented per-layer seeding of randomness (gpipe.rng), which makes dropout
 independent of where the model is cut.
 
+Precision (the spec's `precision`): bf16 and fp16 run each micro-batch's forward
+under torch.autocast, the loss in float32 (the output cast up, outside autocast);
+fp16 scales the loss with torch.amp.GradScaler (unscale, clip, step or skip, update).
+This is plain one-device autocast: it does not round the values at the cuts as the
+pipeline does (gpipe.precision), which is why bf16 is compared to within 1e-3.
+
 BatchNorm: each micro-batch's forward runs once, in training mode, so it updates
 the running statistics once per micro-batch. With `deferred_batch_norm`, the
 running statistics are set back after the micro-batches, and BatchNorm's own
@@ -25,10 +31,16 @@ from gpipe.rng import seeded_forward
 OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def train(spec: dict[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another."""
     seed = spec.get("seed", 0)
     torch.manual_seed(seed)
-    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
+    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {})).to(device)
+    half = HALF.get(spec.get("precision", "fp32"))
+    scaler = torch.amp.GradScaler(device) if spec.get("precision") == "fp16" else None
     data = resolve(spec["data"]["factory"])(**spec["data"].get("args", {}))
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
     opt_spec = dict(spec["optimizer"])
@@ -55,20 +67,44 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
             ]
         collate = resolve(spec["data"]["collate"]) if spec["data"].get("collate") else default_collate
         x, y = collate([data[i] for i in idx])
+        x, y = to(x, device), to(y, device)
         opt.zero_grad()
         whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
         sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), chunks)]
         for i, (xm, ym) in enumerate(zip(split(x, chunks), split(y, chunks), strict=True)):
-            out = seeded_forward(layers, xm, seed, step, i)
-            (loss_fn(out, ym) * (sizes[i] / batch)).backward()
+            if half is None:
+                out = seeded_forward(layers, xm, seed, step, i)
+            else:
+                with torch.autocast(torch.device(device).type, dtype=half):
+                    out = seeded_forward(layers, xm, seed, step, i)
+                out = out.float()
+            loss = loss_fn(out, ym) * (sizes[i] / batch)
+            (scaler.scale(loss) if scaler else loss).backward()
         if whole_batch:
             whole_batch.update()
+        if scaler:
+            scaler.unscale_(opt)
         if spec.get("clip_grad_norm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_grad_norm"])
-        opt.step()
+        if scaler:
+            scaler.step(opt)  # skipped when a gradient holds inf or nan
+            scaler.update()
+        else:
+            opt.step()
         if sched:
             sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def to(batch: Any, device: str) -> Any:
+    """Every tensor of `batch` on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to(v, device) for v in batch)
+    if isinstance(batch, dict):
+        return {k: to(v, device) for k, v in batch.items()}
+    return batch
 
 
 class WholeBatchStatistics:
