@@ -111,6 +111,8 @@ class Precision:
     def __init__(self, name: str, device: torch.device, scaler_state: Any = None):
         if name not in DTYPES:
             raise ValueError(f"precision: {name!r} is not one of {', '.join(DTYPES)}")
+        if why := unsupported(name, device.type):  # the plan checked the coordinator's torch; this is the worker's
+            raise ValueError(f"precision: {why}")
         self.name, self.device = name, device
         self.dtype = DTYPES[name]
         self.scaler: LossScaler | None = None

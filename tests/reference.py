@@ -9,6 +9,9 @@ under torch.autocast, the loss in float32 (the output cast up, outside autocast)
 fp16 scales the loss with torch.amp.GradScaler (unscale, clip, step or skip, update).
 This is plain one-device autocast: it does not round the values at the cuts as the
 pipeline does (gpipe.precision), which is why bf16 is compared to within 1e-3.
+With `cuts` (the balance), it rounds the output of each stage's last layer there too, as
+the pipeline does (skip connections that cross a cut are not rounded here: the tests'
+are bf16 already).
 
 BatchNorm: each micro-batch's forward runs once, in training mode, so it updates
 the running statistics once per micro-batch. With `deferred_batch_norm`, the
@@ -34,8 +37,12 @@ OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def train(spec: dict[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
-    """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another."""
+def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another.
+
+    `cuts`, layers per stage: with bf16 or fp16, the float32 values between those stages are cast to the
+    autocast dtype, as they are when they cross a cut.
+    """
     seed = spec.get("seed", 0)
     torch.manual_seed(seed)
     model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {})).to(device)
@@ -55,6 +62,10 @@ def train(spec: dict[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
         sched = torch.optim.lr_scheduler.StepLR(opt, s["step_size"], s.get("gamma", 0.1))
     batch, chunks = spec["data"]["batch_size"], spec.get("chunks", 1)
     layers = list(enumerate(model))
+    segments, start = [], 0
+    for n in cuts or [len(layers)]:
+        segments.append(layers[start : start + n])
+        start += n
     model.train()
     for step in range(spec["steps"]):
         idx = [(step * batch + j) % len(data) for j in range(batch)]
@@ -75,8 +86,12 @@ def train(spec: dict[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
             if half is None:
                 out = seeded_forward(layers, xm, seed, step, i)
             else:
+                out = xm
                 with torch.autocast(torch.device(device).type, dtype=half):
-                    out = seeded_forward(layers, xm, seed, step, i)
+                    for k, segment in enumerate(segments):
+                        if k:  # a cut: float32 crosses it in the autocast dtype
+                            out = out.to(half) if out.dtype == torch.float32 else out
+                        out = seeded_forward(segment, out, seed, step, i)
                 out = out.float()
             loss = loss_fn(out, ym) * (sizes[i] / batch)
             (scaler.scale(loss) if scaler else loss).backward()
