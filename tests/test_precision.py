@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -168,6 +170,25 @@ def test_fp16_resume_goes_on_with_the_checkpointed_scale(cli):
     assert checkpoint.load(out / "checkpoints" / "step-3").stages[0].loss_scale == \
         {"scale": 2.0**15, "growth_tracker": 1}
     longer = {**spec, "steps": 5}
+
+    # A checkpoint whose scale is out of range (its manifest made to match) is bad input, naming the field.
+    forged = cli.tmp / "forged"
+    shutil.copytree(cli.tmp / "state", forged)
+    d = forged / "t" / "checkpoints" / "step-3"
+    state = json.loads((d / "stage-0.json").read_text())
+    state["loss_scale"]["scale"] = -1.0
+    (d / "stage-0.json").write_text(json.dumps(state))
+    manifest = json.loads((d / checkpoint.MANIFEST).read_text())
+    data = (d / "stage-0.json").read_bytes()
+    manifest["files"]["stage-0.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    before = (forged / "t" / "metrics.jsonl").read_bytes()
+    r = cli.run("run", str(cli.write(longer)), "--state-dir", str(forged), "--no-progress", "--resume")
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint step-3: loss_scale.scale:") and "-1.0" in last, r.stderr
+    assert (forged / "t" / "metrics.jsonl").read_bytes() == before
+
     run(cli, longer, "--no-progress", "--resume")
     resumed = [m for m in metrics(out) if m["attempt"] == 2]
     assert [(m["step"], m["loss_scale"], m["skipped"]) for m in resumed] == \
