@@ -333,6 +333,7 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         deferred_batch_norm=spec.deferred_batch_norm,
         skip_routes=plan.skip_routes(),
         precision=spec.precision,
+        loss_scale=(spec.loss_scale.init, spec.loss_scale.growth_interval),
     )
 
 

@@ -61,12 +61,13 @@ class LossScaler:
     the scale backs off, else after `growth_interval` good steps it grows.
     """
 
-    INIT = 2.0**16
-    GROWTH, BACKOFF, GROWTH_INTERVAL = 2.0, 0.5, 2000
+    INIT, GROWTH_INTERVAL = 2.0**16, 2000  # the defaults (the spec's loss_scale sets them)
+    GROWTH, BACKOFF = 2.0, 0.5
     MIN, MAX = 2.0**-24, 2.0**64  # what a restored scale may be: fp16's smallest step to far past its range
+    MAX_TRACKER = 10**6  # what a restored count of good steps may be (the spec's largest growth_interval)
 
-    def __init__(self, scale: float = INIT, growth_tracker: int = 0):
-        self.scale, self.growth_tracker = scale, growth_tracker
+    def __init__(self, scale: float = INIT, growth_tracker: int = 0, growth_interval: int = GROWTH_INTERVAL):
+        self.scale, self.growth_tracker, self.growth_interval = scale, growth_tracker, growth_interval
 
     def unscale(self, grads: Sequence[torch.Tensor]) -> bool:
         """Divide `grads` by the scale, in place; True if any holds inf or nan."""
@@ -83,7 +84,7 @@ class LossScaler:
             self.growth_tracker = 0
             return
         self.growth_tracker += 1
-        if self.growth_tracker == self.GROWTH_INTERVAL:
+        if self.growth_tracker >= self.growth_interval:  # >=: a resume may shorten the interval
             self.scale = min(self.scale * self.GROWTH, self.MAX)
             self.growth_tracker = 0
 
@@ -92,23 +93,25 @@ class LossScaler:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker}
 
     @classmethod
-    def from_state(cls, state: Any) -> LossScaler:
-        """The scaler a checkpoint saved; ValueError naming what is wrong with it."""
+    def from_state(cls, state: Any, growth_interval: int = GROWTH_INTERVAL) -> LossScaler:
+        """The scaler a checkpoint saved, growing every `growth_interval` steps; ValueError naming what is
+        wrong with it."""
         if not isinstance(state, dict) or set(state) != {"scale", "growth_tracker"}:
             raise ValueError("loss_scale: not {scale, growth_tracker}")
         scale, tracker = state["scale"], state["growth_tracker"]
         if not (type(scale) in (int, float) and math.isfinite(scale) and cls.MIN <= scale <= cls.MAX):
             raise ValueError(f"loss_scale.scale: must be between 2**-24 and 2**64, got {str(scale)[:40]}")
-        if not (type(tracker) is int and 0 <= tracker < cls.GROWTH_INTERVAL):
+        if not (type(tracker) is int and 0 <= tracker < cls.MAX_TRACKER):
             raise ValueError(f"loss_scale.growth_tracker: must be an integer between 0 and "
-                             f"{cls.GROWTH_INTERVAL - 1}, got {str(tracker)[:40]}")
-        return cls(float(scale), tracker)
+                             f"{cls.MAX_TRACKER - 1}, got {str(tracker)[:40]}")
+        return cls(float(scale), tracker, growth_interval)
 
 
 class Precision:
     """A stage's precision on `device`: its autocast, its cut's dtype and, for fp16, its loss scaler."""
 
-    def __init__(self, name: str, device: torch.device, scaler_state: Any = None):
+    def __init__(self, name: str, device: torch.device, scaler_state: Any = None,
+                 init_scale: float = LossScaler.INIT, growth_interval: int = LossScaler.GROWTH_INTERVAL):
         if name not in DTYPES:
             raise ValueError(f"precision: {name!r} is not one of {', '.join(DTYPES)}")
         if why := unsupported(name, device.type):  # the plan checked the coordinator's torch; this is the worker's
@@ -117,7 +120,8 @@ class Precision:
         self.dtype = DTYPES[name]
         self.scaler: LossScaler | None = None
         if name == "fp16":
-            self.scaler = LossScaler.from_state(scaler_state) if scaler_state is not None else LossScaler()
+            self.scaler = LossScaler(init_scale, 0, growth_interval) if scaler_state is None \
+                else LossScaler.from_state(scaler_state, growth_interval)
 
     def autocast(self) -> Any:
         """The context a forward runs in: autocast to the dtype, or nothing for fp32."""

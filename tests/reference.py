@@ -47,7 +47,11 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
     torch.manual_seed(seed)
     model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {})).to(device)
     half = HALF.get(spec.get("precision", "fp32"))
-    scaler = torch.amp.GradScaler(device) if spec.get("precision") == "fp16" else None
+    scaler = None
+    if spec.get("precision") == "fp16":
+        s = spec.get("loss_scale", {})
+        scaler = torch.amp.GradScaler(device, init_scale=s.get("init", 2.0**16),
+                                      growth_interval=s.get("growth_interval", 2000))
     data = resolve(spec["data"]["factory"])(**spec["data"].get("args", {}))
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
     opt_spec = dict(spec["optimizer"])

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from gpipe import serde
 from gpipe.coordinator import checkpoint
+from gpipe.coordinator.spec import parse_spec
+from gpipe.errors import SpecError
 from gpipe.precision import LossScaler, Precision
 from tests import reference
 
@@ -165,10 +168,13 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(cli, balance):
 
 @pytest.mark.multiprocess
 def test_fp16_resume_goes_on_with_the_checkpointed_scale(cli):
-    spec = overflow_job(at=[2], steps=3)
+    # The scale starts at 1024 and doubles after 2 good steps: step 0 good, step 1 skipped (512), step 2 good,
+    # then the checkpoint; resumed, step 3 is the second good one in a row, so step 4's scale is 1024.
+    spec = overflow_job(at=[2], steps=3, loss_scale={"init": 1024.0, "growth_interval": 2})
     out, _ = run(cli, spec, "--no-progress")
+    assert [m["loss_scale"] for m in metrics(out)] == [1024, 1024, 512]
     assert checkpoint.load(out / "checkpoints" / "step-3").stages[0].loss_scale == \
-        {"scale": 2.0**15, "growth_tracker": 1}
+        {"scale": 512, "growth_tracker": 1}
     longer = {**spec, "steps": 5}
 
     # A checkpoint whose scale is out of range (its manifest made to match) is bad input, naming the field.
@@ -191,9 +197,9 @@ def test_fp16_resume_goes_on_with_the_checkpointed_scale(cli):
 
     run(cli, longer, "--no-progress", "--resume")
     resumed = [m for m in metrics(out) if m["attempt"] == 2]
-    assert [(m["step"], m["loss_scale"], m["skipped"]) for m in resumed] == \
-        [(3, 2.0**15, False), (4, 2.0**15, False)]
-    # The GradOverflow layer's count is a checkpointed buffer: the reference counts on the same way.
+    assert [(m["step"], m["loss_scale"], m["skipped"]) for m in resumed] == [(3, 512, False), (4, 1024, False)]
+    # torch.amp.GradScaler(init_scale=1024, growth_interval=2) on one device; the GradOverflow layer's count
+    # is a checkpointed buffer, so the resumed stage counts on as the reference does.
     assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-5
 
 
@@ -236,6 +242,21 @@ def test_a_precision_the_device_lacks_is_bad_input(cli, precision):
     assert cli.run("validate", str(cli.write(job(precision=precision)))).returncode == 0  # the same job, a torch with it
 
 
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"loss_scale": {"init": 1000.0}}, "loss_scale.init"),  # not a power of two
+    ({"loss_scale": {"init": 2.0**30}}, "loss_scale.init"),
+    ({"loss_scale": {"init": 0.5}}, "loss_scale.init"),
+    ({"loss_scale": {"growth_interval": 0}}, "loss_scale.growth_interval"),
+    ({"loss_scale": {"growth_interval": 2.0}}, "loss_scale.growth_interval"),
+    ({"loss_scale": {"backoff": 0.5}}, "loss_scale.backoff"),
+    ({"loss_scale": {"init": 1024.0}, "precision": "bf16"}, "loss_scale"),  # fp16's alone
+])
+def test_a_bad_loss_scale_is_named(changes, field):
+    with pytest.raises(SpecError, match=f"^{field}: "):
+        parse_spec(yaml.safe_dump({**job(precision="fp16"), **changes}))
+    assert parse_spec(yaml.safe_dump(job(precision="fp16", loss_scale={"init": 1024.0}))).loss_scale.init == 1024
+
+
 # -- the pieces, in process ---------------------------------------------------------------------------------
 
 def test_the_loss_scaler_follows_grad_scalers_schedule():
@@ -253,8 +274,7 @@ def test_the_loss_scaler_follows_grad_scalers_schedule():
     assert (s.scale, s.growth_tracker) == (2.0**15, 0)
     # torch's own scaler, step by step on the same outcomes
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
-    mine = LossScaler(2.0**15)
-    mine.GROWTH_INTERVAL = 3
+    mine = LossScaler(2.0**15, 0, growth_interval=3)
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
     for overflow in [False, False, False, True, False, False, False, False]:
@@ -276,7 +296,7 @@ def test_the_loss_scaler_state_round_trips_and_bad_state_is_named():
     assert LossScaler.from_state(json.loads(json.dumps(s.state()))).state() == s.state()
     for bad, field in [({"scale": float("inf"), "growth_tracker": 0}, "loss_scale.scale"),
                        ({"scale": -1.0, "growth_tracker": 0}, "loss_scale.scale"),
-                       ({"scale": 2.0, "growth_tracker": 2000}, "loss_scale.growth_tracker"),
+                       ({"scale": 2.0, "growth_tracker": 10**6}, "loss_scale.growth_tracker"),
                        ({"scale": 2.0, "growth_tracker": 1.5}, "loss_scale.growth_tracker"),
                        ({"scale": 2.0}, "loss_scale"), ([1, 2], "loss_scale")]:
         with pytest.raises(ValueError, match=f"^{field}"):

@@ -27,7 +27,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.optim import optimizer_class
-from gpipe.precision import Precision
+from gpipe.precision import LossScaler, Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
@@ -62,6 +62,7 @@ class StageConfig:
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
     precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
+    loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -127,7 +128,8 @@ class Stage:
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
         self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) if params else None
-        self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None)
+        self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
+                                   *cfg.loss_scale)
         if resume is not None:
             self._restore(resume)
         self.loss_fn = resolve(cfg.loss) if self.last else None
