@@ -21,16 +21,18 @@ class Progress:
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if self.tty else None
         self._t0 = time.monotonic()
 
-    def update(self, step: int, loss: float, samples_per_s: float, replica_times: list[float] | None = None) -> None:
-        """A step done; `replica_times` are the replicas' step times when there are several."""
+    def update(self, step: int, loss: float, samples_per_s: float, loss_scale: float | None = None,
+               skipped: bool | None = None, replica_times: list[float] | None = None) -> None:
+        """A step ended; fp16 steps also show their loss scale, and whether the step was skipped; with several
+        replicas, each one's step time."""
+        scale = "" if loss_scale is None else f"  loss scale {loss_scale:g}" + (" (skipped)" if skipped else "")
         times = "/".join(f"{t:.3f}" for t in replica_times or [])
+        each = f"  replicas {times} s" if len(replica_times or []) > 1 else ""
         if self.bar is not None:
-            each = f", replicas {times} s" if len(replica_times or []) > 1 else ""
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{each}", refresh=False)
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{scale}{each}", refresh=False)
             self.bar.update(1)
-        elif self.enabled and (step % self.every == 0 or step == self.total - 1):
-            each = f"  replicas {times} s" if len(replica_times or []) > 1 else ""
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s{each}",
+        elif self.enabled and (step % self.every == 0 or step == self.total - 1 or skipped):
+            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s{scale}{each}",
                   file=sys.stderr, flush=True)
 
     def restart(self, step: int) -> None:
@@ -78,8 +80,8 @@ class Follower:
             if value["step"] <= self.last_step:
                 self.bar.restart(value["step"])
             self.last_step = value["step"]
-            self.bar.update(value["step"], value["loss"], value["samples_per_s"],
-                            [r["step_time_s"] for r in value.get("replicas", [])])
+            self.bar.update(value["step"], value["loss"], value["samples_per_s"], value.get("loss_scale"),
+                            value.get("skipped"), [r["step_time_s"] for r in value.get("replicas", [])])
             return None
         if kind == "state":
             self.states += 1

@@ -356,3 +356,40 @@ def test_replicas_on_gpus_equal_one_device(cli):
     diff = worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
     print(f"2 replicas on GPUs: largest weight difference {diff:.3g}")
     assert diff <= 1e-4  # CUDA's float32 kernels against the CPU's
+
+
+def test_fp16_overflow_skips_the_step_on_every_stage_of_every_replica(cli):
+    """fp16 with 2 replicas x 2 stages: an inf gradient at step 1 (stage 0 of each replica, where the
+    GradOverflow layer lives) skips that step on all four ranks, and the one loss scale backs off."""
+    from gpipe.coordinator import checkpoint
+
+    spec = job(model={"factory": "tests.models:overflow_mlp", "args": {"width": 16, "at": [2]}}, balance=[3, 3],
+               stages=2, replicas=2, chunks=2, precision="fp16", optimizer={"name": "adam", "lr": 0.01},
+               checkpoint_every=1, keep_checkpoints=10)
+    r = run_job(cli, spec)
+    assert r.returncode == 0, r.stderr
+    out = cli.tmp / "state" / "t"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped"] for m in lines] == [False, True, False, False]
+    assert [m["loss_scale"] for m in lines] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+    assert [(s["replica"], s["stage"], s["skipped"]) for s in lines[1]["stages"]] == [
+        (0, 0, True), (0, 1, True), (1, 0, True), (1, 1, True)]
+    before, after = (checkpoint.load(out / "checkpoints" / f"step-{s}") for s in (1, 2))
+    for a, b in zip(before.stages, after.stages, strict=True):
+        assert all(torch.equal(t, b.tensors[n]) for n, t in a.tensors.items()
+                   if not n.startswith(("rng/", "model/2.calls")))
+
+
+def test_bf16_replicas_equal_one_device_autocast(cli):
+    """bf16 with 2 replicas x 2 stages: one-device autocast on the same micro-batches, to 1e-3."""
+    spec = job(stages=2, replicas=2, chunks=2, precision="bf16", steps=3)
+    r = run_job(cli, spec)
+    assert r.returncode == 0, r.stderr
+    out = cli.tmp / "state" / "t"
+    got = load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in got.values())
+    balance = json.loads((out / "plan.json").read_text())["balance"]
+    diff = worst(got, reference.train(spec, cuts=balance))
+    print(f"bf16 2 replicas: largest weight difference {diff:.3g}")
+    assert diff <= 1e-3
+    assert worst(got, reference.train({**spec, "precision": "fp32"})) > 10 * max(diff, 1e-6)  # bf16 did run

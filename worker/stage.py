@@ -27,6 +27,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.optim import optimizer_class
+from gpipe.precision import LossScaler, Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
@@ -65,6 +66,8 @@ class StageConfig:
     replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
+    precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
+    loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -133,6 +136,8 @@ class Stage:
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
         self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) if params else None
+        self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
+                                   *cfg.loss_scale)
         if resume is not None:
             self._restore(resume)
         self.loss_fn = resolve(cfg.loss) if self.last else None
@@ -220,6 +225,10 @@ class Stage:
         """The rank of `stage` in this stage's replica: its neighbours on the data plane."""
         return self.topology.rank(self.cfg.replica, stage)
 
+    def autocast(self) -> Any:
+        """The context every forward of this stage runs in (autocast for bf16 and fp16)."""
+        return self.precision.autocast()
+
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
         return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
@@ -231,6 +240,7 @@ class Stage:
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
         chunks, batch = len(sizes), cfg.batch_size or sum(sizes)
         t_step, start_unix = time.perf_counter(), time.time()
+        loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         batchnorm.discard(self.layers)  # what a failed step tracked
@@ -249,11 +259,14 @@ class Stage:
         busy = 0.0
 
         def forward(mb: int, x: Any, ctx: Routed) -> Any:
-            with skip.use(ctx):
+            with skip.use(ctx), self.autocast():
                 y = seeded_forward(self.indexed, x, cfg.seed, step, self.mb_offset + mb)
+            ctx.out = self.precision.cut(ctx.out)  # what leaves the stage travels in the autocast dtype
             if self.last:
                 target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
-                y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
+                y = self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
+            else:
+                y = self.precision.cut(y)
             return y
 
         self._doing("computing")
@@ -312,7 +325,7 @@ class Stage:
                         y = forward(mb, x, ctx)
                     stashed = ctx.out
                 if self.last:
-                    (y * (sizes[mb] / batch)).backward()
+                    self.precision.scaled(y * (sizes[mb] / batch)).backward()  # fp16: times the loss scale
                 else:
                     backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
                 del y, held_x, stashed, skip_grads
@@ -331,12 +344,13 @@ class Stage:
                 sender.flush(timeout)
         reduce_s = self._reduce_replicas()
         t0 = time.perf_counter()
-        if cfg.clip_grad_norm:
+        skipped = self._unscale() if self.precision.scaler else False
+        if cfg.clip_grad_norm and not skipped:
             self._doing("waiting", "the other stages' gradient norms")
-        grad_norm = self._clip() if cfg.clip_grad_norm else None
+        grad_norm = self._clip() if cfg.clip_grad_norm and not skipped else None
         self._doing("computing")
         batchnorm.commit(self.layers)  # deferred BatchNorm: the whole batch's running statistics, once a step
-        if self.optimizer is not None:
+        if self.optimizer is not None and not skipped:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -360,6 +374,7 @@ class Stage:
                            if isinstance(c, Sender)},
             "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
                                if isinstance(c, Receiver)},
+            **({"loss_scale": loss_scale, "skipped": skipped} if self.precision.scaler else {}),
         }
 
     def _reduce_replicas(self) -> float:
@@ -372,6 +387,19 @@ class Stage:
         if self.stage_group is not None:
             batchnorm.all_reduce(self.layers, self.stage_group)  # the whole batch's statistics, every replica's
         return time.perf_counter() - t0
+
+    def _unscale(self) -> bool:
+        """fp16: divide the loss scale out of this stage's gradients; True, on every stage, when any stage's
+        held inf or nan (the step is then skipped everywhere and the scale backs off)."""
+        scaler = self.precision.scaler
+        assert scaler is not None  # called for fp16 only
+        found = scaler.unscale([p.grad for p in self.params if p.grad is not None])
+        self._doing("waiting", "the other stages' overflow checks")
+        flag = torch.tensor(float(found), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one scale for the job: all ranks skip, or none
+        overflow = bool(flag.item())
+        scaler.update(overflow)
+        return overflow
 
     def _clip(self) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
@@ -415,7 +443,10 @@ class Stage:
         tensors[layout.RNG_CPU] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors[layout.RNG_CUDA] = torch.cuda.get_rng_state(self.device)
-        return StageState(tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names})
+        json_state = {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names}
+        if self.precision.scaler is not None:
+            json_state[layout.LOSS_SCALE] = self.precision.scaler.state()
+        return StageState(tensors, json_state)
 
     def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""
