@@ -174,10 +174,6 @@ class Stage:
         def per_replica(stages: list[int]) -> dist.ProcessGroup:
             """A group of `stages` in each replica, formed by every rank; this rank's own (GroupMember.NON_GROUP_MEMBER
             when this rank's stage is not among `stages`)."""
-            if top.replicas == 1 and len(stages) == top.stages:
-                group = dist.new_group(top.ranks(), backend=backend, timeout=start)
-                _set_pg_timeout(step, group)
-                return group
             own: dist.ProcessGroup = dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[assignment]  # torch's sentinel
             for r in range(top.replicas):
                 ranks = [top.rank(r, k) for k in stages]
