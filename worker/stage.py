@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import batchnorm, schedule, skip, structure
+from gpipe import batchnorm, evaluation, schedule, skip, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -60,6 +60,10 @@ class StageConfig:
     import_paths: list[str] = field(default_factory=list)
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
+    # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
+    eval_every: int | None = None
+    eval_batches: int = 0
+    steps: int = 0
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
@@ -309,6 +313,64 @@ class Stage:
             "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
                                if isinstance(c, Receiver)},
         }
+
+    def evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
+                 sizes: list[int]) -> dict[str, Any]:
+        """Eval batch `batch` through the stage: its micro-batches forward in order (fill-drain, no backward),
+        in eval mode, without gradients. The weights, the buffers and the generators are as they were.
+
+        The last stage returns the batch's summed loss (each micro-batch's mean loss times its size).
+        """
+        cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
+        chunks = len(sizes)
+        if self.recv_act:
+            self.recv_act.expect(chunks)
+        self.skips.expect(chunks)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        # A module may update a buffer even in eval mode; and a layer's randomness must not move training's.
+        buffers = [(b, b.clone()) for b in self.layers.buffers()]
+        was_training = self.layers.training
+        self.layers.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+                for mb in range(chunks):
+                    tag = evaluation.tag(mb)
+                    if self.first:
+                        x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
+                    else:
+                        self._doing("waiting", f"stage {cfg.stage - 1}'s activation of eval micro-batch {mb}")
+                        x = self.recv_act.get(tag, timeout)  # type: ignore[union-attr]  # not the first stage
+                    arrived = {}
+                    if self.skips.recv:
+                        self._doing("waiting", f"the skip connections of eval micro-batch {mb}")
+                        arrived = self.skips.receive(tag, timeout)
+                    self._doing("computing")
+                    ctx = self.skips.context(arrived)
+                    with skip.use(ctx):
+                        y = seeded_forward(self.indexed, x, cfg.seed, evaluation.seed_step(batch), mb)
+                    self.skips.send_forward(tag, ctx.out, checkpointed=False)  # nothing requires grad: none back
+                    if self.last:
+                        target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
+                        loss_sum += self.loss_fn(y, target).double() * sizes[mb]  # type: ignore[misc]  # the last stage has a loss
+                    else:
+                        self.send_act.send(tag, y)  # type: ignore[union-attr]  # every stage but the last sends
+            for sender in self.channels:
+                if isinstance(sender, Sender):
+                    self._doing("waiting", f"{sender.name} to be sent")
+                    sender.flush(timeout)
+        finally:
+            self.layers.train(was_training)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            self._doing("idle")
+        return {"stage": cfg.stage, "loss_sum": float(loss_sum) if self.last else None, "samples": sum(sizes),
+                "eval_s": time.perf_counter() - t0}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage's state dict on the CPU, under the un-partitioned model's names."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
 
     def _clip(self) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
