@@ -78,15 +78,16 @@ def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
     lines: list[dict[str, Any]] = []
     for x in text.splitlines():
         try:
-            line = json.loads(x)
+            d = json.loads(x)
         except json.JSONDecodeError:  # a line cut short by a killed attempt
             continue
-        if "eval_loss" not in line:  # an evaluation's line has no step timeline
-            lines.append(line)
+        if "eval_loss" not in d:  # an evaluation's line has no step timeline
+            lines.append(d)
     if not lines:
         raise SpecError(f"{metrics}: no steps logged yet")
     if step is None:
         return lines[-1]
+    line: dict[str, Any]  # reversed() of a list of Any-valued dicts is Any to mypy
     for line in reversed(lines):  # a resumed job ran some steps again: the latest attempt's
         if line["step"] == step:
             return line

@@ -30,7 +30,8 @@ class EvalSchedule:
         """How many eval batches run after `position` steps (before step `position`)."""
         if self.batches == 0:
             return 0
-        due = position == self.steps or (self.every is not None and position > 0 and position % self.every == 0)
+        due = position == self.steps or (self.every is not None and 0 < position < self.steps
+                                         and position % self.every == 0)
         return self.batches if due else 0
 
 
