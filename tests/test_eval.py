@@ -159,6 +159,23 @@ def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     assert abs(m["eval_loss"] - want) < 1e-5
 
 
+def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_device(cli):
+    """Eval micro-batches travel on the activation and skip channels (int64 tensors among them), past a stage."""
+    data = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}
+    spec = job(model={"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}, stages=3,
+               balance=[1, 2, 3], steps=2, keep_best=False, data={**data, "batch_size": 10},
+               eval={"data": {**data, "args": {**data["args"], "n": 25, "seed": 2}, "batch_size": 10}, "every": 1})
+    cli.write(spec)
+    r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [0, 1]
+    for m in evals:
+        want, samples = one_device_eval(spec, m["step"] + 1)
+        assert m["eval_samples"] == samples == 25
+        assert abs(m["eval_loss"] - want) < 1e-5
+
+
 # -- bad input: one line naming the field, exit 2, nothing started --------------------------------------
 
 
