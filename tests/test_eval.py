@@ -26,6 +26,8 @@ from gpipe.evaluation import EvalSchedule
 from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests import reference
 from tests.conftest import Cli, end_leftovers
+from tests.test_service import Service
+from tests.test_service import job as service_job
 
 BN = {"factory": "tests.models:bn_net", "args": {"width": 8}}  # BatchNorm1d/2d, dropout, a call counter
 TRAIN = {"factory": "random_regression", "args": {"n": 40, "in_features": 8, "out_features": 8}, "batch_size": 8}
@@ -174,6 +176,37 @@ def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_dev
         want, samples = one_device_eval(spec, m["step"] + 1)
         assert m["eval_samples"] == samples == 25
         assert abs(m["eval_loss"] - want) < 1e-5
+
+
+def test_serve_shows_and_streams_the_eval_loss_and_keeps_it_across_a_restart(cli):
+    """submit --follow shows each evaluation; status shows the latest; logs streams the eval lines, also
+    once serve restarted and reads them back from metrics.jsonl."""
+    s = Service(cli)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1)
+        spec = service_job("ev", eval={"data": {**HELD_OUT, "args": {**HELD_OUT["args"], "in_features": 16,
+                                                                      "out_features": 16}}, "every": 2})
+        r = s.client("submit", str(cli.write(spec)), "--follow")
+        assert r.returncode == 0, r.stderr + s.log("serve")
+        assert r.stderr.count("eval after step") == 3  # after steps 2 and 4, and the last (5)
+        evals = [m for m in lines(s.state / "ev") if "eval_loss" in m]
+        assert [m["step"] for m in evals] == [1, 3, 4]
+        for restarted in (False, True):
+            if restarted:
+                s.kill("serve")
+                s.start_serve()
+            r = s.client("status", "ev")
+            assert r.returncode == 0 and f"eval:     loss {evals[-1]['eval_loss']:.4f} after step 5" in r.stdout
+            r = s.client("logs", "ev")
+            assert r.returncode == 0
+            streamed = [json.loads(x) for x in r.stdout.splitlines()]
+            assert [(m["step"], m["eval_loss"]) for m in streamed if "eval_loss" in m] == \
+                [(m["step"], m["eval_loss"]) for m in evals]
+            assert [m["step"] for m in streamed if "loss" in m] == list(range(5))
+    finally:
+        s.stop_all()
 
 
 # -- bad input: one line naming the field, exit 2, nothing started --------------------------------------
