@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from gpipe import schedule
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream, EvalStream
-from gpipe.coordinator.probe import probe
+from gpipe.coordinator.probe import probe, probe_eval
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
@@ -138,7 +138,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
     if spec.eval is not None:
-        _plan_eval(plan)
+        _plan_eval(plan, loss_fn)
     return plan
 
 
@@ -166,8 +166,9 @@ def _collate(field: str, ref: str | None) -> Callable[[list[Any]], Any] | None:
         raise SpecError(f"{field}.collate: {e}") from None
 
 
-def _plan_eval(plan: Plan) -> None:
-    """Load and check the evaluation data: pairs, enough batches, a first batch that collates and cuts."""
+def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """Load and check the evaluation data: pairs, enough batches, a first batch that collates and cuts,
+    and (unless probe is false) whose first samples run through the model and the loss."""
     e = plan.spec.eval
     assert e is not None
     plan.eval_dataset, n = _dataset("eval.data", e.data.factory, e.data.args)
@@ -178,9 +179,11 @@ def _plan_eval(plan: Plan) -> None:
         raise SpecError(f"eval.batches: {stream.batches} batches of {e.data.batch_size} need more than the "
                         f"eval set's {n} items ({have} batches)")
     try:
-        stream.micro_batches(0)
+        xs, ys, _ = stream.micro_batches(0)
     except Exception as ex:
         raise SpecError(f"eval.data: the first batch: {first_line(ex)}") from None
+    if plan.spec.probe:
+        probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

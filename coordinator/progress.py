@@ -23,13 +23,13 @@ class Progress:
         self.eval_loss: float | None = None  # the latest evaluation's
 
     def update(self, step: int, loss: float, samples_per_s: float) -> None:
-        latest = f", eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        losses = [f"loss {loss:.4f}"] + ([f"eval loss {self.eval_loss:.4f}"] if self.eval_loss is not None else [])
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}{latest}, {samples_per_s:,.0f} samples/s", refresh=False)
+            self.bar.set_postfix_str(", ".join([*losses, f"{samples_per_s:,.0f} samples/s"]), refresh=False)
             self.bar.update(1)
         elif self.enabled and (step % self.every == 0 or step == self.total - 1):
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}{latest.replace(',', ' ')}  "
-                  f"{samples_per_s:,.0f} samples/s", file=sys.stderr, flush=True)
+            print("  ".join([f"step {step + 1}/{self.total}", *losses, f"{samples_per_s:,.0f} samples/s"]),
+                  file=sys.stderr, flush=True)
 
     def evaluated(self, step: int | None, loss: float, samples: int) -> None:
         """An evaluation after step `step`: a line of its own, and its loss on the progress line from now on."""

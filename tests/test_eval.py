@@ -220,6 +220,7 @@ def inputs_only(n: int = 8) -> TensorDataset:
 @pytest.mark.parametrize(("change", "field"), [
     ({"eval": {"data": {"factory": "tests.test_eval:inputs_only", "batch_size": 4}, "every": 1}}, "eval.data"),
     ({"eval": {"data": HELD_OUT, "every": 1, "batches": 5}}, "eval.batches"),
+    ({"eval": {"data": {**HELD_OUT, "args": {**HELD_OUT["args"], "in_features": 5}}, "every": 1}}, "eval.data"),
     ({"eval": {"data": {**HELD_OUT, "batch_size": 0}, "every": 1}}, "eval.data.batch_size"),
     ({"eval": {"data": HELD_OUT, "every": 0}}, "eval.every"),
     ({"eval": None, "keep_best": True}, "keep_best"),
