@@ -62,6 +62,21 @@ def one_device_eval(spec: dict, steps: int) -> tuple[float, int]:
     return reference.evaluate(spec, reference.train({**spec, "steps": steps}))
 
 
+def run_evals(cli: Cli, spec: dict) -> list[dict]:
+    """Run `spec` to its end; its eval lines."""
+    cli.write(spec)
+    r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
+
+
+def assert_one_device(spec: dict, evals: list[dict], tol: float = 1e-5) -> None:
+    for m in evals:
+        want, samples = one_device_eval(spec, m["step"] + 1)
+        assert m["eval_samples"] == samples
+        assert abs(m["eval_loss"] - want) < tol, (m["step"], m["eval_loss"], want)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same job trained with evaluation (and keep_best) and without: {"eval": Cli, "plain": Cli}."""
@@ -83,11 +98,8 @@ pytestmark = pytest.mark.multiprocess
 
 def test_eval_loss_after_every_step_equals_one_device_evaluation(runs):
     evals = [m for m in lines(runs["eval"].tmp / "st" / "e") if "eval_loss" in m]
-    assert [m["step"] for m in evals] == list(range(STEPS))
-    for m in evals:
-        want, samples = one_device_eval(job(), m["step"] + 1)
-        assert m["eval_samples"] == samples == 30
-        assert abs(m["eval_loss"] - want) < 1e-5, (m["step"], m["eval_loss"], want)
+    assert [m["step"] for m in evals] == list(range(STEPS)) and evals[0]["eval_samples"] == 30
+    assert_one_device(job(), evals)
 
 
 def test_evaluation_changes_nothing_of_training(runs):
@@ -152,26 +164,18 @@ def test_the_eval_verb_evaluates_the_finished_weights_and_the_best(runs):
 def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     spec = job(deferred_batch_norm=True, steps=2, keep_best=False, schedule="gpipe", activation_checkpoint="never",
                eval={"data": {**HELD_OUT, "batch_size": 7}, "every": 2, "batches": 3})
-    cli.write(spec)
-    r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (m,) = [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
-    want, samples = one_device_eval(spec, 2)
-    assert m["step"] == 1 and m["eval_samples"] == samples == 21
-    assert abs(m["eval_loss"] - want) < 1e-5
+    evals = run_evals(cli, spec)
+    assert [(m["step"], m["eval_samples"]) for m in evals] == [(1, 21)]  # 3 batches of 7
+    assert_one_device(spec, evals)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
     spec = job(device="cuda", steps=2, keep_best=False)
-    cli.write(spec)
-    r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    evals = [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
+    evals = run_evals(cli, spec)
     assert [m["step"] for m in evals] == [0, 1]
-    for m in evals:
-        assert abs(m["eval_loss"] - one_device_eval(spec, m["step"] + 1)[0]) < 1e-4
+    assert_one_device(spec, evals, 1e-4)
     cli.write({k: v for k, v in spec.items() if k != "eval"}, "plain.yaml")
     r = cli.run("run", "plain.yaml", "--state-dir", "plain", "--no-progress", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -186,15 +190,9 @@ def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_dev
     spec = job(model={"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}, stages=3,
                balance=[1, 2, 3], steps=2, keep_best=False, data={**data, "batch_size": 10},
                eval={"data": {**data, "args": {**data["args"], "n": 25, "seed": 2}, "batch_size": 10}, "every": 1})
-    cli.write(spec)
-    r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    evals = [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
-    assert [m["step"] for m in evals] == [0, 1]
-    for m in evals:
-        want, samples = one_device_eval(spec, m["step"] + 1)
-        assert m["eval_samples"] == samples == 25
-        assert abs(m["eval_loss"] - want) < 1e-5
+    evals = run_evals(cli, spec)
+    assert [m["step"] for m in evals] == [0, 1] and evals[0]["eval_samples"] == 25
+    assert_one_device(spec, evals)
 
 
 def test_serve_shows_and_streams_the_eval_loss_and_keeps_it_across_a_restart(cli):
