@@ -6,9 +6,9 @@
     rref.rpc_async(timeout=0).run_eval(position, batch, inputs, targets, sizes, weights)
 
 A StageServer owns its Stage, the queue of steps (and eval batches) it was
-sent, and the thread that runs them one at a time, in order, off the RPC threads. Errors come
-back as {"error": "<type>: <first line>"} with the traceback in the worker's
-log, so the coordinator can name the stage in one line.
+sent, and the thread that runs them one at a time, in order, off the RPC
+threads. Errors come back as {"error": "<type>: <first line>"} with the
+traceback in the worker's log, so the coordinator can name the stage in one line.
 """
 
 from __future__ import annotations
