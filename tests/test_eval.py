@@ -28,6 +28,8 @@ from tests import reference
 from tests.conftest import Cli, end_leftovers
 from tests.test_service import Service
 from tests.test_service import job as service_job
+from tests.test_stage import attempt_secret, built, plan_of  # noqa: F401  # attempt_secret: a fixture
+from tests.test_stage import job as stage_job
 
 BN = {"factory": "tests.models:bn_net", "args": {"width": 8}}  # BatchNorm1d/2d, dropout, a call counter
 TRAIN = {"factory": "random_regression", "args": {"n": 40, "in_features": 8, "out_features": 8}, "batch_size": 8}
@@ -109,6 +111,15 @@ def test_evaluation_changes_nothing_of_training(runs):
     for k in without:  # bit for bit: weights, running statistics, the call counter
         assert torch.equal(with_eval[k], without[k]), k
     assert max_diff(with_eval, reference.train(job())) < 1e-5
+    # The checkpoints too: every stage's weights, optimizer state and generator states, bit for bit.
+    for step in (2, 4, 5):
+        for k in range(2):
+            name = f"checkpoints/step-{step}/stage-{k}.safetensors"
+            a = load_file(runs["eval"].tmp / "st" / "e" / name)
+            b = load_file(runs["plain"].tmp / "st" / "e" / name)
+            assert set(a) == set(b) and any(key.startswith("rng/") for key in a)
+            for key in b:
+                assert torch.equal(a[key], b[key]), (name, key)
     steps = [m for m in lines(runs["plain"].tmp / "st" / "e")]
     assert all("eval_loss" not in m for m in steps)
     trained = [m["loss"] for m in lines(runs["eval"].tmp / "st" / "e") if "loss" in m]
@@ -300,6 +311,28 @@ def test_eval_batches_run_between_their_steps_whatever_order_they_arrive_in():
     assert order == [(1, None), (2, 0), (2, 1), (2, None), (3, None)]
     with pytest.raises(ValueError, match="no eval batch"):
         q.put_eval(3, 0, torch.futures.Future(), EvalArgs(0, None, None, [1], False))
+
+
+def test_a_stage_evaluates_in_eval_mode_and_leaves_weights_buffers_and_generators_be():
+    """One stage in this process (tests/test_stage.py): its evaluation equals one device's, and afterwards
+    the global generator, every parameter and buffer, and training mode are as before."""
+    spec = stage_job(model=BN, stages=1, data=TRAIN, eval={"data": HELD_OUT, "every": 1})
+    plan = plan_of(spec)
+    stream = plan.eval_stream()
+    with built(plan, plan.stage_state(0)) as stage:
+        torch.manual_seed(7)
+        generator = torch.get_rng_state()
+        before = {k: v.clone() for k, v in stage.layers.state_dict().items()}
+        total, samples = 0.0, 0
+        for b in range(stream.batches):
+            xs, ys, sizes = stream.micro_batches(b)
+            out = stage.evaluate(b, xs, ys, sizes)
+            total, samples = total + out["loss_sum"], samples + out["samples"]
+        assert torch.equal(torch.get_rng_state(), generator)
+        assert stage.layers.training
+        assert max_diff(stage.layers.state_dict(), before) == 0.0
+    want, n = reference.evaluate(spec, plan.stage_state(0))
+    assert samples == n == 30 and abs(total / samples - want) < 1e-5
 
 
 def test_best_is_replaced_only_by_a_lower_loss_and_read_back_on_resume(tmp_path):
