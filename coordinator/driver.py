@@ -232,7 +232,7 @@ class Attempt:
         results: dict[int, dict[int, Any]] = {}
         q: queue.Queue[tuple[int, int]] = queue.Queue()
         issued, finished = first_step, first_step
-        t_prev = time.perf_counter()
+        t_prev: float | None = time.perf_counter()  # when the previous step ended; None: an evaluation followed it
         deadline = time.monotonic() + spec.step_timeout_s + 10.0
         last_news = time.monotonic()  # when a stage last finished a step
         next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
@@ -281,13 +281,13 @@ class Attempt:
                     assert on_snapshot is not None  # asked for only when there is one
                     on_snapshot(snap)
                 now = time.perf_counter()
-                self._report(finished, per_stage, now - t_prev)
+                self._report(finished, per_stage, now - t_prev if t_prev is not None else _span(per_stage))
                 del pending[finished]
                 t_prev = now
                 finished += 1
                 if self.evals.at(finished):  # after this step, before the next (queued behind it on the stages)
                     self.evaluate(finished)
-                    t_prev = time.perf_counter()  # the evaluation's time is no step's
+                    t_prev = None  # the next step ran behind it on the stages: its time is theirs
                 deadline = time.monotonic() + spec.step_timeout_s + 10.0
 
     def evaluate(self, position: int) -> EvalMetrics:
@@ -373,6 +373,12 @@ class Attempt:
             grad_norm=per_stage[0]["grad_norm"], bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
             attempt=self.attempt_no, stages=stages,
         ))
+
+
+def _span(per_stage: dict[int, Any]) -> float:
+    """A step's time as its stages measured it: the longest any of them took, from its start to its optimizer
+    step (for a step that waited behind an evaluation, which the coordinator's clock cannot tell apart)."""
+    return max(s["busy_s"] + s["idle_s"] for s in per_stage.values())
 
 
 def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int) -> StageConfig:
