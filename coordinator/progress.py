@@ -22,13 +22,17 @@ class Progress:
         self._t0 = time.monotonic()
         self.eval_loss: float | None = None  # the latest evaluation's
 
-    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float, samples_per_s: float, loss_scale: float | None = None,
+               skipped: bool | None = None) -> None:
+        """A step ended; fp16 steps also show their loss scale, and whether the step was skipped; after an
+        evaluation, the latest eval loss shows too."""
         losses = [f"loss {loss:.4f}"] + ([f"eval loss {self.eval_loss:.4f}"] if self.eval_loss is not None else [])
+        scale = "" if loss_scale is None else f"  loss scale {loss_scale:g}" + (" (skipped)" if skipped else "")
         if self.bar is not None:
-            self.bar.set_postfix_str(", ".join([*losses, f"{samples_per_s:,.0f} samples/s"]), refresh=False)
+            self.bar.set_postfix_str(", ".join([*losses, f"{samples_per_s:,.0f} samples/s"]) + scale, refresh=False)
             self.bar.update(1)
-        elif self.enabled and (step % self.every == 0 or step == self.total - 1):
-            print("  ".join([f"step {step + 1}/{self.total}", *losses, f"{samples_per_s:,.0f} samples/s"]),
+        elif self.enabled and (step % self.every == 0 or step == self.total - 1 or skipped):
+            print("  ".join([f"step {step + 1}/{self.total}", *losses, f"{samples_per_s:,.0f} samples/s"]) + scale,
                   file=sys.stderr, flush=True)
 
     def evaluated(self, step: int | None, loss: float, samples: int) -> None:
@@ -83,7 +87,8 @@ class Follower:
             if value["step"] <= self.last_step:
                 self.bar.restart(value["step"])
             self.last_step = value["step"]
-            self.bar.update(value["step"], value["loss"], value["samples_per_s"])
+            self.bar.update(value["step"], value["loss"], value["samples_per_s"], value.get("loss_scale"),
+                            value.get("skipped"))
             return None
         if kind == "eval":
             if self.bar is None:

@@ -58,6 +58,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_FACTORY_CHARS = 256
 MAX_LR = 1000  # lr, min_lr and weight_decay: finite, and a bound no training comes near
 MAX_CLIP_GRAD_NORM = 10**6
+MAX_LOSS_SCALE = 2.0**24
+MAX_GROWTH_INTERVAL = 10**6
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,25 @@ class EvalSpec(_Spec):
     )
 
 
+class LossScaleSpec(_Spec):
+    """fp16's dynamic loss scale: torch.amp.GradScaler's init_scale and growth_interval."""
+
+    init: Annotated[float, Range(1, MAX_LOSS_SCALE)] = Field(
+        default=2.0**16, description="The scale of the first step (and of a resume from a checkpoint "
+        "without one): a power of two.",
+    )
+    growth_interval: Annotated[StrictInt, Range(1, MAX_GROWTH_INTERVAL)] = Field(
+        default=2000, description="Good steps in a row after which the scale doubles.",
+    )
+
+    @field_validator("init")
+    @classmethod
+    def _power_of_two(cls, v: float) -> float:
+        if math.frexp(v)[0] != 0.5:
+            raise ValueError(f"must be a power of two (so that dividing it out is exact), got {v:g}")
+        return v
+
+
 class JobSpec(_Spec):
     """A training job: what to train, how to cut it into stages, and how long."""
 
@@ -336,6 +357,15 @@ class JobSpec(_Spec):
         "computing) before the job fails: a network partition between workers, caught before "
         "step_timeout_s.",
     )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="The forwards' precision: fp32, or autocast to bf16 or fp16 (weights and optimizer "
+        "state stay fp32; values cross the cuts in that dtype). fp16 adds a dynamic loss scale, one "
+        "for the job: an inf or nan on any stage skips the step everywhere and halves the scale.",
+    )
+    loss_scale: LossScaleSpec = Field(
+        default_factory=LossScaleSpec, description="precision fp16: the loss scale's start and growth.",
+    )
 
     eval: EvalSpec | None = Field(
         default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "
@@ -375,6 +405,8 @@ class JobSpec(_Spec):
                 raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps - 1}")
             if self.trace_step % self.log_every and self.trace_step != self.steps - 1:
                 raise ValueError(f"trace_step: step {self.trace_step} is not logged (log_every {self.log_every})")
+        if "loss_scale" in self.model_fields_set and self.precision != "fp16":
+            raise ValueError(f"loss_scale: applies to precision fp16 only, not {self.precision}")
         if self.chunks > self.data.batch_size:
             raise ValueError(
                 f"chunks: {self.chunks} micro-batches exceed data.batch_size {self.data.batch_size}"

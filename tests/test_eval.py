@@ -180,6 +180,20 @@ def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     assert_one_device(spec, evals)
 
 
+def test_bf16_evaluation_runs_under_the_training_autocast(cli):
+    """precision: bf16 evaluates under autocast too: the eval loss of the final weights equals one-device
+    autocast evaluation of them (rounded at the same cut) to within 1e-3, and differs from float32's."""
+    spec = job(model={"factory": "mlp", "args": {"width": 16, "depth": 3, "in_features": 8, "out_features": 8}},
+               precision="bf16", steps=2, keep_best=False)
+    evals = run_evals(cli, spec)
+    out = cli.tmp / "st" / "e"
+    weights, cuts = load_file(out / "model.safetensors"), json.loads((out / "plan.json").read_text())["balance"]
+    want, _ = reference.evaluate(spec, weights, cuts)
+    fp32, _ = reference.evaluate({**spec, "precision": "fp32"}, weights)
+    assert abs(evals[-1]["eval_loss"] - want) < 1e-3, (evals[-1]["eval_loss"], want, fp32)
+    assert abs(evals[-1]["eval_loss"] - fp32) > abs(evals[-1]["eval_loss"] - want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
