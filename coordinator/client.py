@@ -107,6 +107,8 @@ class Client:
             # Which ranks the job takes: rank N serves stage N mod stages of replica N div stages.
             print(f"workers:  {spec.topology.describe_ranks()}")
         print(f"attempts: {job.attempts}, restarts {job.restarts} of {spec_restarts}")
+        if job.eval_step >= 0:
+            print(f"eval:     loss {job.eval_loss:.4f} after step {job.eval_step + 1}")
         if job.checkpoint_step:
             print(f"checkpoint: step-{job.checkpoint_step}")
         print(f"output:   {job.output_dir}\nhistory:")
@@ -144,7 +146,7 @@ class Client:
                 if m is None:
                     break
                 kind, value = serde.event_from_pb(m)
-                if kind == "metrics":
+                if kind in ("metrics", "eval"):
                     print(json.dumps(value), flush=True)
                 elif kind == "state":
                     print(f"{name}: {value.state.value}" + (f": {value.message}" if value.message else ""),
