@@ -393,3 +393,23 @@ def test_bf16_replicas_equal_one_device_autocast(cli):
     print(f"bf16 2 replicas: largest weight difference {diff:.3g}")
     assert diff <= 1e-3
     assert worst(got, reference.train({**spec, "precision": "fp32"})) > 10 * max(diff, 1e-6)  # bf16 did run
+
+
+def test_replica_0_evaluates_and_the_eval_verb_runs_one_pipeline(cli):
+    """Evaluation with 2 replicas x 2 stages: replica 0 alone evaluates, between the steps, and the eval loss
+    equals one device's on the same weights; the eval verb evaluates the finished weights on one pipeline."""
+    from tests.test_eval import assert_one_device, lines
+    from tests.test_eval import job as eval_job
+
+    spec = eval_job(replicas=2, chunks=2, deferred_batch_norm=True, steps=3)  # micro-batches of 2: BatchNorm
+    cli.write(spec)
+    r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [0, 1, 2]
+    assert_one_device(spec, evals)
+    r = cli.run("eval", "job.yaml", "--state-dir", "st", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert abs(json.loads(r.stdout)["loss"] - evals[-1]["eval_loss"]) < 1e-9
+    assert sorted(p.name for p in (cli.tmp / "st" / "e" / "logs" / "eval").glob("*stage-*.log")) == [
+        "stage-0.log", "stage-1.log"]  # one pipeline
