@@ -31,8 +31,8 @@ import torch
 import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
-from gpipe import net
-from gpipe.coordinator import checkpoint, timeline
+from gpipe import net, stream
+from gpipe.coordinator import checkpoint, streaming, timeline
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import (
@@ -45,7 +45,7 @@ from gpipe.errors import (
 )
 from gpipe.files import atomic_write, atomic_write_json
 from gpipe.show import first_line
-from gpipe.state import StageState, layer_of
+from gpipe.state import OPTIM, RNG, layer_of, model_key
 from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
 
@@ -182,23 +182,40 @@ class Attempt:
                 "check that these addresses reach one another (gpipe-worker --host sets a worker's)")
 
     def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
-        """Create every stage on its worker, with the plan's initial weights or, resuming, a checkpoint's state.
+        """Create every stage on its worker, then send each its weights (init exact) or, resuming, its slice of
+        the checkpoint, in pieces (coordinator.streaming), and start them all.
 
         Returns each stage's figures (parameters, pid, threads) once all are built.
         """
         spec = self.spec
-        parts = resume_parts(self.plan, resume) if resume is not None else None
-        futs = {}
+        slices = resume_parts(self.plan, resume) if resume is not None else None
         for k in range(spec.stages):
             cfg = stage_config(self.plan, k, self.device_of(k), self.store_host, self.store_port)
-            if parts is None:
-                args: tuple[Any, ...] = (asdict(cfg), self.plan.stage_state(k))
-            else:
-                args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]  # parts is set only when resume is
-            rref = rpc.remote(f"stage{k}", StageServer, args=args, timeout=spec.start_timeout_s)
-            self.stages.append(rref)
-            futs[k] = rref.rpc_async(timeout=spec.start_timeout_s).built()
+            args = (asdict(cfg), None, resume.step if resume is not None else 0)
+            self.stages.append(rpc.remote(f"stage{k}", StageServer, args=args, timeout=spec.start_timeout_s))
+        for k in range(spec.stages):
+            self._send_state(k, slices[k] if slices is not None else None, resume)
+        exact = spec.init == "exact"
+        futs = {k: self.stages[k].rpc_async(timeout=spec.start_timeout_s).start(
+                    slices[k].json_state if slices is not None else None, exact) for k in range(spec.stages)}
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
+
+    def _send_state(self, k: int, part: streaming.StageSlice | None, resume: checkpoint.Loaded | None) -> None:
+        """Stage k's initial tensors, a piece at a time: the plan's weights (init exact), a checkpoint's slice,
+        or nothing (init per_layer: the stage made its own)."""
+        spec, rref = self.spec, self.stages[k]
+
+        def check(fut: torch.futures.Future[Any]) -> None:
+            self._result("while receiving its state", k, fut)
+
+        if part is None:
+            if spec.init == "exact":
+                weights = {model_key(n): t for n, t in self.plan.stage_state(k).items()}
+                streaming.send_pieces(rref, stream.pieces(weights), spec.start_timeout_s, check)
+            return
+        assert resume is not None  # a slice is of a checkpoint
+        check(rref.rpc_async(timeout=spec.start_timeout_s).expect(part.declared))
+        streaming.send_pieces(rref, part.pieces(resume), spec.start_timeout_s, check)
 
     def train(self, first_step: int = 0, on_snapshot: Callable[[checkpoint.Snapshot], None] | None = None) -> None:
         """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends.
@@ -254,7 +271,8 @@ class Attempt:
             while finished in results and len(results[finished]) == spec.stages:
                 per_stage = results.pop(finished)
                 if "snapshot" in per_stage[0]:
-                    parts = [per_stage[k].pop("snapshot") for k in range(spec.stages)]
+                    parts = [streaming.from_stage(self.stages[k], per_stage[k].pop("snapshot"), spec.step_timeout_s)
+                             for k in range(spec.stages)]
                     stall = max(per_stage[k]["snapshot_s"] for k in range(spec.stages))
                     snap = checkpoint.Snapshot(finished + 1, parts, checkpoint_meta(self.plan, finished + 1), stall)
                     assert on_snapshot is not None  # asked for only when there is one
@@ -373,13 +391,14 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     }
 
 
-def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], StageState]]:
-    """Per stage: (its weights, its optimizer and RNG state) out of checkpoint `ck`, cut by the plan's balance.
+def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice]:
+    """Per stage: where its weights, optimizer and RNG state are in checkpoint `ck`, cut by the plan's balance.
 
-    The checkpoint names every tensor by the un-partitioned model, so it fits
-    any balance; the RNG states are restored only when the stage count is the same.
-    A checkpoint that does not fit the job (another model or data set) is bad
-    input: SpecError, and no restart would help.
+    Only the checkpoint's headers are read here; the tensors go from disk to the
+    stages (Attempt.build). The checkpoint names every tensor by the
+    un-partitioned model, so it fits any balance; the RNG states are restored
+    only when the stage count is the same. A checkpoint that does not fit the
+    job (another model or data set) is bad input: SpecError, and no restart would help.
     """
     where = f"checkpoint {ck.path.name}"
     n = len(plan.dataset)  # type: ignore[arg-type]  # torch's Dataset type has no __len__; the plan checked it
@@ -388,32 +407,41 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
                         f"items; this job's has {n}")
     if ck.step > plan.spec.steps:
         raise SpecError(f"{where} is past the job's last step ({plan.spec.steps})")
-    weights = ck.model_state()
+    weights = ck.model_entries()
     want = plan.model.state_dict()
     for name, t in want.items():
-        got = weights.get(name)
-        if got is None or got.shape != t.shape or got.dtype != t.dtype:
-            what = "has no" if got is None else f"has {tuple(got.shape)} {got.dtype} for"
+        k, src = weights.get(name, (0, ""))
+        got = ck.shards[k].entries.get(src)
+        if got is None or got[1] != list(t.shape) or got[0] != t.dtype:
+            what = "has no" if got is None else f"has {tuple(got[1])} {got[0]} for"
             raise SpecError(f"{where} does not fit the model: it {what} {name} ({tuple(t.shape)} {t.dtype})")
     if set(weights) - set(want):
         raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
     scalars: dict[str, Any] = {}
-    for st in ck.stages:
-        scalars.update(st.optimizer_scalars)
-    same = len(ck.stages) == plan.spec.stages
-    parts = []
+    for sh in ck.shards:
+        scalars.update(sh.json_state.get("optimizer_state", {}))
+    same = len(ck.shards) == plan.spec.stages
+    slices = []
     for k in range(plan.spec.stages):
-        # Non-persistent buffers are not in a state dict: they are the model's own.
-        state = {name: weights.get(name, initial) for name, initial in plan.stage_state(k).items()}
-        layers = {layer_of(name) for name in state}
-        tensors: dict[str, torch.Tensor] = {}
-        for st in ck.stages:
-            tensors.update(st.optim_tensors_for(layers))
-        if same:
-            tensors.update(ck.stages[k].rng())
-        groups = ck.stages[k if same else 0].param_groups
-        parts.append((state, StageState(tensors, {"param_groups": groups, "optimizer_state": scalars})))
-    return parts
+        part = streaming.StageSlice()
+        layers = set()
+        for name, initial in plan.stage_state(k).items():
+            layers.add(layer_of(name))
+            if name in weights:
+                part.from_disk[model_key(name)] = weights[name]
+            elif plan.spec.init == "exact":  # non-persistent buffers are not in a state dict: the model's own
+                part.in_memory[model_key(name)] = initial
+        for j, sh in enumerate(ck.shards):
+            for key in sh.entries:
+                optim = key.startswith(OPTIM) and layer_of(key.removeprefix(OPTIM)) in layers
+                if optim or (same and j == k and key.startswith(RNG)):
+                    part.from_disk[key] = (j, key)
+                    dtype, shape, _, _ = sh.entries[key]
+                    part.declared[key] = (stream.DTYPES[dtype], shape)
+        groups = ck.shards[k if same else 0].json_state.get("param_groups", [])
+        part.json_state = {"param_groups": groups, "optimizer_state": scalars}
+        slices.append(part)
+    return slices
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
@@ -500,8 +528,10 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
             writer.close()
         except OSError as e:
             raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None
-        weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]  # no final snapshot: resumed at the last step
-        save_weights(weights, out / "model.safetensors")
+        # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
+        ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
+        assert ck is not None  # no final snapshot: resumed at the last step
+        checkpoint.export_weights(ck, out / "model.safetensors")
         try:
             timeline.write(out, spec.trace_step)
         except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter

@@ -22,13 +22,14 @@ from gpipe.coordinator.probe import probe
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.factory import add_import_paths, resolve
+from gpipe.init import uninitialisable
 from gpipe.show import first_line
 
 
 @dataclass
 class Plan:
     spec: JobSpec
-    model: nn.Sequential  # the initial weights: torch.manual_seed(seed); factory(**args)
+    model: nn.Sequential  # exact: the initial weights (torch.manual_seed(seed); factory(**args)); per_layer: on meta
     balance: list[int]  # layers per stage
     dataset: Dataset[Any]
     import_paths: list[str]
@@ -89,8 +90,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     """
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
-    torch.manual_seed(spec.seed)
-    model = _call("model", spec.model.factory, spec.model.args)
+    model = _build_model(spec)
     if not isinstance(model, nn.Sequential):
         raise SpecError(f"model.factory: returned {type(model).__name__}, expected torch.nn.Sequential")
     layers = len(model)
@@ -132,6 +132,26 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     return Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
+
+
+def _build_model(spec: JobSpec) -> Any:
+    """exact: the whole model, seeded; per_layer: the model on the meta device, its layers checked for an init."""
+    if spec.init == "exact":
+        torch.manual_seed(spec.seed)
+        return _call("model", spec.model.factory, spec.model.args)
+    if spec.init_hook is not None:
+        try:
+            resolve(spec.init_hook)
+        except LookupError as e:
+            raise SpecError(f"init_hook: {e}") from None
+    with torch.device("meta"):
+        model = _call("model", spec.model.factory, spec.model.args)
+    if isinstance(model, nn.Sequential) and spec.init_hook is None:
+        for i, layer in enumerate(model):
+            if (what := uninitialisable(layer)) is not None:
+                raise SpecError(f"init: layer {i}: {what} has parameters or buffers but no reset_parameters(); "
+                                "give init_hook")
+    return model
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

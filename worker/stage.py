@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import batchnorm, schedule, skip, structure
+from gpipe import batchnorm, init, schedule, skip, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -60,16 +60,22 @@ class StageConfig:
     import_paths: list[str] = field(default_factory=list)
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
+    init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
+    init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
 
 
-def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
-    """The stage's slice of the model, holding the coordinator's weights.
+def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
+    """The stage's slice of the model, holding `state` (the coordinator's weights) when given.
 
     The factory runs on the meta device, so no full model is materialised here;
     a model that cannot be built there (or keeps plain tensors that are no
-    parameters or buffers) is built on the CPU instead.
+    parameters or buffers) is built on the CPU instead. With no `state`, the
+    layers are initialised here (init per_layer), or left empty for weights
+    sent in pieces (worker.streaming).
     """
     factory = resolve(cfg.model_factory)
+    hook = resolve(cfg.init_hook) if cfg.init_hook else None
+    per_layer = state is None and cfg.init == "per_layer"
 
     def sliced(model: nn.Sequential) -> nn.Sequential:
         return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
@@ -78,13 +84,23 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
     try:
         with torch.device("meta"):
             layers = sliced(factory(**cfg.model_args))
-        layers = layers.to_empty(device=device)
         if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
             layers = None
+        elif per_layer:  # a layer at a time: on the CPU, initialised, then to the device
+            for j, i in enumerate(range(cfg.start, cfg.end)):
+                layers[j] = init.materialise(layers[j], i, cfg.seed, device, hook)
+        else:
+            layers = layers.to_empty(device=device)
     except Exception:
         layers = None
     if layers is None:
-        layers = sliced(factory(**cfg.model_args)).to(device)
+        layers = sliced(factory(**cfg.model_args))
+        if per_layer:
+            for j, i in enumerate(range(cfg.start, cfg.end)):
+                init.init_layer(layers[j], i, cfg.seed, hook)
+        layers = layers.to(device)
+    if state is None:
+        return layers
     own = dict(layers.named_parameters()) | dict(layers.named_buffers())
     if set(own) != set(state):
         raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
@@ -109,14 +125,16 @@ def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
 class Stage:
     """A stage built and joined to its neighbours; `resume` is a checkpoint's optimizer and RNG state."""
 
-    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor], resume: StageState | None = None):
+    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor] | nn.Sequential,
+                 resume: StageState | None = None):
         self.cfg = cfg
         add_import_paths(cfg.import_paths)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
-        self.layers = build_layers(cfg, state, self.device)
+        # The layers built already (their weights sent in pieces: worker.streaming), or built from `state`.
+        self.layers = state if isinstance(state, nn.Sequential) else build_layers(cfg, state, self.device)
         if cfg.deferred_batch_norm:
             batchnorm.convert_deferred_batch_norm(self.layers)
         self.buffers = Buffers(self.layers)  # a recomputed forward leaves running statistics be
@@ -353,6 +371,13 @@ class Stage:
         if self.device.type == "cuda":
             tensors[layout.RNG_CUDA] = torch.cuda.get_rng_state(self.device)
         return StageState(tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names})
+
+    def snapshot_to_stream(self) -> StageState:
+        """snapshot(), with the gradients let go first: the copy reuses their memory (the next step makes them
+        anew), so a stage peaks at its weights, gradients and optimizer state, a checkpoint or not."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        return self.snapshot()
 
     def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""

@@ -1,0 +1,122 @@
+"""A stage's state in and out in bounded pieces (gpipe.stream), never in one message.
+
+In: before a stage starts, the coordinator sends its weights (`init: exact`)
+or a checkpoint's slice (resume) a piece at a time, straight into the layers
+built here, and the checkpoint's optimizer and RNG tensors into buffers
+declared first. Out: at a checkpoint the stage copies its state out between
+two steps (the only pause training sees), and the coordinator's writer pulls
+that copy a piece at a time while the next steps run; the copy is dropped
+once its last piece is taken.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe import state as layout
+from gpipe import stream
+from gpipe.state import StageState
+
+
+class Incoming:
+    """The tensors a stage is sent before it starts: its layers' (model/<name>) and a checkpoint's others."""
+
+    def __init__(self, layers: nn.Sequential):
+        self.layers = layers
+        own = dict(layers.named_parameters()) | dict(layers.named_buffers())
+        self.targets: dict[str, torch.Tensor] = {layout.model_key(n): t for n, t in own.items()}
+        self.others: dict[str, torch.Tensor] = {}
+        self.received: dict[str, int] = {}
+
+    def expect(self, entries: dict[str, tuple[str, list[int]]]) -> None:
+        """Make room for tensors that are not the layers' (optim/..., rng/...): name -> (safetensors dtype, shape)."""
+        for name, (dtype, shape) in entries.items():
+            if name.startswith(layout.MODEL):
+                raise ValueError(f"{name}: weights go into the layers, not into declared tensors")
+            self.others[name] = torch.empty(shape, dtype=stream.BY_NAME[dtype])
+            self.targets[name] = self.others[name]
+
+    def receive(self, pieces: list[stream.Piece]) -> None:
+        """Copy pieces into their tensors."""
+        for name, offset, data in pieces:
+            t = self.targets.get(name)
+            if t is None:
+                raise ValueError(f"{name}: no such tensor in this stage")
+            stream.write_piece(t, offset, data)
+            self.received[name] = self.received.get(name, 0) + len(data)
+
+    def finish(self, json_state: dict[str, Any] | None, weights_sent: bool) -> StageState | None:
+        """Check that every tensor came whole (the layers' too, when `weights_sent`); the resumed state, if any."""
+        for name, t in self.targets.items():
+            if (weights_sent or name in self.others) and self.received.get(name, 0) != stream.nbytes(t):
+                raise ValueError(f"{name}: {self.received.get(name, 0)} of its {stream.nbytes(t)} bytes came")
+        if json_state is None:
+            return None
+        return StageState(self.others, json_state)
+
+
+class Outgoing:
+    """One checkpoint's copy of a stage's state, handed out piece by piece, then dropped."""
+
+    def __init__(self, step: int, st: StageState):
+        self.step, self.state = step, st
+        self.header, total = stream.header(st.tensors)
+        self.order = sorted(st.tensors)
+        self.ends, end = [], 0
+        for name in self.order:
+            end += stream.nbytes(st.tensors[name])
+            self.ends.append(end)
+        self.data_bytes = total
+        self.count = -(-total // stream.PIECE_BYTES)
+
+    def describe(self) -> dict[str, Any]:
+        """What the coordinator needs before the pieces: the header, the data's length, the JSON state."""
+        return {"step": self.step, "header": self.header, "data_bytes": self.data_bytes,
+                "pieces": self.count, "json_state": self.state.json_state}
+
+    def piece(self, index: int) -> torch.Tensor:
+        return stream.data_piece(self.state.tensors, self.order, self.ends, index)
+
+
+class Outbox:
+    """The stage's checkpoint copy waiting to be pulled: at most one at a time."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._out: Outgoing | None = None
+
+    def put(self, out: Outgoing, timeout: float) -> None:
+        """Hold `out`, waiting (at most `timeout` s) while the previous checkpoint is still being pulled."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._out is None, timeout):
+                raise TimeoutError(f"checkpoint step-{self._out.step if self._out else '?'} was not taken "
+                                   f"within {timeout:.0f}s")
+            self._out = out
+
+    def wait_free(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until no checkpoint copy is held."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._out is None, timeout):
+                raise TimeoutError(f"checkpoint step-{self._out.step if self._out else '?'} was not taken "
+                                   f"within {timeout:.0f}s")
+
+    def piece(self, step: int, index: int) -> torch.Tensor:
+        """Piece `index` of checkpoint `step`; the last one drops the copy."""
+        with self._cv:
+            out = self._out
+        if out is None or out.step != step:
+            raise ValueError(f"no checkpoint copy of step {step} is held")
+        data = out.piece(index)
+        if index == out.count - 1:
+            self.drop(step)
+        return data
+
+    def drop(self, step: int) -> None:
+        with self._cv:
+            if self._out is not None and self._out.step == step:
+                self._out = None
+                self._cv.notify_all()
