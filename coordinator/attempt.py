@@ -82,6 +82,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     from gpipe.coordinator.driver import MetricsLog, StepMetrics, drive, resume_parts, write_plan
     from gpipe.coordinator.outputs import prepare_output
     from gpipe.coordinator.plan import make_plan
+    from gpipe.memory import resident_peak_bytes
 
     devices = [device_for(spec, p.device, k) for k, p in enumerate(placement)]
     resume = None
@@ -125,6 +126,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt)
     finally:
         log.close()
+    # What this process held at most: with init per_layer, not the model (README: bigger than one machine).
+    tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
 
 
 def _stopped(signum: int, frame: object) -> None:

@@ -345,7 +345,7 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s,
         store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
         deferred_batch_norm=spec.deferred_batch_norm,
-        skip_routes=plan.skip_routes(),
+        skip_routes=plan.skip_routes(), init=spec.init, init_hook=spec.init_hook,
     )
 
 

@@ -67,3 +67,15 @@ class _Held:
     def __del__(self) -> None:
         if self._meter is not None:
             self._meter._drop(self._ptr)
+
+
+def resident_peak_bytes(pid: int | str = "self") -> int:
+    """A process's peak resident memory (VmHWM in /proc/<pid>/status); 0 where there is no such file."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

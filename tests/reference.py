@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
 from gpipe.factory import resolve
+from gpipe.init import per_layer
 from gpipe.rng import seeded_forward
 
 OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -27,8 +28,7 @@ OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.
 
 def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     seed = spec.get("seed", 0)
-    torch.manual_seed(seed)
-    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
+    model = initial_model(spec)
     data = resolve(spec["data"]["factory"])(**spec["data"].get("args", {}))
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
     opt_spec = dict(spec["optimizer"])
@@ -69,6 +69,18 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
         if sched:
             sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def initial_model(spec: dict[str, Any]) -> nn.Sequential:
+    """The model with the spec's initial weights: seeded, then the factory (init exact), or
+    gpipe.init.per_layer (init per_layer)."""
+    seed = spec.get("seed", 0)
+    torch.manual_seed(seed)
+    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
+    if spec.get("init") == "per_layer":
+        hook = resolve(spec["init_hook"]) if spec.get("init_hook") else None
+        per_layer(model, seed, hook)
+    return model
 
 
 class WholeBatchStatistics:
