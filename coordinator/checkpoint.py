@@ -18,6 +18,12 @@ The safetensors files are written by `write_safetensors`, which streams each
 tensor's bytes to disk and hashes them in the same pass, with no copy of the
 tensor and without holding the GIL for the write, so training goes on while
 a checkpoint is written. They are read with the safetensors library.
+
+A stage's file may also come as a stream (StageStream: the header first, then
+the data's pieces as the stage hands them over, coordinator.streaming), written
+and hashed a piece at a time; and a loaded checkpoint keeps its tensors on disk
+(Shard) until they are read a piece at a time, so neither saving nor resuming
+holds a whole stage's state in this process.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,11 +191,18 @@ def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     d.mkdir()
     fsync_dir(root)
     files: dict[str, dict[str, Any]] = {}
-    for k, st in enumerate(snap.stages):
-        path = d / f"stage-{k}.safetensors"
+
+    def write_stage(k: int) -> tuple[int, str]:
+        st, path = snap.stages[k], d / f"stage-{k}.safetensors"
         with naming(path):
-            written = write_stream(st, path) if isinstance(st, StageStream) else write_safetensors(st.tensors, path)
-        files[path.name] = dict(zip(("bytes", "sha256"), written, strict=True))
+            return write_stream(st, path) if isinstance(st, StageStream) else write_safetensors(st.tensors, path)
+
+    # Streamed stages are pulled at once, each from its own stage; in-memory ones written one after another.
+    streamed = any(isinstance(st, StageStream) for st in snap.stages)
+    with ThreadPoolExecutor(len(snap.stages) if streamed else 1, "checkpoint-stage") as pool:
+        shards = list(pool.map(write_stage, range(len(snap.stages))))
+    for k, st in enumerate(snap.stages):
+        files[f"stage-{k}.safetensors"] = dict(zip(("bytes", "sha256"), shards[k], strict=True))
         size, sha = _write_json(d / f"stage-{k}.json", st.json_state)
         files[f"stage-{k}.json"] = {"bytes": size, "sha256": sha}
     size, sha = _write_json(d / META, {"format": FORMAT, **snap.meta, "step": snap.step})

@@ -195,3 +195,14 @@ def test_a_small_scale_run_stays_within_each_process_share_and_resumes_bit_for_b
         assert again["files"][name]["sha256"] == manifest["files"][name]["sha256"], name
     attempt_peak, stage_peaks = peaks(err, out, 2)
     assert attempt_peak <= ALLOWANCE and all(p <= 1.25 * share + ALLOWANCE for p in stage_peaks)
+
+
+@pytest.mark.gpu
+def test_per_layer_weights_on_a_gpu_are_those_of_the_cpu(tmp_path):
+    spec = job(stages=2, balance=[2, 3])
+    plan = make_plan(JobSpec.model_validate(spec), tmp_path)
+    want = per_layer(mlp_norm(16, 4), 5).state_dict()
+    for k in range(2):
+        layers = build_layers(stage_config(plan, k, "cuda:0", "127.0.0.1", 1), None, torch.device("cuda:0"))
+        for name, t in layers.state_dict().items():
+            assert t.is_cuda and torch.equal(t.cpu(), want[name]), name

@@ -1,8 +1,10 @@
 """A stage as an RPC object: the coordinator creates it remotely and drives it through its RRef.
 
-    rref = rpc.remote("stage1", StageServer, args=(cfg, weights))   # builds the stage on its worker
-    rref.rpc_async(timeout=...).built()                             # its figures, or {"error": ...}
+    rref = rpc.remote("stage1", StageServer, args=(cfg, None))      # builds the stage's layers on its worker
+    rref.rpc_async(timeout=...).receive(pieces)                      # its weights, a piece at a time (init exact)
+    rref.rpc_async(timeout=...).start(json_state, weights_sent)      # its figures, or {"error": ...}
     rref.rpc_async(timeout=0).run_step(step, lr, inputs, targets, sizes, snapshot)
+    rref.rpc_async(timeout=...).snapshot_piece(step, i)              # the checkpoint's copy, a piece at a time
 
 A StageServer owns its Stage, the queue of steps it was sent, and the thread
 that runs them one at a time, in step order, off the RPC threads. Errors come

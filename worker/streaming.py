@@ -31,6 +31,7 @@ class Incoming:
         self.targets: dict[str, torch.Tensor] = {layout.model_key(n): t for n, t in own.items()}
         self.others: dict[str, torch.Tensor] = {}
         self.received: dict[str, int] = {}
+        self._lock = threading.Lock()  # two messages may be received at once, on two RPC threads
 
     def expect(self, entries: dict[str, tuple[str, list[int]]]) -> None:
         """Make room for tensors that are not the layers' (optim/..., rng/...): name -> (safetensors dtype, shape)."""
@@ -47,7 +48,8 @@ class Incoming:
             if t is None:
                 raise ValueError(f"{name}: no such tensor in this stage")
             stream.write_piece(t, offset, data)
-            self.received[name] = self.received.get(name, 0) + len(data)
+            with self._lock:
+                self.received[name] = self.received.get(name, 0) + len(data)
 
     def finish(self, json_state: dict[str, Any] | None, weights_sent: bool) -> StageState | None:
         """Check that every tensor came whole (the layers' too, when `weights_sent`); the resumed state, if any."""
@@ -72,6 +74,7 @@ class Outgoing:
             self.ends.append(end)
         self.data_bytes = total
         self.count = -(-total // stream.PIECE_BYTES)
+        self.served: set[int] = set()  # pieces taken (two may be pulled at once, and end in any order)
 
     def describe(self) -> dict[str, Any]:
         """What the coordinator needs before the pieces: the header, the data's length, the JSON state."""
@@ -91,10 +94,8 @@ class Outbox:
 
     def put(self, out: Outgoing, timeout: float) -> None:
         """Hold `out`, waiting (at most `timeout` s) while the previous checkpoint is still being pulled."""
+        self.wait_free(timeout)  # the stage's executor is the only thread that puts
         with self._cv:
-            if not self._cv.wait_for(lambda: self._out is None, timeout):
-                raise TimeoutError(f"checkpoint step-{self._out.step if self._out else '?'} was not taken "
-                                   f"within {timeout:.0f}s")
             self._out = out
 
     def wait_free(self, timeout: float) -> None:
@@ -105,14 +106,17 @@ class Outbox:
                                    f"within {timeout:.0f}s")
 
     def piece(self, step: int, index: int) -> torch.Tensor:
-        """Piece `index` of checkpoint `step`; the last one drops the copy."""
+        """Piece `index` of checkpoint `step`; once every piece is taken, the copy is dropped."""
         with self._cv:
             out = self._out
         if out is None or out.step != step:
             raise ValueError(f"no checkpoint copy of step {step} is held")
         data = out.piece(index)
-        if index == out.count - 1:
-            self.drop(step)
+        with self._cv:
+            out.served.add(index)
+            if len(out.served) == out.count and self._out is out:
+                self._out = None
+                self._cv.notify_all()
         return data
 
     def drop(self, step: int) -> None:
