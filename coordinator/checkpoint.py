@@ -80,13 +80,6 @@ def _yield_cpu() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def _write_all(fd: int, data: memoryview) -> int:
-    written = 0
-    while written < len(data):
-        written += os.write(fd, data[written:])
-    return written
-
-
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int, str]:
     """Write `tensors` (CPU) as a safetensors file, fsynced; return (bytes, sha256).
 
@@ -104,7 +97,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
         t = t.contiguous()
         if t.numel():
             # The tensor's own memory: no copy.
-            views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
+            views.append(stream.numpy_bytes(t))
     # Hash on a second thread while this one writes: both let go of the GIL, so the two overlap.
     digest = hashlib.sha256()
     def hash_all() -> None:
@@ -116,7 +109,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
     hasher.start()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        size = sum(_write_all(fd, v) for v in views)
+        size = sum(stream.write_all(fd, v) for v in views)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -140,11 +133,11 @@ def write_stream(st: StageStream, path: Path) -> tuple[int, str]:
     digest = hashlib.sha256(st.header)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        size = _write_all(fd, memoryview(st.header))
+        size = stream.write_all(fd, memoryview(st.header))
         for piece in st.pieces():
-            view = memoryview(piece.numpy())  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
+            view = stream.numpy_bytes(piece)
             digest.update(view)
-            size += _write_all(fd, view)
+            size += stream.write_all(fd, view)
         if size != len(st.header) + st.data_bytes:
             raise ValueError(f"{size - len(st.header)} bytes of data came for {st.data_bytes}")
         os.fsync(fd)

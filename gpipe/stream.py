@@ -15,6 +15,7 @@ PIECE_BYTES (the last one shorter), whatever tensors they span.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -97,6 +98,19 @@ def pieces(tensors: Mapping[str, torch.Tensor]) -> Iterator[Piece]:
         b = as_bytes(t.contiguous())
         for off in range(0, max(len(b), 1), PIECE_BYTES):
             yield name, off, b[off:off + PIECE_BYTES].clone()
+
+
+def write_all(fd: int, data: memoryview) -> int:
+    """os.write until all of `data` is written; its length."""
+    written = 0
+    while written < len(data):
+        written += os.write(fd, data[written:])
+    return written
+
+
+def numpy_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's own memory as a memoryview (no copy)."""
+    return memoryview(as_bytes(t).numpy())  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
 
 
 def write_piece(t: torch.Tensor, offset: int, data: torch.Tensor) -> None:

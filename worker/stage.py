@@ -347,23 +347,28 @@ class Stage:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def snapshot(self) -> StageState:
+    def snapshot(self, copy: bool = True) -> StageState:
         """A copy of everything a resumed stage needs, in the checkpoint layout (gpipe.state).
 
         Weights, the optimizer's tensors by parameter name (so a checkpoint fits
         any balance) and the generator states on the CPU; the optimizer's
-        hyper-parameters and non-tensor state as JSON.
+        hyper-parameters and non-tensor state as JSON. With `copy` false, the
+        weights and optimizer tensors are the live ones, where they live (to be
+        written out before the next step changes them: worker.streaming).
         """
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True) if copy else t.detach()
+
         tensors: dict[str, torch.Tensor] = {}
         for name, t in self.layers.state_dict().items():  # non-persistent buffers are rebuilt, not saved
-            tensors[layout.model_key(name)] = t.detach().to("cpu", copy=True)
+            tensors[layout.model_key(name)] = out(t)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         if self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
                 for key, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        tensors[layout.optim_key(name, key)] = v.detach().to("cpu", copy=True)
+                        tensors[layout.optim_key(name, key)] = out(v)
                     else:
                         scalars.setdefault(name, {})[key] = v
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -371,13 +376,6 @@ class Stage:
         if self.device.type == "cuda":
             tensors[layout.RNG_CUDA] = torch.cuda.get_rng_state(self.device)
         return StageState(tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names})
-
-    def snapshot_to_stream(self) -> StageState:
-        """snapshot(), with the gradients let go first: the copy reuses their memory (the next step makes them
-        anew), so a stage peaks at its weights, gradients and optimizer state, a checkpoint or not."""
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        return self.snapshot()
 
     def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""

@@ -209,7 +209,7 @@ class StageServer:
         t0 = time.perf_counter()
         self._outbox.wait_free(self._cfg.step_timeout_s)
         t1 = time.perf_counter()
-        out = Outgoing(step, self.stage.snapshot_to_stream())
+        out = Outgoing(step, self.stage.snapshot(copy=False))
         self._outbox.put(out, self._cfg.step_timeout_s)
         result["snapshot"] = out.describe()
         result["snapshot_s"] = time.perf_counter() - t1
@@ -218,6 +218,7 @@ class StageServer:
     def close(self) -> None:
         """Stop taking steps and close the stage's channels."""
         self._steps.close()
+        self._outbox.drop()
         if self.stage is not None:
             self.stage.close()
 

@@ -3,14 +3,16 @@
 In: before a stage starts, the coordinator sends its weights (`init: exact`)
 or a checkpoint's slice (resume) a piece at a time, straight into the layers
 built here, and the checkpoint's optimizer and RNG tensors into buffers
-declared first. Out: at a checkpoint the stage copies its state out between
-two steps (the only pause training sees), and the coordinator's writer pulls
-that copy a piece at a time while the next steps run; the copy is dropped
-once its last piece is taken.
+declared first. Out: at a checkpoint the stage writes its state out to a
+local file between two steps (the only pause training sees: Outgoing), and
+the coordinator's writer pulls it a piece at a time while the next steps
+run; the file is dropped once every piece is taken.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from typing import Any
 
@@ -62,27 +64,41 @@ class Incoming:
 
 
 class Outgoing:
-    """One checkpoint's copy of a stage's state, handed out piece by piece, then dropped."""
+    """One checkpoint's copy of a stage's state, in an unnamed local file, handed out piece by piece.
+
+    The copy-out writes the live tensors (a GPU's one at a time through the
+    host) into a file that has no name (so it goes with the process) and
+    lives in the page cache: the stage's resident memory does not grow by a
+    copy of its state, however long the pieces take to be pulled.
+    """
 
     def __init__(self, step: int, st: StageState):
-        self.step, self.state = step, st
-        self.header, total = stream.header(st.tensors)
-        self.order = sorted(st.tensors)
-        self.ends, end = [], 0
-        for name in self.order:
-            end += stream.nbytes(st.tensors[name])
-            self.ends.append(end)
-        self.data_bytes = total
-        self.count = -(-total // stream.PIECE_BYTES)
+        self.step, self.json_state = step, st.json_state
+        self.header, self.data_bytes = stream.header(st.tensors)
+        self.count = -(-self.data_bytes // stream.PIECE_BYTES)
         self.served: set[int] = set()  # pieces taken (two may be pulled at once, and end in any order)
+        self.file = tempfile.TemporaryFile(prefix="gpipe-checkpoint-")
+        fd = self.file.fileno()
+        for name in sorted(st.tensors):
+            t = st.tensors[name].detach()
+            t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
+            if t.numel():
+                stream.write_all(fd, stream.numpy_bytes(t))
 
     def describe(self) -> dict[str, Any]:
         """What the coordinator needs before the pieces: the header, the data's length, the JSON state."""
         return {"step": self.step, "header": self.header, "data_bytes": self.data_bytes,
-                "pieces": self.count, "json_state": self.state.json_state}
+                "pieces": self.count, "json_state": self.json_state}
 
     def piece(self, index: int) -> torch.Tensor:
-        return stream.data_piece(self.state.tensors, self.order, self.ends, index)
+        start = index * stream.PIECE_BYTES
+        buf = torch.empty(max(0, min(stream.PIECE_BYTES, self.data_bytes - start)), dtype=torch.uint8)
+        if os.preadv(self.file.fileno(), [stream.numpy_bytes(buf)], start) != len(buf):
+            raise OSError(f"checkpoint step-{self.step}: piece {index} was cut short")
+        return buf
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class Outbox:
@@ -114,13 +130,17 @@ class Outbox:
         data = out.piece(index)
         with self._cv:
             out.served.add(index)
-            if len(out.served) == out.count and self._out is out:
-                self._out = None
-                self._cv.notify_all()
+            done = len(out.served) == out.count
+        if done:
+            self.drop(step)
         return data
 
-    def drop(self, step: int) -> None:
+    def drop(self, step: int | None = None) -> None:
+        """Let go of the copy of checkpoint `step` (any, when None)."""
         with self._cv:
-            if self._out is not None and self._out.step == step:
-                self._out = None
-                self._cv.notify_all()
+            out = self._out
+            if out is None or (step is not None and out.step != step):
+                return
+            self._out = None
+            self._cv.notify_all()
+        out.close()
