@@ -20,14 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
+
+T = TypeVar("T")
 
 DEFAULT_STATE_DIR = "gpipe-state"
 EXIT_INTERRUPTED = 130
@@ -52,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue from the job's newest good checkpoint in the state dir (default: start over)")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
+    val.add_argument("--memory-mib", type=int, default=None,
+                     help="fail if building the model and data needs more memory than this (MiB)")
     srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
     srv.add_argument("--port", type=int, default=7000, help="the gRPC port (default 7000)")
     srv.add_argument("--host", default=None,
@@ -70,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="the worker token: WorkerService calls (register, heartbeat, commands) must carry it "
                           "(or env GPIPE_WORKER_TOKEN). Set both tokens or neither: with one set, the "
                           "service without a token refuses every call")
+    srv.add_argument("--validate-memory-mib", type=int, default=None,
+                     help="the memory a submitted spec's validation (building its model and data) may take, "
+                          "in MiB (default: a quarter of this machine's)")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -99,13 +108,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _within_memory(mib: int | None, build: Callable[[], T]) -> T:
+    """build(), its data segment bounded to `mib` MiB: past it, one line (SpecError), not the host's memory."""
+    if mib is None:
+        return build()
+    if mib < 1:
+        raise SpecError(f"--memory-mib: {mib} is not a positive number of MiB")
+    resource.setrlimit(resource.RLIMIT_DATA, (mib << 20, mib << 20))
+
+    def out_of_memory(e: BaseException | None) -> bool:  # Python's, or torch's allocator's
+        return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+    try:
+        return build()
+    except (MemoryError, RuntimeError, SpecError) as e:  # the plan names a factory's error as a SpecError
+        if not (out_of_memory(e) or out_of_memory(e.__context__)):
+            raise
+    raise SpecError(f"model: building the model and data takes more than the {mib} MiB a validation may use "
+                    "(serve --validate-memory-mib)")
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise KeyboardInterrupt
 
 
 def _serve(args: argparse.Namespace) -> int:
     from gpipe import grpcutil, net, proc
-    from gpipe.coordinator.server import serve
+    from gpipe.coordinator.server import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB, serve
 
     token = grpcutil.read_token(args.auth_token_file)
     worker_token = grpcutil.read_token(args.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
@@ -122,6 +151,9 @@ def _serve(args: argparse.Namespace) -> int:
             net.iface_for(args.host)
         except ValueError as e:
             raise SpecError(f"--host: {e}") from None
+    mib = args.validate_memory_mib
+    if mib is not None and not MIN_VALIDATE_MEMORY_MIB <= mib <= MAX_VALIDATE_MEMORY_MIB:
+        raise SpecError(f"--validate-memory-mib: {mib} is outside {MIN_VALIDATE_MEMORY_MIB}..{MAX_VALIDATE_MEMORY_MIB}")
     note = ""
     if token is None and worker_token is None:
         # A spec names code to run: without tokens, only this machine may submit one.
@@ -133,7 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
                             "reaches it could submit code to run. Set --auth-token-file and --worker-token-file "
                             "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
-    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note))
+    asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
+                      validate_memory_mib=mib))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             from gpipe.coordinator.plan import make_plan
 
-            plan = make_plan(spec, job_dir)
+            plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
             return 0
         run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume)

@@ -110,7 +110,12 @@ class Client:
         return EXIT_OK
 
     async def list(self) -> int:
-        jobs = [serde.job_from_pb(j) for j in (await self.call("ListJobs", jobs_pb2.ListJobsRequest())).jobs]
+        jobs, token = [], ""
+        while True:  # a page at a time (a page is at most 1,000 jobs)
+            page = await self.call("ListJobs", jobs_pb2.ListJobsRequest(page_size=1000, page_token=token))
+            jobs += [serde.job_from_pb(j) for j in page.jobs]
+            if not (token := page.next_page_token):
+                break
         print(f"{'NAME':24} {'STATE':9} {'STEPS':>11} {'LOSS':>8}  SINCE")
         for j in jobs:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.history[-1].time_unix)) if j.history else ""

@@ -55,6 +55,14 @@ from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 VALIDATE_TIMEOUT_S = 120.0
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
+MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range
+
+
+def default_validate_memory_mib() -> int:
+    """A quarter of this machine's memory: the two validations that run at once take half at most."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    return max(MIN_VALIDATE_MEMORY_MIB, min(MAX_VALIDATE_MEMORY_MIB, total // 4))
 MAX_MESSAGE_BYTES = 2 << 20  # gRPC itself refuses a bigger request (RESOURCE_EXHAUSTED)
 VALIDATIONS_RUNNING, VALIDATIONS_WAITING = 2, 8  # past both, a submission is RESOURCE_EXHAUSTED
 SECRET_ENV = (grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV)  # never handed to a validation process
@@ -150,8 +158,10 @@ def _tail(path: Path, keep: int, block: int = 1 << 20) -> tuple[list[bytes], int
 class Coordinator:
     """serve's side of the supervisor: submissions, validated in a throwaway process, into the job table."""
 
-    def __init__(self, state_dir: Path, host: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S):
+    def __init__(self, state_dir: Path, host: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
+                 validate_memory_mib: int | None = None):
         self.state_dir = state_dir
+        self.validate_memory_mib = validate_memory_mib or default_validate_memory_mib()
         self.table = JobTable(state_dir)
         self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log"),
                               self.table, heartbeat_timeout=heartbeat_timeout)
@@ -205,7 +215,8 @@ class Coordinator:
     async def _validate(self, spec_yaml: str) -> None:
         """The checks that need the model and the data, in a throwaway process: user code stays out of here.
 
-        It gets none of serve's secrets: no token in its environment, no file or socket of serve's open.
+        It gets none of serve's secrets: no token in its environment, no file or socket of serve's open;
+        its memory is bounded (--validate-memory-mib), its time by VALIDATE_TIMEOUT_S.
         """
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         with tempfile.TemporaryDirectory() as d:
@@ -214,6 +225,7 @@ class Coordinator:
             with err_path.open("wb") as err:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
+                    "--memory-mib", str(self.validate_memory_mib),
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err,
                     env=env, close_fds=True,
                 )
@@ -320,11 +332,28 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         return serde.job_to_pb(await self._job(request.name, context))
 
     async def ListJobs(self, request, context):
-        # Without their specs (up to 1 MiB each; GetJob has them): the list fits in a message however many.
-        jobs = [serde.job_to_pb(e.record) for e in self.c.sup.jobs.values()]
-        for j in jobs:
+        # A page at a time, each job without its spec (up to 1 MiB) and all but its latest state change:
+        # a page of the largest size fits in a message.
+        size = request.page_size or DEFAULT_PAGE_SIZE
+        if not 1 <= size <= MAX_PAGE_SIZE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"page_size: {request.page_size} is outside 0..{MAX_PAGE_SIZE}")
+        names = list(self.c.sup.jobs)
+        start = 0
+        if request.page_token:
+            try:
+                start = names.index(request.page_token) + 1  # the token is the last name of the page before
+            except ValueError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"page_token: {printable(request.page_token, 80)!r} is no page of this list")
+        jobs = []
+        for name in names[start : start + size]:
+            j = serde.job_to_pb(self.c.sup.jobs[name].record)
             j.ClearField("spec_yaml")
-        return jobs_pb2.ListJobsResponse(jobs=jobs)
+            del j.history[:-1]
+            jobs.append(j)
+        more = start + size < len(names)
+        return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=names[start + size - 1] if more else "")
 
     async def ResumeJob(self, request, context):
         await self._job(request.name, context)
@@ -553,7 +582,8 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
 
 
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
-                tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "") -> None:
+                tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
+                validate_memory_mib: int | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
@@ -568,7 +598,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     if host is not None:
         net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
-    c = Coordinator(state_dir, host)
+    c = Coordinator(state_dir, host, validate_memory_mib=validate_memory_mib)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
     health = health_aio.HealthServicer()

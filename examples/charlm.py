@@ -73,11 +73,22 @@ def default_corpus() -> Path:
 
 
 class ByteCorpus(Dataset):
-    """Windows of `seq_len` bytes; the target is the same window shifted by one."""
+    """Windows of `seq_len` bytes; the target is the same window shifted by one.
 
-    def __init__(self, path: str | None = None, seq_len: int = 64, max_bytes: int | None = None):
+    `split` "train" takes the text but its last `held_out` share, "eval" that
+    share alone (held-out text for evaluation), "all" the whole text.
+    """
+
+    def __init__(self, path: str | None = None, seq_len: int = 64, max_bytes: int | None = None,
+                 split: str = "all", held_out: float = 0.1):
+        if split not in ("all", "train", "eval"):
+            raise ValueError(f"split: {split!r} is none of all, train, eval")
+        if not 0.0 < held_out < 1.0:
+            raise ValueError(f"held_out: {held_out} is not between 0 and 1")
         p = Path(path) if path else default_corpus()
         data = p.read_bytes()[:max_bytes]
+        cut = len(data) - int(len(data) * held_out)
+        data = data[:cut] if split == "train" else data[cut:] if split == "eval" else data
         if len(data) < seq_len + 1:
             raise ValueError(f"{p} has {len(data)} bytes; need at least seq_len+1 = {seq_len + 1}")
         self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -92,8 +103,9 @@ class ByteCorpus(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def corpus(path: str | None = None, seq_len: int = 64, max_bytes: int | None = None) -> ByteCorpus:
-    return ByteCorpus(path, seq_len, max_bytes)
+def corpus(path: str | None = None, seq_len: int = 64, max_bytes: int | None = None, split: str = "all",
+           held_out: float = 0.1) -> ByteCorpus:
+    return ByteCorpus(path, seq_len, max_bytes, split, held_out)
 
 
 # -- the same model on lines of text, padded, with the padding mask crossing the cuts -------------------

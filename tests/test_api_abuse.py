@@ -61,7 +61,7 @@ def api(tmp_path_factory):
     s.env.update(GPIPE_TOKEN=CLIENT, GPIPE_WORKER_TOKEN=WORKER)
     (c.tmp / "spy.py").write_text(SPY)
     try:
-        s.start_serve()
+        s.start_serve("--validate-memory-mib", "1024")
         code, details, _ = call(s, "SubmitJob", J.SubmitJobRequest(spec_yaml=spec("kept")))
         assert code == grpc.StatusCode.OK, details
         yield s
@@ -248,6 +248,9 @@ ROWS = [
                  id="beat-attempt-newline"),
     pytest.param(Row("Commands", W.CommandsRequest(worker_id="f" * 32), NF, "worker_id"), id="commands-unknown"),
     pytest.param(Row("Commands", W.CommandsRequest(worker_id="x" * 100), IA, "worker_id"), id="commands-id-100"),
+    pytest.param(Row("ListJobs", J.ListJobsRequest(page_size=-1), IA, "page_size"), id="list-page-negative"),
+    pytest.param(Row("ListJobs", J.ListJobsRequest(page_size=1001), IA, "page_size"), id="list-page-1001"),
+    pytest.param(Row("ListJobs", J.ListJobsRequest(page_token="no-such-job"), IA, "page_token"), id="list-token"),
     # credentials
     pytest.param(Row("SubmitJob", submit(spec("noauth")), UN, "client token", None), id="submit-no-token"),
     pytest.param(Row("ListJobs", J.ListJobsRequest(), UN, "client token", "wrong"), id="list-wrong-token"),
@@ -338,6 +341,16 @@ def test_validations_run_two_at_a_time_the_rest_wait_or_are_refused_and_get_no_s
     print(f"{len(validated)} validated, {len(refused)} refused, at most {at_once} at once")
 
 
+def test_a_model_too_big_to_validate_is_one_line_not_the_hosts_memory(api):
+    """A spec's model is built by its validation, bounded to --validate-memory-mib: 3 GiB of weights is refused."""
+    model = {"factory": "mlp", "args": {"width": 16384, "depth": 3}}
+    code, details, _ = call(api, "SubmitJob", submit(spec("too-big", model=model)))
+    assert code == IA and "--validate-memory-mib" in details and "1024 MiB" in details, details
+    assert not (api.state / "too-big").exists()
+    code, details, _ = call(api, "SubmitJob", submit(spec("small-after")))  # and serve goes on
+    assert code == grpc.StatusCode.OK, details
+
+
 def test_other_calls_are_answered_while_a_1MiB_spec_is_parsed_and_validated(api):
     """Other callers keep being answered while a 1 MiB spec is parsed and validated (bench/robustness.py
     measures how fast: the issue asks for well under a second)."""
@@ -393,8 +406,20 @@ def test_after_all_that_serve_answers_and_logged_no_traceback(api):
             J.ListJobsRequest(), metadata=[("authorization", f"Bearer {CLIENT}")], timeout=30).jobs
     names = {j.name for j in jobs}
     assert "kept" in names
+    paged, token = [], ""
+    for _ in range(len(jobs) + 1):  # a page of one at a time: the same jobs in the same order
+        code, _, body = call(api, "ListJobs", J.ListJobsRequest(page_size=1, page_token=token))
+        page = J.ListJobsResponse.FromString(body)
+        assert code == grpc.StatusCode.OK and len(page.jobs) == 1 and len(page.jobs[0].history) == 1
+        paged.append(page.jobs[0].name)
+        if not (token := page.next_page_token):
+            break
+    assert paged == [j.name for j in jobs]
+    (api.tmp / "client-token").write_text(CLIENT)
+    listed = api.client("list", "--auth-token-file", str(api.tmp / "client-token"))
+    assert listed.returncode == 0 and all(n in listed.stdout for n in names), listed.stdout
     # Only valid specs were kept (and the range rows', until ranges are checked): nothing else touched the disk.
     assert {p.name for p in api.state.iterdir()} == names
-    assert names <= {"kept", "bigspec"} | {f"r-{x}" for x in ("batch", "restarts", "inf", "keep", "every", "seed")}
+    assert names <= {"kept", "bigspec", "small-after"} | {f"r-{x}" for x in ("batch", "restarts", "inf", "keep", "every", "seed")}
     log = api.log("serve")
     assert "Traceback" not in log, log[-3000:]

@@ -154,6 +154,18 @@ def test_validate(cli):
     assert r.returncode == 0, r.stderr
     assert "ok (4 layers, balance [2, 2])" in r.stdout
     assert not Path(cli.tmp / "gpipe-state").exists()
+    r = cli.run("validate", str(path), "--memory-mib", "1024", timeout=60)  # a small model fits
+    assert r.returncode == 0, r.stderr
+
+
+def test_validate_bounds_the_memory_a_model_may_take(cli):
+    d = __import__("yaml").safe_load(GOOD)
+    d["model"] = {"factory": "mlp", "args": {"width": 16384, "depth": 3}}  # 3 GiB of weights
+    r = cli.run("validate", str(cli.write(d)), "--memory-mib", "768", timeout=60)
+    assert r.returncode == 2 and "768 MiB" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = cli.run("serve", "--validate-memory-mib", "10", timeout=60)
+    assert r.returncode == 2 and "--validate-memory-mib" in r.stderr, r.stderr
 
 
 # Every number's range: (the field's path in messages, where to set it, what else it needs,

@@ -86,8 +86,9 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """Every job the coordinator knows, past ones included, oldest first;
-        without their spec_yaml (GetJob has it), so that the list fits in a message.
+        """The jobs the coordinator knows, past ones included, oldest first, a page
+        at a time; each without its spec_yaml and with only its latest state
+        change (GetJob has both), so that a page fits in a message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
