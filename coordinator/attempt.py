@@ -82,7 +82,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     from gpipe.coordinator.driver import MetricsLog, StepMetrics, drive, resume_parts, write_plan
     from gpipe.coordinator.outputs import prepare_output
     from gpipe.coordinator.plan import make_plan
-    from gpipe.memory import resident_peak_bytes
+    from gpipe.memory import map_apart, resident_peak_bytes
 
     devices = [device_for(spec, p.device, k) for k, p in enumerate(placement)]
     resume = None
@@ -107,6 +107,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         _redirect_stderr(a.log)
     print(f"gpipe: attempt {a.attempt}: rendezvous store on {a.host}:{port}", file=sys.stderr, flush=True)
     torch.set_num_threads(1)  # the cores belong to the stages
+    map_apart()  # state passes through here in pieces: each goes back to the system once written or sent
     tell(report.Master(f"{a.host}:{port}", secret))
     threads = sorted({p.threads for p in placement})
     tell(report.Log(f"{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "

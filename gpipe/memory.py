@@ -79,3 +79,15 @@ def resident_peak_bytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return 0
+
+
+def map_apart(threshold: int = 1 << 20) -> None:
+    """Have glibc map each allocation of `threshold` bytes or more on its own, so that freeing it gives it
+    back to the system. A process that passes many pieces of state along (on many threads, each with its
+    own arena) otherwise keeps what the pieces took, arena after arena. No effect elsewhere than glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass

@@ -11,6 +11,7 @@ run; the file is dropped once every piece is taken.
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import threading
@@ -92,7 +93,11 @@ class Outgoing:
 
     def piece(self, index: int) -> torch.Tensor:
         start = index * stream.PIECE_BYTES
-        buf = torch.empty(max(0, min(stream.PIECE_BYTES, self.data_bytes - start)), dtype=torch.uint8)
+        n = min(stream.PIECE_BYTES, self.data_bytes - start)
+        if n <= 0:
+            raise ValueError(f"checkpoint step-{self.step} has {self.count} pieces, not {index + 1}")
+        # A mapping of its own, unmapped when the answer is sent: not kept in an RPC thread's malloc arena.
+        buf = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
         if os.preadv(self.file.fileno(), [stream.numpy_bytes(buf)], start) != len(buf):
             raise OSError(f"checkpoint step-{self.step}: piece {index} was cut short")
         return buf
