@@ -167,8 +167,12 @@ class Snapshot:
     stall_s: float = 0.0  # the longest any stage paused to copy its state out
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights, under the un-partitioned model's names (a snapshot in memory only)."""
-        return layout.model_state(st for st in self.stages if isinstance(st, StageState))
+        """The whole model's weights, under the un-partitioned model's names (a snapshot in memory only: a
+        streamed one is read back from disk once written, with open_committed and export_weights)."""
+        held = [st for st in self.stages if isinstance(st, StageState)]
+        if len(held) != len(self.stages):
+            raise ValueError(f"checkpoint step-{self.step} streams from the stages: read its weights from disk")
+        return layout.model_state(held)
 
 
 def step_dir(root: Path, step: int) -> Path:

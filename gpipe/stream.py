@@ -70,25 +70,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def data_piece(tensors: Mapping[str, torch.Tensor], order: list[str], ends: list[int], index: int) -> torch.Tensor:
-    """Piece `index` of the data region of `tensors` (CPU, contiguous), a fresh uint8 tensor.
-
-    `order` is the sorted names and `ends` each one's end offset in the data region.
-    """
-    total = ends[-1] if ends else 0
-    start, stop = index * PIECE_BYTES, min((index + 1) * PIECE_BYTES, total)
-    parts = []
-    begin = 0
-    for name, end in zip(order, ends, strict=True):
-        if end > start and begin < stop:
-            b = as_bytes(tensors[name])
-            parts.append(b[max(start - begin, 0):min(stop, end) - begin])
-        begin = end
-        if begin >= stop:
-            break
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
 def pieces(tensors: Mapping[str, torch.Tensor]) -> Iterator[Piece]:
     """Each tensor's bytes as pieces of at most PIECE_BYTES, each a copy (a view would carry its whole storage)."""
     for name in sorted(tensors):

@@ -19,12 +19,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from gpipe import stream
+from gpipe.coordinator import checkpoint
 from gpipe.coordinator.driver import stage_config
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.init import per_layer
+from gpipe.state import StageState
 from gpipe.worker.stage import build_layers
+from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 from tests import reference
 from tests.models import mlp_norm
 
@@ -206,3 +210,63 @@ def test_per_layer_weights_on_a_gpu_are_those_of_the_cpu(tmp_path):
         layers = build_layers(stage_config(plan, k, "cuda:0", "127.0.0.1", 1), None, torch.device("cuda:0"))
         for name, t in layers.state_dict().items():
             assert t.is_cuda and torch.equal(t.cpu(), want[name]), name
+
+
+# -- state in pieces, in one process ------------------------------------------------------
+
+
+def sample_state() -> StageState:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model/0.weight": torch.randn(300, 1000, generator=g), "model/0.bias": torch.randn(7, generator=g),
+               "optim/0.weight/momentum_buffer": torch.randn(300, 1000, generator=g),
+               "model/1.num_batches_tracked": torch.tensor(3), "rng/cpu": torch.get_rng_state()}
+    return StageState(tensors, {"param_groups": [{"lr": 0.1}]})
+
+
+def test_a_streamed_stage_file_is_the_file_written_from_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(stream, "PIECE_BYTES", 1 << 20)  # pieces that cut across tensors
+    st = sample_state()
+    out = Outgoing(4, st)
+    desc = out.describe()
+    assert desc["pieces"] == -(-desc["data_bytes"] // (1 << 20)) > 2
+    box = Outbox()
+    box.put(out, 1)
+    # Two pulled at once end in any order: the copy goes only once every piece is taken.
+    got = [box.piece(4, i) for i in reversed(range(desc["pieces"]))][::-1]
+    with pytest.raises(ValueError, match="no checkpoint copy"):
+        box.piece(4, 0)
+    streamed = checkpoint.StageStream(desc["header"], desc["data_bytes"], desc["json_state"], lambda: iter(got))
+    assert checkpoint.write_stream(streamed, tmp_path / "a") == checkpoint.write_safetensors(st.tensors, tmp_path / "b")
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+
+
+def test_a_checkpoint_reads_back_a_piece_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(stream, "PIECE_BYTES", 1 << 20)
+    st = sample_state()
+    d, _ = checkpoint.write(tmp_path, checkpoint.Snapshot(2, [st], {"step": 2}))
+    ck = checkpoint.load(d)
+    assert not ck._stages  # nothing read yet but the headers
+    for name, t in st.tensors.items():
+        assert torch.equal(ck.shards[0].tensor(name), t), name
+    assert max(len(p) for _, p in ck.shards[0].pieces("model/0.weight")) == 1 << 20
+    checkpoint.export_weights(ck, tmp_path / "model.safetensors")
+    weights = load_file(tmp_path / "model.safetensors")
+    assert set(weights) == {"0.weight", "0.bias", "1.num_batches_tracked"}
+    assert torch.equal(weights["0.weight"], st.tensors["model/0.weight"])
+    assert ck.stages[0].param_groups == [{"lr": 0.1}]  # the whole state, read at once, as before
+
+
+def test_pieces_fill_a_stage_s_layers_and_declared_tensors(monkeypatch):
+    monkeypatch.setattr(stream, "PIECE_BYTES", 1 << 16)
+    src = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.BatchNorm1d(300))
+    dst = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.BatchNorm1d(300))
+    inc = Incoming(dst)
+    weights = {f"model/{n}": t for n, t in src.state_dict().items()}
+    inc.expect({"optim/0.weight/exp_avg": ("F32", [300, 200])})
+    momentum = torch.randn(300, 200)
+    inc.receive(list(stream.pieces({**weights, "optim/0.weight/exp_avg": momentum})))
+    resumed = inc.finish({"param_groups": []}, weights_sent=True)
+    assert all(torch.equal(dst.state_dict()[n], t) for n, t in src.state_dict().items())
+    assert resumed is not None and torch.equal(resumed.tensors["optim/0.weight/exp_avg"], momentum)
+    with pytest.raises(ValueError, match="of its"):
+        Incoming(torch.nn.Sequential(torch.nn.Linear(2, 2))).finish(None, weights_sent=True)
