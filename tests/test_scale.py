@@ -27,6 +27,7 @@ from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.init import per_layer
 from gpipe.state import StageState
+from gpipe.worker import streaming
 from gpipe.worker.stage import build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 from tests import reference
@@ -223,10 +224,13 @@ def sample_state() -> StageState:
     return StageState(tensors, {"param_groups": [{"lr": 0.1}]})
 
 
-def test_a_streamed_stage_file_is_the_file_written_from_memory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copy_in_memory", [True, False], ids=["copied", "through-a-file"])
+def test_a_streamed_stage_file_is_the_file_written_from_memory(tmp_path, monkeypatch, copy_in_memory):
     monkeypatch.setattr(stream, "PIECE_BYTES", 1 << 20)  # pieces that cut across tensors
+    monkeypatch.setattr(streaming, "IN_MEMORY_BYTES", 1 << 30 if copy_in_memory else 0)
     st = sample_state()
     out = Outgoing(4, st)
+    assert (out.file is None) == copy_in_memory
     desc = out.describe()
     assert desc["pieces"] == -(-desc["data_bytes"] // (1 << 20)) > 2
     box = Outbox()

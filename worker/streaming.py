@@ -15,7 +15,7 @@ import mmap
 import os
 import tempfile
 import threading
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -64,13 +64,19 @@ class Incoming:
         return StageState(self.others, json_state)
 
 
-class Outgoing:
-    """One checkpoint's copy of a stage's state, in an unnamed local file, handed out piece by piece.
+IN_MEMORY_BYTES = 256 << 20  # a stage's state up to this is copied into memory; more goes to a local file
 
-    The copy-out writes the live tensors (a GPU's one at a time through the
-    host) into a file that has no name (so it goes with the process) and
-    lives in the page cache: the stage's resident memory does not grow by a
-    copy of its state, however long the pieces take to be pulled.
+
+class Outgoing:
+    """One checkpoint's copy of a stage's state, handed out piece by piece.
+
+    Up to IN_MEMORY_BYTES, the copy-out is a copy in memory: the shortest
+    pause, for the price of a copy held until the pieces are pulled (within
+    the 0.5 GB a stage is allowed beyond its share). Past it, the live tensors
+    (a GPU's one at a time through the host) are written into a local file
+    with no name (it goes with the process), in the page cache: the stage's
+    resident memory does not grow by a copy of its state, however long the
+    pieces take to be pulled, and the pause is that of the write.
     """
 
     def __init__(self, step: int, st: StageState):
@@ -78,13 +84,19 @@ class Outgoing:
         self.header, self.data_bytes = stream.header(st.tensors)
         self.count = -(-self.data_bytes // stream.PIECE_BYTES)
         self.served: set[int] = set()  # pieces taken (two may be pulled at once, and end in any order)
+        self.order = sorted(st.tensors)
+        self.file: IO[bytes] | None = None
+        self.copies: list[torch.Tensor] = []
+        if self.data_bytes <= IN_MEMORY_BYTES:
+            self.copies = [stream.as_bytes(st.tensors[n].detach().to("cpu", copy=True).contiguous())
+                           for n in self.order]
+            return
         self.file = tempfile.TemporaryFile(prefix="gpipe-checkpoint-")
-        fd = self.file.fileno()
-        for name in sorted(st.tensors):
+        for name in self.order:
             t = st.tensors[name].detach()
             t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
             if t.numel():
-                stream.write_all(fd, stream.numpy_bytes(t))
+                stream.write_all(self.file.fileno(), stream.numpy_bytes(t))
 
     def describe(self) -> dict[str, Any]:
         """What the coordinator needs before the pieces: the header, the data's length, the JSON state."""
@@ -98,12 +110,22 @@ class Outgoing:
             raise ValueError(f"checkpoint step-{self.step} has {self.count} pieces, not {index + 1}")
         # A mapping of its own, unmapped when the answer is sent: not kept in an RPC thread's malloc arena.
         buf = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
-        if os.preadv(self.file.fileno(), [stream.numpy_bytes(buf)], start) != len(buf):
-            raise OSError(f"checkpoint step-{self.step}: piece {index} was cut short")
+        if self.file is not None:
+            if os.preadv(self.file.fileno(), [stream.numpy_bytes(buf)], start) != n:
+                raise OSError(f"checkpoint step-{self.step}: piece {index} was cut short")
+            return buf
+        at = 0  # the copies' bytes from `start` on, across tensors
+        for b in self.copies:
+            if start < at + len(b) and at < start + n:
+                lo, hi = max(start, at), min(start + n, at + len(b))
+                buf[lo - start:hi - start].copy_(b[lo - at:hi - at])
+            at += len(b)
         return buf
 
     def close(self) -> None:
-        self.file.close()
+        self.copies = []
+        if self.file is not None:
+            self.file.close()
 
 
 class Outbox:
