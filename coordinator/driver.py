@@ -44,8 +44,9 @@ from gpipe.errors import (
     describe_os_error,
 )
 from gpipe.files import atomic_write, atomic_write_json
+from gpipe.precision import LossScaler
 from gpipe.show import first_line
-from gpipe.state import OPTIM, RNG, layer_of, model_key
+from gpipe.state import LOSS_SCALE, OPTIM, RNG, layer_of, model_key
 from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
 
@@ -84,6 +85,8 @@ class StepMetrics:
     grad_norm: float | None
     bubble_fraction: float  # the share of the stages' step time spent waiting
     attempt: int = 1  # which attempt of the job ran this step (a resumed job runs some steps again)
+    loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by; null otherwise
+    skipped: bool | None = None  # fp16: an inf or nan in some stage's gradients skipped the optimizer step
     stages: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -319,7 +322,7 @@ class Attempt:
     def _report(self, step: int, per_stage: dict[int, Any], step_time: float) -> None:
         spec = self.spec
         loss = per_stage[spec.stages - 1]["loss_sum"] / spec.data.batch_size
-        stages = [{k: v for k, v in per_stage[k].items() if k not in ("loss_sum", "grad_norm")}
+        stages = [{k: v for k, v in per_stage[k].items() if k not in ("loss_sum", "grad_norm", "loss_scale")}
                   for k in range(spec.stages)]
         busy = sum(s["busy_s"] for s in stages)
         span = sum(s["busy_s"] + s["idle_s"] for s in stages)
@@ -328,6 +331,7 @@ class Attempt:
             samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
             grad_norm=per_stage[0]["grad_norm"], bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
             attempt=self.attempt_no, stages=stages,
+            loss_scale=per_stage[spec.stages - 1].get("loss_scale"), skipped=per_stage[spec.stages - 1].get("skipped"),
         ))
 
 
@@ -346,6 +350,8 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
         deferred_batch_norm=spec.deferred_batch_norm,
         skip_routes=plan.skip_routes(), init=spec.init, init_hook=spec.init_hook,
+        precision=spec.precision,
+        loss_scale=(spec.loss_scale.init, spec.loss_scale.growth_interval),
     )
 
 
@@ -421,6 +427,12 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
     for sh in ck.shards:
         scalars.update(sh.json_state.get("optimizer_state", {}))
     same = len(ck.shards) == plan.spec.stages
+    extra = {}
+    if plan.spec.precision == "fp16" and (saved := ck.shards[0].json_state.get(LOSS_SCALE)) is not None:
+        try:  # the job's one loss scale, the same on every stage: a resumed fp16 job goes on with it
+            extra[LOSS_SCALE] = LossScaler.from_state(saved).state()
+        except ValueError as e:
+            raise SpecError(f"{where}: {e}") from None
     slices = []
     for k in range(plan.spec.stages):
         part = streaming.StageSlice()
@@ -439,7 +451,7 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
                     dtype, shape, _, _ = sh.entries[key]
                     part.declared[key] = (stream.DTYPES[dtype], shape)
         groups = ck.shards[k if same else 0].json_state.get("param_groups", [])
-        part.json_state = {"param_groups": groups, "optimizer_state": scalars}
+        part.json_state = {"param_groups": groups, "optimizer_state": scalars, **extra}
         slices.append(part)
     return slices
 

@@ -23,6 +23,7 @@ from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.factory import add_import_paths, resolve
 from gpipe.init import uninitialisable
+from gpipe.precision import unsupported
 from gpipe.show import first_line
 
 
@@ -88,6 +89,8 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     computed balance keeps it when it still fits (the same stages and layers),
     so a resumed job is cut as before; a balance given in the spec wins.
     """
+    if why := unsupported(spec.precision, spec.device):
+        raise SpecError(f"precision: {why}")
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
     model = _build_model(spec)

@@ -21,12 +21,15 @@ class Progress:
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if self.tty else None
         self._t0 = time.monotonic()
 
-    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float, samples_per_s: float, loss_scale: float | None = None,
+               skipped: bool | None = None) -> None:
+        """A step ended; fp16 steps also show their loss scale, and whether the step was skipped."""
+        scale = "" if loss_scale is None else f"  loss scale {loss_scale:g}" + (" (skipped)" if skipped else "")
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s", refresh=False)
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{scale}", refresh=False)
             self.bar.update(1)
-        elif self.enabled and (step % self.every == 0 or step == self.total - 1):
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s",
+        elif self.enabled and (step % self.every == 0 or step == self.total - 1 or skipped):
+            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s{scale}",
                   file=sys.stderr, flush=True)
 
     def restart(self, step: int) -> None:
@@ -74,7 +77,8 @@ class Follower:
             if value["step"] <= self.last_step:
                 self.bar.restart(value["step"])
             self.last_step = value["step"]
-            self.bar.update(value["step"], value["loss"], value["samples_per_s"])
+            self.bar.update(value["step"], value["loss"], value["samples_per_s"], value.get("loss_scale"),
+                            value.get("skipped"))
             return None
         if kind == "state":
             self.states += 1

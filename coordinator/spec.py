@@ -58,6 +58,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_FACTORY_CHARS = 256
 MAX_LR = 1000  # lr, min_lr and weight_decay: finite, and a bound no training comes near
 MAX_CLIP_GRAD_NORM = 10**6
+MAX_LOSS_SCALE = 2.0**24
+MAX_GROWTH_INTERVAL = 10**6
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,25 @@ class CosineLR(_Spec):
 LRSchedule = Annotated[StepLR | CosineLR, Field(discriminator="name")]
 
 
+class LossScaleSpec(_Spec):
+    """fp16's dynamic loss scale: torch.amp.GradScaler's init_scale and growth_interval."""
+
+    init: Annotated[float, Range(1, MAX_LOSS_SCALE)] = Field(
+        default=2.0**16, description="The scale of the first step (and of a resume from a checkpoint "
+        "without one): a power of two.",
+    )
+    growth_interval: Annotated[StrictInt, Range(1, MAX_GROWTH_INTERVAL)] = Field(
+        default=2000, description="Good steps in a row after which the scale doubles.",
+    )
+
+    @field_validator("init")
+    @classmethod
+    def _power_of_two(cls, v: float) -> float:
+        if math.frexp(v)[0] != 0.5:
+            raise ValueError(f"must be a power of two (so that dividing it out is exact), got {v:g}")
+        return v
+
+
 class JobSpec(_Spec):
     """A training job: what to train, how to cut it into stages, and how long."""
 
@@ -306,6 +327,15 @@ class JobSpec(_Spec):
         "computing) before the job fails: a network partition between workers, caught before "
         "step_timeout_s.",
     )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="The forwards' precision: fp32, or autocast to bf16 or fp16 (weights and optimizer "
+        "state stay fp32; values cross the cuts in that dtype). fp16 adds a dynamic loss scale, one "
+        "for the job: an inf or nan on any stage skips the step everywhere and halves the scale.",
+    )
+    loss_scale: LossScaleSpec = Field(
+        default_factory=LossScaleSpec, description="precision fp16: the loss scale's start and growth.",
+    )
 
     init: Literal["exact", "per_layer"] = Field(
         default="exact",
@@ -365,6 +395,8 @@ class JobSpec(_Spec):
         if self.init == "per_layer" and self.balance in ("by_time", "by_memory"):
             raise ValueError(f"balance: {self.balance} runs the whole model, which init per_layer never "
                              "builds; use by_params or a list")
+        if "loss_scale" in self.model_fields_set and self.precision != "fp16":
+            raise ValueError(f"loss_scale: applies to precision fp16 only, not {self.precision}")
         if self.chunks > self.data.batch_size:
             raise ValueError(
                 f"chunks: {self.chunks} micro-batches exceed data.batch_size {self.data.batch_size}"

@@ -194,6 +194,7 @@ def job_from_pb(m: jpb.Job) -> JobRecord:
 
 
 _METRIC_FIELDS = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "attempt")
+_OPTIONAL_METRICS = ("loss_scale", "skipped")  # fp16 only: unset (None) otherwise, and in older lines
 
 
 def event_to_pb(e: Event) -> jpb.JobEvent:
@@ -201,7 +202,9 @@ def event_to_pb(e: Event) -> jpb.JobEvent:
     if kind == "state":
         return jpb.JobEvent(state=state_to_pb(value))
     if kind == "metrics":
-        m = jpb.StepMetrics(**{k: value[k] for k in _METRIC_FIELDS if k in value}, stages_json=json.dumps(value["stages"]))
+        m = jpb.StepMetrics(**{k: value[k] for k in _METRIC_FIELDS if k in value},
+                            **{k: value[k] for k in _OPTIONAL_METRICS if value.get(k) is not None},
+                            stages_json=json.dumps(value["stages"]))
         return jpb.JobEvent(metrics=m)
     return jpb.JobEvent(log=value)
 
@@ -212,6 +215,7 @@ def event_from_pb(m: jpb.JobEvent) -> Event:
         return "state", state_from_pb(m.state)
     if which == "metrics":
         d = {k: getattr(m.metrics, k) for k in _METRIC_FIELDS}
+        d.update({k: getattr(m.metrics, k) if m.metrics.HasField(k) else None for k in _OPTIONAL_METRICS})
         d["stages"] = json.loads(m.metrics.stages_json or "[]")
         return "metrics", d
     return "log", m.log

@@ -12,7 +12,8 @@ checkpoint fits any balance:
 and its JSON state is
 
     {"param_groups": [hyper-parameters, per group], "optimizer_state": {param: {key: non-tensor value}},
-     "params": [the stage's parameter names, in order]}
+     "params": [the stage's parameter names, in order],
+     "loss_scale": {"scale": float, "growth_tracker": int}}      (fp16 only: the job's one loss scale)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ OPTIM = "optim/"
 RNG = "rng/"
 RNG_CPU = "rng/cpu"
 RNG_CUDA = "rng/cuda"
+LOSS_SCALE = "loss_scale"
 
 
 def model_key(name: str) -> str:
@@ -71,6 +73,11 @@ class StageState:
     def optimizer_scalars(self) -> dict[str, dict[str, Any]]:
         """Per parameter name, the optimizer's non-tensor state (such as adam's step, when it is a number)."""
         return self.json_state.get("optimizer_state", {})
+
+    @property
+    def loss_scale(self) -> Any:
+        """fp16's loss scaler state (gpipe.precision.LossScaler.state), or None when the checkpoint has none."""
+        return self.json_state.get(LOSS_SCALE)
 
     def optimizer_state_of(self, param: str) -> dict[str, Any]:
         """Everything the optimizer keeps for parameter `param`: its scalars and its tensors, by key."""

@@ -392,3 +392,29 @@ def mlp_norm(width: int = 16, depth: int = 4) -> nn.Sequential:
     for _ in range(depth):
         layers.append(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.BatchNorm1d(width), nn.Tanh()))
     return nn.Sequential(*layers, nn.Linear(width, width))
+
+
+class GradOverflow(nn.Module):
+    """x times its weight; on the training forwards numbered in `at` (counted in a buffer, so a resumed
+    stage counts on) its weight's gradient is inf, and no other gradient changes."""
+
+    def __init__(self, width: int, at: list[int]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.at = frozenset(at)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.training:
+            if int(self.calls) in self.at:
+                w = w * 1.0  # a copy in the graph, whose gradient the hook replaces
+                w.register_hook(lambda g: torch.full_like(g, float("inf")))
+            self.calls.add_(1)
+        return x * w
+
+
+def overflow_mlp(width: int = 16, at: list[int] | None = None) -> nn.Sequential:
+    """Linear, ReLU, GradOverflow, Linear, ReLU, Linear: with balance [3, 3], the overflow is stage 0's alone."""
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), GradOverflow(width, at or []),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))

@@ -4,6 +4,15 @@ Plain torch only (the model, torch.optim, clip_grad_norm_), apart from the
 documented per-layer seeding of randomness (gpipe.rng), which makes dropout
 independent of where the model is cut.
 
+Precision (the spec's `precision`): bf16 and fp16 run each micro-batch's forward
+under torch.autocast, the loss in float32 (the output cast up, outside autocast);
+fp16 scales the loss with torch.amp.GradScaler (unscale, clip, step or skip, update).
+This is plain one-device autocast: it does not round the values at the cuts as the
+pipeline does (gpipe.precision), which is why bf16 is compared to within 1e-3.
+With `cuts` (the balance), it rounds the output of each stage's last layer there too, as
+the pipeline does (skip connections that cross a cut are not rounded here: the tests'
+are bf16 already).
+
 BatchNorm: each micro-batch's forward runs once, in training mode, so it updates
 the running statistics once per micro-batch. With `deferred_batch_norm`, the
 running statistics are set back after the micro-batches, and BatchNorm's own
@@ -26,9 +35,23 @@ from gpipe.rng import seeded_forward
 OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another.
+
+    `cuts`, layers per stage: with bf16 or fp16, the float32 values between those stages are cast to the
+    autocast dtype, as they are when they cross a cut.
+    """
     seed = spec.get("seed", 0)
-    model = initial_model(spec)
+    model = initial_model(spec).to(device)
+    half = HALF.get(spec.get("precision", "fp32"))
+    scaler = None
+    if spec.get("precision") == "fp16":
+        s = spec.get("loss_scale", {})
+        scaler = torch.amp.GradScaler(device, init_scale=s.get("init", 2.0**16),
+                                      growth_interval=s.get("growth_interval", 2000))
     data = resolve(spec["data"]["factory"])(**spec["data"].get("args", {}))
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
     opt_spec = dict(spec["optimizer"])
@@ -43,6 +66,10 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
         sched = torch.optim.lr_scheduler.StepLR(opt, s["step_size"], s.get("gamma", 0.1))
     batch, chunks = spec["data"]["batch_size"], spec.get("chunks", 1)
     layers = list(enumerate(model))
+    segments, start = [], 0
+    for n in cuts or [len(layers)]:
+        segments.append(layers[start : start + n])
+        start += n
     model.train()
     for step in range(spec["steps"]):
         idx = [(step * batch + j) % len(data) for j in range(batch)]
@@ -55,20 +82,48 @@ def train(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
             ]
         collate = resolve(spec["data"]["collate"]) if spec["data"].get("collate") else default_collate
         x, y = collate([data[i] for i in idx])
+        x, y = to(x, device), to(y, device)
         opt.zero_grad()
         whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
         sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), chunks)]
         for i, (xm, ym) in enumerate(zip(split(x, chunks), split(y, chunks), strict=True)):
-            out = seeded_forward(layers, xm, seed, step, i)
-            (loss_fn(out, ym) * (sizes[i] / batch)).backward()
+            if half is None:
+                out = seeded_forward(layers, xm, seed, step, i)
+            else:
+                out = xm
+                with torch.autocast(torch.device(device).type, dtype=half):
+                    for k, segment in enumerate(segments):
+                        if k:  # a cut: float32 crosses it in the autocast dtype
+                            out = out.to(half) if out.dtype == torch.float32 else out
+                        out = seeded_forward(segment, out, seed, step, i)
+                out = out.float()
+            loss = loss_fn(out, ym) * (sizes[i] / batch)
+            (scaler.scale(loss) if scaler else loss).backward()
         if whole_batch:
             whole_batch.update()
+        if scaler:
+            scaler.unscale_(opt)
         if spec.get("clip_grad_norm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_grad_norm"])
-        opt.step()
+        if scaler:
+            scaler.step(opt)  # skipped when a gradient holds inf or nan
+            scaler.update()
+        else:
+            opt.step()
         if sched:
             sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def to(batch: Any, device: str) -> Any:
+    """Every tensor of `batch` on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to(v, device) for v in batch)
+    if isinstance(batch, dict):
+        return {k: to(v, device) for k, v in batch.items()}
+    return batch
 
 
 def initial_model(spec: dict[str, Any]) -> nn.Sequential:

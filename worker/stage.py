@@ -27,6 +27,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.optim import optimizer_class
+from gpipe.precision import LossScaler, Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
@@ -62,6 +63,8 @@ class StageConfig:
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
     init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
     init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
+    precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
+    loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -143,6 +146,8 @@ class Stage:
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
         self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) if params else None
+        self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
+                                   *cfg.loss_scale)
         if resume is not None:
             self._restore(resume)
         self.loss_fn = resolve(cfg.loss) if self.last else None
@@ -195,6 +200,10 @@ class Stage:
         self.channels = [c for c in (self.recv_act, self.send_act, self.recv_grad, self.send_grad) if c] + \
             self.skips.channels()
 
+    def autocast(self) -> Any:
+        """The context every forward of this stage runs in (autocast for bf16 and fp16)."""
+        return self.precision.autocast()
+
     def checkpointed(self, mb: int) -> bool:
         mode = self.cfg.activation_checkpoint
         return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
@@ -206,6 +215,7 @@ class Stage:
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
         chunks, batch = len(sizes), sum(sizes)
         t_step, start_unix = time.perf_counter(), time.time()
+        loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         batchnorm.discard(self.layers)  # what a failed step tracked
@@ -222,11 +232,14 @@ class Stage:
         busy = 0.0
 
         def forward(mb: int, x: Any, ctx: Routed) -> Any:
-            with skip.use(ctx):
+            with skip.use(ctx), self.autocast():
                 y = seeded_forward(self.indexed, x, cfg.seed, step, mb)
+            ctx.out = self.precision.cut(ctx.out)  # what leaves the stage travels in the autocast dtype
             if self.last:
                 target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
-                y = self.loss_fn(y, target)  # type: ignore[misc]  # the last stage has a loss
+                y = self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
+            else:
+                y = self.precision.cut(y)
             return y
 
         self._doing("computing")
@@ -281,7 +294,7 @@ class Stage:
                         y = forward(mb, x, ctx)
                     stashed = ctx.out
                 if self.last:
-                    (y * (sizes[mb] / batch)).backward()
+                    self.precision.scaled(y * (sizes[mb] / batch)).backward()  # fp16: times the loss scale
                 else:
                     backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
                 del y, held_x, stashed, skip_grads
@@ -299,12 +312,13 @@ class Stage:
                 self._doing("waiting", f"{sender.name} to be sent")
                 sender.flush(timeout)
         t0 = time.perf_counter()
-        if cfg.clip_grad_norm:
+        skipped = self._unscale() if self.precision.scaler else False
+        if cfg.clip_grad_norm and not skipped:
             self._doing("waiting", "the other stages' gradient norms")
-        grad_norm = self._clip() if cfg.clip_grad_norm else None
+        grad_norm = self._clip() if cfg.clip_grad_norm and not skipped else None
         self._doing("computing")
         batchnorm.commit(self.layers)  # deferred BatchNorm: the whole batch's running statistics, once a step
-        if self.optimizer is not None:
+        if self.optimizer is not None and not skipped:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -326,7 +340,21 @@ class Stage:
                            if isinstance(c, Sender)},
             "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
                                if isinstance(c, Receiver)},
+            **({"loss_scale": loss_scale, "skipped": skipped} if self.precision.scaler else {}),
         }
+
+    def _unscale(self) -> bool:
+        """fp16: divide the loss scale out of this stage's gradients; True, on every stage, when any stage's
+        held inf or nan (the step is then skipped everywhere and the scale backs off)."""
+        scaler = self.precision.scaler
+        assert scaler is not None  # called for fp16 only
+        found = scaler.unscale([p.grad for p in self.params if p.grad is not None])
+        self._doing("waiting", "the other stages' overflow checks")
+        flag = torch.tensor(float(found), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one scale for the job: all ranks skip, or none
+        overflow = bool(flag.item())
+        scaler.update(overflow)
+        return overflow
 
     def _clip(self) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
@@ -375,7 +403,10 @@ class Stage:
         tensors[layout.RNG_CPU] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors[layout.RNG_CUDA] = torch.cuda.get_rng_state(self.device)
-        return StageState(tensors, {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names})
+        json_state = {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names}
+        if self.precision.scaler is not None:
+            json_state[layout.LOSS_SCALE] = self.precision.scaler.state()
+        return StageState(tensors, json_state)
 
     def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""

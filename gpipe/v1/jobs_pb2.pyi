@@ -65,7 +65,7 @@ class Job(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt")
+    __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt", "loss_scale", "skipped")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class StepMetrics(_message.Message):
     BUBBLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     STAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     lr: float
@@ -82,7 +84,9 @@ class StepMetrics(_message.Message):
     bubble_fraction: float
     stages_json: str
     attempt: int
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    loss_scale: float
+    skipped: bool
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ..., attempt: _Optional[int] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("state", "metrics", "log")
