@@ -88,7 +88,7 @@ class Watcher:
                 try:
                     if pid not in self.peaks and self.needle not in (d / "environ").read_bytes().split(b"\0"):
                         continue
-                    name = self.peaks[pid][0] if pid in self.peaks else role((d / "cmdline").read_bytes())
+                    name = role((d / "cmdline").read_bytes())  # anew: a fork takes a moment to exec
                 except OSError:
                     continue
                 hwm = vm_hwm(d.name)
