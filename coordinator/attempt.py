@@ -14,6 +14,9 @@ the stream that was its stdout; the model's own prints go to its log.
 
     python -m gpipe.coordinator.attempt --spec S --job-dir J --state-dir D --host H \\
         --placement '[{"host": H, "device": "cpu", "cores": [0], "threads": 1}, ...]' [--resume] [--attempt N]
+
+With --evaluate WEIGHTS it trains nothing and writes nothing: it evaluates the
+weights file on the job's eval data (the eval verb) and reports one `Eval`.
 """
 
 from __future__ import annotations
@@ -69,22 +72,70 @@ def _redirect_stderr(path: str) -> None:
     os.close(fd)
 
 
-def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
-    spec = load_spec(a.spec)
-    out = Path(a.state_dir) / spec.name
+def _placed(a: argparse.Namespace, spec: JobSpec) -> tuple[list[Placement], list[str]]:
+    """Each stage's worker and device."""
     placement = _parse_placement(a.placement)
     if len(placement) != spec.stages:
         raise SpecError(f"--placement: {len(placement)} workers for {spec.stages} stages")
+    return placement, [device_for(spec, p.device, k) for k, p in enumerate(placement)]
+
+
+def _rendezvous(a: argparse.Namespace, spec: JobSpec) -> tuple[int, str]:
+    """Open this attempt's rendezvous store on --host: its port, and the attempt's secret."""
+    from gpipe import net
+
+    net.bind_to(a.host)
+    secret = net.new_secret()  # this attempt's: the workers get it from the supervisor, never from argv
+    net.use_secret(secret)
+    _, port = net.bound_store(a.host, spec.start_timeout_s)
+    return port, secret
+
+
+def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
+    """The eval verb's attempt: plan, load the weights, open the rendezvous, evaluate once, report."""
+    spec = load_spec(a.spec)
+    if spec.eval is None:
+        raise SpecError(f"{a.spec}: eval: the job has no eval section to evaluate on")
+    placement, devices = _placed(a, spec)
     import torch
 
-    from gpipe import net
+    from gpipe.coordinator.driver import drive_eval
+    from gpipe.coordinator.evaluation import load_weights
+    from gpipe.coordinator.plan import make_plan
+
+    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads)
+    plan.evaluate_only = True
+    weights, step = load_weights(Path(a.evaluate), plan.model.state_dict())
+    plan.model.load_state_dict(weights)
+    port, secret = _rendezvous(a, spec)
+    if a.log:
+        _redirect_stderr(a.log)
+    torch.set_num_threads(1)  # the cores belong to the stages
+    tell(report.Master(f"{a.host}:{port}", secret))
+    m = drive_eval(plan, a.host, port, devices)
+    tell(report.Eval({**asdict(m), "step": step, "weights": str(Path(a.evaluate).resolve())}))
+
+
+def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
+    spec = load_spec(a.spec)
+    out = Path(a.state_dir) / spec.name
+    placement, devices = _placed(a, spec)
+    import torch
+
     from gpipe.coordinator import checkpoint
-    from gpipe.coordinator.driver import MetricsLog, StepMetrics, drive, resume_parts, write_plan
+    from gpipe.coordinator.driver import (
+        EvalMetrics,
+        MetricsLog,
+        StepMetrics,
+        drive,
+        resume_parts,
+        write_plan,
+    )
+    from gpipe.coordinator.evaluation import BEST, Best
     from gpipe.coordinator.outputs import prepare_output
     from gpipe.coordinator.plan import make_plan
     from gpipe.memory import map_apart, resident_peak_bytes
 
-    devices = [device_for(spec, p.device, k) for k, p in enumerate(placement)]
     resume = None
     if a.resume:
         resume = checkpoint.latest(out / "checkpoints", lambda line: tell(report.Log(line)))
@@ -93,10 +144,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         else:
             tell(report.Log("no checkpoint to resume from: starting at step 0"))
     tell(report.Resumed(resume.step if resume else 0))
-    net.bind_to(a.host)
-    secret = net.new_secret()  # this attempt's: the workers get it from the supervisor, never from argv
-    net.use_secret(secret)
-    _, port = net.bound_store(a.host, spec.start_timeout_s)
+    port, secret = _rendezvous(a, spec)
     plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads,
                      balance_of=resume.meta.get("balance") if resume else None)
     if resume is not None:
@@ -115,16 +163,23 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     write_plan(out, plan, [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
                            for k, p in enumerate(placement)])
     log = MetricsLog(out, spec.log_every, spec.steps)
+    best = Best(out / BEST, lambda line: tell(report.Log(line))) if spec.keep_best else None
 
     def on_step(m: StepMetrics) -> None:
         if log.write(m):
             tell(report.Metrics(asdict(m)))
 
+    def on_eval(m: EvalMetrics, weights: dict[str, torch.Tensor] | None) -> None:
+        log.write_eval(m)
+        tell(report.Eval(asdict(m)))
+        if best is not None and best.offer(m, weights):
+            tell(report.Log(f"best: step {m.step}, eval loss {m.eval_loss:.6g}: {best.path}"))
+
     def on_checkpoint(step: int, d: Path, size: int, write_s: float, stall_s: float) -> None:
         tell(report.Checkpoint(step, str(d), size, write_s, stall_s))
 
     try:
-        drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt)
+        drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval, spec.keep_best)
     finally:
         log.close()
     # What this process held at most: with init per_layer, not the model (README: bigger than one machine).
@@ -150,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="start from the newest good checkpoint")
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--log", help="once planned, send this process's stderr to this file")
+    p.add_argument("--evaluate", metavar="WEIGHTS", help="evaluate this safetensors file on the job's eval data; "
+                   "train and write nothing")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _stopped)
     try:
-        attempt(a, tell)
+        (evaluate if a.evaluate else attempt)(a, tell)
     except GpipeError as e:
         tell(report.Failed(str(e), getattr(e, "stage", None), e.exit_code, getattr(e, "cause", "")))
         return e.exit_code

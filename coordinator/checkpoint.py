@@ -404,6 +404,11 @@ class Loaded:
         """The whole model's weights, under the un-partitioned model's names."""
         return layout.model_state(self.stages)
 
+    def model_shapes(self) -> dict[str, torch.Tensor]:
+        """The weights as meta tensors (their names, shapes and dtypes), under the un-partitioned model's names."""
+        return {name: torch.empty(self.shards[k].entries[src][1], dtype=self.shards[k].entries[src][0],
+                                  device="meta") for name, (k, src) in self.model_entries().items()}
+
     def model_entries(self) -> dict[str, tuple[int, str]]:
         """Weight name (un-partitioned) -> (the shard holding it, its name there)."""
         return {name.removeprefix(layout.MODEL): (k, name) for k, sh in enumerate(self.shards)
@@ -427,12 +432,11 @@ def open_committed(d: Path, manifest: dict[str, Any] | None = None) -> Loaded:
     return Loaded(manifest["step"], d, meta, shards)
 
 
-def export_weights(ck: Loaded, path: Path) -> None:
-    """Write the checkpoint's weights as one safetensors file (model.safetensors), atomically, a piece at a time."""
+def export_weights(ck: Loaded, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write the checkpoint's weights as one safetensors file (model.safetensors), atomically, a piece at a time,
+    with `metadata` in its header."""
     where = ck.model_entries()
-    shapes = {name: torch.empty(ck.shards[k].entries[src][1], dtype=ck.shards[k].entries[src][0], device="meta")
-              for name, (k, src) in where.items()}
-    head, total = stream.header(shapes)
+    head, total = stream.header(ck.model_shapes(), metadata)
 
     def pieces() -> Iterator[torch.Tensor]:
         for name in sorted(where):

@@ -4,6 +4,7 @@
     gpipe-coordinator run job.yaml --state-dir /data/gpipe  # outputs in /data/gpipe/<name>/
     gpipe-coordinator run job.yaml --resume                 # continue from its last good checkpoint
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
+    gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
     gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
     gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
@@ -27,9 +28,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
+
+if TYPE_CHECKING:
+    from gpipe.coordinator.spec import JobSpec
 
 T = TypeVar("T")
 
@@ -58,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("job")
     val.add_argument("--memory-mib", type=int, default=None,
                      help="fail if building the model and data needs more memory than this (MiB)")
+    ev = sub.add_parser("eval", help="evaluate a job's weights on its eval data, pipelined across local workers")
+    ev.add_argument("job", help="the job spec (YAML), with an eval section")
+    ev.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
+                    help=f"where the job's outputs are (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
+    ev.add_argument("--weights", help="a safetensors file of the model's weights "
+                                      "(default: <state-dir>/<name>/model.safetensors, the finished job's)")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
     srv = sub.add_parser("serve", help="run the coordinator service: job queue, workers, checkpoints")
     srv.add_argument("--port", type=int, default=7000, help="the gRPC port (default 7000)")
     srv.add_argument("--host", default=None,
@@ -194,6 +205,31 @@ async def _client(args: argparse.Namespace) -> int:
         await c.close()
 
 
+def _eval(spec: JobSpec, args: argparse.Namespace) -> int:
+    """The eval verb: the loss of a weights file on the spec's eval data; bad input is SpecError (exit 2)."""
+    import json
+
+    from gpipe.coordinator.local_run import eval_local
+
+    if spec.eval is None:
+        raise SpecError(f"{args.job}: eval: the job has no eval section to evaluate on")
+    if args.weights:
+        weights = Path(args.weights)
+    else:
+        weights = Path(args.state_dir) / spec.name / "model.safetensors"
+        if not weights.exists():
+            raise SpecError(f"--weights: {weights} does not exist (has the job finished?)")
+    if not weights.is_file() or not os.access(weights, os.R_OK):
+        raise SpecError(f"--weights: {weights} is not a readable file")
+    r = eval_local(spec, Path(args.job), Path(args.state_dir), weights)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        step = f", after step {r['step'] + 1}" if r["step"] is not None else ""
+        print(f"eval loss {r['loss']:.6g} over {r['samples']} samples ({r['weights']}{step})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -219,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         spec = load_spec(args.job)
         job_dir = Path(args.job).resolve().parent
+        if args.command == "eval":
+            return _eval(spec, args)
         if args.command == "validate":
             from gpipe.coordinator.plan import make_plan
 

@@ -101,6 +101,8 @@ class Client:
             print(f"error:    {first}{job.error}{rank}")
         spec_restarts = _max_restarts(job.spec_yaml)
         print(f"attempts: {job.attempts}, restarts {job.restarts} of {spec_restarts}")
+        if job.eval_step >= 0:
+            print(f"eval:     loss {job.eval_loss:.4f} after step {job.eval_step + 1}")
         if job.checkpoint_step:
             print(f"checkpoint: step-{job.checkpoint_step}")
         print(f"output:   {job.output_dir}\nhistory:")
@@ -138,7 +140,7 @@ class Client:
                 if m is None:
                     break
                 kind, value = serde.event_from_pb(m)
-                if kind == "metrics":
+                if kind in ("metrics", "eval"):
                     print(json.dumps(value), flush=True)
                 elif kind == "state":
                     print(f"{name}: {value.state.value}" + (f": {value.message}" if value.message else ""),

@@ -46,19 +46,43 @@ class DataStream:
 
     def batch(self, step: int) -> tuple[Any, Any]:
         """The (inputs, targets) of step `step`, collated; ValueError naming what is wrong."""
-        items = [self.dataset[i] for i in self.indices(step)]
-        batch = self.collate(items)
-        if not (type(batch) in (tuple, list) and len(batch) == 2):
-            raise ValueError(f"the collated batch is {structure.describe(batch)}, expected an (input, target) pair")
-        return batch[0], batch[1]
+        return _pair(self.collate([self.dataset[i] for i in self.indices(step)]))
 
     def micro_batches(self, step: int) -> tuple[list[Any], list[Any], list[int]]:
         """The step's inputs and targets cut by torch.tensor_split into `chunks` micro-batches, and their sizes.
 
         Every tensor's dim 0 must be the batch size; ValueError naming the one whose is not.
         """
-        inputs, targets = self.batch(step)
-        xs = structure.split(inputs, self.chunks, self.batch_size, "input")
-        ys = structure.split(targets, self.chunks, self.batch_size, "target")
-        sizes = [len(r) for r in torch.tensor_split(torch.arange(self.batch_size), self.chunks)]
-        return xs, ys, sizes
+        return _cut(*self.batch(step), self.chunks, self.batch_size)
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    if not (type(batch) in (tuple, list) and len(batch) == 2):
+        raise ValueError(f"the collated batch is {structure.describe(batch)}, expected an (input, target) pair")
+    return batch[0], batch[1]
+
+
+def _cut(inputs: Any, targets: Any, chunks: int, size: int) -> tuple[list[Any], list[Any], list[int]]:
+    """A batch of `size` samples cut by torch.tensor_split into `chunks` micro-batches, and their sizes."""
+    xs = structure.split(inputs, chunks, size, "input")
+    ys = structure.split(targets, chunks, size, "target")
+    return xs, ys, [len(r) for r in torch.tensor_split(torch.arange(size), chunks)]
+
+
+class EvalStream:
+    """The evaluation data: batch b is items b*B ... b*B+B-1 in order, the last batch of the set possibly
+    shorter, so an evaluation of every batch sees each item once. `batches` limits it to the first ones."""
+
+    def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, batches: int | None = None,
+                 collate: Callable[[list[Any]], Any] | None = None):
+        self.dataset, self.batch_size, self.chunks = dataset, batch_size, chunks
+        self.collate = collate or default_collate
+        self.n = len(cast(Sized, dataset))
+        self.batches = batches if batches is not None else -(-self.n // batch_size)
+
+    def micro_batches(self, batch: int) -> tuple[list[Any], list[Any], list[int]]:
+        """Eval batch `batch`'s inputs and targets cut into `chunks` micro-batches (fewer for a batch shorter
+        than that), and their sizes; ValueError naming what is wrong."""
+        start = batch * self.batch_size
+        items = [self.dataset[i] for i in range(start, min(start + self.batch_size, self.n))]
+        return _cut(*_pair(self.collate(items)), min(self.chunks, len(items)), len(items))

@@ -73,6 +73,7 @@ def _put_when_done(q: queue.Queue[T], key: T) -> Callable[[Any], None]:
 
 
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
+EVAL_AHEAD = 2  # eval batches sent to the stages before the oldest one finished
 
 
 @dataclass
@@ -90,12 +91,30 @@ class StepMetrics:
     stages: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class EvalMetrics:
+    """An evaluation: the mean loss over its samples, after step `step` (None: weights of an unknown step)."""
+
+    step: int | None
+    eval_loss: float
+    eval_samples: int
+    eval_time_s: float
+    attempt: int = 1
+
+
+# An evaluation's metrics, and the model's weights it was taken with when asked for (keep_best).
+OnEval = Callable[[EvalMetrics, dict[str, torch.Tensor] | None], None]
+
+
 class Attempt:
     """Runs `plan` on stages that join the RPC world at `master`."""
 
     def __init__(self, plan: Plan, store_host: str, store_port: int, device_of: Callable[[int], str],
-                 on_step: Callable[[StepMetrics], None], attempt_no: int = 1):
+                 on_step: Callable[[StepMetrics], None], attempt_no: int = 1, on_eval: OnEval | None = None,
+                 eval_weights: bool = False):
         self.plan, self.spec = plan, plan.spec
+        self.evals = plan.eval_schedule()
+        self.on_eval, self.eval_weights = on_eval, eval_weights
         # One store serves the RPC rendezvous and the stages' data-plane process group.
         self.store_host, self.store_port = store_host, store_port
         self.master = f"{store_host}:{store_port}"
@@ -233,12 +252,14 @@ class Attempt:
         results: dict[int, dict[int, Any]] = {}
         q: queue.Queue[tuple[int, int]] = queue.Queue()
         issued, finished = first_step, first_step
-        t_prev = time.perf_counter()
+        t_prev: float | None = time.perf_counter()  # when the previous step ended; None: an evaluation followed it
         deadline = time.monotonic() + spec.step_timeout_s + 10.0
         last_news = time.monotonic()  # when a stage last finished a step
         next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
         looking: Looking | None = None  # the stages asked what they are doing, answers pending
 
+        if self.evals.at(first_step):  # resumed where an evaluation is due: the stages wait for it
+            self.evaluate(first_step)
         while finished < spec.steps:
             while issued < spec.steps and issued - finished < STEPS_AHEAD:
                 try:
@@ -281,11 +302,52 @@ class Attempt:
                     assert on_snapshot is not None  # asked for only when there is one
                     on_snapshot(snap)
                 now = time.perf_counter()
-                self._report(finished, per_stage, now - t_prev)
+                self._report(finished, per_stage, now - t_prev if t_prev is not None else _span(per_stage))
                 del pending[finished]
                 t_prev = now
                 finished += 1
+                if self.evals.at(finished):  # after this step, before the next (queued behind it on the stages)
+                    self.evaluate(finished)
+                    t_prev = None  # the next step ran behind it on the stages: its time is theirs
                 deadline = time.monotonic() + spec.step_timeout_s + 10.0
+
+    def evaluate(self, position: int) -> EvalMetrics:
+        """The loss on the eval data after `position` steps, reported to on_eval.
+
+        Each eval batch goes to the stages as one RPC per stage (inputs to the
+        first, targets to the last), EVAL_AHEAD batches ahead; each stage runs
+        it forward between step position-1 and step position. Every wait is
+        bounded by step_timeout_s and names the stage it waited for.
+        """
+        spec = self.spec
+        stream = self.plan.eval_stream()
+        last, n = spec.stages - 1, self.evals.at(position)
+        after = f"after step {position - 1}" if position else "before any step"
+        t0 = time.perf_counter()
+        sent: dict[int, dict[int, torch.futures.Future]] = {}
+        loss_sum, samples, issued = 0.0, 0, 0
+        weights: dict[str, torch.Tensor] | None = None
+        for b in range(n):
+            while issued < n and issued - b < EVAL_AHEAD:
+                try:
+                    xs, ys, sizes = stream.micro_batches(issued)
+                except Exception as e:  # the job's eval data or collate, on a later batch than the plan checked
+                    raise JobFailed(f"eval.data: batch {issued}: {first_line(e)}", cause=CAUSE_RAISED) from None
+                want = self.eval_weights and issued == n - 1
+                sent[issued] = {k: self.stages[k].rpc_async(timeout=0).run_eval(
+                    position, issued, xs if k == 0 else None, ys if k == last else None, sizes, want)
+                    for k in range(spec.stages)}
+                issued += 1
+            out = self._wait_all(sent.pop(b), spec.step_timeout_s, f"evaluating {after} (eval batch {b})")
+            loss_sum += out[last]["loss_sum"]
+            samples += out[last]["samples"]
+            if "weights" in out[0]:
+                weights = {name: t for k in range(spec.stages) for name, t in out[k]["weights"].items()}
+        m = EvalMetrics(step=position - 1 if position else None, eval_loss=loss_sum / samples,
+                        eval_samples=samples, eval_time_s=time.perf_counter() - t0, attempt=self.attempt_no)
+        if self.on_eval is not None:
+            self.on_eval(m, weights)
+        return m
 
     def _look_for_a_partition(self, step: int, looking: Looking | None) -> Looking | None:
         """No stage has finished a step for a while: ask each stage what it is doing, and judge the answers
@@ -335,6 +397,12 @@ class Attempt:
         ))
 
 
+def _span(per_stage: dict[int, Any]) -> float:
+    """A step's time as its stages measured it: the longest any of them took, from its start to its optimizer
+    step (for a step that waited behind an evaluation, which the coordinator's clock cannot tell apart)."""
+    return max(s["busy_s"] + s["idle_s"] for s in per_stage.values())
+
+
 def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int) -> StageConfig:
     """What stage k is built with: its layers, the spec's training settings, its device and the data-plane store."""
     spec = plan.spec
@@ -352,13 +420,20 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         skip_routes=plan.skip_routes(), init=spec.init, init_hook=spec.init_hook,
         precision=spec.precision,
         loss_scale=(spec.loss_scale.init, spec.loss_scale.growth_interval),
+        **eval_config(plan),
     )
 
 
-def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write a safetensors file atomically (gpipe.files.atomic_write)."""
+def eval_config(plan: Plan) -> dict[str, Any]:
+    """StageConfig's evaluation fields: when the stages evaluate (gpipe.evaluation.EvalSchedule)."""
+    evals = plan.eval_schedule()
+    return {"eval_every": evals.every, "eval_batches": evals.batches, "steps": evals.steps}
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file atomically (gpipe.files.atomic_write), with `metadata` in its header."""
     tensors = {k: v.contiguous() for k, v in state.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def shutdown(graceful: bool, timeout: float = 30.0) -> bool:
@@ -397,6 +472,17 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     }
 
 
+def check_fits(weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
+    """SpecError unless `weights` has exactly the names, shapes and dtypes of the model's state dict `want`."""
+    for name, t in want.items():
+        got = weights.get(name)
+        if got is None or got.shape != t.shape or got.dtype != t.dtype:
+            what = "has no" if got is None else f"has {tuple(got.shape)} {got.dtype} for"
+            raise SpecError(f"{where} does not fit the model: it {what} {name} ({tuple(t.shape)} {t.dtype})")
+    if set(weights) - set(want):
+        raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
+
+
 def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice]:
     """Per stage: where its weights, optimizer and RNG state are in checkpoint `ck`, cut by the plan's balance.
 
@@ -414,15 +500,7 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
     if ck.step > plan.spec.steps:
         raise SpecError(f"{where} is past the job's last step ({plan.spec.steps})")
     weights = ck.model_entries()
-    want = plan.model.state_dict()
-    for name, t in want.items():
-        k, src = weights.get(name, (0, ""))
-        got = ck.shards[k].entries.get(src)
-        if got is None or got[1] != list(t.shape) or got[0] != t.dtype:
-            what = "has no" if got is None else f"has {tuple(got[1])} {got[0]} for"
-            raise SpecError(f"{where} does not fit the model: it {what} {name} ({tuple(t.shape)} {t.dtype})")
-    if set(weights) - set(want):
-        raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
+    check_fits(ck.model_shapes(), plan.model.state_dict(), where)
     scalars: dict[str, Any] = {}
     for sh in ck.shards:
         scalars.update(sh.json_state.get("optimizer_state", {}))
@@ -488,13 +566,20 @@ class MetricsLog:
     def write(self, m: StepMetrics) -> bool:
         if m.step % self.log_every and m.step != self.steps - 1:
             return False
+        self._line(asdict(m))
+        return True
+
+    def write_eval(self, m: EvalMetrics) -> None:
+        """Every evaluation gets its line: {"step", "eval_loss", "eval_samples", "eval_time_s", "attempt"}."""
+        self._line(asdict(m))
+
+    def _line(self, values: dict[str, Any]) -> None:
         try:
-            self.f.write(json.dumps(asdict(m)) + "\n")
+            self.f.write(json.dumps(values) + "\n")
             self.f.flush()
         except OSError as e:  # a full disk: name the file
             raise JobFailed(f"metrics: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",
                             cause=CAUSE_DISK) from None
-        return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a write that failed already said so
@@ -503,12 +588,14 @@ class MetricsLog:
 
 def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_step: Callable[[StepMetrics], None],
           on_checkpoint: Callable[[int, Path, int, float, float], None] | None = None,
-          resume: checkpoint.Loaded | None = None, attempt_no: int = 1) -> None:
+          resume: checkpoint.Loaded | None = None, attempt_no: int = 1, on_eval: OnEval | None = None,
+          eval_weights: bool = False) -> None:
     """One attempt, start to end: join, build, train (checkpointing), save the weights and the timeline, leave.
 
     Resumes from `resume` when given. on_checkpoint(step, dir, bytes, write_s,
     stall_s) follows each committed checkpoint, where stall_s is the longest
-    any stage spent copying its state out. Raises JobFailed naming the stage;
+    any stage spent copying its state out; on_eval each evaluation (with the
+    weights when `eval_weights`). Raises JobFailed naming the stage;
     the caller then kills what it started. Snapshots already taken are still
     written when the attempt fails.
     """
@@ -529,7 +616,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         except OSError as e:
             raise JobFailed(f"checkpoint step-{snap.step}: {describe_os_error(e)}", cause=CAUSE_DISK) from None
 
-    attempt = Attempt(plan, host, port, devices.__getitem__, on_step, attempt_no)
+    attempt = Attempt(plan, host, port, devices.__getitem__, on_step, attempt_no, on_eval, eval_weights)
     left = False
     try:
         attempt.join()
@@ -543,7 +630,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
         ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
         assert ck is not None  # no final snapshot: resumed at the last step
-        checkpoint.export_weights(ck, out / "model.safetensors")
+        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)})
         try:
             timeline.write(out, spec.trace_step)
         except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter
@@ -558,5 +645,26 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with contextlib.suppress(OSError):
             writer.close(timeout=60)
+        if not left:
+            shutdown(graceful=False, timeout=5)
+
+
+def drive_eval(plan: Plan, host: str, port: int, devices: list[str]) -> EvalMetrics:
+    """The eval verb's attempt: join, build the stages with the plan's weights, evaluate once, leave.
+
+    The plan evaluates before any step (Plan.evaluate_only); nothing is written.
+    """
+    attempt = Attempt(plan, host, port, devices.__getitem__, lambda m: None)
+    left = False
+    try:
+        attempt.join()
+        attempt.build()
+        m = attempt.evaluate(0)
+        attempt.stages.clear()
+        left = shutdown(graceful=True)
+        if not left:
+            raise JobFailed("the stages did not leave the RPC world in time")
+        return m
+    finally:
         if not left:
             shutdown(graceful=False, timeout=5)

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,8 +59,9 @@ class ProcessLauncher:
     workers: the one they reach it by.
     """
 
-    def __init__(self, state_dir: Path, host: str | None, log_for: Callable[[str], Path]):
+    def __init__(self, state_dir: Path, host: str | None, log_for: Callable[[str], Path], extra: Sequence[str] = ()):
         self.state_dir, self.host, self.log_for = state_dir, host, log_for
+        self.extra = list(extra)  # more arguments for every attempt (--evaluate WEIGHTS: the eval verb)
 
     def host_for(self, launch: Launch) -> str:
         if self.host is not None:
@@ -75,7 +76,7 @@ class ProcessLauncher:
                "--job-dir", str(launch.job_dir), "--state-dir", str(self.state_dir), "--host", host,
                "--placement", json.dumps([asdict(p) for p in launch.placement]),
                "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
-               *(["--resume"] if launch.resume else [])]
+               *(["--resume"] if launch.resume else []), *self.extra]
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
             env=child_env(dict(os.environ)), limit=REPORT_LINE_LIMIT,

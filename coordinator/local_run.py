@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.local import LocalWorker
@@ -43,26 +44,34 @@ def _attempts_logged(out: Path) -> int:
     return n
 
 
-async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool) -> JobRecord:
+async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool,
+               evaluate: Path | None = None) -> tuple[JobRecord, list[dict[str, Any]]]:
+    """The job's record once it ended, and its evaluations; with `evaluate`, its attempts evaluate that
+    weights file instead of training (logging to logs/eval/)."""
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
-    sup = Supervisor(ProcessLauncher(state_dir, HOST, lambda name: state_dir / name / "logs" / "coordinator.log"),
+    logs = out / "logs" / "eval" if evaluate else out / "logs"
+    extra = ["--evaluate", str(evaluate)] if evaluate else []
+    sup = Supervisor(ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra),
                      say=lambda line: None)
     device = "cuda" if spec.device == "cuda" else "cpu"
     core_sets = split_cores(spec.stages)
     threads = min(threads_for(c) for c in core_sets)
-    workers = [LocalWorker(sup, k, HOST, device, cores, threads, out / "logs") for k, cores in enumerate(core_sets)]
+    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs) for k, cores in enumerate(core_sets)]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
     job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),
                     attempts=_attempts_logged(out) if resume else 0)
     sup.add(job, spec, spec_path.resolve(), spec_path.resolve().parent, fresh=not resume)
     follower = Follower(spec.name, Progress(spec.steps, enabled=progress))
+    evals: list[dict[str, Any]] = []
     try:
         async for kind, value in sup.watch(spec.name):
             if kind == "state" and value.state.ended:
                 break  # run_local says how it ended
             if kind == "state" and value.state in (JobState.PENDING, JobState.RUNNING):
                 continue  # the usual course of a run is not news
+            if kind == "eval":
+                evals.append(value)
             follower.show(kind, value)
     finally:
         follower.close()
@@ -70,21 +79,38 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, *sup.tasks, return_exceptions=True)
-    return job
+    return job, evals
+
+
+def _succeeded(job: JobRecord) -> None:
+    """SpecError (bad input) or JobFailed unless the job succeeded."""
+    if job.state != JobState.SUCCEEDED:
+        message = job.history[-1].message if job.history else "the job did not finish"
+        if job.exit_code == EXIT_BAD_INPUT:
+            raise SpecError(message)
+        raise JobFailed(message, None if job.failed_rank < 0 else job.failed_rank)
 
 
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
               resume: bool = False) -> Path:
     """Train `spec` with local workers, restarting from checkpoints; return the job's output directory."""
     t0 = time.monotonic()
-    job = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume))
-    if job.state != JobState.SUCCEEDED:
-        message = job.history[-1].message if job.history else "the job did not finish"
-        if job.exit_code == EXIT_BAD_INPUT:
-            raise SpecError(message)
-        raise JobFailed(message, None if job.failed_rank < 0 else job.failed_rank)
+    job, _ = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume))
+    _succeeded(job)
     out = Path(job.output_dir)
     again = f" after {job.restarts} restart(s)" if job.restarts else ""
     print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s{again}; weights in {out / 'model.safetensors'}",
           file=sys.stderr, flush=True)
     return out
+
+
+def eval_local(spec: JobSpec, spec_path: Path, state_dir: Path, weights: Path) -> dict[str, Any]:
+    """Evaluate weights file `weights` on the job's eval data, pipelined across local workers as `run` trains:
+    {"loss", "samples", "weights", "step" (None if unknown), "time_s"}. Writes nothing but logs/eval/."""
+    job, evals = asyncio.run(_run(spec, spec_path, state_dir.resolve(), False, False, weights.resolve()))
+    _succeeded(job)
+    if not evals:
+        raise JobFailed("the evaluation ended without a result")
+    m = evals[-1]
+    return {"loss": m["eval_loss"], "samples": m["eval_samples"], "weights": m["weights"], "step": m["step"],
+            "time_s": m["eval_time_s"]}

@@ -9,13 +9,14 @@ from gpipe.errors import SpecError
 
 
 def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:
-    """<state-dir>/<name>/; a fresh start empties metrics.jsonl and drops an earlier run's checkpoints."""
+    """<state-dir>/<name>/; a fresh start empties metrics.jsonl and drops an earlier run's checkpoints and best."""
     out = state_dir / spec_name
     try:
         out.mkdir(parents=True, exist_ok=True)
         if fresh:
             (out / "metrics.jsonl").write_text("")
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            shutil.rmtree(out / "best", ignore_errors=True)
         else:
             (out / "metrics.jsonl").touch()
     except OSError as e:

@@ -17,10 +17,11 @@ from torch.utils.data import Dataset
 
 from gpipe import schedule
 from gpipe.coordinator import balance
-from gpipe.coordinator.data import DataStream
-from gpipe.coordinator.probe import probe
+from gpipe.coordinator.data import DataStream, EvalStream
+from gpipe.coordinator.probe import probe, probe_eval
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
+from gpipe.evaluation import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
 from gpipe.init import uninitialisable
 from gpipe.precision import unsupported
@@ -38,6 +39,24 @@ class Plan:
     balance_by: str = "spec"  # "spec", the method that computed it (by_params, ...), or "checkpoint"
     collate: Callable[[list[Any]], Any] | None = None  # data.collate; none: torch's default_collate
     skips: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (stashing, popping layer)
+    eval_dataset: Dataset[Any] | None = None  # eval.data, when the job evaluates
+    eval_collate: Callable[[list[Any]], Any] | None = None
+    evaluate_only: bool = False  # the eval verb: one evaluation of the model's weights, before any step
+
+    def eval_stream(self) -> EvalStream:
+        """The job's evaluation data (coordinator.data); only for a job with an eval section."""
+        e = self.spec.eval
+        assert e is not None and self.eval_dataset is not None
+        return EvalStream(self.eval_dataset, e.data.batch_size, self.spec.chunks, e.batches, self.eval_collate)
+
+    def eval_schedule(self) -> EvalSchedule:
+        """When the stages evaluate, and how many batches (none without an eval section)."""
+        e = self.spec.eval
+        if e is None:
+            return EvalSchedule(None, 0, self.spec.steps)
+        if self.evaluate_only:
+            return EvalSchedule(None, self.eval_stream().batches, 0)
+        return EvalSchedule(e.every, self.eval_stream().batches, self.spec.steps)
 
     def stream(self) -> DataStream:
         """The job's data stream (coordinator.data)."""
@@ -99,26 +118,12 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     layers = len(model)
     if spec.stages > layers:
         raise SpecError(f"stages: {spec.stages} stages but the model has only {layers} layers")
-    dataset = _call("data", spec.data.factory, spec.data.args)
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise SpecError(f"data.factory: returned {type(dataset).__name__}, expected a map-style Dataset") from None
-    if n == 0:
-        raise SpecError("data.factory: the data set is empty")
-    item = dataset[0]
-    if not (isinstance(item, tuple | list) and len(item) == 2):
-        raise SpecError(f"data.factory: item 0 is a {type(item).__name__}, expected an (input, target) pair")
+    dataset, _ = _dataset("data", spec.data.factory, spec.data.args)
     try:
         loss_fn = resolve(spec.loss)
     except LookupError as e:
         raise SpecError(f"loss: {e}") from None
-    collate = None
-    if spec.data.collate is not None:
-        try:
-            collate = resolve(spec.data.collate)
-        except LookupError as e:
-            raise SpecError(f"data.collate: {e}") from None
+    collate = _collate("data", spec.data.collate)
     stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed, collate)
     try:
         xs, ys, _ = stream.micro_batches(0)
@@ -134,7 +139,54 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     shared = _shared_parameters(model, balance)
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
-    return Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
+    plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
+    if spec.eval is not None:
+        _plan_eval(plan, loss_fn)
+    return plan
+
+
+def _dataset(field: str, factory: str, args: dict[str, Any]) -> tuple[Dataset[Any], int]:
+    """The data set `field` names, and its length: map-style, not empty, of (input, target) pairs."""
+    dataset = _call(field, factory, args)
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise SpecError(f"{field}.factory: returned {type(dataset).__name__}, expected a map-style Dataset") from None
+    if n == 0:
+        raise SpecError(f"{field}.factory: the data set is empty")
+    item = dataset[0]
+    if not (isinstance(item, tuple | list) and len(item) == 2):
+        raise SpecError(f"{field}.factory: item 0 is a {type(item).__name__}, expected an (input, target) pair")
+    return dataset, n
+
+
+def _collate(field: str, ref: str | None) -> Callable[[list[Any]], Any] | None:
+    if ref is None:
+        return None
+    try:
+        return resolve(ref)
+    except LookupError as e:
+        raise SpecError(f"{field}.collate: {e}") from None
+
+
+def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """Load and check the evaluation data: pairs, enough batches, a first batch that collates and cuts,
+    and (unless probe is false) whose first samples run through the model and the loss."""
+    e = plan.spec.eval
+    assert e is not None
+    plan.eval_dataset, n = _dataset("eval.data", e.data.factory, e.data.args)
+    plan.eval_collate = _collate("eval.data", e.data.collate)
+    stream = plan.eval_stream()
+    have = -(-n // e.data.batch_size)
+    if stream.batches > have:
+        raise SpecError(f"eval.batches: {stream.batches} batches of {e.data.batch_size} need more than the "
+                        f"eval set's {n} items ({have} batches)")
+    try:
+        xs, ys, _ = stream.micro_batches(0)
+    except Exception as ex:
+        raise SpecError(f"eval.data: the first batch: {first_line(ex)}") from None
+    if plan.spec.probe:
+        probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
 def _build_model(spec: JobSpec) -> Any:

@@ -89,15 +89,31 @@ class Recorder(skip.Context):
         return {n: (s.stashed_by, s.popped_by) for n, s in self.skips.items() if s.popped_by is not None}
 
 
+def _first_samples(x: Any, target: Any) -> tuple[Any, Any]:
+    """The first PROBE_SAMPLES samples of micro-batch (x, target)."""
+    n = min(PROBE_SAMPLES, *(t.size(0) for t in structure.tensors(x)))
+    return structure.map_tensors(x, lambda t: t[:n]), structure.map_tensors(target, lambda t: t[:n])
+
+
+def probe_eval(model: nn.Sequential, x: Any, target: Any, loss_fn: Any) -> None:
+    """Run the first samples of eval micro-batch (x, target) through `model` and the loss, in eval mode and
+    without gradients, as an evaluation would; SpecError naming eval.data when they do not fit."""
+    x, target = _first_samples(x, target)
+    model = copy.deepcopy(model).cpu().eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            loss_fn(model(x), target)
+    except Exception as e:
+        raise SpecError(f"eval.data: its first samples do not fit the model or the loss: {first_line(e)}") from None
+
+
 def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: Any) -> dict[str, tuple[int, int]]:
     """Run micro-batch (x, target) through `model` as the stages would; return the skip routes.
 
     SpecError naming the layer and what it received when a layer fails, or
     returns what cannot cross a cut, or the loss or a backward fails.
     """
-    n = min(PROBE_SAMPLES, *(t.size(0) for t in structure.tensors(x)))
-    x = structure.map_tensors(x, lambda t: t[:n])
-    target = structure.map_tensors(target, lambda t: t[:n])
+    x, target = _first_samples(x, target)
     model = copy.deepcopy(model).cpu().train()  # the plan's model holds the initial weights: leave it be
     rec = Recorder()
     inputs, outputs, wants_of = [], [], []

@@ -20,17 +20,27 @@ class Progress:
         self.every = max(1, total // 20)
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if self.tty else None
         self._t0 = time.monotonic()
+        self.eval_loss: float | None = None  # the latest evaluation's
 
     def update(self, step: int, loss: float, samples_per_s: float, loss_scale: float | None = None,
                skipped: bool | None = None) -> None:
-        """A step ended; fp16 steps also show their loss scale, and whether the step was skipped."""
+        """A step ended; fp16 steps also show their loss scale, and whether the step was skipped; after an
+        evaluation, the latest eval loss shows too."""
+        losses = [f"loss {loss:.4f}"] + ([f"eval loss {self.eval_loss:.4f}"] if self.eval_loss is not None else [])
         scale = "" if loss_scale is None else f"  loss scale {loss_scale:g}" + (" (skipped)" if skipped else "")
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s{scale}", refresh=False)
+            self.bar.set_postfix_str(", ".join([*losses, f"{samples_per_s:,.0f} samples/s"]) + scale, refresh=False)
             self.bar.update(1)
         elif self.enabled and (step % self.every == 0 or step == self.total - 1 or skipped):
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s{scale}",
+            print("  ".join([f"step {step + 1}/{self.total}", *losses, f"{samples_per_s:,.0f} samples/s"]) + scale,
                   file=sys.stderr, flush=True)
+
+    def evaluated(self, step: int | None, loss: float, samples: int) -> None:
+        """An evaluation after step `step`: a line of its own, and its loss on the progress line from now on."""
+        self.eval_loss = loss
+        if self.enabled:
+            after = f"after step {step + 1}/{self.total}" if step is not None else ""
+            self.write(f"eval {after}: loss {loss:.4f} over {samples:,} samples")
 
     def restart(self, step: int) -> None:
         """Training (re)starts at `step`: a resumed attempt."""
@@ -79,6 +89,12 @@ class Follower:
             self.last_step = value["step"]
             self.bar.update(value["step"], value["loss"], value["samples_per_s"], value.get("loss_scale"),
                             value.get("skipped"))
+            return None
+        if kind == "eval":
+            if self.bar is None:
+                print(json.dumps(value), flush=True)
+            else:
+                self.bar.evaluated(value["step"], value["eval_loss"], value["eval_samples"])
             return None
         if kind == "state":
             self.states += 1

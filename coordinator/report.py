@@ -11,6 +11,7 @@ not take the supervisor down.
     Master(address, secret)          the workers may join the rendezvous at HOST:PORT now, under the
                                      attempt's secret (every store key lives under it: gpipe.net)
     Metrics(values)                  a logged step (also in metrics.jsonl)
+    Eval(values)                     an evaluation: step, eval_loss, eval_samples ... (also in metrics.jsonl)
     Checkpoint(step, path, ...)      a checkpoint was committed
     Failed(message, stage, exit_code, cause)  the attempt failed (stage None: no stage to blame)
     Done()                           trained; model.safetensors is written
@@ -46,6 +47,11 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class Eval:
+    values: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     step: int
     path: str
@@ -67,8 +73,9 @@ class Done:
     pass
 
 
-Report = Log | Resumed | Master | Metrics | Checkpoint | Failed | Done
-_TYPES: dict[str, type[Report]] = {t.__name__: t for t in (Log, Resumed, Master, Metrics, Checkpoint, Failed, Done)}
+Report = Log | Resumed | Master | Metrics | Eval | Checkpoint | Failed | Done
+_TYPES: dict[str, type[Report]] = {t.__name__: t for t in (Log, Resumed, Master, Metrics, Eval, Checkpoint, Failed,
+                                                           Done)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
                                              "int | None": (int, type(None)), "dict[str, Any]": (dict,)}
 

@@ -132,7 +132,7 @@ def _replay(job: JobRecord) -> tuple[list[serde.Event], int]:
     lines, older = _tail(Path(job.output_dir) / "metrics.jsonl", EVENT_WINDOW - len(job.history))
     for x in lines:
         with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
-            events.append(("metrics", json.loads(x)))
+            events.append(serde.metrics_event(json.loads(x)))
     events += [("state", h) for h in last]
     return events, older
 

@@ -126,6 +126,12 @@ def _check_factory(v: str) -> str:
     return v
 
 
+def _check_collate(v: str | None) -> str | None:
+    if v is not None and (":" not in v or not FACTORY_RE.match(v)):
+        raise ValueError(f"{v!r} is not 'module:function'")
+    return v
+
+
 class ModelSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
@@ -159,13 +165,7 @@ class DataSpec(_Spec):
     )
 
     _factory = field_validator("factory")(_check_factory)
-
-    @field_validator("collate")
-    @classmethod
-    def _collate(cls, v: str | None) -> str | None:
-        if v is not None and (":" not in v or not FACTORY_RE.match(v)):
-            raise ValueError(f"{v!r} is not 'module:function'")
-        return v
+    _collate = field_validator("collate")(_check_collate)
 
 
 class OptimizerSpec(_Spec):
@@ -219,6 +219,36 @@ class CosineLR(_Spec):
 
 
 LRSchedule = Annotated[StepLR | CosineLR, Field(discriminator="name")]
+
+
+class EvalDataSpec(_Spec):
+    factory: str = Field(
+        max_length=MAX_FACTORY_CHARS,
+        description="'module:function' returning a map-style Dataset of (input, target) pairs, "
+        "or a registered name (random_regression).",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
+    batch_size: Annotated[StrictInt, Range(1, MAX_BATCH_SIZE)] = Field(
+        description="Samples per evaluation batch, cut into `chunks` micro-batches; the last batch of "
+        "the set may be shorter."
+    )
+    collate: str | None = Field(
+        default=None, max_length=MAX_FACTORY_CHARS,
+        description="'module:function' collating a batch's items into an (input, target) pair; "
+        "none: torch's default_collate.",
+    )
+
+    _factory = field_validator("factory")(_check_factory)
+    _collate = field_validator("collate")(_check_collate)
+
+
+class EvalSpec(_Spec):
+    data: EvalDataSpec = Field(description="The evaluation data, visited in order, each item once.")
+    every: Steps = Field(description="Evaluate after every this many steps, and after the last.")
+    batches: Steps | None = Field(
+        default=None, description="Evaluation batches per evaluation, from the start of the set; "
+        "none: the whole set.",
+    )
 
 
 class LossScaleSpec(_Spec):
@@ -350,6 +380,14 @@ class JobSpec(_Spec):
         description="init per_layer: 'module:function' called with (layer index, layer) under the layer's "
         "seeded generator, instead of reset_parameters().",
     )
+    eval: EvalSpec | None = Field(
+        default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "
+        "without gradients, every `every` steps and after the last (metrics.jsonl: eval_loss).",
+    )
+    keep_best: bool = Field(
+        default=False, description="Keep the weights of the lowest eval loss so far in "
+        "<state-dir>/<name>/best/model.safetensors, with best.json (needs eval).",
+    )
 
     @field_validator("name")
     @classmethod
@@ -401,6 +439,8 @@ class JobSpec(_Spec):
             raise ValueError(
                 f"chunks: {self.chunks} micro-batches exceed data.batch_size {self.data.batch_size}"
             )
+        if self.keep_best and self.eval is None:
+            raise ValueError("keep_best: needs an eval section (the best is the lowest eval loss)")
         return self
 
 

@@ -204,7 +204,7 @@ def _read_metrics(path: Path, count: int, batch: int = 1000) -> Iterator[list[se
             if n >= count:
                 break
             with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
-                out.append(("metrics", json.loads(line)))
+                out.append(serde.metrics_event(json.loads(line)))
             if len(out) >= batch:
                 yield out
                 out = []
@@ -295,7 +295,7 @@ class Supervisor:
         return f"checkpoint step-{job.checkpoint_step}" if job.checkpoint_step else "the last good checkpoint"
 
     def _emit(self, e: Entry, event: serde.Event) -> None:
-        if len(e.events) == e.events.maxlen and e.events[0][0] == "metrics":
+        if len(e.events) == e.events.maxlen and e.events[0][0] in ("metrics", "eval"):
             e.older += 1  # the oldest is dropped from memory; metrics.jsonl still has it
         e.events.append(event)
         for q in e.watchers:
@@ -548,6 +548,10 @@ class Supervisor:
                 elif isinstance(r, report.Metrics):
                     job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])
                     self._emit(e, ("metrics", r.values))
+                elif isinstance(r, report.Eval):
+                    step = r.values.get("step")
+                    job.eval_loss, job.eval_step = float(r.values["eval_loss"]), -1 if step is None else int(step)
+                    self._emit(e, ("eval", r.values))
                 elif isinstance(r, report.Resumed):
                     job.steps_done = r.step
                 elif isinstance(r, report.Checkpoint):

@@ -78,9 +78,11 @@ def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
     lines: list[dict[str, Any]] = []
     for x in text.splitlines():
         try:
-            lines.append(json.loads(x))
+            d = json.loads(x)
         except json.JSONDecodeError:  # a line cut short by a killed attempt
             continue
+        if "eval_loss" not in d:  # an evaluation's line has no step timeline
+            lines.append(d)
     if not lines:
         raise SpecError(f"{metrics}: no steps logged yet")
     if step is None:

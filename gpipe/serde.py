@@ -50,6 +50,8 @@ class JobRecord:
     attempts: int = 0
     checkpoint_step: int = 0
     exit_code: int = 0  # once ended: 0 succeeded, 1 failed, 2 bad input (no restart could help)
+    eval_loss: float = 0.0  # the latest evaluation's loss
+    eval_step: int = -1  # the step it followed; -1: none yet
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -131,6 +133,7 @@ _RECORD_FIELDS: dict[str, tuple[_Check, bool]] = {
     "failed_rank": (_int(-1, INT32[1]), False), "error": (_text, False), "output_dir": (_text, False),
     "restarts": (_int(0, INT32[1]), False), "attempts": (_int(0, INT32[1]), False),
     "checkpoint_step": (_int(0, INT64[1]), False), "exit_code": (_int(0, 255), False),
+    "eval_loss": (_float(finite=False), False), "eval_step": (_int(-1, INT64[1]), False),
 }
 
 
@@ -163,8 +166,13 @@ class Abort:
     attempt_id: str
 
 
-# An event of a job: ("state", StateChange) | ("metrics", dict) | ("log", str)
+# An event of a job: ("state", StateChange) | ("metrics", dict) | ("eval", dict) | ("log", str)
 Event = tuple[str, Any]
+
+
+def metrics_event(line: dict[str, Any]) -> Event:
+    """A line of metrics.jsonl as an event: an evaluation's line (it has eval_loss) or a step's."""
+    return ("eval" if "eval_loss" in line else "metrics"), line
 
 
 def state_to_pb(c: StateChange) -> jpb.StateChange:
@@ -181,6 +189,7 @@ def job_to_pb(j: JobRecord) -> jpb.Job:
         history=[state_to_pb(h) for h in j.history], steps=j.steps, steps_done=j.steps_done,
         loss=j.loss, failed_rank=j.failed_rank, error=j.error, output_dir=j.output_dir,
         restarts=j.restarts, attempts=j.attempts, checkpoint_step=j.checkpoint_step,
+        eval_loss=j.eval_loss, eval_step=j.eval_step,
     )
 
 
@@ -190,10 +199,12 @@ def job_from_pb(m: jpb.Job) -> JobRecord:
         history=[state_from_pb(h) for h in m.history], steps_done=m.steps_done, loss=m.loss,
         failed_rank=m.failed_rank, error=m.error, output_dir=m.output_dir,
         restarts=m.restarts, attempts=m.attempts, checkpoint_step=m.checkpoint_step,
+        eval_loss=m.eval_loss, eval_step=m.eval_step,
     )
 
 
 _METRIC_FIELDS = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "attempt")
+_EVAL_FIELDS = ("eval_loss", "eval_samples", "eval_time_s", "attempt")
 _OPTIONAL_METRICS = ("loss_scale", "skipped")  # fp16 only: unset (None) otherwise, and in older lines
 
 
@@ -206,6 +217,10 @@ def event_to_pb(e: Event) -> jpb.JobEvent:
                             **{k: value[k] for k in _OPTIONAL_METRICS if value.get(k) is not None},
                             stages_json=json.dumps(value["stages"]))
         return jpb.JobEvent(metrics=m)
+    if kind == "eval":
+        step = value.get("step")
+        ev = jpb.EvalMetrics(**{k: value[k] for k in _EVAL_FIELDS if k in value}, step=-1 if step is None else step)
+        return jpb.JobEvent(eval=ev)
     return jpb.JobEvent(log=value)
 
 
@@ -218,6 +233,9 @@ def event_from_pb(m: jpb.JobEvent) -> Event:
         d.update({k: getattr(m.metrics, k) if m.metrics.HasField(k) else None for k in _OPTIONAL_METRICS})
         d["stages"] = json.loads(m.metrics.stages_json or "[]")
         return "metrics", d
+    if which == "eval":
+        d = {k: getattr(m.eval, k) for k in _EVAL_FIELDS}
+        return "eval", {"step": None if m.eval.step < 0 else m.eval.step, **d}
     return "log", m.log
 
 

@@ -38,9 +38,9 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def header(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, int]:
+def header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
     """The safetensors header of `tensors` (they may be on the meta device), and the data region's length."""
-    entries: dict[str, Any] = {}
+    entries: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in sorted(tensors):
         t = tensors[name]

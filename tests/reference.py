@@ -168,3 +168,44 @@ def split(batch: Any, chunks: int) -> list[Any]:
         cut = {k: split(v, chunks) for k, v in batch.items()}
         return [{k: cut[k][i] for k in batch} for i in range(chunks)]
     return [batch] * chunks
+
+
+def evaluate(spec: dict[str, Any], state: dict[str, torch.Tensor],
+             cuts: list[int] | None = None) -> tuple[float, int]:
+    """One-device evaluation of the weights `state` on the spec's eval data, in eval mode, without gradients:
+    the mean loss over the samples (each batch's loss times its size), and the sample count.
+
+    Batch b is items b*B ... b*B+B-1 of the eval set in order (the last may be shorter); `batches` limits them.
+    With bf16 or fp16 the forward runs under autocast, rounded at `cuts` as in `train`, the loss in float32.
+    """
+    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
+    model.load_state_dict(state)
+    model.eval()
+    e = spec["eval"]
+    data = resolve(e["data"]["factory"])(**e["data"].get("args", {}))
+    loss_fn = resolve(spec.get("loss", "cross_entropy"))
+    collate = resolve(e["data"]["collate"]) if e["data"].get("collate") else default_collate
+    size, n = e["data"]["batch_size"], len(data)
+    total, samples = 0.0, 0
+    with torch.no_grad():
+        for b in range(e.get("batches") or -(-n // size)):
+            items = [data[i] for i in range(b * size, min((b + 1) * size, n))]
+            x, y = collate(items)
+            total += float(loss_fn(_autocast_forward(spec, model, x, cuts), y)) * len(items)
+            samples += len(items)
+    return total / samples, samples
+
+
+def _autocast_forward(spec: dict[str, Any], model: nn.Sequential, x: Any, cuts: list[int] | None) -> Any:
+    """model(x), under the spec's autocast (float32 rounded to its dtype at `cuts`) and cast back to float32."""
+    half = HALF.get(spec.get("precision", "fp32"))
+    if half is None:
+        return model(x)
+    with torch.autocast("cpu", dtype=half):
+        start = 0
+        for k, n in enumerate(cuts or [len(model)]):
+            if k and x.dtype == torch.float32:
+                x = x.to(half)  # a cut: float32 crosses it in the autocast dtype
+            x = model[start : start + n](x)
+            start += n
+    return x.float()

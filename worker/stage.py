@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import batchnorm, init, schedule, skip, structure
+from gpipe import batchnorm, evaluation, init, schedule, skip, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -65,6 +65,10 @@ class StageConfig:
     init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
     precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
     loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
+    # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
+    eval_every: int | None = None
+    eval_batches: int = 0
+    steps: int = 0
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -342,6 +346,66 @@ class Stage:
                                if isinstance(c, Receiver)},
             **({"loss_scale": loss_scale, "skipped": skipped} if self.precision.scaler else {}),
         }
+
+    def evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
+                 sizes: list[int]) -> dict[str, Any]:
+        """Eval batch `batch` through the stage: its micro-batches forward in order (fill-drain, no backward),
+        in eval mode, without gradients. The weights, the buffers and the generators are as they were.
+
+        The last stage returns the batch's summed loss (each micro-batch's mean loss times its size).
+        """
+        cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
+        chunks = len(sizes)
+        if self.recv_act:
+            self.recv_act.expect(chunks)
+        self.skips.expect(chunks)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        # A module may update a buffer even in eval mode; and a layer's randomness must not move training's.
+        buffers = [(b, b.clone()) for b in self.layers.buffers()]
+        was_training = self.layers.training
+        self.layers.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+                for mb in range(chunks):
+                    tag = evaluation.tag(mb)
+                    if self.first:
+                        x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
+                    else:
+                        self._doing("waiting", f"stage {cfg.stage - 1}'s activation of eval micro-batch {mb}")
+                        x = self.recv_act.get(tag, timeout)  # type: ignore[union-attr]  # not the first stage
+                    arrived = {}
+                    if self.skips.recv:
+                        self._doing("waiting", f"the skip connections of eval micro-batch {mb}")
+                        arrived = self.skips.receive(tag, timeout)
+                    self._doing("computing")
+                    ctx = self.skips.context(arrived)
+                    with skip.use(ctx), self.autocast():  # the training forward's precision
+                        y = seeded_forward(self.indexed, x, cfg.seed, evaluation.seed_step(batch), mb)
+                    # Nothing requires grad, so no gradient comes back.
+                    self.skips.send_forward(tag, self.precision.cut(ctx.out), checkpointed=False)
+                    if self.last:
+                        target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
+                        loss = self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
+                        loss_sum += loss.double() * sizes[mb]
+                    else:
+                        self.send_act.send(tag, self.precision.cut(y))  # type: ignore[union-attr]  # not the last stage
+            for sender in self.channels:
+                if isinstance(sender, Sender):
+                    self._doing("waiting", f"{sender.name} to be sent")
+                    sender.flush(timeout)
+        finally:
+            self.layers.train(was_training)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            self._doing("idle")
+        return {"stage": cfg.stage, "loss_sum": float(loss_sum) if self.last else None, "samples": sum(sizes),
+                "eval_s": time.perf_counter() - t0}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage's state dict on the CPU, under the un-partitioned model's names."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
 
     def _unscale(self) -> bool:
         """fp16: divide the loss scale out of this stage's gradients; True, on every stage, when any stage's

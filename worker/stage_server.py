@@ -5,11 +5,12 @@
     rref.rpc_async(timeout=...).start(json_state, weights_sent)      # its figures, or {"error": ...}
     rref.rpc_async(timeout=0).run_step(step, lr, inputs, targets, sizes, snapshot)
     rref.rpc_async(timeout=...).snapshot_piece(step, i)              # the checkpoint's copy, a piece at a time
+    rref.rpc_async(timeout=0).run_eval(position, batch, inputs, targets, sizes, weights)
 
-A StageServer owns its Stage, the queue of steps it was sent, and the thread
-that runs them one at a time, in step order, off the RPC threads. Errors come
-back as {"error": "<type>: <first line>"} with the traceback in the worker's
-log, so the coordinator can name the stage in one line.
+A StageServer owns its Stage, the queue of steps (and eval batches) it was
+sent, and the thread that runs them one at a time, in order, off the RPC
+threads. Errors come back as {"error": "<type>: <first line>"} with the
+traceback in the worker's log, so the coordinator can name the stage in one line.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed.rpc as rpc
 
+from gpipe.evaluation import EvalSchedule
 from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.worker.stage import Stage, StageConfig, build_layers
@@ -32,32 +35,57 @@ from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
 
 
+@dataclass(frozen=True)
+class EvalArgs:
+    """One eval batch: its number, its micro-batches' inputs (first stage) or targets (last), their sizes,
+    and whether to hand back the stage's weights with the answer."""
+
+    batch: int
+    inputs: list[Any] | None
+    targets: list[Any] | None
+    sizes: list[int]
+    weights: bool
+
+
 class StepQueue:
-    """Steps by number, handed out strictly in order.
+    """Steps by number, with the eval batches due before each, handed out strictly in order.
 
     RPCs are served by a thread pool, so run_step(s+1) may arrive before
-    run_step(s); the stage must still run s first.
+    run_step(s), or before the eval batches due after step s; the stage must
+    still run them in order. Work at position p (p steps done) is keyed (p, i):
+    the eval batches due at p are i = 0 .. n-1 (n = `evals(p)`), and step p is i = n.
     """
 
-    def __init__(self, first: int = 0) -> None:
+    def __init__(self, first: int = 0, evals: Callable[[int], int] = lambda p: 0) -> None:
         self._cv = threading.Condition()
-        self._steps: dict[int, tuple[torch.futures.Future, StepArgs]] = {}
-        self._next = first
+        self._items: dict[tuple[int, int], tuple[torch.futures.Future, StepArgs | EvalArgs]] = {}
+        self._evals = evals
+        self._next = (first, 0)
         self._closed = False
 
     def put(self, step: int, fut: torch.futures.Future, args: StepArgs) -> None:
+        self._put((step, self._evals(step)), fut, args)
+
+    def put_eval(self, position: int, batch: int, fut: torch.futures.Future, args: EvalArgs) -> None:
+        """Eval batch `batch` of the evaluation after `position` steps; ValueError if none such is due."""
+        if not 0 <= batch < self._evals(position):
+            raise ValueError(f"no eval batch {batch} is due after {position} steps")
+        self._put((position, batch), fut, args)
+
+    def _put(self, key: tuple[int, int], fut: torch.futures.Future, args: StepArgs | EvalArgs) -> None:
         with self._cv:
-            self._steps[step] = (fut, args)
+            self._items[key] = (fut, args)
             self._cv.notify_all()
 
-    def take(self) -> tuple[torch.futures.Future, StepArgs] | None:
-        """The next step in order, waiting for it; None once closed."""
+    def take(self) -> tuple[torch.futures.Future, StepArgs | EvalArgs] | None:
+        """The next step or eval batch in order, waiting for it; None once closed."""
         with self._cv:
-            self._cv.wait_for(lambda: self._closed or self._next in self._steps)
+            self._cv.wait_for(lambda: self._closed or self._next in self._items)
             if self._closed:
                 return None
-            job = self._steps.pop(self._next)
-            self._next += 1
+            position, i = self._next
+            job = self._items.pop(self._next)
+            self._next = (position, i + 1) if i < self._evals(position) else (position + 1, 0)
             return job
 
     def close(self) -> None:
@@ -90,11 +118,13 @@ class StageServer:
         """
         self.stage: Stage | None = None
         self.error: str | None = None
-        self._steps = StepQueue(first_step)
+        config = StageConfig(**cfg)
+        evals = EvalSchedule(config.eval_every, config.eval_batches, config.steps)
+        self._steps = StepQueue(first_step, evals.at)
         self._thread: threading.Thread | None = None
         self._incoming: Incoming | None = None
         self._outbox = Outbox()
-        self._cfg = StageConfig(**cfg)
+        self._cfg = config
         StageServer.live.append(self)
         if weights is None:
             try:
@@ -104,7 +134,7 @@ class StageServer:
                 self.error = describe(e)
             return
         try:
-            self.stage = Stage(StageConfig(**cfg), weights, resume)
+            self.stage = Stage(config, weights, resume)
         except BaseException as e:
             traceback.print_exc()
             self.error = describe(e)
@@ -185,11 +215,47 @@ class StageServer:
             self._steps.put(step, fut, (step, lr, inputs, targets, sizes, snapshot))
         return fut
 
+    @rpc.functions.async_execution
+    def run_eval(self, position: int, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
+                 sizes: list[int], weights: bool = False) -> torch.futures.Future:
+        """Queue eval batch `batch` of the evaluation after `position` steps: it runs after step
+        `position`-1's optimizer step and before step `position`. The future completes with the stage's
+        figures (Stage.evaluate), and with `weights`, a copy of its weights under "weights"."""
+        fut: torch.futures.Future = torch.futures.Future()
+        if self.stage is None:
+            fut.set_result({"error": f"the stage was not built: {self.error}"})
+            return fut
+        try:
+            self._steps.put_eval(position, batch, fut, EvalArgs(batch, inputs, targets, sizes, weights))
+        except ValueError as e:
+            fut.set_result({"error": describe(e)})
+        return fut
+
+    @staticmethod
+    def _answer(fut: torch.futures.Future, work: Callable[[], dict[str, Any]]) -> None:
+        """Complete `fut` with what `work` returns, or with {"error": ...} (the traceback to the log)."""
+        try:
+            fut.set_result(work())
+        except BaseException as e:
+            traceback.print_exc()
+            fut.set_result({"error": describe(e)})
+
+    def _evaluate(self, args: EvalArgs) -> dict[str, Any]:
+        assert self.stage is not None
+        result = self.stage.evaluate(args.batch, args.inputs, args.targets, args.sizes)
+        if args.weights:
+            result["weights"] = self.stage.weights()
+        return result
+
     def _run(self) -> None:
-        """Runs the queued steps one at a time, in step order."""
+        """Runs the queued steps and eval batches one at a time, in order."""
         assert self.stage is not None
         while (job := self._steps.take()) is not None:
-            fut, (step, lr, inputs, targets, sizes, snapshot) = job
+            fut, args = job
+            if isinstance(args, EvalArgs):
+                self._answer(fut, lambda: self._evaluate(args))  # noqa: B023  # called at once
+                continue
+            step, lr, inputs, targets, sizes, snapshot = args
             try:
                 result = self.stage.step(step, lr, inputs, targets, sizes)
                 if snapshot:

@@ -35,7 +35,7 @@ class StateChange(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., time_unix: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step")
+    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step", "eval_loss", "eval_step")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class Job(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: JobState
     spec_yaml: str
@@ -62,7 +64,9 @@ class Job(_message.Message):
     restarts: int
     attempts: int
     checkpoint_step: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    eval_loss: float
+    eval_step: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt", "loss_scale", "skipped")
@@ -88,15 +92,31 @@ class StepMetrics(_message.Message):
     skipped: bool
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ..., attempt: _Optional[int] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
+class EvalMetrics(_message.Message):
+    __slots__ = ("step", "eval_loss", "eval_samples", "eval_time_s", "attempt")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    eval_loss: float
+    eval_samples: int
+    eval_time_s: float
+    attempt: int
+    def __init__(self, step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_samples: _Optional[int] = ..., eval_time_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
+
 class JobEvent(_message.Message):
-    __slots__ = ("state", "metrics", "log")
+    __slots__ = ("state", "metrics", "log", "eval")
     STATE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     state: StateChange
     metrics: StepMetrics
     log: str
-    def __init__(self, state: _Optional[_Union[StateChange, _Mapping]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., log: _Optional[str] = ...) -> None: ...
+    eval: EvalMetrics
+    def __init__(self, state: _Optional[_Union[StateChange, _Mapping]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., log: _Optional[str] = ..., eval: _Optional[_Union[EvalMetrics, _Mapping]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec_yaml",)
