@@ -135,6 +135,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     from gpipe.coordinator.evaluation import BEST, Best
     from gpipe.coordinator.outputs import prepare_output
     from gpipe.coordinator.plan import make_plan
+    from gpipe.memory import map_apart, resident_peak_bytes
 
     resume = None
     if a.resume:
@@ -155,6 +156,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         _redirect_stderr(a.log)
     print(f"gpipe: attempt {a.attempt}: rendezvous store on {a.host}:{port}", file=sys.stderr, flush=True)
     torch.set_num_threads(1)  # the cores belong to the stages
+    map_apart()  # state passes through here in pieces: each goes back to the system once written or sent
     tell(report.Master(f"{a.host}:{port}", secret))
     threads = sorted({p.threads for p in placement})
     copies = f"{spec.replicas} replicas x " if spec.replicas > 1 else ""
@@ -182,6 +184,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval, spec.keep_best)
     finally:
         log.close()
+    # What this process held at most: with init per_layer, not the model (README: bigger than one machine).
+    tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
 
 
 def _stopped(signum: int, frame: object) -> None:

@@ -18,6 +18,12 @@ The safetensors files are written by `write_safetensors`, which streams each
 tensor's bytes to disk and hashes them in the same pass, with no copy of the
 tensor and without holding the GIL for the write, so training goes on while
 a checkpoint is written. They are read with the safetensors library.
+
+A stage's file may also come as a stream (StageStream: the header first, then
+the data's pieces as the stage hands them over, coordinator.streaming), written
+and hashed a piece at a time; and a loaded checkpoint keeps its tensors on disk
+(Shard) until they are read a piece at a time, so neither saving nor resuming
+holds a whole stage's state in this process.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +49,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gpipe import state as layout
-from gpipe.files import atomic_write_bytes, fsync_dir, json_bytes, naming, write_synced
+from gpipe import stream
+from gpipe.files import (
+    atomic_write,
+    atomic_write_bytes,
+    fsync_dir,
+    json_bytes,
+    naming,
+    write_synced,
+)
 from gpipe.state import StageState
 
 FORMAT = 1
@@ -50,11 +65,6 @@ MANIFEST = "MANIFEST.json"
 META = "checkpoint.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 
 
 class BadCheckpoint(Exception):
@@ -70,13 +80,6 @@ def _yield_cpu() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def _write_all(fd: int, data: memoryview) -> int:
-    written = 0
-    while written < len(data):
-        written += os.write(fd, data[written:])
-    return written
-
-
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int, str]:
     """Write `tensors` (CPU) as a safetensors file, fsynced; return (bytes, sha256).
 
@@ -84,19 +87,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
     JSON naming each tensor's dtype, shape and byte range, padded with spaces
     to a multiple of 8 so the data stays aligned.
     """
-    header: dict[str, Any] = {}
-    offset = 0
+    head, _ = stream.header(tensors)
     order = sorted(tensors)
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    views = [memoryview(struct.pack("<Q", len(raw)) + raw)]
+    views = [memoryview(head)]
     for name in order:
         t = tensors[name].detach()
         if t.device.type != "cpu":
@@ -104,7 +97,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
         t = t.contiguous()
         if t.numel():
             # The tensor's own memory: no copy.
-            views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
+            views.append(stream.numpy_bytes(t))
     # Hash on a second thread while this one writes: both let go of the GIL, so the two overlap.
     digest = hashlib.sha256()
     def hash_all() -> None:
@@ -116,11 +109,40 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> tuple[int
     hasher.start()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        size = sum(_write_all(fd, v) for v in views)
+        size = sum(stream.write_all(fd, v) for v in views)
         os.fsync(fd)
     finally:
         os.close(fd)
         hasher.join()
+    return size, digest.hexdigest()
+
+
+@dataclass
+class StageStream:
+    """A stage's state arriving in pieces: its safetensors header and JSON state first, then `pieces()`,
+    the data region's bytes in order (uint8 CPU tensors), read as they are written."""
+
+    header: bytes
+    data_bytes: int
+    json_state: dict[str, Any]
+    pieces: Callable[[], Iterator[torch.Tensor]]
+
+
+def write_stream(st: StageStream, path: Path) -> tuple[int, str]:
+    """Write a stage's streamed state as a safetensors file, hashing each piece as it comes; (bytes, sha256)."""
+    digest = hashlib.sha256(st.header)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        size = stream.write_all(fd, memoryview(st.header))
+        for piece in st.pieces():
+            view = stream.numpy_bytes(piece)
+            digest.update(view)
+            size += stream.write_all(fd, view)
+        if size != len(st.header) + st.data_bytes:
+            raise ValueError(f"{size - len(st.header)} bytes of data came for {st.data_bytes}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return size, digest.hexdigest()
 
 
@@ -140,13 +162,17 @@ class Snapshot:
     """One checkpoint in memory: each stage's state, and the job's JSON state."""
 
     step: int
-    stages: list[StageState]
+    stages: Sequence[StageState | StageStream]  # in memory, or streamed from the stages as it is written
     meta: dict[str, Any]
     stall_s: float = 0.0  # the longest any stage paused to copy its state out
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights, under the un-partitioned model's names."""
-        return layout.model_state(self.stages)
+        """The whole model's weights, under the un-partitioned model's names (a snapshot in memory only: a
+        streamed one is read back from disk once written, with open_committed and export_weights)."""
+        held = [st for st in self.stages if isinstance(st, StageState)]
+        if len(held) != len(self.stages):
+            raise ValueError(f"checkpoint step-{self.step} streams from the stages: read its weights from disk")
+        return layout.model_state(held)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -162,10 +188,18 @@ def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     d.mkdir()
     fsync_dir(root)
     files: dict[str, dict[str, Any]] = {}
+
+    def write_stage(k: int) -> tuple[int, str]:
+        st, path = snap.stages[k], d / f"stage-{k}.safetensors"
+        with naming(path):
+            return write_stream(st, path) if isinstance(st, StageStream) else write_safetensors(st.tensors, path)
+
+    # Streamed stages are pulled at once, each from its own stage; in-memory ones written one after another.
+    streamed = any(isinstance(st, StageStream) for st in snap.stages)
+    with ThreadPoolExecutor(len(snap.stages) if streamed else 1, "checkpoint-stage") as pool:
+        shards = list(pool.map(write_stage, range(len(snap.stages))))
     for k, st in enumerate(snap.stages):
-        with naming(d / f"stage-{k}.safetensors"):
-            files[f"stage-{k}.safetensors"] = dict(zip(
-                ("bytes", "sha256"), write_safetensors(st.tensors, d / f"stage-{k}.safetensors"), strict=True))
+        files[f"stage-{k}.safetensors"] = dict(zip(("bytes", "sha256"), shards[k], strict=True))
         size, sha = _write_json(d / f"stage-{k}.json", st.json_state)
         files[f"stage-{k}.json"] = {"bytes": size, "sha256": sha}
     size, sha = _write_json(d / META, {"format": FORMAT, **snap.meta, "step": snap.step})
@@ -311,31 +345,109 @@ def verify(d: Path) -> dict[str, Any]:
 
 
 @dataclass
+class Shard:
+    """One stage's file of a verified checkpoint: its tensors' places (read a piece at a time) and its JSON state."""
+
+    path: Path
+    entries: dict[str, tuple[torch.dtype, list[int], int, int]]  # name -> (dtype, shape, start, end) in the data
+    data_start: int
+    json_state: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: Path, json_path: Path) -> Shard:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            entries = stream.parse_header(f.read(n))
+        return cls(path, entries, 8 + n, json.loads(json_path.read_text()))
+
+    def pieces(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """Tensor `name`'s bytes as (byte offset, uint8 tensor) pieces of at most PIECE_BYTES, read one by one."""
+        _, _, start, end = self.entries[name]
+        with open(self.path, "rb", buffering=0) as f:
+            for off in range(0, max(end - start, 1), stream.PIECE_BYTES):
+                buf = torch.empty(min(stream.PIECE_BYTES, end - start - off), dtype=torch.uint8)
+                f.seek(self.data_start + start + off)
+                if f.readinto(buf.numpy()) != len(buf):  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
+                    raise BadCheckpoint(f"{self.path.name}: {name} is cut short")
+                yield off, buf
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name`, read whole."""
+        dtype, shape, start, end = self.entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        for off, piece in self.pieces(name):
+            stream.write_piece(out, off, piece)
+        return out
+
+
+@dataclass
 class Loaded:
-    """A verified checkpoint: the state of each stage that wrote it, and the job's JSON state."""
+    """A verified checkpoint: the files of the stages that wrote it (read as needed), and the job's JSON state."""
 
     step: int
     path: Path
     meta: dict[str, Any]
-    stages: list[StageState]  # as the checkpoint's balance cut them
+    shards: list[Shard]  # as the checkpoint's balance cut them
+    _stages: list[StageState] | None = None
+
+    @property
+    def stages(self) -> list[StageState]:
+        """Each stage's state, read whole into memory (for a checkpoint that fits this process)."""
+        if self._stages is None:
+            try:
+                self._stages = [StageState(load_file(str(sh.path)), sh.json_state) for sh in self.shards]
+            except (OSError, ValueError, SafetensorError) as e:
+                raise BadCheckpoint(f"unreadable: {e}") from None
+        return self._stages
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights, under the un-partitioned model's names."""
         return layout.model_state(self.stages)
 
+    def model_shapes(self) -> dict[str, torch.Tensor]:
+        """The weights as meta tensors (their names, shapes and dtypes), under the un-partitioned model's names."""
+        return {name: torch.empty(self.shards[k].entries[src][1], dtype=self.shards[k].entries[src][0],
+                                  device="meta") for name, (k, src) in self.model_entries().items()}
+
+    def model_entries(self) -> dict[str, tuple[int, str]]:
+        """Weight name (un-partitioned) -> (the shard holding it, its name there)."""
+        return {name.removeprefix(layout.MODEL): (k, name) for k, sh in enumerate(self.shards)
+                for name in sh.entries if name.startswith(layout.MODEL)}
+
 
 def load(d: Path) -> Loaded:
-    """Verify, then read, the checkpoint in `d`."""
-    manifest = verify(d)
-    stages = []
+    """Verify the checkpoint in `d`, and read its JSON state and its files' headers (the tensors stay on disk)."""
+    return open_committed(d, verify(d))
+
+
+def open_committed(d: Path, manifest: dict[str, Any] | None = None) -> Loaded:
+    """The checkpoint in `d`, not verified again (this process has just written it, or verified `manifest`)."""
     try:
+        if manifest is None:
+            manifest = json.loads((d / MANIFEST).read_text())
         meta = json.loads((d / META).read_text())
-        for k in range(manifest["stages"]):
-            tensors = load_file(str(d / f"stage-{k}.safetensors"))
-            stages.append(StageState(tensors, json.loads((d / f"stage-{k}.json").read_text())))
-    except (OSError, ValueError, SafetensorError) as e:
+        shards = [Shard.open(d / f"stage-{k}.safetensors", d / f"stage-{k}.json") for k in range(manifest["stages"])]
+    except (OSError, ValueError, KeyError, struct.error) as e:
         raise BadCheckpoint(f"unreadable: {e}") from None
-    return Loaded(manifest["step"], d, meta, stages)
+    return Loaded(manifest["step"], d, meta, shards)
+
+
+def export_weights(ck: Loaded, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write the checkpoint's weights as one safetensors file (model.safetensors), atomically, a piece at a time,
+    with `metadata` in its header."""
+    where = ck.model_entries()
+    head, total = stream.header(ck.model_shapes(), metadata)
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for name in sorted(where):
+            k, src = where[name]
+            for _, piece in ck.shards[k].pieces(src):
+                yield piece
+
+    def write(tmp: Path) -> None:
+        write_stream(StageStream(head, total, {}, pieces), tmp)
+
+    atomic_write(path, write)
 
 
 def latest(root: Path, say: Callable[[str], None]) -> Loaded | None:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
-from gpipe import net
-from gpipe.coordinator import checkpoint, timeline
+from gpipe import net, stream
+from gpipe.coordinator import checkpoint, streaming, timeline
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import (
@@ -47,7 +47,7 @@ from gpipe.errors import (
 from gpipe.files import atomic_write, atomic_write_json
 from gpipe.precision import LossScaler
 from gpipe.show import first_line
-from gpipe.state import LOSS_SCALE, StageState, layer_of
+from gpipe.state import LOSS_SCALE, OPTIM, RNG, layer_of, model_key
 from gpipe.topology import Topology
 from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
@@ -214,26 +214,43 @@ class Attempt:
                 "check that these addresses reach one another (gpipe-worker --host sets a worker's)")
 
     def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
-        """Create every stage on its worker, with the plan's initial weights or, resuming, a checkpoint's state.
+        """Create every stage on its worker, then send each its weights (init exact) or, resuming, its slice of
+        the checkpoint, in pieces (coordinator.streaming), and start them all.
 
         Every replica's copy of stage k starts from the same state. Returns each worker's figures (parameters,
         pid, threads), by rank, once all are built.
         """
         spec, top = self.spec, self.topology
-        parts = resume_parts(self.plan, resume) if resume is not None else None
-        futs = {}
+        slices = resume_parts(self.plan, resume) if resume is not None else None
         for rank in top.ranks():
-            k = top.stage_of(rank)
-            cfg = stage_config(self.plan, k, self.device_of(rank), self.store_host, self.store_port,
+            cfg = stage_config(self.plan, top.stage_of(rank), self.device_of(rank), self.store_host, self.store_port,
                                top.replica_of(rank))
-            if parts is None:
-                args: tuple[Any, ...] = (asdict(cfg), self.plan.stage_state(k))
-            else:
-                args = (asdict(cfg), parts[k][0], resume.step, parts[k][1])  # type: ignore[union-attr]  # parts is set only when resume is
-            rref = rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s)
-            self.stages.append(rref)
-            futs[rank] = rref.rpc_async(timeout=spec.start_timeout_s).built()
+            args = (asdict(cfg), None, resume.step if resume is not None else 0)
+            self.stages.append(rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s))
+        for rank in top.ranks():  # each replica's copy of stage k gets stage k's state
+            self._send_state(rank, slices[top.stage_of(rank)] if slices is not None else None, resume)
+        exact = spec.init == "exact"
+        futs = {rank: self.stages[rank].rpc_async(timeout=spec.start_timeout_s).start(
+                    slices[top.stage_of(rank)].json_state if slices is not None else None, exact)
+                for rank in top.ranks()}
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
+
+    def _send_state(self, rank: int, part: streaming.StageSlice | None, resume: checkpoint.Loaded | None) -> None:
+        """Worker `rank`'s initial tensors, a piece at a time: its stage's weights from the plan (init exact), a
+        checkpoint's slice, or nothing (init per_layer: the stage made its own)."""
+        spec, rref = self.spec, self.stages[rank]
+
+        def check(fut: torch.futures.Future[Any]) -> None:
+            self._result("while receiving its state", rank, fut)
+
+        if part is None:
+            if spec.init == "exact":
+                weights = {model_key(n): t for n, t in self.plan.stage_state(self.topology.stage_of(rank)).items()}
+                streaming.send_pieces(rref, stream.pieces(weights), spec.start_timeout_s, check)
+            return
+        assert resume is not None  # a slice is of a checkpoint
+        check(rref.rpc_async(timeout=spec.start_timeout_s).expect(part.declared))
+        streaming.send_pieces(rref, part.pieces(resume), spec.start_timeout_s, check)
 
     def train(self, first_step: int = 0, on_snapshot: Callable[[checkpoint.Snapshot], None] | None = None) -> None:
         """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends.
@@ -295,7 +312,8 @@ class Attempt:
                 per_stage = results.pop(finished)
                 if "snapshot" in per_stage[0]:
                     # Replica 0's: ranks 0 .. stages-1 are its stages, in order.
-                    parts = [per_stage[k].pop("snapshot") for k in range(spec.stages)]
+                    parts = [streaming.from_stage(self.stages[k], per_stage[k].pop("snapshot"), spec.step_timeout_s)
+                             for k in range(spec.stages)]
                     stall = max(per_stage[k]["snapshot_s"] for k in range(spec.stages))
                     snap = checkpoint.Snapshot(finished + 1, parts, checkpoint_meta(self.plan, finished + 1), stall)
                     assert on_snapshot is not None  # asked for only when there is one
@@ -436,7 +454,7 @@ def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: i
         step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s,
         store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
         deferred_batch_norm=spec.deferred_batch_norm,
-        skip_routes=plan.skip_routes(),
+        skip_routes=plan.skip_routes(), init=spec.init, init_hook=spec.init_hook,
         replica=replica, replicas=spec.replicas, batch_size=spec.data.batch_size,
         precision=spec.precision,
         loss_scale=(spec.loss_scale.init, spec.loss_scale.growth_interval),
@@ -505,13 +523,14 @@ def check_fits(weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
         raise SpecError(f"{where} does not fit the model: {sorted(set(weights) - set(want))[0]} is not in it")
 
 
-def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torch.Tensor], StageState]]:
-    """Per stage: (its weights, its optimizer and RNG state) out of checkpoint `ck`, cut by the plan's balance.
+def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice]:
+    """Per stage: where its weights, optimizer and RNG state are in checkpoint `ck`, cut by the plan's balance.
 
-    The checkpoint names every tensor by the un-partitioned model, so it fits
-    any balance; the RNG states are restored only when the stage count is the same.
-    A checkpoint that does not fit the job (another model or data set) is bad
-    input: SpecError, and no restart would help.
+    Only the checkpoint's headers are read here; the tensors go from disk to the
+    stages (Attempt.build). The checkpoint names every tensor by the
+    un-partitioned model, so it fits any balance; the RNG states are restored
+    only when the stage count is the same. A checkpoint that does not fit the
+    job (another model or data set) is bad input: SpecError, and no restart would help.
     """
     where = f"checkpoint {ck.path.name}"
     n = len(plan.dataset)  # type: ignore[arg-type]  # torch's Dataset type has no __len__; the plan checked it
@@ -520,31 +539,39 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[tuple[dict[str, torc
                         f"items; this job's has {n}")
     if ck.step > plan.spec.steps:
         raise SpecError(f"{where} is past the job's last step ({plan.spec.steps})")
-    weights = ck.model_state()
-    check_fits(weights, plan.model.state_dict(), where)
+    weights = ck.model_entries()
+    check_fits(ck.model_shapes(), plan.model.state_dict(), where)
     scalars: dict[str, Any] = {}
-    for st in ck.stages:
-        scalars.update(st.optimizer_scalars)
-    same = len(ck.stages) == plan.spec.stages
+    for sh in ck.shards:
+        scalars.update(sh.json_state.get("optimizer_state", {}))
+    same = len(ck.shards) == plan.spec.stages
     extra = {}
-    if plan.spec.precision == "fp16" and (saved := ck.stages[0].loss_scale) is not None:
+    if plan.spec.precision == "fp16" and (saved := ck.shards[0].json_state.get(LOSS_SCALE)) is not None:
         try:  # the job's one loss scale, the same on every stage: a resumed fp16 job goes on with it
             extra[LOSS_SCALE] = LossScaler.from_state(saved).state()
         except ValueError as e:
             raise SpecError(f"{where}: {e}") from None
-    parts = []
+    slices = []
     for k in range(plan.spec.stages):
-        # Non-persistent buffers are not in a state dict: they are the model's own.
-        state = {name: weights.get(name, initial) for name, initial in plan.stage_state(k).items()}
-        layers = {layer_of(name) for name in state}
-        tensors: dict[str, torch.Tensor] = {}
-        for st in ck.stages:
-            tensors.update(st.optim_tensors_for(layers))
-        if same:
-            tensors.update(ck.stages[k].rng())
-        groups = ck.stages[k if same else 0].param_groups
-        parts.append((state, StageState(tensors, {"param_groups": groups, "optimizer_state": scalars, **extra})))
-    return parts
+        part = streaming.StageSlice()
+        layers = set()
+        for name, initial in plan.stage_state(k).items():
+            layers.add(layer_of(name))
+            if name in weights:
+                part.from_disk[model_key(name)] = weights[name]
+            elif plan.spec.init == "exact":  # non-persistent buffers are not in a state dict: the model's own
+                part.in_memory[model_key(name)] = initial
+        for j, sh in enumerate(ck.shards):
+            for key in sh.entries:
+                optim = key.startswith(OPTIM) and layer_of(key.removeprefix(OPTIM)) in layers
+                if optim or (same and j == k and key.startswith(RNG)):
+                    part.from_disk[key] = (j, key)
+                    dtype, shape, _, _ = sh.entries[key]
+                    part.declared[key] = (stream.DTYPES[dtype], shape)
+        groups = ck.shards[k if same else 0].json_state.get("param_groups", [])
+        part.json_state = {"param_groups": groups, "optimizer_state": scalars, **extra}
+        slices.append(part)
+    return slices
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
@@ -644,8 +671,10 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
             writer.close()
         except OSError as e:
             raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None
-        weights = final[0].model_state() if final else resume.model_state()  # type: ignore[union-attr]  # no final snapshot: resumed at the last step
-        save_weights(weights, out / "model.safetensors", {"step": str(spec.steps - 1)})
+        # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
+        ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
+        assert ck is not None  # no final snapshot: resumed at the last step
+        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)})
         try:
             timeline.write(out, spec.trace_step)
         except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter

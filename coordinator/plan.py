@@ -24,6 +24,7 @@ from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
+from gpipe.init import uninitialisable
 from gpipe.precision import unsupported
 from gpipe.show import first_line
 
@@ -31,7 +32,7 @@ from gpipe.show import first_line
 @dataclass
 class Plan:
     spec: JobSpec
-    model: nn.Sequential  # the initial weights: torch.manual_seed(seed); factory(**args)
+    model: nn.Sequential  # exact: the initial weights (torch.manual_seed(seed); factory(**args)); per_layer: on meta
     balance: list[int]  # layers per stage
     dataset: Dataset[Any]
     import_paths: list[str]
@@ -113,8 +114,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         raise SpecError(f"precision: {why}")
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
-    torch.manual_seed(spec.seed)
-    model = _call("model", spec.model.factory, spec.model.args)
+    model = _build_model(spec)
     if not isinstance(model, nn.Sequential):
         raise SpecError(f"model.factory: returned {type(model).__name__}, expected torch.nn.Sequential")
     layers = len(model)
@@ -201,6 +201,26 @@ def _check_batch_norm(model: nn.Sequential, replicas: int) -> None:
             raise SpecError(f"replicas: {replicas} replicas need deferred_batch_norm: true for the BatchNorm at "
                             f"{name}: its running statistics are then the whole batch's, once a step, on every "
                             "replica")
+
+
+def _build_model(spec: JobSpec) -> Any:
+    """exact: the whole model, seeded; per_layer: the model on the meta device, its layers checked for an init."""
+    if spec.init == "exact":
+        torch.manual_seed(spec.seed)
+        return _call("model", spec.model.factory, spec.model.args)
+    if spec.init_hook is not None:
+        try:
+            resolve(spec.init_hook)
+        except LookupError as e:
+            raise SpecError(f"init_hook: {e}") from None
+    with torch.device("meta"):
+        model = _call("model", spec.model.factory, spec.model.args)
+    if isinstance(model, nn.Sequential) and spec.init_hook is None:
+        for i, layer in enumerate(model):
+            if (what := uninitialisable(layer)) is not None:
+                raise SpecError(f"init: layer {i}: {what} has parameters or buffers but no reset_parameters(); "
+                                "give init_hook")
+    return model
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

@@ -376,6 +376,19 @@ class JobSpec(_Spec):
         "those of one device on the whole batch.",
     )
 
+    init: Literal["exact", "per_layer"] = Field(
+        default="exact",
+        description="exact: torch.manual_seed(seed), then the factory, in the coordinator (a model that "
+        "fits its memory), streamed to the stages a piece at a time. per_layer: no process builds the "
+        "whole model; each stage builds its own layers and initialises layer i from a generator seeded by "
+        "(seed, i), calling each submodule's reset_parameters() or init_hook (gpipe.init.per_layer gives "
+        "the same weights on one device). per_layer needs probe: false and balance by_params or a list.",
+    )
+    init_hook: str | None = Field(
+        default=None, max_length=MAX_FACTORY_CHARS,
+        description="init per_layer: 'module:function' called with (layer index, layer) under the layer's "
+        "seeded generator, instead of reset_parameters().",
+    )
     eval: EvalSpec | None = Field(
         default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "
         "without gradients, every `every` steps and after the last (metrics.jsonl: eval_loss).",
@@ -392,6 +405,13 @@ class JobSpec(_Spec):
             raise ValueError(
                 f"{v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
+        return v
+
+    @field_validator("init_hook")
+    @classmethod
+    def _init_hook(cls, v: str | None) -> str | None:
+        if v is not None and (":" not in v or not FACTORY_RE.match(v)):
+            raise ValueError(f"{v!r} is not 'module:function'")
         return v
 
     @field_validator("loss")
@@ -414,6 +434,14 @@ class JobSpec(_Spec):
                 raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps - 1}")
             if self.trace_step % self.log_every and self.trace_step != self.steps - 1:
                 raise ValueError(f"trace_step: step {self.trace_step} is not logged (log_every {self.log_every})")
+        if self.init_hook is not None and self.init != "per_layer":
+            raise ValueError("init_hook: applies to init per_layer only")
+        if self.init == "per_layer" and self.probe:
+            raise ValueError("probe: init per_layer never builds the whole model, which the probe runs; "
+                             "set probe: false")
+        if self.init == "per_layer" and self.balance in ("by_time", "by_memory"):
+            raise ValueError(f"balance: {self.balance} runs the whole model, which init per_layer never "
+                             "builds; use by_params or a list")
         if "loss_scale" in self.model_fields_set and self.precision != "fp16":
             raise ValueError(f"loss_scale: applies to precision fp16 only, not {self.precision}")
         if self.chunks > self.data.batch_size:

@@ -67,3 +67,27 @@ class _Held:
     def __del__(self) -> None:
         if self._meter is not None:
             self._meter._drop(self._ptr)
+
+
+def resident_peak_bytes(pid: int | str = "self") -> int:
+    """A process's peak resident memory (VmHWM in /proc/<pid>/status); 0 where there is no such file."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def map_apart(threshold: int = 1 << 20) -> None:
+    """Have glibc map each allocation of `threshold` bytes or more on its own, so that freeing it gives it
+    back to the system. A process that passes many pieces of state along (on many threads, each with its
+    own arena) otherwise keeps what the pieces took, arena after arena. No effect elsewhere than glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass

@@ -359,6 +359,41 @@ def bad_skips(kind: str, width: int = 16) -> nn.Sequential:
     return nn.Sequential(SkipMid(width, "x"), SkipMid(width, "x"), SkipMid(width, pops="x"))
 
 
+def init_ones_hook(index: int, layer: nn.Module) -> None:
+    """An init hook: every weight index/100 plus noise from the layer's seeded generator, every bias zero."""
+    for m in layer.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+    for name, p in layer.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        else:
+            p.copy_(index / 100 + 0.1 * torch.randn(p.shape))
+
+
+class NoReset(nn.Module):
+    """Holds a parameter but has no reset_parameters(): init per_layer cannot initialise it alone."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def mlp_no_reset(width: int = 4) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, width), NoReset(width), nn.Linear(width, width))
+
+
+def mlp_norm(width: int = 16, depth: int = 4) -> nn.Sequential:
+    """Linear, LayerNorm and BatchNorm1d layers: parameters and buffers that reset_parameters() sets."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers.append(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.BatchNorm1d(width), nn.Tanh()))
+    return nn.Sequential(*layers, nn.Linear(width, width))
+
+
 class GradOverflow(nn.Module):
     """x times its weight; on the training forwards numbered in `at` (counted in a buffer, so a resumed
     stage counts on) its weight's gradient is inf, and no other gradient changes."""

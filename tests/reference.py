@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
 from gpipe.factory import resolve
+from gpipe.init import per_layer
 from gpipe.rng import seeded_forward
 
 OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -44,8 +45,7 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
     autocast dtype, as they are when they cross a cut.
     """
     seed = spec.get("seed", 0)
-    torch.manual_seed(seed)
-    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {})).to(device)
+    model = initial_model(spec).to(device)
     half = HALF.get(spec.get("precision", "fp32"))
     scaler = None
     if spec.get("precision") == "fp16":
@@ -123,6 +123,18 @@ def to(batch: Any, device: str) -> Any:
     if isinstance(batch, dict):
         return {k: to(v, device) for k, v in batch.items()}
     return batch
+
+
+def initial_model(spec: dict[str, Any]) -> nn.Sequential:
+    """The model with the spec's initial weights: seeded, then the factory (init exact), or
+    gpipe.init.per_layer (init per_layer)."""
+    seed = spec.get("seed", 0)
+    torch.manual_seed(seed)
+    model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
+    if spec.get("init") == "per_layer":
+        hook = resolve(spec["init_hook"]) if spec.get("init_hook") else None
+        per_layer(model, seed, hook)
+    return model
 
 
 class WholeBatchStatistics:

@@ -413,3 +413,14 @@ def test_replica_0_evaluates_and_the_eval_verb_runs_one_pipeline(cli):
     assert abs(json.loads(r.stdout)["loss"] - evals[-1]["eval_loss"]) < 1e-9
     assert sorted(p.name for p in (cli.tmp / "st" / "e" / "logs" / "eval").glob("*stage-*.log")) == [
         "stage-0.log", "stage-1.log"]  # one pipeline
+
+
+def test_per_layer_init_gives_every_replica_the_same_weights(cli):
+    """init per_layer: each replica's stages initialise their own layers, the same ones, so training equals
+    one device from per_layer weights; a checkpoint is pulled from replica 0's stages in pieces."""
+    spec = job(model=DROPOUT, stages=2, replicas=2, chunks=2, init="per_layer", probe=False, steps=3,
+               checkpoint_every=2)
+    r = run_job(cli, spec)
+    assert r.returncode == 0, r.stderr
+    diff = worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
+    assert diff <= 1e-5, diff

@@ -140,8 +140,9 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
     assert "restart 1 of 3" in err
     resumed = int(re.search(r"r: resuming from checkpoint step-(\d+) ", err).group(1))
     if victim.startswith("stage"):
-        # The coordinator had every stage's state already: it finished that save (and maybe a later one).
-        assert resumed >= int(torn.name[5:]), err
+        # The stages' states stream to the writer: the save finished if the killed stage's pieces were all
+        # taken, else it was passed over for the one before (checkpoints come every 2 steps).
+        assert resumed >= int(torn.name[5:]) - 2, err
     else:
         # The save was cut short: the next attempt passed it over (unless the kill came just after it finished).
         assert (f"r: checkpoint {torn.name} is not used: no MANIFEST.json (the save did not finish)" in err

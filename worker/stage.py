@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe import batchnorm, evaluation, schedule, skip, structure
+from gpipe import batchnorm, evaluation, init, schedule, skip, structure
 from gpipe import state as layout
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
@@ -66,6 +66,8 @@ class StageConfig:
     replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
+    init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
+    init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
     precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
     loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
     # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
@@ -74,14 +76,18 @@ class StageConfig:
     steps: int = 0
 
 
-def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch.device) -> nn.Sequential:
-    """The stage's slice of the model, holding the coordinator's weights.
+def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
+    """The stage's slice of the model, holding `state` (the coordinator's weights) when given.
 
     The factory runs on the meta device, so no full model is materialised here;
     a model that cannot be built there (or keeps plain tensors that are no
-    parameters or buffers) is built on the CPU instead.
+    parameters or buffers) is built on the CPU instead. With no `state`, the
+    layers are initialised here (init per_layer), or left empty for weights
+    sent in pieces (worker.streaming).
     """
     factory = resolve(cfg.model_factory)
+    hook = resolve(cfg.init_hook) if cfg.init_hook else None
+    per_layer = state is None and cfg.init == "per_layer"
 
     def sliced(model: nn.Sequential) -> nn.Sequential:
         return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
@@ -90,13 +96,23 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor], device: torch
     try:
         with torch.device("meta"):
             layers = sliced(factory(**cfg.model_args))
-        layers = layers.to_empty(device=device)
         if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
             layers = None
+        elif per_layer:  # a layer at a time: on the CPU, initialised, then to the device
+            for j, i in enumerate(range(cfg.start, cfg.end)):
+                layers[j] = init.materialise(layers[j], i, cfg.seed, device, hook)
+        else:
+            layers = layers.to_empty(device=device)
     except Exception:
         layers = None
     if layers is None:
-        layers = sliced(factory(**cfg.model_args)).to(device)
+        layers = sliced(factory(**cfg.model_args))
+        if per_layer:
+            for j, i in enumerate(range(cfg.start, cfg.end)):
+                init.init_layer(layers[j], i, cfg.seed, hook)
+        layers = layers.to(device)
+    if state is None:
+        return layers
     own = dict(layers.named_parameters()) | dict(layers.named_buffers())
     if set(own) != set(state):
         raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
@@ -121,7 +137,8 @@ def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
 class Stage:
     """A stage built and joined to its neighbours; `resume` is a checkpoint's optimizer and RNG state."""
 
-    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor], resume: StageState | None = None):
+    def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor] | nn.Sequential,
+                 resume: StageState | None = None):
         self.cfg = cfg
         self.topology = Topology(cfg.stages, cfg.replicas)
         self.rank = self.topology.rank(cfg.replica, cfg.stage)
@@ -131,7 +148,8 @@ class Stage:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
-        self.layers = build_layers(cfg, state, self.device)
+        # The layers built already (their weights sent in pieces: worker.streaming), or built from `state`.
+        self.layers = state if isinstance(state, nn.Sequential) else build_layers(cfg, state, self.device)
         if cfg.deferred_batch_norm:
             batchnorm.convert_deferred_batch_norm(self.layers)
         self.buffers = Buffers(self.layers)  # a recomputed forward leaves running statistics be
@@ -480,23 +498,28 @@ class Stage:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def snapshot(self) -> StageState:
+    def snapshot(self, copy: bool = True) -> StageState:
         """A copy of everything a resumed stage needs, in the checkpoint layout (gpipe.state).
 
         Weights, the optimizer's tensors by parameter name (so a checkpoint fits
         any balance) and the generator states on the CPU; the optimizer's
-        hyper-parameters and non-tensor state as JSON.
+        hyper-parameters and non-tensor state as JSON. With `copy` false, the
+        weights and optimizer tensors are the live ones, where they live (to be
+        written out before the next step changes them: worker.streaming).
         """
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True) if copy else t.detach()
+
         tensors: dict[str, torch.Tensor] = {}
         for name, t in self.layers.state_dict().items():  # non-persistent buffers are rebuilt, not saved
-            tensors[layout.model_key(name)] = t.detach().to("cpu", copy=True)
+            tensors[layout.model_key(name)] = out(t)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         if self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
                 for key, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        tensors[layout.optim_key(name, key)] = v.detach().to("cpu", copy=True)
+                        tensors[layout.optim_key(name, key)] = out(v)
                     else:
                         scalars.setdefault(name, {})[key] = v
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]

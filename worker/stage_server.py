@@ -1,8 +1,10 @@
 """A stage as an RPC object: the coordinator creates it remotely and drives it through its RRef.
 
-    rref = rpc.remote("stage1", StageServer, args=(cfg, weights))   # builds the stage on its worker
-    rref.rpc_async(timeout=...).built()                             # its figures, or {"error": ...}
+    rref = rpc.remote("stage1", StageServer, args=(cfg, None))      # builds the stage's layers on its worker
+    rref.rpc_async(timeout=...).receive(pieces)                      # its weights, a piece at a time (init exact)
+    rref.rpc_async(timeout=...).start(json_state, weights_sent)      # its figures, or {"error": ...}
     rref.rpc_async(timeout=0).run_step(step, lr, inputs, targets, sizes, snapshot)
+    rref.rpc_async(timeout=...).snapshot_piece(step, i)              # the checkpoint's copy, a piece at a time
     rref.rpc_async(timeout=0).run_eval(position, batch, inputs, targets, sizes, weights)
 
 A StageServer owns its Stage, the queue of steps (and eval batches) it was
@@ -26,7 +28,9 @@ import torch.distributed.rpc as rpc
 
 from gpipe.evaluation import EvalSchedule
 from gpipe.state import StageState
-from gpipe.worker.stage import Stage, StageConfig
+from gpipe.stream import Piece
+from gpipe.worker.stage import Stage, StageConfig, build_layers
+from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
 
@@ -102,12 +106,15 @@ class StageServer:
     # The stages this process serves, closed when it leaves the RPC world (close_all).
     live: ClassVar[list[StageServer]] = []
 
-    def __init__(self, cfg: dict[str, Any], weights: dict[str, torch.Tensor], first_step: int = 0,
+    def __init__(self, cfg: dict[str, Any], weights: dict[str, torch.Tensor] | None, first_step: int = 0,
                  resume: StageState | None = None):
         """Build the stage (and join the stages' data plane); its steps start at `first_step`.
 
         `weights` are its parameters and buffers; `resume`, when resuming, the
-        checkpoint's optimizer and RNG state. A failure is kept for built().
+        checkpoint's optimizer and RNG state. With no `weights`, only the layers
+        are built now (initialised here with init per_layer): their weights and
+        a checkpoint's state come in pieces (expect, receive), and start() builds
+        the rest. A failure is kept for built() or start().
         """
         self.stage: Stage | None = None
         self.error: str | None = None
@@ -115,7 +122,17 @@ class StageServer:
         evals = EvalSchedule(config.eval_every, config.eval_batches, config.steps)
         self._steps = StepQueue(first_step, evals.at)
         self._thread: threading.Thread | None = None
+        self._incoming: Incoming | None = None
+        self._outbox = Outbox()
+        self._cfg = config
         StageServer.live.append(self)
+        if weights is None:
+            try:
+                self._incoming = Incoming(build_layers(self._cfg, None, torch.device(self._cfg.device)))
+            except BaseException as e:
+                traceback.print_exc()
+                self.error = describe(e)
+            return
         try:
             self.stage = Stage(config, weights, resume)
         except BaseException as e:
@@ -124,6 +141,51 @@ class StageServer:
             return
         self._thread = threading.Thread(target=self._run, name="stage-executor", daemon=True)
         self._thread.start()
+
+    # -- state in pieces (worker.streaming) ------------------------------------
+
+    def expect(self, entries: dict[str, tuple[str, list[int]]]) -> dict[str, Any]:
+        """Make room for a checkpoint's tensors that are not weights (name -> (dtype, shape))."""
+        return self._loading(lambda inc: inc.expect(entries))
+
+    def receive(self, pieces: list[Piece]) -> dict[str, Any]:
+        """Copy pieces of the stage's tensors in."""
+        return self._loading(lambda inc: inc.receive(pieces))
+
+    def _loading(self, do: Callable[[Incoming], None]) -> dict[str, Any]:
+        if self._incoming is None:
+            return {"error": self.error or "the stage has started already"}
+        try:
+            do(self._incoming)
+        except BaseException as e:
+            traceback.print_exc()
+            return {"error": describe(e)}
+        return {}
+
+    def start(self, json_state: dict[str, Any] | None, weights_sent: bool) -> dict[str, Any]:
+        """Once every piece is in: build the optimizer (with the checkpoint's state), join the data plane, start."""
+        incoming, self._incoming = self._incoming, None
+        if incoming is None:
+            return {"error": self.error or "the stage has started already"}
+        try:
+            resume = incoming.finish(json_state, weights_sent)
+            self.stage = Stage(self._cfg, incoming.layers, resume)
+        except BaseException as e:
+            traceback.print_exc()
+            self.error = describe(e)
+            return {"error": self.error}
+        del incoming
+        self._thread = threading.Thread(target=self._run, name="stage-executor", daemon=True)
+        self._thread.start()
+        return self.built()
+
+    def snapshot_piece(self, step: int, index: int) -> torch.Tensor:
+        """Piece `index` of the checkpoint copy taken after step `step`; the last one lets the copy go."""
+        return self._outbox.piece(step, index)
+
+    def drop_snapshot(self, step: int) -> None:
+        """Let the checkpoint copy of step `step` go (it is written, or will not be)."""
+        self._outbox.drop(step)
 
     def built(self) -> dict[str, Any]:
         """The built stage's figures, or {"error": ...} when building failed."""
@@ -197,18 +259,32 @@ class StageServer:
             try:
                 result = self.stage.step(step, lr, inputs, targets, sizes)
                 if snapshot:
-                    # Between steps, before the next one changes anything: the stall a checkpoint costs.
-                    t0 = time.perf_counter()
-                    result["snapshot"] = self.stage.snapshot()
-                    result["snapshot_s"] = time.perf_counter() - t0
+                    self._snapshot(step, result)
                 fut.set_result(result)
             except BaseException as e:
                 traceback.print_exc()
                 fut.set_result({"error": describe(e)})
 
+    def _snapshot(self, step: int, result: dict[str, Any]) -> None:
+        """Copy the state out for the checkpoint after `step`, to be pulled in pieces while the next steps run.
+
+        Between steps, before the next one changes anything: snapshot_s is the stall a checkpoint costs.
+        A copy still being pulled is waited for first (snapshot_wait_s), so a stage holds one at most.
+        """
+        assert self.stage is not None
+        t0 = time.perf_counter()
+        self._outbox.wait_free(self._cfg.step_timeout_s)
+        t1 = time.perf_counter()
+        out = Outgoing(step, self.stage.snapshot(copy=False))
+        self._outbox.put(out, self._cfg.step_timeout_s)
+        result["snapshot"] = out.describe()
+        result["snapshot_s"] = time.perf_counter() - t1
+        result["snapshot_wait_s"] = t1 - t0
+
     def close(self) -> None:
         """Stop taking steps and close the stage's channels."""
         self._steps.close()
+        self._outbox.drop()
         if self.stage is not None:
             self.stage.close()
 

@@ -1,0 +1,90 @@
+"""The coordinator's side of state in pieces: to a stage as it starts, from a stage at each checkpoint.
+
+Each direction keeps at most IN_FLIGHT messages of at most PIECE_BYTES
+(gpipe.stream) per stage, so this process's memory does not grow with the
+model: a stage's weights go from the plan (init exact) or from the checkpoint
+on disk (resume) straight to the stage; a checkpoint comes from the stage
+straight to the file it is written and hashed in (coordinator.checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from gpipe import stream
+from gpipe.coordinator import checkpoint
+
+IN_FLIGHT = 2  # messages of state on the way to or from one stage
+
+
+@dataclass
+class StageSlice:
+    """What a resumed stage is sent: where each of its tensors is (a checkpoint's shard, or this process)."""
+
+    from_disk: dict[str, tuple[int, str]] = field(default_factory=dict)  # its key -> (shard, key there)
+    in_memory: dict[str, torch.Tensor] = field(default_factory=dict)  # init exact: non-persistent buffers
+    declared: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # not weights: (dtype, shape)
+    json_state: dict[str, Any] = field(default_factory=dict)
+
+    def pieces(self, ck: checkpoint.Loaded) -> Iterator[stream.Piece]:
+        """Every tensor's pieces, read from disk one at a time."""
+        yield from stream.pieces(self.in_memory)
+        for key in sorted(self.from_disk):
+            k, src = self.from_disk[key]
+            for off, data in ck.shards[k].pieces(src):
+                yield key, off, data
+
+
+def send_pieces(rref: rpc.RRef, pieces: Iterable[stream.Piece], timeout: float,
+                check: Callable[[torch.futures.Future[Any]], Any]) -> int:
+    """Send `pieces` to a StageServer's receive(), batched up to PIECE_BYTES a message, IN_FLIGHT at most
+    unanswered; `check` raises a failed answer. Returns the bytes sent."""
+    futs: deque[torch.futures.Future[Any]] = deque()
+    batch: list[stream.Piece] = []
+    size = sent = 0
+
+    def flush() -> None:
+        futs.append(rref.rpc_async(timeout=timeout).receive(batch))
+        while len(futs) >= IN_FLIGHT:
+            check(futs.popleft())
+
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece[2])
+        if size >= stream.PIECE_BYTES:
+            flush()
+            sent, batch, size = sent + size, [], 0
+    if batch:
+        flush()
+        sent += size
+    while futs:
+        check(futs.popleft())
+    return sent
+
+
+def from_stage(rref: rpc.RRef, desc: dict[str, Any], timeout: float) -> checkpoint.StageStream:
+    """A stage's checkpoint copy (as its step's answer described it), pulled in pieces as the writer writes it."""
+    step, count = int(desc["step"]), int(desc["pieces"])
+
+    def pieces() -> Iterator[torch.Tensor]:
+        done = False
+        try:
+            ahead: deque[torch.futures.Future[torch.Tensor]] = deque()
+            for i in range(count):
+                while len(ahead) < IN_FLIGHT and i + len(ahead) < count:
+                    ahead.append(rref.rpc_async(timeout=timeout).snapshot_piece(step, i + len(ahead)))
+                yield ahead.popleft().wait()
+            done = True
+        finally:
+            if not done or count == 0:  # the last piece lets the copy go; otherwise say so
+                with contextlib.suppress(Exception):
+                    rref.rpc_async(timeout=timeout).drop_snapshot(step)
+
+    return checkpoint.StageStream(desc["header"], int(desc["data_bytes"]), desc["json_state"], pieces)
