@@ -175,7 +175,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         log.write_eval(m)
         tell(report.Eval(asdict(m)))
         if best is not None and best.offer(m, weights):
-            tell(report.Log(f"best: step {m.step}, eval loss {m.eval_loss:.6g}: {best.path}"))
+            after = m.step + 1 if m.step is not None else 0  # steps done, as status counts them
+            tell(report.Log(f"best: after step {after}, eval loss {m.eval_loss:.6g}: {best.path}"))
 
     def on_checkpoint(step: int, d: Path, size: int, write_s: float, stall_s: float) -> None:
         tell(report.Checkpoint(step, str(d), size, write_s, stall_s))

@@ -85,6 +85,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     layers are initialised here (init per_layer), or left empty for weights
     sent in pieces (worker.streaming).
     """
+    add_import_paths(cfg.import_paths)  # the job's folder: its model's module lives there
     factory = resolve(cfg.model_factory)
     hook = resolve(cfg.init_hook) if cfg.init_hook else None
     per_layer = state is None and cfg.init == "per_layer"

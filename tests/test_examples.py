@@ -1,0 +1,46 @@
+"""The examples as a user runs them: from a folder that is not the job's, with the job's code next to its spec."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_charlm_ddp_trains_evaluates_keeps_the_best_and_the_eval_verb_scores_it(cli):
+    """examples/charlm-ddp.yaml, small: 2 replicas x 2 stages, bf16, evaluation and keep_best. The job's
+    module (charlm.py) is found next to its spec only, not in the folder the command runs from."""
+    job = cli.tmp / "job"
+    job.mkdir()
+    shutil.copy(EXAMPLES / "charlm.py", job / "charlm.py")
+    spec = yaml.safe_load((EXAMPLES / "charlm-ddp.yaml").read_text())
+    spec.update(name="ddp", steps=4, checkpoint_every=2, balance=[2, 2],
+                model={**spec["model"], "args": {"d_model": 16, "heads": 2, "ff": 32, "layers": 2}},
+                data={**spec["data"], "args": {"seq_len": 16, "split": "train", "max_bytes": 8000}, "batch_size": 8},
+                eval={**spec["eval"], "every": 2, "batches": 2,
+                      "data": {**spec["eval"]["data"], "args": {"seq_len": 16, "split": "eval", "max_bytes": 8000},
+                               "batch_size": 4}})
+    path = job / "ddp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    r = cli.run("run", "--no-progress", "--state-dir", "state", str(path), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = cli.tmp / "state" / "ddp"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if "eval_loss" in m]
+    steps = [m for m in lines if "eval_loss" not in m]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3] and all(len(m["replicas"]) == 2 for m in steps)
+    assert len(evals) == 2 and all(m["eval_loss"] > 0 for m in evals)
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["eval_loss"] == min(m["eval_loss"] for m in evals)
+    r = cli.run("eval", str(path), "--state-dir", "state", "--weights", str(out / "best" / "model.safetensors"),
+                "--json", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    scored = json.loads(r.stdout.strip().splitlines()[-1])
+    assert scored["loss"] == pytest.approx(best["eval_loss"], rel=1e-5)
