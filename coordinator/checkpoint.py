@@ -242,8 +242,8 @@ class Writer:
 
     `submit` returns at once unless the previous snapshot is still being
     written: then it waits for it (the disk is slower than the checkpoints
-    come). A failed write is raised by the next
-    `submit` or by `close`.
+    come). A failed write is raised by the next `submit`, `check` or
+    `close`; the snapshots queued after it are not written.
     """
 
     def __init__(self, root: Path, keep: int, on_commit: Callable[[Snapshot, Path, int, float], None]):
@@ -256,14 +256,18 @@ class Writer:
 
     def _run(self) -> None:
         _yield_cpu()
+        failed = False
         while (snap := self._q.get()) is not None:
+            if failed:  # the attempt ends on the first failure: never pull a later snapshot from the stages
+                self._q.task_done()
+                continue
             try:
                 t0 = time.perf_counter()
                 d, size = write(self.root, snap)
                 prune(self.root, self.keep)
                 self.on_commit(snap, d, size, time.perf_counter() - t0)
-            except BaseException as e:  # noqa: BLE001 - reported by submit/close
-                self._error = e
+            except BaseException as e:  # noqa: BLE001 - reported by submit, check and close
+                self._error, failed = e, True
             finally:
                 self._q.task_done()
 
@@ -278,6 +282,10 @@ class Writer:
         """Queue `snap`, waiting while the previous one is still being written."""
         self._raise()
         self._q.put(snap)
+
+    def check(self) -> None:
+        """Raise a failed write now (OSError): the attempt must not train on while its checkpoints fail."""
+        self._raise()
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued writes; True if they finished within `timeout`. Raises a failed write."""

@@ -55,6 +55,7 @@ from gpipe.worker.stage_server import StageServer
 T = TypeVar("T")
 LOOK_EVERY_S = 2.0  # while no step finishes, how often the stages are asked what they are doing
 LOOK_TIMEOUT_S = 5.0
+CHECK_EVERY_S = 1.0  # while no step finishes, how often the attempt checks its checkpoint writer
 
 
 @dataclass
@@ -126,6 +127,9 @@ class Attempt:
         self.attempt_no = attempt_no
         # StageServer of worker rank N, by rank: the first `stages` are replica 0's stages, in order.
         self.stages: list[rpc.RRef] = []
+        # Called at least every CHECK_EVERY_S while training waits: raises what must end the attempt now
+        # (the checkpoint writer's failure).
+        self.check: Callable[[], None] = lambda: None
 
     @property
     def topology(self) -> Topology:
@@ -292,9 +296,13 @@ class Attempt:
                     futs[rank] = f
                 pending[issued], results[issued] = futs, {}
                 issued += 1
+            self.check()
             try:
-                s, k = q.get(timeout=max(0.0, min(deadline, next_look) - time.monotonic()))
+                wake = min(deadline, next_look, time.monotonic() + CHECK_EVERY_S)
+                s, k = q.get(timeout=max(0.0, wake - time.monotonic()))
             except queue.Empty:
+                if time.monotonic() < min(deadline, next_look):
+                    continue  # only a check: see above
                 if time.monotonic() < deadline:
                     looking = self._look_for_a_partition(finished, looking)
                     next_look = time.monotonic() + LOOK_EVERY_S
@@ -658,9 +666,17 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         try:
             writer.submit(snap)
         except OSError as e:
-            raise JobFailed(f"checkpoint step-{snap.step}: {describe_os_error(e)}", cause=CAUSE_DISK) from None
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None  # names the path
 
     attempt = Attempt(plan, host, port, devices.__getitem__, on_step, attempt_no, on_eval, eval_weights)
+
+    def check_writer() -> None:  # a checkpoint that cannot be written fails the attempt at once
+        try:
+            writer.check()
+        except OSError as e:
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None
+
+    attempt.check = check_writer
     left = False
     try:
         attempt.join()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,40 @@ def test_the_writer_commits_in_the_background_and_reports_failures(tmp_path):
     with pytest.raises(OSError) as failed:
         w.close(timeout=30)
     assert failed.value.errno == errno.EEXIST and failed.value.filename.endswith("file")  # what and where
+
+
+def test_after_a_failed_write_the_writer_says_so_at_once_and_pulls_nothing_more(tmp_path):
+    """A failed write must end the attempt: `check` raises it while training waits, and a snapshot queued
+    behind it is never pulled from its stages (they may be waiting on the failed one: pulling would hang)."""
+    go, pulled = threading.Event(), []
+
+    def failing():
+        go.wait(30)
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    def later():
+        pulled.append(True)
+        yield from ()
+
+    w = checkpoint.Writer(tmp_path / "ck", 2, lambda *a: None)
+    w.submit(checkpoint.Snapshot(1, [checkpoint.StageStream(b"", 0, {}, failing)], {}))
+    deadline = time.monotonic() + 30
+    while w._q.qsize() and time.monotonic() < deadline:  # the writer took it, and waits on its pieces
+        time.sleep(0.01)
+    w.submit(checkpoint.Snapshot(2, [checkpoint.StageStream(b"", 0, {}, later)], {}))  # queued behind it
+    w.check()  # nothing failed yet
+    go.set()
+    while time.monotonic() < deadline:
+        try:
+            w.check()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC and "step-1" in e.filename
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("check never raised the failed write")
+    assert w.close(timeout=30) and pulled == []
 
 
 def test_spec_fields():
