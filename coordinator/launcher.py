@@ -39,6 +39,10 @@ class AttemptProcess:
     async def wait(self) -> int:
         return await self.proc.wait()
 
+    def reaped(self) -> bool:
+        """Exited, and its report pipe read to its end."""
+        return self.proc.returncode is not None and (self.proc.stdout is None or self.proc.stdout.at_eof())
+
     def kill(self, grace_s: float = 0.0) -> None:
         """SIGKILL the attempt's process group; with `grace_s`, SIGTERM first (it commits what it holds)."""
         if self.proc.returncode is not None:
@@ -62,6 +66,7 @@ class ProcessLauncher:
     def __init__(self, state_dir: Path, host: str | None, log_for: Callable[[str], Path], extra: Sequence[str] = ()):
         self.state_dir, self.host, self.log_for = state_dir, host, log_for
         self.extra = list(extra)  # more arguments for every attempt (--evaluate WEIGHTS: the eval verb)
+        self.started: list[AttemptProcess] = []  # not yet reaped (see reap)
 
     def host_for(self, launch: Launch) -> str:
         if self.host is not None:
@@ -81,4 +86,20 @@ class ProcessLauncher:
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
             env=child_env(dict(os.environ)), limit=REPORT_LINE_LIMIT,
         )
-        return AttemptProcess(proc, self.log_for(launch.job))
+        self.started = [a for a in self.started if not a.reaped()]
+        self.started.append(AttemptProcess(proc, self.log_for(launch.job)))
+        return self.started[-1]
+
+    async def reap(self, timeout: float = 10.0) -> None:
+        """Kill every attempt process started here and wait for it and its pipe to end, at most `timeout`
+        seconds: an event loop that closes first leaves asyncio complaining in the user's terminal."""
+        live = [a for a in self.started if not a.reaped()]
+        for a in live:
+            a.kill()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                for a in live:
+                    if a.proc.stdout is not None:
+                        await a.proc.stdout.read()  # to its end: the pipe's transport closes
+                    await a.proc.wait()
+        self.started = [a for a in self.started if not a.reaped()]

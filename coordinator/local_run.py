@@ -71,8 +71,8 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
-    sup = Supervisor(ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra),
-                     say=lambda line: None)
+    launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra)
+    sup = Supervisor(launcher, say=lambda line: None)
     device = "cuda" if spec.device == "cuda" else "cpu"
     threads = min(threads_for(c) for c in core_sets)
     workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k))
@@ -99,6 +99,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, *sup.tasks, return_exceptions=True)
+        await launcher.reap()
     return job, evals
 
 
