@@ -190,6 +190,16 @@ def backoff_s(restart: int) -> float:
     return 0.0 if restart <= 1 else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (restart - 2))
 
 
+def newest_committed(root: Path) -> int:
+    """The newest step under `root` with a checkpoint manifest in place (0: none); the attempt verifies it."""
+    newest = 0
+    with contextlib.suppress(OSError):
+        for d in root.iterdir():
+            if d.name.startswith("step-") and d.name[5:].isdigit() and (d / "MANIFEST.json").exists():
+                newest = max(newest, int(d.name[5:]))
+    return newest
+
+
 def _ranks(spec: JobSpec) -> str:
     """The ranks a job takes: 0 ... replicas x stages - 1 (gpipe.topology)."""
     return spec.topology.describe_ranks()
@@ -252,6 +262,8 @@ class Supervisor:
         if not job.history:
             self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):
+            # A checkpoint committed just before serve died may not have reached the record: the disk says.
+            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir) / "checkpoints"))
             # Not the job's fault: no restart is counted.
             self._set_state(e, JobState.RESTARTING, f"the coordinator restarted; resuming from {self._from(job)} "
                                                     f"once {_ranks(spec)} are back")
