@@ -33,6 +33,7 @@ import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
 from gpipe import net, stream
+from gpipe.contract import StageConfig
 from gpipe.coordinator import checkpoint, streaming, timeline
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
@@ -49,7 +50,6 @@ from gpipe.precision import LossScaler
 from gpipe.show import first_line
 from gpipe.state import LOSS_SCALE, OPTIM, RNG, layer_of, model_key
 from gpipe.topology import Topology
-from gpipe.worker.stage import StageConfig
 from gpipe.worker.stage_server import StageServer
 
 T = TypeVar("T")

@@ -12,7 +12,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -23,11 +22,12 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe import batchnorm, evaluation, init, schedule, skip, structure
 from gpipe import state as layout
+from gpipe.contract import StageConfig
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
 from gpipe.optim import optimizer_class
-from gpipe.precision import LossScaler, Precision
+from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import seeded_forward
 from gpipe.state import StageState
@@ -35,45 +35,6 @@ from gpipe.topology import Topology
 from gpipe.worker.channel import Receiver, Sender, gradient_message, gradients, wants_grad
 from gpipe.worker.reducer import GradReducer
 from gpipe.worker.skips import Routed, SkipLinks
-
-
-@dataclass
-class StageConfig:
-    """What the coordinator tells a stage when it builds it (plain types only)."""
-
-    stage: int
-    stages: int
-    start: int  # first layer (global index in the un-partitioned nn.Sequential)
-    end: int  # one past the last layer
-    model_factory: str
-    model_args: dict[str, Any]
-    optimizer: str
-    optimizer_args: dict[str, Any]
-    loss: str
-    schedule: str
-    chunks: int
-    activation_checkpoint: str
-    seed: int
-    clip_grad_norm: float | None
-    device: str
-    step_timeout_s: float  # bounds each wait of a step: a receive, a send, the all-reduce
-    start_timeout_s: float  # bounds building: the store, the process group and its subgroups
-    store_host: str
-    store_port: int
-    import_paths: list[str] = field(default_factory=list)
-    deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
-    skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
-    replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
-    replicas: int = 1
-    batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
-    init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
-    init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
-    precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
-    loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
-    # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
-    eval_every: int | None = None
-    eval_batches: int = 0
-    steps: int = 0
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:

@@ -26,10 +26,11 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed.rpc as rpc
 
+from gpipe.contract import StageConfig
 from gpipe.evaluation import EvalSchedule
 from gpipe.state import StageState
 from gpipe.stream import Piece
-from gpipe.worker.stage import Stage, StageConfig, build_layers
+from gpipe.worker.stage import Stage, build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]

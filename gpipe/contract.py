@@ -1,0 +1,177 @@
+"""What crosses between the driver and a stage, typed once: the stage's config, a step's result, a stage's error.
+
+The driver (coordinator.driver) and a stage (worker.stage) meet through a
+handle (gpipe.handle): over torch RPC for the service and `run`, by a direct
+call for `gpipe.Pipeline`. Whatever the handle, these are the types that cross
+it; the supervisor's decisions read their fields, never their prose.
+"""
+
+from __future__ import annotations
+
+import traceback as tb
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gpipe.precision import LossScaler
+
+
+@dataclass
+class StageConfig:
+    """What a stage is built with (plain types only: it crosses torch RPC)."""
+
+    stage: int
+    stages: int
+    start: int  # first layer (global index in the un-partitioned nn.Sequential)
+    end: int  # one past the last layer
+    model_factory: str
+    model_args: dict[str, Any]
+    optimizer: str
+    optimizer_args: dict[str, Any]
+    loss: str
+    schedule: str
+    chunks: int
+    activation_checkpoint: str
+    seed: int
+    clip_grad_norm: float | None
+    device: str
+    step_timeout_s: float  # bounds each wait of a step: a receive, a send, the all-reduce
+    start_timeout_s: float  # bounds building: the store, the process group and its subgroups
+    store_host: str = ""
+    store_port: int = 0
+    import_paths: list[str] = field(default_factory=list)
+    deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
+    skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
+    replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
+    replicas: int = 1
+    batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
+    init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
+    init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
+    precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
+    loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL)  # fp16: init, growth interval
+    # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
+    eval_every: int | None = None
+    eval_batches: int = 0
+    steps: int = 0
+
+    @property
+    def rank(self) -> int:
+        """The worker rank serving this stage of this replica (gpipe.topology)."""
+        return self.replica * self.stages + self.stage
+
+
+@dataclass
+class StepResult:
+    """One stage's answer to one step: its figures, and the last stage's summed loss."""
+
+    rank: int
+    stage: int
+    replica: int
+    loss_sum: float | None  # the last stage: each micro-batch's loss times its size, summed
+    grad_norm: float | None  # with clipping: the global norm before clipping
+    busy_s: float
+    idle_s: float
+    activation_peak_bytes: int
+    peak_memory_bytes: int
+    start_unix: float
+    timeline: list[tuple[str, int, float, float]]  # (action, micro-batch, start s, end s) from start_unix
+    sent_bytes: dict[str, int]  # tensor bytes each channel carried this step (headers left out), by name
+    received_bytes: dict[str, int]
+    reduce_s: float | None = None  # with replicas: the wait for the gradient sums after the backward
+    loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
+    skipped: bool | None = None  # fp16: an inf or nan skipped the optimizer step
+    snapshot: dict[str, Any] | None = None  # a checkpoint copy to pull in pieces (worker.streaming)
+    snapshot_s: float | None = None  # the copy-out's pause, between this step and the next
+    snapshot_wait_s: float | None = None  # the wait for the previous copy to be pulled
+
+    def metrics(self) -> dict[str, Any]:
+        """This stage's entry in a metrics.jsonl line."""
+        out: dict[str, Any] = {"stage": self.stage, "replica": self.replica}
+        if self.reduce_s is not None:
+            out["reduce_s"] = self.reduce_s
+        out |= {"busy_s": self.busy_s, "idle_s": self.idle_s,
+                "activation_peak_bytes": self.activation_peak_bytes, "peak_memory_bytes": self.peak_memory_bytes,
+                "start_unix": self.start_unix, "timeline": self.timeline,
+                "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes}
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        if self.snapshot_s is not None:
+            out["snapshot_s"] = self.snapshot_s
+            out["snapshot_wait_s"] = self.snapshot_wait_s
+        return out
+
+
+@dataclass
+class EvalResult:
+    """One stage's answer to one eval batch (the last stage's loss summed as a step's)."""
+
+    stage: int
+    loss_sum: float | None
+    samples: int
+    eval_s: float
+    outputs: list[Any] | None = None  # the last stage, when asked: each micro-batch's output
+    weights: dict[str, Any] | None = None  # when asked (keep_best): the stage's weights
+
+
+class Cause(StrEnum):
+    """Why a stage failed: what the supervisor decides by."""
+
+    RAISED = "raised"  # the model's code, or ours, raised: a restart may help once, not when it repeats
+    IMPORT = "import"  # the job's code cannot be imported on the worker: a restart cannot help
+    INPUT = "input"  # the job's input is wrong (a value that cannot cross a cut): a restart cannot help
+    TIMEOUT = "timeout"  # a wait on a neighbour ran out
+    PEER = "peer"  # a neighbour went away (a send or receive failed)
+    MEMORY = "memory"  # the device or host ran out of memory
+    DISK = "disk"  # an I/O error writing the job's state or checkpoints
+
+
+def classify(e: BaseException) -> Cause:
+    """The cause of an exception raised in a stage, by its type (never its message)."""
+    if isinstance(e, ImportError | LookupError):  # gpipe.factory.resolve raises LookupError
+        return Cause.IMPORT
+    if isinstance(e, TimeoutError):
+        return Cause.TIMEOUT
+    if isinstance(e, ConnectionError):
+        return Cause.PEER
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return Cause.MEMORY
+    return Cause.RAISED
+
+
+@dataclass
+class StageError:
+    """A stage's failure, as it crosses back to the driver."""
+
+    cause: Cause
+    type: str  # the exception's class name
+    message: str  # its message's first line
+    rank: int
+    stage: int
+    replica: int
+    step: int | None = None  # the step it failed in, if in one
+    traceback: str = ""
+
+    @classmethod
+    def of(cls, e: BaseException, cfg: StageConfig | None, step: int | None = None) -> StageError:
+        lines = str(e).strip().splitlines()
+        return cls(cause=classify(e), type=type(e).__name__, message=lines[0] if lines else "",
+                   rank=cfg.rank if cfg else -1, stage=cfg.stage if cfg else -1,
+                   replica=cfg.replica if cfg else -1, step=step,
+                   traceback="".join(tb.format_exception(e)))
+
+    def line(self) -> str:
+        """'<type>: <first line>': what a user reads."""
+        return f"{self.type}: {self.message}" if self.message else self.type
+
+    def same_as(self, other: StageError | None) -> bool:
+        """The same failure again: cause, type, rank and step alike (what makes a restart hopeless)."""
+        return other is not None and (self.cause, self.type, self.rank, self.step) == \
+            (other.cause, other.type, other.rank, other.step)
+
+
+class StageFailed(Exception):
+    """Raised by a handle when its stage answered with a StageError."""
+
+    def __init__(self, error: StageError):
+        super().__init__(error.line())
+        self.error = error
