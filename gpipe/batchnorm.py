@@ -33,10 +33,10 @@ commit, so every replica's running statistics are those of the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -139,10 +139,10 @@ def discard(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def all_reduce(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Combine what the deferred BatchNorms of `module` tracked with their copies on the other ranks of `group`
-    (the replicas of a stage), in one all-reduce: each then holds the whole batch's count, mean and squared
-    deviations. Every rank of `group` must call it, with the same layers."""
+def all_reduce(module: nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:
+    """Combine what the deferred BatchNorms of `module` tracked with their copies in the other replicas, in one
+    sum (`reduce`, in place, among the copies: gpipe.transport): each then holds the whole batch's count, mean
+    and squared deviations. Every copy must call it, with the same layers."""
     layers = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
     if not layers:
         return
@@ -157,7 +157,7 @@ def all_reduce(module: nn.Module, group: dist.ProcessGroup) -> None:
             # Sums that add up across ranks: count, sum of x, sum of squares about zero.
             parts.append(torch.cat([mean.new_tensor([float(n)]), mean * n, m2 + mean.square() * n]))
     flat = torch.cat(parts)
-    dist.all_reduce(flat, group=group)
+    reduce(flat)
     offset = 0
     for m in layers:
         c = m.num_features

@@ -8,11 +8,14 @@ checkpointing recomputes a forward in the backward.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from gpipe import structure
 
@@ -48,16 +51,46 @@ def generators(device: torch.device) -> list[torch.Generator]:
     return gens
 
 
-def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, step: int, micro_batch: int) -> Any:
+class SharedGenerators:
+    """The default generators, shared by stages that run as threads of one process (gpipe.Pipeline).
+
+    A layer that draws random numbers seeds them and runs its forward holding
+    this lock, so no other stage's seed lands between its seed and its draws;
+    a layer that draws none neither seeds nor waits. A layer draws when it is
+    (or holds) one of torch's dropout modules, RReLU, a MultiheadAttention with
+    dropout, or a module with `gpipe_random = True` (set it on a layer whose
+    forward calls torch.rand, F.dropout and the like itself).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._draws: dict[int, bool] = {}
+
+    def draws(self, layer: nn.Module) -> bool:
+        if (known := self._draws.get(id(layer))) is not None:
+            return known
+        found = any(isinstance(m, _DropoutNd | nn.RReLU) or getattr(m, "gpipe_random", False)
+                    or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) for m in layer.modules())
+        self._draws[id(layer)] = found
+        return found
+
+
+def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, step: int, micro_batch: int,
+                   shared: SharedGenerators | None = None) -> Any:
     """Run (global index, layer) pairs in order, seeding each layer's randomness.
 
     `x` is what the first layer takes (a tensor, or a structure of them: gpipe.structure);
-    the generators seeded are those of its first tensor's device.
+    the generators seeded are those of its first tensor's device. With `shared`, only the layers
+    that draw are seeded, each under its lock.
     """
     gens = generators(next(iter(structure.tensors(x)), torch.empty(0)).device)
     for index, layer in layers:
-        s = layer_seed(seed, step, micro_batch, index)
-        for g in gens:
-            g.manual_seed(s)
-        x = layer(x)
+        if shared is not None and not shared.draws(layer):
+            x = layer(x)
+            continue
+        with shared.lock if shared is not None else contextlib.nullcontext():
+            s = layer_seed(seed, step, micro_batch, index)
+            for g in gens:
+                g.manual_seed(s)
+            x = layer(x)
     return x

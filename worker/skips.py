@@ -1,22 +1,19 @@
-"""A stage's skip connections (gpipe.skip): its context per micro-batch, and its channels to the stages it skips to.
+"""A stage's skip connections (gpipe.skip): its context per micro-batch, and its lanes to the stages it skips to.
 
 The routes come from the probe: (name, the stage that stashes it, the stage
 that pops it), for each name that leaves its stage. Every pair of stages a < b
-that some name goes between gets two channels of its own, on process groups
-of their own: a's stashes of each micro-batch go straight to b, as one
-message (a dict of the names, in sorted order), and b's gradients for them
-come straight back. The stages between a and b never see them.
+that some name goes between gets two lanes of its own (gpipe.transport):
+a's stashes of each micro-batch go straight to b, as one message (a dict of
+the names, in sorted order), and b's gradients for them come straight back. The stages between a and b never see them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.distributed as dist
 
 from gpipe import skip
-from gpipe.worker.channel import Receiver, Sender, gradient_message, gradients, wants_grad
+from gpipe.transport import Inbound, Outbound, Transport
+from gpipe.worker.channel import gradient_message, gradients, wants_grad
 
 Route = tuple[str, int, int]  # name, stashing stage, popping stage
 
@@ -48,27 +45,24 @@ class Routed(skip.Context):
 
 
 class SkipLinks:
-    """The skip channels of stage `stage`; `group(stages)` forms a process group (every stage forms them all),
-    and `rank_of(stage)` is the data-plane rank of a stage of this one's replica."""
+    """The skip lanes of stage `stage`, over its transport."""
 
-    def __init__(self, stage: int, routes: list[Route], device: torch.device, timeout: float,
-                 group: Callable[[list[int]], dist.ProcessGroup], rank_of: Callable[[int], int] = lambda k: k):
+    def __init__(self, stage: int, routes: list[Route], transport: Transport):
         self.leaving = {n: b for n, a, b in routes if a == stage}
         self.arriving = {n: a for n, a, b in routes if b == stage}
-        self.send: dict[int, Sender] = {}
-        self.recv_grad: dict[int, Receiver] = {}
-        self.recv: dict[int, Receiver] = {}
-        self.send_grad: dict[int, Sender] = {}
+        self.send: dict[int, Outbound] = {}
+        self.recv_grad: dict[int, Inbound] = {}
+        self.recv: dict[int, Inbound] = {}
+        self.send_grad: dict[int, Outbound] = {}
         for a, b in sorted({(a, b) for _, a, b in routes}):
-            forward, backward = group([a, b]), group([a, b])  # every stage forms every group, in one order
             if a == stage:
-                self.send[b] = Sender(rank_of(b), forward, device, f"skips to stage {b}", timeout)
-                self.recv_grad[b] = Receiver(rank_of(b), backward, device, f"stage {b}'s skip gradients", timeout)
+                self.send[b] = transport.sender(b, "skip", f"skips to stage {b}")
+                self.recv_grad[b] = transport.receiver(b, "skip-gradient", f"stage {b}'s skip gradients")
             elif b == stage:
-                self.recv[a] = Receiver(rank_of(a), forward, device, f"stage {a}'s skips", timeout)
-                self.send_grad[a] = Sender(rank_of(a), backward, device, f"skip gradients to stage {a}", timeout)
+                self.recv[a] = transport.receiver(a, "skip", f"stage {a}'s skips")
+                self.send_grad[a] = transport.sender(a, "skip-gradient", f"skip gradients to stage {a}")
 
-    def channels(self) -> list[Sender | Receiver]:
+    def channels(self) -> list[Outbound | Inbound]:
         return [*self.send.values(), *self.recv_grad.values(), *self.recv.values(), *self.send_grad.values()]
 
     def expect(self, chunks: int) -> None:

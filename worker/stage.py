@@ -1,39 +1,42 @@
-"""One pipeline stage: its layers, its optimizer, and the step that runs a schedule.
+"""One pipeline stage: its layers, its optimizer, and the interpreter that runs a schedule's actions.
 
 The stage gets everything it needs from the coordinator (the layer range, the
 initial weights, each step's inputs or targets and LR), so it can be thrown
-away and rebuilt at any time.
+away and rebuilt at any time. A step is: post the receives, interpret the
+schedule's actions (`run`: F and B, each on one micro-batch), flush the sends,
+sum the gradients across replicas, unscale and clip, then the optimizer step.
+An eval batch runs the same interpreter, forward only. Whatever links it to
+the other stages is its transport (gpipe.transport): c10d between processes,
+memory between threads of one process (gpipe.Pipeline).
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe import batchnorm, evaluation, init, schedule, skip, structure
 from gpipe import state as layout
-from gpipe.contract import StageConfig
+from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
-from gpipe.net import client_store
 from gpipe.optim import optimizer_class
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
-from gpipe.rng import seeded_forward
+from gpipe.rng import SharedGenerators, seeded_forward
 from gpipe.state import StageState
-from gpipe.topology import Topology
-from gpipe.worker.channel import Receiver, Sender, gradient_message, gradients, wants_grad
-from gpipe.worker.reducer import GradReducer
+from gpipe.transport import Inbound, Outbound, Transport
+from gpipe.worker.c10d import C10dTransport
+from gpipe.worker.channel import gradient_message, gradients, wants_grad
 from gpipe.worker.skips import Routed, SkipLinks
 
 
@@ -96,14 +99,43 @@ def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
+@dataclass
+class Pass:
+    """One run of a stage's actions: a training step, or an eval batch (forward only, no gradients)."""
+
+    train: bool
+    seed_step: int  # the step the layers' randomness is seeded with (gpipe.rng)
+    mb_offset: int  # micro-batch i is the step's mb_offset+i (its seed; replica r's start at r*chunks)
+    inputs: list[Any] | None  # the first stage's
+    targets: list[Any] | None  # the last stage's (none: keep the outputs instead of taking the loss)
+    sizes: list[int]
+    batch: int  # the whole batch: a micro-batch's loss weighs size/batch
+    what: str = "micro-batch"  # how waits name a micro-batch
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
+    in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
+    timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
+    busy: float = 0.0
+    computing_from: float = 0.0  # when the current action's compute began (after its waits)
+
+    def tag(self, mb: int) -> int:
+        """The number micro-batch `mb` travels under: eval batches under negative ones (gpipe.evaluation)."""
+        return mb if self.train else evaluation.tag(mb)
+
+
 class Stage:
-    """A stage built and joined to its neighbours; `resume` is a checkpoint's optimizer and RNG state."""
+    """A stage built and joined to its neighbours; `resume` is a checkpoint's optimizer and RNG state.
+
+    `transport` links it to the other stages (gpipe.transport): c10d, formed here, by default. With
+    `optimizer` false, the stage steps no optimizer: whoever holds its parameters does (gpipe.Pipeline).
+    `shared_rng` when stages are threads of one process (gpipe.rng.SharedGenerators).
+    """
 
     def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor] | nn.Sequential,
-                 resume: StageState | None = None):
+                 resume: StageState | None = None, transport: Transport | None = None, optimizer: bool = True,
+                 shared_rng: SharedGenerators | None = None):
         self.cfg = cfg
-        self.topology = Topology(cfg.stages, cfg.replicas)
-        self.rank = self.topology.rank(cfg.replica, cfg.stage)
+        self.rank = cfg.rank
         self.mb_offset = cfg.replica * cfg.chunks  # replica r's micro-batch i is the step's r*chunks+i
         add_import_paths(cfg.import_paths)
         self.device = torch.device(cfg.device)
@@ -119,16 +151,35 @@ class Stage:
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
-        self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) if params else None
+        self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) \
+            if params and optimizer else None
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
                                    *cfg.loss_scale)
         if resume is not None:
             self._restore(resume)
-        self.loss_fn = resolve(cfg.loss) if self.last else None
+        self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = resolve(cfg.loss) if self.last and cfg.loss \
+            else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
+        self.shared_rng = shared_rng
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
-        self._init_data_plane()
+        self.transport = transport if transport is not None else C10dTransport(cfg, self.device)
+        self._link()
+
+    def _link(self) -> None:
+        """This stage's lanes to its neighbours (and the stages its skip connections reach), and the reducer of
+        its gradients across replicas."""
+        t, k = self.transport, self.cfg.stage
+        self.recv_act = None if self.first else t.receiver(k - 1, "activation", f"stage {k - 1}'s activation")
+        self.send_act = None if self.last else t.sender(k + 1, "activation", f"activation to stage {k + 1}")
+        self.recv_grad = None if self.last else t.receiver(k + 1, "gradient", f"stage {k + 1}'s gradient")
+        self.send_grad = None if self.first else t.sender(k - 1, "gradient", f"gradient to stage {k - 1}")
+        self.skips = SkipLinks(k, [(n, a, b) for n, a, b in self.cfg.skip_routes], t)
+        self.senders: list[Outbound] = [c for c in (self.send_act, self.send_grad) if c] + \
+            [*self.skips.send.values(), *self.skips.send_grad.values()]
+        self.receivers: list[Inbound] = [c for c in (self.recv_act, self.recv_grad) if c] + \
+            [*self.skips.recv.values(), *self.skips.recv_grad.values()]
+        self.grad_sum = t.grad_sum(self.params)  # with replicas: the copies of this stage sum their gradients
 
     def _doing(self, state: str, what: str = "") -> None:
         """What the stage does now: idle (between steps), computing, or waiting on a neighbour for `what`."""
@@ -142,68 +193,15 @@ class Stage:
             state, what, since = self._activity
         return state, what, time.monotonic() - since
 
-    def _init_data_plane(self) -> None:
-        """Join the data plane's process groups (gpipe.topology): one c10d world of replicas x stages ranks.
-
-        Forming it may take start_timeout_s, each step's waits step_timeout_s. Every rank forms every group,
-        in one order, as torch requires; each keeps those it is in.
-        """
-        cfg, top, me = self.cfg, self.topology, self.rank
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        start, step = timedelta(seconds=cfg.start_timeout_s), timedelta(seconds=cfg.step_timeout_s)
-        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
-        dist.init_process_group(backend, store=store, rank=me, world_size=top.world, timeout=start)
-        _set_pg_timeout(step, None)  # formed: a collective of every rank waits at most a step's timeout
-
-        def per_replica(stages: list[int]) -> dist.ProcessGroup:
-            """A group of `stages` in each replica, formed by every rank; this rank's own (GroupMember.NON_GROUP_MEMBER
-            when this rank's stage is not among `stages`)."""
-            own: dist.ProcessGroup = dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[assignment]  # torch's sentinel
-            for r in range(top.replicas):
-                ranks = [top.rank(r, k) for k in stages]
-                group = dist.new_group(ranks, backend=backend, timeout=start)
-                if me in ranks:
-                    # The channels pass the step's timeout to each send and receive too, since gloo keeps
-                    # its connect timeout for those.
-                    _set_pg_timeout(step, group)
-                    own = group
-            return own
-
-        # One group per direction, so each communicator carries one ordered stream.
-        every_stage = list(range(top.stages))
-        forward, backward = per_replica(every_stage), per_replica(every_stage)
-        # The gradient-clipping norm: over one replica's stages (after the replicas' gradients are summed,
-        # they are the same in every replica). The world's default group when there is one replica.
-        self.replica_group = per_replica(every_stage) if top.replicas > 1 else None
-        # The copies of this stage: they sum their gradients (and deferred BatchNorm's statistics).
-        self.reducer: GradReducer | None = None
-        self.stage_group: dist.ProcessGroup | None = None
-        if top.replicas > 1:
-            for k in range(top.stages):
-                group = dist.new_group(top.stage_ranks(k), backend=backend, timeout=start)
-                if k == cfg.stage:
-                    _set_pg_timeout(step, group)
-                    self.stage_group = group
-            if self.params and self.stage_group is not None:
-                self.reducer = GradReducer(self.params, self.stage_group, cfg.step_timeout_s)
-        k, t, peer = cfg.stage, cfg.step_timeout_s, self._peer
-        self.recv_act = None if self.first else Receiver(peer(k - 1), forward, self.device,
-                                                         f"stage {k - 1}'s activation", t)
-        self.send_act = None if self.last else Sender(peer(k + 1), forward, self.device,
-                                                      f"activation to stage {k + 1}", t)
-        self.recv_grad = None if self.last else Receiver(peer(k + 1), backward, self.device,
-                                                         f"stage {k + 1}'s gradient", t)
-        self.send_grad = None if self.first else Sender(peer(k - 1), backward, self.device,
-                                                        f"gradient to stage {k - 1}", t)
-
-        routes = [(n, a, b) for n, a, b in cfg.skip_routes]
-        self.skips = SkipLinks(k, routes, self.device, t, per_replica, peer)
-        self.channels = [c for c in (self.recv_act, self.send_act, self.recv_grad, self.send_grad) if c] + \
-            self.skips.channels()
-
-    def _peer(self, stage: int) -> int:
-        """The rank of `stage` in this stage's replica: its neighbours on the data plane."""
-        return self.topology.rank(self.cfg.replica, stage)
+    @contextlib.contextmanager
+    def _waiting(self, p: Pass, what: str) -> Iterator[None]:
+        """A wait on another stage: not busy time; the action's compute starts after it."""
+        self._doing("waiting", what)
+        try:
+            yield
+        finally:
+            self._doing("computing")
+            p.computing_from = time.perf_counter()
 
     def autocast(self) -> Any:
         """The context every forward of this stage runs in (autocast for bf16 and fp16)."""
@@ -213,216 +211,232 @@ class Stage:
         mode = self.cfg.activation_checkpoint
         return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
 
-    def step(
-        self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
-    ) -> dict[str, Any]:
-        """Run one step of the schedule, then the optimizer; return the step's figures."""
-        cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
-        chunks, batch = len(sizes), cfg.batch_size or sum(sizes)
-        t_step, start_unix = time.perf_counter(), time.time()
+    # -- one step --------------------------------------------------------------------------------------
+
+    def step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
+             batch: int | None = None) -> StepResult:
+        """Run one step of the schedule, then the gradients' reductions and the optimizer; the step's figures.
+
+        `batch` is the whole batch of every replica (a micro-batch's loss weighs size/batch): the config's
+        by default, else this stage's micro-batches.
+        """
+        cfg, t_step, start_unix = self.cfg, time.perf_counter(), time.time()
         loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
+        p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
+                 loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
+        self._begin(len(sizes))
+        bytes_before = {c.name: c.bytes for c in [*self.senders, *self.receivers]}
+        self.meter.reset_peak()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._doing("computing")
+        self.run(schedule.build(cfg.schedule, cfg.stage, cfg.stages, len(sizes)), p, t_step)
+        self._flush()
+        reduce_s = self._reduce_replicas()
+        t0 = time.perf_counter()
+        skipped, grad_norm = self._finish_gradients()
+        self._update(lr, skipped)
+        p.busy += time.perf_counter() - t0
+        step_s = time.perf_counter() - t_step
+        self._doing("idle")
+        scaled = self.precision.scaler is not None
+        return StepResult(
+            rank=self.rank, stage=cfg.stage, replica=cfg.replica,
+            loss_sum=float(p.loss_sum) if self.last else None, grad_norm=grad_norm,
+            busy_s=p.busy, idle_s=max(0.0, step_s - p.busy),
+            activation_peak_bytes=self.meter.peak, peak_memory_bytes=self._peak_memory(),
+            start_unix=start_unix, timeline=p.timeline,
+            sent_bytes={c.name: c.bytes - bytes_before[c.name] for c in self.senders},
+            received_bytes={c.name: c.bytes - bytes_before[c.name] for c in self.receivers},
+            reduce_s=reduce_s if cfg.replicas > 1 else None,
+            loss_scale=loss_scale if scaled else None, skipped=skipped if scaled else None,
+        )
+
+    def _begin(self, chunks: int) -> None:
+        """Before a step: no gradients, nothing tracked or reduced (what a failed step left), receives posted."""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        batchnorm.discard(self.layers)  # what a failed step tracked
-        if self.reducer is not None:
-            self.reducer.reset()  # what a failed step reduced
+        batchnorm.discard(self.layers)
+        if self.grad_sum is not None:
+            self.grad_sum.reset()
+        self._expect(chunks)
+
+    def _expect(self, chunks: int) -> None:
         if self.recv_act:
             self.recv_act.expect(chunks)
         self.skips.expect(chunks)
-        bytes_before = [c.bytes for c in self.channels]
-        self.meter.reset_peak()
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        in_flight: dict[int, tuple[Any, ...]] = {}  # forwarded micro-batches, until their backward
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        timeline: list[tuple[str, int, float, float]] = []
-        busy = 0.0
 
-        def forward(mb: int, x: Any, ctx: Routed) -> Any:
-            with skip.use(ctx), self.autocast():
-                y = seeded_forward(self.indexed, x, cfg.seed, step, self.mb_offset + mb)
-            ctx.out = self.precision.cut(ctx.out)  # what leaves the stage travels in the autocast dtype
-            if self.last:
-                target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
-                y = self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
-            else:
-                y = self.precision.cut(y)
-            return y
+    def _flush(self) -> None:
+        for sender in self.senders:
+            self._doing("waiting", f"{sender.name} to be sent")
+            sender.flush(self.cfg.step_timeout_s)
 
-        self._doing("computing")
-        actions = schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks)
-        last_backward = max(i for i, a in enumerate(actions) if a.kind == "B")
+    # -- the interpreter ------------------------------------------------------------------------------------
+
+    def run(self, actions: list[schedule.Action], p: Pass, t_start: float) -> None:
+        """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it.
+
+        The receives and sends an action implies run on the transport's lanes; only the waits for what has not
+        arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
+        """
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
         for n, action in enumerate(actions):
-            mb = action.micro_batch
-            if n == last_backward and self.reducer is not None:
-                self.reducer.arm()  # this backward's gradients are final: sum them across replicas as they come
-            if action.kind == "F":
-                if self.first:
-                    x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
-                else:
-                    self._doing("waiting", f"stage {cfg.stage - 1}'s activation of micro-batch {mb}")
-                    # Its tensors that want a gradient back require grad.
-                    x = self.recv_act.get(mb, timeout)  # type: ignore[union-attr]  # every stage but the first receives
-                    self._doing("computing")
-                arrived = {}
-                if self.skips.recv:
-                    self._doing("waiting", f"the skip connections of micro-batch {mb}")
-                    arrived = self.skips.receive(mb, timeout)
-                    self._doing("computing")
-                t0 = time.perf_counter()
-                ckpt = self.checkpointed(mb)
-                ctx = self.skips.context(arrived)
-                with torch.no_grad() if ckpt else self.meter.hooks(), self.buffers.watch():
-                    y = forward(mb, x, ctx)
-                skip_wants = self.skips.send_forward(mb, ctx.out, ckpt)
-                wants: list[bool] = []
-                if self.last:
-                    loss_sum += y.detach().double() * sizes[mb]
-                else:
-                    wants = wants_grad(y, ckpt)
-                    self.send_act.send(mb, structure.map_tensors(y, torch.Tensor.detach), wants)  # type: ignore[union-attr]  # every stage but the last sends
-                    if any(wants):
-                        self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
-                held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))] if not self.first else None
-                in_flight[mb] = (x, held_x, None if ckpt else y, wants, arrived, None if ckpt else ctx.out, skip_wants)
-            else:
-                x, held_x, y, wants, arrived, stashed, skip_wants = in_flight.pop(mb)
-                grads: list[torch.Tensor] = []
-                if any(wants):
-                    self._doing("waiting", f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}")
-                    grads = gradients(self.recv_grad.get(mb, timeout))  # type: ignore[union-attr]  # wants: not the last
-                    self._doing("computing")
-                if any(map(any, skip_wants.values())):
-                    self._doing("waiting", f"the skip gradients of micro-batch {mb}")
-                    skip_grads = self.skips.gradients(mb, skip_wants, timeout)
-                    self._doing("computing")
-                else:
-                    skip_grads = {}
-                t0 = time.perf_counter()
-                if y is None:  # checkpointed: recompute the forward, replaying its randomness
-                    ctx = self.skips.context(arrived)
-                    with self.meter.hooks(), self.buffers.recompute():
-                        y = forward(mb, x, ctx)
-                    stashed = ctx.out
-                if self.last:
-                    self.precision.scaled(y * (sizes[mb] / batch)).backward()  # fp16: times the loss scale
-                else:
-                    backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
-                del y, held_x, stashed, skip_grads
-                if not self.first:
-                    inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
-                    if inputs_back:  # the ones that wanted a gradient, in order
-                        self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
-                self.skips.send_gradients(mb, arrived)
-            t1 = time.perf_counter()
-            busy += t1 - t0
-            timeline.append((action.kind, mb, t0 - t_step, t1 - t_step))
+            if n == last_backward and self.grad_sum is not None:
+                self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
+            p.computing_from = time.perf_counter()
+            self.ACTIONS[action.kind](self, action.micro_batch, p)
+            end = time.perf_counter()
+            p.busy += end - p.computing_from
+            p.timeline.append((action.kind, action.micro_batch, p.computing_from - t_start, end - t_start))
 
-        for sender in self.channels:
-            if isinstance(sender, Sender):
-                self._doing("waiting", f"{sender.name} to be sent")
-                sender.flush(timeout)
-        reduce_s = self._reduce_replicas()
-        t0 = time.perf_counter()
-        skipped = self._unscale() if self.precision.scaler else False
-        if cfg.clip_grad_norm and not skipped:
-            self._doing("waiting", "the other stages' gradient norms")
-        grad_norm = self._clip() if cfg.clip_grad_norm and not skipped else None
-        self._doing("computing")
-        batchnorm.commit(self.layers)  # deferred BatchNorm: the whole batch's running statistics, once a step
-        if self.optimizer is not None and not skipped:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-        busy += time.perf_counter() - t0
-        step_s = time.perf_counter() - t_step
-        self._doing("idle")
-        return {
-            "stage": cfg.stage,
-            "replica": cfg.replica,
-            **({"reduce_s": reduce_s} if cfg.replicas > 1 else {}),
-            "loss_sum": float(loss_sum) if self.last else None,
-            "grad_norm": grad_norm,
-            "busy_s": busy,
-            "idle_s": max(0.0, step_s - busy),
-            "activation_peak_bytes": self.meter.peak,
-            "peak_memory_bytes": self._peak_memory(),
-            "start_unix": start_unix,
-            "timeline": timeline,  # (F or B, micro-batch, start s, end s) from start_unix
-            # Tensor bytes each channel carried this step (headers left out), by the channel's name.
-            "sent_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
-                           if isinstance(c, Sender)},
-            "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
-                               if isinstance(c, Receiver)},
-            **({"loss_scale": loss_scale, "skipped": skipped} if self.precision.scaler else {}),
-        }
+    def _forward(self, mb: int, p: Pass) -> None:
+        """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
+        cfg, timeout, tag = self.cfg, self.cfg.step_timeout_s, p.tag(mb)
+        if self.first:
+            x = structure.to(p.inputs[mb], self.device)  # type: ignore[index]  # the first stage gets inputs
+        else:
+            with self._waiting(p, f"stage {cfg.stage - 1}'s activation of {p.what} {mb}"):
+                # Its tensors that want a gradient back require grad.
+                x = self.recv_act.get(tag, timeout)  # type: ignore[union-attr]  # every stage but the first receives
+        arrived: dict[str, torch.Tensor] = {}
+        if self.skips.recv:
+            with self._waiting(p, f"the skip connections of {p.what} {mb}"):
+                arrived = self.skips.receive(tag, timeout)
+        ckpt = p.train and self.checkpointed(mb)
+        ctx = self.skips.context(arrived)
+        if p.train:  # checkpointed: no autograd now, the backward recomputes it
+            with torch.no_grad() if ckpt else self.meter.hooks(), self.buffers.watch():
+                y = self._compute(mb, x, ctx, p)
+        else:
+            y = self._compute(mb, x, ctx, p)
+        skip_wants = self.skips.send_forward(tag, ctx.out, ckpt)
+        wants: list[bool] = []
+        if self.last:
+            if p.targets is None:
+                p.outputs[mb] = structure.map_tensors(y, torch.Tensor.detach)
+            else:
+                p.loss_sum += y.detach().double() * p.sizes[mb]
+        else:
+            wants = wants_grad(y, ckpt)
+            self.send_act.send(tag, structure.map_tensors(y, torch.Tensor.detach), wants)  # type: ignore[union-attr]  # every stage but the last sends
+            if any(wants):
+                self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
+        if p.train:
+            held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))] if not self.first else None
+            p.in_flight[mb] = (x, held_x, None if ckpt else y, wants, arrived, None if ckpt else ctx.out, skip_wants)
+
+    def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass) -> Any:
+        """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage; what
+        leaves the stage travels in the autocast dtype."""
+        with skip.use(ctx), self.autocast():
+            y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng)
+        ctx.out = self.precision.cut(ctx.out)
+        if not self.last:
+            return self.precision.cut(y)
+        if p.targets is None:
+            return y
+        target = structure.to(p.targets[mb], self.device)
+        return self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
+
+    def _backward(self, mb: int, p: Pass) -> None:
+        """B: receive micro-batch `mb`'s output gradients (and skips'), recompute its forward if it was
+        checkpointed, backward through the layers, send its input's gradients back."""
+        cfg, timeout = self.cfg, self.cfg.step_timeout_s
+        x, held_x, y, wants, arrived, stashed, skip_wants = p.in_flight.pop(mb)
+        grads: list[torch.Tensor] = []
+        if any(wants):
+            with self._waiting(p, f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}"):
+                grads = gradients(self.recv_grad.get(mb, timeout))  # type: ignore[union-attr]  # wants: not the last
+        skip_grads: dict[int, list[torch.Tensor]] = {}
+        if any(map(any, skip_wants.values())):
+            with self._waiting(p, f"the skip gradients of micro-batch {mb}"):
+                skip_grads = self.skips.gradients(mb, skip_wants, timeout)
+        if y is None:  # checkpointed: recompute the forward, replaying its randomness
+            ctx = self.skips.context(arrived)
+            with self.meter.hooks(), self.buffers.recompute():
+                y = self._compute(mb, x, ctx, p)
+            stashed = ctx.out
+        if self.last:
+            self.precision.scaled(y * (p.sizes[mb] / p.batch)).backward()  # fp16: times the loss scale
+        else:
+            backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
+        del y, held_x, stashed, skip_grads
+        if not self.first:
+            inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
+            if inputs_back:  # the ones that wanted a gradient, in order
+                self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
+        self.skips.send_gradients(mb, arrived)
+
+    ACTIONS: ClassVar[dict[str, Callable[[Stage, int, Pass], None]]] = {"F": _forward, "B": _backward}
+
+    # -- after the backward ---------------------------------------------------------------------------
 
     def _reduce_replicas(self) -> float:
         """With replicas: wait for the sums of this stage's gradients across replicas (started during the last
         backward), and sum what deferred BatchNorm tracked. Returns the seconds it waited (not busy time)."""
         t0 = time.perf_counter()
-        if self.reducer is not None:
+        if self.grad_sum is not None:
             self._doing("waiting", "the other replicas' gradients")
-            self.reducer.finish()  # the replicas' sum: one device's gradient on the whole batch
-        if self.stage_group is not None:
-            batchnorm.all_reduce(self.layers, self.stage_group)  # the whole batch's statistics, every replica's
+            self.grad_sum.finish()  # the replicas' sum: one device's gradient on the whole batch
+        if self.cfg.replicas > 1:  # the whole batch's statistics, every replica's
+            batchnorm.all_reduce(self.layers, lambda t: self.transport.all_reduce(t, "copies"))
         return time.perf_counter() - t0
 
+    def _finish_gradients(self) -> tuple[bool, float | None]:
+        """fp16's unscale and the job's inf check, clipping to the global norm, deferred BatchNorm's commit:
+        (whether the step is skipped, the norm before clipping)."""
+        skipped = self._unscale() if self.precision.scaler else False
+        grad_norm = None
+        if self.cfg.clip_grad_norm and not skipped:
+            self._doing("waiting", "the other stages' gradient norms")
+            grad_norm = self._clip(self.cfg.clip_grad_norm)
+        self._doing("computing")
+        batchnorm.commit(self.layers)  # deferred BatchNorm: the whole batch's running statistics, once a step
+        return skipped, grad_norm
+
+    def _update(self, lr: float, skipped: bool) -> None:
+        """The optimizer step at `lr` (none for a skipped step, or where the stage holds no optimizer)."""
+        if self.optimizer is not None and not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+
+    # -- evaluation ---------------------------------------------------------------------------------
+
     def evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
-                 sizes: list[int]) -> dict[str, Any]:
+                 sizes: list[int]) -> EvalResult:
         """Eval batch `batch` through the stage: its micro-batches forward in order (fill-drain, no backward),
         in eval mode, without gradients. The weights, the buffers and the generators are as they were.
 
-        The last stage returns the batch's summed loss (each micro-batch's mean loss times its size).
+        The last stage returns the batch's summed loss (each micro-batch's mean loss times its size), or with
+        no `targets`, the micro-batches' outputs.
         """
-        cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
-        chunks = len(sizes)
-        if self.recv_act:
-            self.recv_act.expect(chunks)
-        self.skips.expect(chunks)
+        dev, chunks = self.device, len(sizes)
+        p = Pass(False, evaluation.seed_step(batch), 0, inputs, targets, sizes, sum(sizes), what="eval micro-batch",
+                 loss_sum=torch.zeros((), dtype=torch.float64, device=dev))
+        self._expect(chunks)
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         # A module may update a buffer even in eval mode; and a layer's randomness must not move training's.
         buffers = [(b, b.clone()) for b in self.layers.buffers()]
         was_training = self.layers.training
         self.layers.eval()
+        # Stages that are threads of one process share the generators: none may restore them under another.
+        rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) if self.shared_rng is None \
+            else contextlib.nullcontext()
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-                for mb in range(chunks):
-                    tag = evaluation.tag(mb)
-                    if self.first:
-                        x = structure.to(inputs[mb], dev)  # type: ignore[index]  # the first stage gets inputs
-                    else:
-                        self._doing("waiting", f"stage {cfg.stage - 1}'s activation of eval micro-batch {mb}")
-                        x = self.recv_act.get(tag, timeout)  # type: ignore[union-attr]  # not the first stage
-                    arrived = {}
-                    if self.skips.recv:
-                        self._doing("waiting", f"the skip connections of eval micro-batch {mb}")
-                        arrived = self.skips.receive(tag, timeout)
-                    self._doing("computing")
-                    ctx = self.skips.context(arrived)
-                    with skip.use(ctx), self.autocast():  # the training forward's precision
-                        y = seeded_forward(self.indexed, x, cfg.seed, evaluation.seed_step(batch), mb)
-                    # Nothing requires grad, so no gradient comes back.
-                    self.skips.send_forward(tag, self.precision.cut(ctx.out), checkpointed=False)
-                    if self.last:
-                        target = structure.to(targets[mb], dev)  # type: ignore[index]  # the last stage gets targets
-                        loss = self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
-                        loss_sum += loss.double() * sizes[mb]
-                    else:
-                        self.send_act.send(tag, self.precision.cut(y))  # type: ignore[union-attr]  # not the last stage
-            for sender in self.channels:
-                if isinstance(sender, Sender):
-                    self._doing("waiting", f"{sender.name} to be sent")
-                    sender.flush(timeout)
+            with torch.no_grad(), rng:
+                self.run([schedule.Action("F", mb) for mb in range(chunks)], p, t0)
+            self._flush()
         finally:
             self.layers.train(was_training)
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
             self._doing("idle")
-        return {"stage": cfg.stage, "loss_sum": float(loss_sum) if self.last else None, "samples": sum(sizes),
-                "eval_s": time.perf_counter() - t0}
+        last_loss = self.last and targets is not None
+        return EvalResult(stage=self.cfg.stage, loss_sum=float(p.loss_sum) if last_loss else None,
+                          samples=sum(sizes), eval_s=time.perf_counter() - t0,
+                          outputs=[p.outputs[mb] for mb in range(chunks)] if self.last and targets is None else None)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's state dict on the CPU, under the un-partitioned model's names."""
@@ -436,20 +450,20 @@ class Stage:
         found = scaler.unscale([p.grad for p in self.params if p.grad is not None])
         self._doing("waiting", "the other stages' overflow checks")
         flag = torch.tensor(float(found), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one scale for the job: all ranks skip, or none
+        self.transport.all_reduce(flag, "job", "max")  # one scale for the job: all ranks skip, or none
         overflow = bool(flag.item())
         scaler.update(overflow)
         return overflow
 
-    def _clip(self) -> float:
+    def _clip(self, max_norm: float) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
         grads = [p.grad for p in self.params if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
             sq += g.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.replica_group)  # over all stages' parameters, not this stage's
+        self.transport.all_reduce(sq, "pipeline")  # over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
-        coef = self.cfg.clip_grad_norm / (norm + 1e-6)  # type: ignore[operator]  # called only when clip_grad_norm is set
+        coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
@@ -512,5 +526,6 @@ class Stage:
             torch.cuda.set_rng_state(rng[layout.RNG_CUDA], self.device)
 
     def close(self) -> None:
-        for ch in self.channels:
+        for ch in [*self.senders, *self.receivers]:
             ch.close()
+        self.transport.close()

@@ -243,7 +243,8 @@ class StageServer:
 
     def _evaluate(self, args: EvalArgs) -> dict[str, Any]:
         assert self.stage is not None
-        result = self.stage.evaluate(args.batch, args.inputs, args.targets, args.sizes)
+        r = self.stage.evaluate(args.batch, args.inputs, args.targets, args.sizes)
+        result: dict[str, Any] = {"stage": r.stage, "loss_sum": r.loss_sum, "samples": r.samples, "eval_s": r.eval_s}
         if args.weights:
             result["weights"] = self.stage.weights()
         return result
@@ -258,7 +259,10 @@ class StageServer:
                 continue
             step, lr, inputs, targets, sizes, snapshot = args
             try:
-                result = self.stage.step(step, lr, inputs, targets, sizes)
+                r = self.stage.step(step, lr, inputs, targets, sizes)
+                result = {**r.metrics(), "loss_sum": r.loss_sum, "grad_norm": r.grad_norm}
+                if r.loss_scale is not None:
+                    result["loss_scale"] = r.loss_scale
                 if snapshot:
                     self._snapshot(step, result)
                 fut.set_result(result)

@@ -1,0 +1,280 @@
+"""gpipe.Pipeline: the whole pipeline in one process, a thread per stage (torchgpipe's API).
+
+    import gpipe
+    pipe = gpipe.Pipeline(model, balance=[3, 2, 3], chunks=4, schedule="1f1b")
+    loss = pipe.step(inputs, targets, loss_fn)   # forward and backward of every micro-batch: the batch loss
+    optimizer.step(); optimizer.zero_grad()      # the gradients are in model.parameters()
+    out = pipe(inputs)                           # forward only, in eval mode, without gradients
+
+The stages are the service's own (gpipe.worker.stage), the same interpreter of
+the same schedules, linked in memory (gpipe.transport.Hub) instead of by c10d.
+Each stage holds the model's own layers, moved to its device, so an optimizer
+built over `model.parameters()` works unchanged. The math is the service's:
+the returned loss is the sum over micro-batches m of loss_fn(out_m, y_m)·|m|/B,
+and gradients, weights and outputs equal one device's on the same
+micro-batches (dropout included: layer l of micro-batch i of step s draws from
+generators seeded by (seed, s, i, l), gpipe.rng).
+
+On CPU the stages share its cores: this is for tests and for seeing a model
+pipelined before it runs on the service. With a GPU per stage (`devices`), it
+is torchgpipe's mode: each stage's kernels run on its own device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from gpipe import schedule as schedules
+from gpipe import skip, structure
+from gpipe.contract import StageConfig
+from gpipe.precision import DTYPES
+from gpipe.rng import SharedGenerators
+from gpipe.transport import Hub, HubClosed
+
+T = TypeVar("T")
+CHECKPOINTS = ("always", "except_last", "never")
+PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip connections cross stages
+
+
+class Pipeline:
+    """`model` cut into stages of `balance` layers; each step's batch cut into `chunks` micro-batches.
+
+    schedule: gpipe (fill-drain) or 1f1b. activation_checkpoint: always, except_last or never.
+    devices: one per stage (default: the CPU for all). precision: fp32, bf16 or fp16 (autocast; fp16 with a
+    dynamic loss scale: a step whose gradients overflow leaves every gradient None, so the optimizer skips
+    it, and `skipped` says so). deferred_batch_norm: BatchNorm's running statistics from the whole batch, once
+    a step. replicas: copies of the pipeline, each on a contiguous shard of the batch, their gradients summed
+    (the model's own layers are replica 0's). seed: the layers' randomness. timeout_s: bounds every wait of
+    a stage on another.
+    """
+
+    def __init__(self, model: nn.Sequential, balance: Sequence[int], chunks: int = 1, schedule: str = "gpipe",
+                 activation_checkpoint: str = "never", devices: Sequence[str | torch.device] | None = None,
+                 precision: str = "fp32", deferred_batch_norm: bool = False, replicas: int = 1, seed: int = 0,
+                 timeout_s: float = 300.0):
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(f"model: expected torch.nn.Sequential, got {type(model).__name__}")
+        balance = list(balance)
+        if not balance or any(type(n) is not int or n < 1 for n in balance) or sum(balance) != len(model):
+            raise ValueError(f"balance: {balance} must be positive layer counts that add up to the model's "
+                             f"{len(model)} layers")
+        if type(chunks) is not int or chunks < 1:
+            raise ValueError(f"chunks: must be a positive int, got {chunks!r}")
+        if schedule not in schedules.SCHEDULES:
+            raise ValueError(f"schedule: {schedule!r} is not one of {', '.join(schedules.SCHEDULES)}")
+        if activation_checkpoint not in CHECKPOINTS:
+            raise ValueError(f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+        if precision not in DTYPES:
+            raise ValueError(f"precision: {precision!r} is not one of {', '.join(DTYPES)}")
+        if type(replicas) is not int or replicas < 1:
+            raise ValueError(f"replicas: must be a positive int, got {replicas!r}")
+        devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * len(balance)
+        if len(devs) != len(balance):
+            raise ValueError(f"devices: {len(devs)} given for {len(balance)} stages")
+        self.model, self.balance, self.chunks, self.replicas = model, balance, chunks, replicas
+        self.devices = devs
+        self.skipped: bool | None = None  # fp16: whether the last step overflowed (and left no gradients)
+        self._settings = dict(schedule=schedule, activation_checkpoint=activation_checkpoint, precision=precision,
+                              deferred_batch_norm=deferred_batch_norm, seed=seed)
+        self._timeout = timeout_s
+        self._steps = 0  # steps run: the randomness of the next is seeded with it
+        self._evals = 0
+        self._stages: list[Any] = []  # gpipe.worker.stage.Stage, by rank: built at the first call
+        self._hub = Hub(len(balance), replicas, timeout_s)
+        self._rng = SharedGenerators()
+        self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
+        bounds, start = [], 0
+        for n in balance:
+            bounds.append((start, start + n))
+            start += n
+        self.bounds = bounds
+
+    # -- building ---------------------------------------------------------------------------------
+
+    def _build(self, sample: Any) -> None:
+        """The stages, at the first call: skip connections that cross a cut are found on `sample` first."""
+        from gpipe.worker.stage import Stage  # the worker's stage: the same engine as the service
+
+        stages = len(self.balance)
+        routes = self._skip_routes(sample)
+        for r in range(self.replicas):
+            for k, (start, end) in enumerate(self.bounds):
+                layers = nn.Sequential(OrderedDict((str(i), self.model[i]) for i in range(start, end)))
+                layers = layers.to(self.devices[k])  # in place: the model's own parameters, on the stage's device
+                if r > 0:
+                    layers = _copy(layers)
+                cfg = StageConfig(
+                    stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
+                    optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
+                    device=str(self.devices[k]), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
+                    skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
+                transport = self._hub.transport(k, r, self.devices[k])
+                self._stages.append(Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng))
+
+    def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
+        """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:
+        found by running the first samples forward in eval mode, without gradients, changing nothing."""
+        from gpipe.coordinator.probe import Recorder
+
+        x = structure.map_tensors(sample, lambda t: t[:PROBE_SAMPLES])
+        rec = Recorder()
+        buffers = [(b, b.clone()) for b in self.model.buffers()]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(), skip.use(rec):
+                for k, (start, end) in enumerate(self.bounds):
+                    x = structure.to(x, self.devices[k])
+                    for i in range(start, end):
+                        rec.layer = i
+                        for s in rec.skips.values():
+                            s.sent = s.sent.to(self.devices[k])
+                        x = self.model[i](x)
+        finally:
+            self.model.train(was_training)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        stage_of = {i: k for k, (start, end) in enumerate(self.bounds) for i in range(start, end)}
+        routes = [(n, stage_of[a], stage_of[b]) for n, (a, b) in sorted(rec.routes().items())]
+        return [r for r in routes if r[1] != r[2]]
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every micro-batch of (inputs, targets); the batch's loss.
+
+        The gradients are added to the parameters' `.grad`, as one backward of the whole batch's mean loss
+        would add them. Every tensor in `inputs` and `targets` has the batch on dim 0.
+        """
+        batch = self._batch(inputs)
+        xs, ys = self._shards(inputs, batch, "inputs"), self._shards(targets, batch, "targets")
+        if not self._stages:
+            self._build(xs[0][0][0])
+        self._sync_replicas()
+        last = len(self.balance) - 1
+        step = self._steps
+
+        def run(stage: Any) -> Any:
+            r, k = stage.cfg.replica, stage.cfg.stage
+            (inp, sizes), (tgt, _) = xs[r], ys[r]
+            if k == last:
+                stage.loss_fn = loss_fn
+            return stage.step(step, 0.0, inp if k == 0 else None, tgt if k == last else None, sizes, batch)
+
+        results = self._run(run)
+        self._steps += 1
+        scaled = [res.skipped for res in results if res.skipped is not None]
+        self.skipped = any(scaled) if scaled else None
+        if self.skipped:  # fp16 overflowed: no gradients, so the optimizer's step changes nothing
+            for p in self.model.parameters():
+                p.grad = None
+        loss = sum(res.loss_sum for res in results if res.loss_sum is not None) / batch
+        return torch.tensor(loss, dtype=torch.float32)
+
+    @torch.no_grad()
+    def __call__(self, inputs: Any) -> Any:
+        """The model's output on `inputs`: every micro-batch forward through the stages, in eval mode,
+        without gradients (the model's buffers and training mode are left as they were)."""
+        batch = self._batch(inputs)
+        parts = structure.split(inputs, self.chunks, batch, "inputs")
+        sizes = [structure.tensors(p)[0].size(0) for p in parts]
+        if not self._stages:
+            self._build(parts[0])
+        self._sync_replicas()
+        n = self._evals
+        self._evals += 1
+        results = self._run(lambda s: s.evaluate(n, parts if s.cfg.stage == 0 else None, None, sizes),
+                            replicas=1)
+        outputs = next(res.outputs for res in results if res.outputs is not None)
+        return _gather(outputs)
+
+    def _batch(self, inputs: Any) -> int:
+        tensors = structure.tensors(inputs)
+        if not tensors or tensors[0].dim() == 0:
+            raise ValueError("inputs: expected a tensor (or a structure of them) with the batch on dim 0")
+        batch = tensors[0].size(0)
+        if batch < self.chunks * self.replicas:
+            raise ValueError(f"inputs: a batch of {batch} cannot be cut into {self.replicas} x {self.chunks} "
+                             "micro-batches")
+        return batch
+
+    def _shards(self, value: Any, batch: int, what: str) -> list[tuple[list[Any], list[int]]]:
+        """Per replica: its contiguous shard of `value` cut into micro-batches, and their sizes."""
+        out = []
+        for shard in structure.split(value, self.replicas, batch, what):
+            size = structure.tensors(shard)[0].size(0)
+            parts = structure.split(shard, self.chunks, size, what)
+            out.append((parts, [structure.tensors(p)[0].size(0) for p in parts]))
+        return out
+
+    def _sync_replicas(self) -> None:
+        """The replicas' copies take replica 0's weights and buffers (the optimizer stepped those)."""
+        if self.replicas == 1 or not self._stages:
+            return
+        stages = len(self.balance)
+        with torch.no_grad():
+            for r in range(1, self.replicas):
+                for k in range(stages):
+                    own = self._stages[k].layers.state_dict()
+                    for name, t in self._stages[r * stages + k].layers.state_dict().items():
+                        t.copy_(own[name])
+
+    def _run(self, work: Callable[[Any], T], replicas: int | None = None) -> list[T]:
+        """`work(stage)` for every stage of the first `replicas` replicas, each on its thread; the first error
+        any raised (the others stop waiting on it at once)."""
+        hub = self._hub
+        hub.reset()
+        stages = self._stages[: len(self.balance) * (replicas or self.replicas)]
+
+        def guarded(stage: Any) -> T:
+            device = stage.device
+            try:
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    return work(stage)
+            except BaseException as e:
+                hub.fail(e)
+                raise
+
+        futures: list[Future[T]] = [self._pool.submit(guarded, s) for s in stages]
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None and not isinstance(e, HubClosed)), None) or \
+            next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        """End the stages' threads."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _copy(layers: nn.Sequential) -> nn.Sequential:
+    import copy
+
+    return copy.deepcopy(layers)
+
+
+def _gather(parts: list[Any]) -> Any:
+    """The micro-batches' outputs put back together along dim 0 (what is not a tensor: the first's)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else torch.stack(parts)
+    if type(first) in (tuple, list):
+        return type(first)(_gather([p[i] for p in parts]) for i in range(len(first)))
+    if type(first) is dict:
+        return {k: _gather([p[k] for p in parts]) for k in first}
+    return first
