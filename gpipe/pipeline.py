@@ -30,11 +30,12 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe import schedule as schedules
 from gpipe import skip, structure
 from gpipe.contract import StageConfig
-from gpipe.precision import DTYPES
+from gpipe.precision import DTYPES, LossScaler
 from gpipe.rng import SharedGenerators
 from gpipe.transport import Hub, HubClosed
 
@@ -49,7 +50,7 @@ class Pipeline:
     schedule: gpipe (fill-drain) or 1f1b. activation_checkpoint: always, except_last or never.
     devices: one per stage (default: the CPU for all). precision: fp32, bf16 or fp16 (autocast; fp16 with a
     dynamic loss scale: a step whose gradients overflow leaves every gradient None, so the optimizer skips
-    it, and `skipped` says so). deferred_batch_norm: BatchNorm's running statistics from the whole batch, once
+    it, and `skipped` says so; `loss_scale` is its initial scale and growth interval, as GradScaler's). deferred_batch_norm: BatchNorm's running statistics from the whole batch, once
     a step. replicas: copies of the pipeline, each on a contiguous shard of the batch, their gradients summed
     (the model's own layers are replica 0's). seed: the layers' randomness. timeout_s: bounds every wait of
     a stage on another.
@@ -58,6 +59,7 @@ class Pipeline:
     def __init__(self, model: nn.Sequential, balance: Sequence[int], chunks: int = 1, schedule: str = "gpipe",
                  activation_checkpoint: str = "never", devices: Sequence[str | torch.device] | None = None,
                  precision: str = "fp32", deferred_batch_norm: bool = False, replicas: int = 1, seed: int = 0,
+                 loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL),
                  timeout_s: float = 300.0):
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"model: expected torch.nn.Sequential, got {type(model).__name__}")
@@ -75,6 +77,11 @@ class Pipeline:
             raise ValueError(f"precision: {precision!r} is not one of {', '.join(DTYPES)}")
         if type(replicas) is not int or replicas < 1:
             raise ValueError(f"replicas: must be a positive int, got {replicas!r}")
+        if replicas > 1 and not deferred_batch_norm:
+            for i, layer in enumerate(model):
+                if any(isinstance(m, _BatchNorm) and m.track_running_stats for m in layer.modules()):
+                    raise ValueError(f"deferred_batch_norm: layer {i} ({type(layer).__name__}) tracks running "
+                                     "statistics, which with replicas equal one device's only when deferred")
         devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * len(balance)
         if len(devs) != len(balance):
             raise ValueError(f"devices: {len(devs)} given for {len(balance)} stages")
@@ -82,7 +89,7 @@ class Pipeline:
         self.devices = devs
         self.skipped: bool | None = None  # fp16: whether the last step overflowed (and left no gradients)
         self._settings = dict(schedule=schedule, activation_checkpoint=activation_checkpoint, precision=precision,
-                              deferred_batch_norm=deferred_batch_norm, seed=seed)
+                              deferred_batch_norm=deferred_batch_norm, seed=seed, loss_scale=tuple(loss_scale))
         self._timeout = timeout_s
         self._steps = 0  # steps run: the randomness of the next is seeded with it
         self._evals = 0
@@ -216,7 +223,8 @@ class Pipeline:
         return out
 
     def _sync_replicas(self) -> None:
-        """The replicas' copies take replica 0's weights and buffers (the optimizer stepped those)."""
+        """The replicas' copies take replica 0's weights and buffers (the optimizer stepped those), and drop
+        the gradient sums of the step before."""
         if self.replicas == 1 or not self._stages:
             return
         stages = len(self.balance)
@@ -224,8 +232,10 @@ class Pipeline:
             for r in range(1, self.replicas):
                 for k in range(stages):
                     own = self._stages[k].layers.state_dict()
-                    for name, t in self._stages[r * stages + k].layers.state_dict().items():
+                    copy = self._stages[r * stages + k].layers
+                    for name, t in copy.state_dict().items():
                         t.copy_(own[name])
+                    copy.zero_grad(set_to_none=True)
 
     def _run(self, work: Callable[[Any], T], replicas: int | None = None) -> list[T]:
         """`work(stage)` for every stage of the first `replicas` replicas, each on its thread; the first error

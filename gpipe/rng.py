@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -64,14 +65,14 @@ class SharedGenerators:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._draws: dict[int, bool] = {}
+        self._draws: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     def draws(self, layer: nn.Module) -> bool:
-        if (known := self._draws.get(id(layer))) is not None:
+        if (known := self._draws.get(layer)) is not None:
             return known
         found = any(isinstance(m, _DropoutNd | nn.RReLU) or getattr(m, "gpipe_random", False)
                     or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) for m in layer.modules())
-        self._draws[id(layer)] = found
+        self._draws[layer] = found
         return found
 
 

@@ -259,7 +259,7 @@ class _MemoryGradSum:
         sums = t.hub._reduce(("copies", t.stage), t.hub.replicas, t.replica, [p.grad for p in self.params],
                              "sum", f"the other replicas' gradients of stage {t.stage}")
         for p, g in zip(self.params, sums, strict=True):
-            p.grad = None if g is None else g.to(p.device)
+            p.grad = None if g is None else g.to(p.device, copy=True)  # each copy its own
 
 
 class MemoryTransport:

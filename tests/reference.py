@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
+from gpipe import Pipeline
 from gpipe.factory import resolve
 from gpipe.init import per_layer
 from gpipe.rng import seeded_forward
@@ -38,14 +39,27 @@ OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = None) -> dict[str, torch.Tensor]:
+def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = None,
+          pipelined: bool = False) -> dict[str, torch.Tensor]:
     """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another.
 
     `cuts`, layers per stage: with bf16 or fp16, the float32 values between those stages are cast to the
-    autocast dtype, as they are when they cross a cut.
+    autocast dtype, as they are when they cross a cut. With `pipelined`, the same loop runs each step's
+    forwards and backwards through gpipe.Pipeline cut at `cuts` (the spec's chunks, schedule, checkpointing,
+    precision, deferred BatchNorm and replicas), as a user of the in-process API would.
     """
     seed = spec.get("seed", 0)
     model = initial_model(spec).to(device)
+    pipe = None
+    if pipelined:
+        s = spec.get("loss_scale", {})
+        pipe = Pipeline(model, cuts or [len(model)], chunks=spec.get("chunks", 1),
+                        schedule=spec.get("schedule", "gpipe"),
+                        activation_checkpoint=spec.get("activation_checkpoint", "never"),
+                        precision=spec.get("precision", "fp32"),
+                        deferred_batch_norm=spec.get("deferred_batch_norm", False),
+                        replicas=spec.get("replicas", 1), seed=seed,
+                        loss_scale=(s.get("init", 2.0**16), s.get("growth_interval", 2000)), timeout_s=60)
     half = HALF.get(spec.get("precision", "fp32"))
     scaler = None
     if spec.get("precision") == "fp16":
@@ -84,6 +98,14 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
         x, y = collate([data[i] for i in idx])
         x, y = to(x, device), to(y, device)
         opt.zero_grad()
+        if pipe is not None:  # the user's loop: the pipeline's step, their clipping and optimizer
+            pipe.step(x, y, loss_fn)
+            if spec.get("clip_grad_norm"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_grad_norm"])
+            opt.step()  # a skipped fp16 step left no gradients: nothing changes
+            if sched:
+                sched.step()
+            continue
         whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
         for i, (xm, ym, size) in enumerate(micro_batches(x, y, batch, chunks, spec.get("replicas", 1))):
             if half is None:
@@ -111,6 +133,8 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
             opt.step()
         if sched:
             sched.step()
+    if pipe is not None:
+        pipe.close()
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
