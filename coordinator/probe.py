@@ -18,6 +18,7 @@ model; `probe: false` in the spec skips it for a model too big for that host.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ from gpipe.worker.channel import encode, gradient_message, gradients, wants_grad
 from gpipe.worker.stage import backward
 
 PROBE_SAMPLES = 2  # samples of the first micro-batch the probe runs
+
+LossFn = Callable[[Any, Any], Any]  # (the last layer's output, the target) -> a scalar tensor
 
 
 def _received(y: Any, wants: list[bool]) -> Any:
@@ -95,7 +98,7 @@ def _first_samples(x: Any, target: Any) -> tuple[Any, Any]:
     return structure.map_tensors(x, lambda t: t[:n]), structure.map_tensors(target, lambda t: t[:n])
 
 
-def probe_eval(model: nn.Sequential, x: Any, target: Any, loss_fn: Any) -> None:
+def probe_eval(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn) -> None:
     """Run the first samples of eval micro-batch (x, target) through `model` and the loss, in eval mode and
     without gradients, as an evaluation would; SpecError naming eval.data when they do not fit."""
     x, target = _first_samples(x, target)
@@ -107,7 +110,7 @@ def probe_eval(model: nn.Sequential, x: Any, target: Any, loss_fn: Any) -> None:
         raise SpecError(f"eval.data: its first samples do not fit the model or the loss: {first_line(e)}") from None
 
 
-def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: Any) -> dict[str, tuple[int, int]]:
+def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn) -> dict[str, tuple[int, int]]:
     """Run micro-batch (x, target) through `model` as the stages would; return the skip routes.
 
     SpecError naming the layer and what it received when a layer fails, or

@@ -13,13 +13,16 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.rpc as rpc
 
 from gpipe import stream
 from gpipe.coordinator import checkpoint
+
+if TYPE_CHECKING:
+    from gpipe.worker.stage_server import StageServer
 
 IN_FLIGHT = 2  # messages of state on the way to or from one stage
 
@@ -42,8 +45,8 @@ class StageSlice:
                 yield key, off, data
 
 
-def send_pieces(rref: rpc.RRef, pieces: Iterable[stream.Piece], timeout: float,
-                check: Callable[[torch.futures.Future[Any]], Any]) -> int:
+def send_pieces(rref: rpc.RRef[StageServer], pieces: Iterable[stream.Piece], timeout: float,
+                check: Callable[[torch.futures.Future[Any]], object]) -> int:
     """Send `pieces` to a StageServer's receive(), batched up to PIECE_BYTES a message, IN_FLIGHT at most
     unanswered; `check` raises a failed answer. Returns the bytes sent."""
     futs: deque[torch.futures.Future[Any]] = deque()
@@ -69,7 +72,7 @@ def send_pieces(rref: rpc.RRef, pieces: Iterable[stream.Piece], timeout: float,
     return sent
 
 
-def from_stage(rref: rpc.RRef, desc: dict[str, Any], timeout: float) -> checkpoint.StageStream:
+def from_stage(rref: rpc.RRef[StageServer], desc: dict[str, Any], timeout: float) -> checkpoint.StageStream:
     """A stage's checkpoint copy (as its step's answer described it), pulled in pieces as the writer writes it."""
     step, count = int(desc["step"]), int(desc["pieces"])
 

@@ -13,7 +13,6 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 
 @contextlib.contextmanager
@@ -80,11 +79,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: write_synced(tmp, data))
 
 
-def json_bytes(obj: Any, indent: int | None = 2, sort_keys: bool = False) -> bytes:
+def json_bytes(obj: object, indent: int | None = 2, sort_keys: bool = False) -> bytes:
     """`obj` as JSON text ending in a newline."""
     return (json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n").encode()
 
 
-def atomic_write_json(path: Path, obj: Any, indent: int | None = 2, sort_keys: bool = False) -> None:
+def atomic_write_json(path: Path, obj: object, indent: int | None = 2, sort_keys: bool = False) -> None:
     """Replace `path` with `obj` as JSON, atomically and durably."""
     atomic_write_bytes(path, json_bytes(obj, indent, sort_keys))

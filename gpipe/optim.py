@@ -24,4 +24,5 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """The torch.optim class of `name` (torch is imported here, not where the spec is parsed)."""
     import torch
 
-    return getattr(torch.optim, _TABLE[name][0])
+    cls: type[torch.optim.Optimizer] = getattr(torch.optim, _TABLE[name][0])
+    return cls

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import nullcontext
-from typing import Any, Literal
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -50,6 +50,13 @@ def unsupported(precision: str, device_type: str) -> str | None:
             and not torch.cuda.is_bf16_supported():
         return f"{precision}: this machine's CUDA device does not support bfloat16"
     return None
+
+
+class ScalerState(TypedDict):
+    """A loss scaler as a checkpoint's JSON state holds it."""
+
+    scale: float
+    growth_tracker: int
 
 
 class LossScaler:
@@ -88,12 +95,12 @@ class LossScaler:
             self.scale = min(self.scale * self.GROWTH, self.MAX)
             self.growth_tracker = 0
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> ScalerState:
         """JSON for a checkpoint (gpipe.state: loss_scale)."""
         return {"scale": self.scale, "growth_tracker": self.growth_tracker}
 
     @classmethod
-    def from_state(cls, state: Any, growth_interval: int = GROWTH_INTERVAL) -> LossScaler:
+    def from_state(cls, state: object, growth_interval: int = GROWTH_INTERVAL) -> LossScaler:
         """The scaler a checkpoint saved, growing every `growth_interval` steps; ValueError naming what is
         wrong with it."""
         if not isinstance(state, dict) or set(state) != {"scale", "growth_tracker"}:
@@ -110,7 +117,7 @@ class LossScaler:
 class Precision:
     """A stage's precision on `device`: its autocast, its cut's dtype and, for fp16, its loss scaler."""
 
-    def __init__(self, name: str, device: torch.device, scaler_state: Any = None,
+    def __init__(self, name: str, device: torch.device, scaler_state: object = None,
                  init_scale: float = LossScaler.INIT, growth_interval: int = LossScaler.GROWTH_INTERVAL):
         if name not in DTYPES:
             raise ValueError(f"precision: {name!r} is not one of {', '.join(DTYPES)}")
@@ -123,7 +130,7 @@ class Precision:
             self.scaler = LossScaler(init_scale, 0, growth_interval) if scaler_state is None \
                 else LossScaler.from_state(scaler_state, growth_interval)
 
-    def autocast(self) -> Any:
+    def autocast(self) -> AbstractContextManager[None]:
         """The context a forward runs in: autocast to the dtype, or nothing for fp32."""
         if self.dtype is None:
             return nullcontext()

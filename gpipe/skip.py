@@ -61,7 +61,7 @@ _local = threading.local()
 
 def current() -> Context:
     """The calling thread's context: the one `use` set, or else the thread's default."""
-    ctx = getattr(_local, "ctx", None)
+    ctx: Context | None = getattr(_local, "ctx", None)
     if ctx is None:
         ctx = _local.default = getattr(_local, "default", None) or Context()
     return ctx
@@ -70,7 +70,7 @@ def current() -> Context:
 @contextlib.contextmanager
 def use(ctx: Context) -> Iterator[Context]:
     """Send this thread's stashes and pops to `ctx` within the block."""
-    before = getattr(_local, "ctx", None)
+    before: Context | None = getattr(_local, "ctx", None)
     _local.ctx = ctx
     try:
         yield ctx

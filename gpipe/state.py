@@ -67,15 +67,17 @@ class StageState:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.json_state.get("param_groups", [])
+        groups: list[dict[str, Any]] = self.json_state.get("param_groups", [])
+        return groups
 
     @property
     def optimizer_scalars(self) -> dict[str, dict[str, Any]]:
         """Per parameter name, the optimizer's non-tensor state (such as adam's step, when it is a number)."""
-        return self.json_state.get("optimizer_state", {})
+        scalars: dict[str, dict[str, Any]] = self.json_state.get("optimizer_state", {})
+        return scalars
 
     @property
-    def loss_scale(self) -> Any:
+    def loss_scale(self) -> object:
         """fp16's loss scaler state (gpipe.precision.LossScaler.state), or None when the checkpoint has none."""
         return self.json_state.get(LOSS_SCALE)
 

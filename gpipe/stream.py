@@ -18,7 +18,6 @@ import json
 import os
 import struct
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import torch
 
@@ -40,7 +39,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 def header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
     """The safetensors header of `tensors` (they may be on the meta device), and the data region's length."""
-    entries: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in sorted(tensors):
         t = tensors[name]
@@ -56,7 +55,7 @@ def header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None 
 
 def parse_header(raw: bytes) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     """name -> (dtype, shape, start, end) out of a header's JSON (the bytes after its 8-byte length)."""
-    out = {}
+    out: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
     for name, e in json.loads(raw).items():
         if name == "__metadata__":
             continue
@@ -91,7 +90,7 @@ def write_all(fd: int, data: memoryview) -> int:
 
 def numpy_bytes(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's own memory as a memoryview (no copy)."""
-    return memoryview(as_bytes(t).numpy())  # type: ignore[arg-type]  # numpy types ndarray as a buffer on 3.12+ only
+    return as_bytes(t).numpy().data
 
 
 def write_piece(t: torch.Tensor, offset: int, data: torch.Tensor) -> None:

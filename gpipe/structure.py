@@ -82,11 +82,11 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return build(skeleton)
 
 
-def check_skeleton(skeleton: Any) -> int:
+def check_skeleton(skeleton: object) -> int:
     """The number of tensors in a skeleton that came from elsewhere; ValueError if it is not one."""
     count = tensors = 0
 
-    def walk(s: Any, depth: int) -> None:
+    def walk(s: object, depth: int) -> None:
         nonlocal count, tensors
         count += 1
         if count > MAX_VALUES or depth > MAX_DEPTH:

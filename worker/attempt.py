@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None, secret: str | None = None) -> int:
     host, _, port = a.master.rpartition(":")
     net.client_store(host, int(port), a.start_timeout).set(f"{net.REACHED_KEY}{a.stage}", a.host)
     opts = net.rpc_options(a.master, a.start_timeout)
-    rpc.init_rpc(rpc_name(a.stage), rank=a.stage + 1, world_size=a.stages + 1, rpc_backend_options=opts)
+    rpc.init_rpc(  # type: ignore[no-untyped-call]  # unannotated in torch
+        rpc_name(a.stage), rank=a.stage + 1, world_size=a.stages + 1, rpc_backend_options=opts)
     rpc.shutdown()  # waits until the coordinator is done with every stage
     StageServer.close_all()
     if dist.is_initialized():
