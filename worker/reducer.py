@@ -57,7 +57,7 @@ class GradReducer:
         self._left = [len(b) for b in self.buckets]
         self._launched: list[tuple[int, dist.Work, torch.Tensor]] = []
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(self._hook(i))
+            p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def arm(self) -> None:
         """The step's last backward is next: from now on a parameter's gradient is final once accumulated."""

@@ -225,7 +225,7 @@ class Stage:
         p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
                  loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
         self._begin(len(sizes))
-        bytes_before = {c.name: c.bytes for c in [*self.senders, *self.receivers]}
+        bytes_before = {c.name: c.bytes for c in self.senders} | {c.name: c.bytes for c in self.receivers}
         self.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -357,7 +357,8 @@ class Stage:
                 y = self._compute(mb, x, ctx, p)
             stashed = ctx.out
         if self.last:
-            self.precision.scaled(y * (p.sizes[mb] / p.batch)).backward()  # fp16: times the loss scale
+            # fp16: times the loss scale. (torch.autograd.backward: Tensor.backward is unannotated.)
+            torch.autograd.backward(self.precision.scaled(y * (p.sizes[mb] / p.batch)))
         else:
             backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
         del y, held_x, stashed, skip_grads
@@ -526,6 +527,8 @@ class Stage:
             torch.cuda.set_rng_state(rng[layout.RNG_CUDA], self.device)
 
     def close(self) -> None:
-        for ch in [*self.senders, *self.receivers]:
-            ch.close()
+        for out in self.senders:
+            out.close()
+        for into in self.receivers:
+            into.close()
         self.transport.close()
