@@ -70,7 +70,7 @@ def run(stage: Stage, plan: Plan, steps: range) -> list[float]:
     for s in steps:
         xs, ys, sizes = stream.micro_batches(s)
         out = stage.step(s, spec.optimizer.lr, xs, ys, sizes)
-        losses.append(out["loss_sum"])
+        losses.append(out.loss_sum)
     return losses
 
 
