@@ -27,6 +27,11 @@ DROPOUT = {"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth":
 REGRESSION = {"factory": "random_regression", "args": {"n": 50, "in_features": 16, "out_features": 16}}
 SKIPS = {"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}
 BN = {"factory": "tests.models:bn_net", "args": {"width": 8}}
+PAIRS = {"factory": "tests.models:pair_mlp", "args": {"width": 16, "blocks": 4}}
+MASKED = {"factory": "tests.models:masked_mlp", "args": {"width": 16, "blocks": 3}}
+DICTS = {"factory": "tests.models:dict_items", "args": {"n": 40, "width": 16}}
+SEQ = {"factory": "tests.models:seq_model", "args": {}}
+SENTENCES = {"factory": "tests.models:sentences", "args": {}, "collate": "gpipe.builtins:pad_collate"}
 BN_DATA = {"factory": "random_regression", "args": {"n": 40, "in_features": 8, "out_features": 8}, "batch_size": 10}
 
 
@@ -79,6 +84,13 @@ def test_schedules_checkpointing_and_balance_equal_one_device(schedule, checkpoi
     ("skips-within-a-stage", job(model=SKIPS), [3, 3]),
     ("pairs-across-cuts", job(model={"factory": "tests.models:pair_mlp", "args": {}}, chunks=3,
                               activation_checkpoint="except_last"), [1, 2, 2, 1]),
+    ("pairs-1f1b-always", job(model=PAIRS, chunks=3, schedule="1f1b", activation_checkpoint="always",
+                              data={**REGRESSION, "batch_size": 10}), [2, 2, 2]),
+    ("dict-mask-gpipe-always", job(model=MASKED, chunks=2, activation_checkpoint="always",
+                                   data={**DICTS, "batch_size": 8}), [2, 1, 2]),
+    ("varlen-gpipe", job(model=SEQ, chunks=3, steps=5, data={**SENTENCES, "batch_size": 7}, loss="cross_entropy"),
+     [1, 2, 1]),
+    ("skips-3stages-gpipe", job(model=SKIPS, chunks=3, data={**REGRESSION, "batch_size": 10}), [1, 2, 3]),
 ])
 def test_models_and_settings_equal_one_device(name, spec, balance):
     compare(spec, balance)
@@ -100,6 +112,7 @@ def test_batch_norm_equals_one_device(schedule, checkpointing, deferred):
                                        schedule="1f1b", activation_checkpoint="always"), [3, 4, 3]),
     ("3x1", job(replicas=3, chunks=1, data={**REGRESSION, "batch_size": 9}), [6]),
     ("2x3-skips", job(model=SKIPS, replicas=2), [1, 2, 3]),
+    ("2x2-bf16", job(replicas=2, precision="bf16"), [3, 3]),
     ("2x2-deferred-batch-norm", job(model=BN, data=BN_DATA, replicas=2, chunks=2, deferred_batch_norm=True,
                                     optimizer={"name": "sgd", "lr": 0.1}), [6, 6]),
 ])
@@ -112,6 +125,9 @@ def test_replicas_equal_one_device(name, spec, balance):
     ("3stages-1f1b-checkpoint", job(chunks=4, schedule="1f1b", activation_checkpoint="always"), [1, 2, 3]),
     ("2stages-1f1b-dropout", job(model=DROPOUT, schedule="1f1b"), [5, 5]),
     ("3stages-skips", job(model=SKIPS, activation_checkpoint="always"), [1, 2, 3]),
+    ("3stages-gpipe-except_last-adam-clip", job(chunks=3, data={**REGRESSION, "batch_size": 9}, clip_grad_norm=0.5,
+                                                activation_checkpoint="except_last",
+                                                optimizer={"name": "adam", "lr": 0.01}), [2, 1, 3]),
 ])
 def test_bf16_equals_one_device_autocast_rounded_at_the_cuts(name, spec, balance):
     compare({**spec, "precision": "bf16"}, balance)

@@ -73,14 +73,10 @@ def max_diff(got: dict, want: dict) -> float:
 # -- bf16 against one-device autocast ----------------------------------------------------------------------
 
 ROUNDED = "3stages-transformer-1f1b-except_last"
+# Real processes: skips across cuts, and a Transformer whose values at the cuts are rounded. The rest of the
+# matrix (schedules, checkpointing, dropout, adam with clipping) runs through gpipe.Pipeline in
+# tests/test_pipeline.py.
 BF16 = {
-    "2stages-gpipe": job(),
-    "3stages-1f1b-checkpoint": job(stages=3, chunks=4, schedule="1f1b", activation_checkpoint="always"),
-    "3stages-gpipe-except_last-adam-clip": job(
-        stages=3, balance=[2, 1, 3], chunks=3, data={**REGRESSION, "batch_size": 9}, activation_checkpoint="except_last",
-        optimizer={"name": "adam", "lr": 0.01}, clip_grad_norm=0.5),
-    "2stages-1f1b-dropout": job(schedule="1f1b", model={"factory": "tests.models:mlp_dropout",
-                                                        "args": {"width": 16, "depth": 3}}),
     # skip connections from stage 0 to stage 2 (over stage 1; one of them int64) and from stage 1 to stage 2
     "3stages-skips-checkpoint": job(stages=3, balance=[1, 2, 3], model=SKIPS, activation_checkpoint="always"),
     # a Transformer LM whose float32 values at the cuts (a positional encoding's sum, the encoder layers'
@@ -122,7 +118,7 @@ def test_cuts_carry_half_the_bytes_of_fp32(cli):
     # Activations forward, gradients backward and the skip connections: each bf16 cut moves half the bytes.
     spec = job(stages=3, balance=[1, 2, 3], model=SKIPS, steps=1)
     sent = {}
-    for precision in ("fp32", "bf16", "fp16"):
+    for precision in ("fp32", "bf16"):  # fp16 casts the same tensors (Precision.cut: test_a_cut_casts_float32_only...)
         out, _ = run(cli, {**spec, "name": precision, "precision": precision}, "--no-progress")
         [m] = metrics(out)
         sent[precision] = {(s["stage"], ch): n for s in m["stages"] for ch, n in s["sent_bytes"].items()}
@@ -132,13 +128,12 @@ def test_cuts_carry_half_the_bytes_of_fp32(cli):
     assert (sent["fp32"][mixed], sent["bf16"][mixed]) == (8 * (24 * 4 + 8), 8 * (24 * 2 + 8))
     floats = {k: n for k, n in sent["fp32"].items() if k != mixed}  # activations, gradients, skips, skip gradients
     assert {k: 2 * n for k, n in sent["bf16"].items() if k != mixed} == floats
-    assert sent["fp16"] == sent["bf16"]
 
 
 # -- fp16: one loss scale for the job ------------------------------------------------------------------------
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("balance", [[3, 3], [2, 2, 2]], ids=["first-of-2", "middle-of-3"])
+@pytest.mark.parametrize("balance", [[2, 2, 2]], ids=["middle-of-3"])  # first-of-2: tests/test_pipeline.py
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(cli, balance):
     # Step 1's first micro-batch makes an inf gradient on the stage holding layer 2, and on no other.
     spec = overflow_job(at=[2], stages=len(balance), balance=balance)

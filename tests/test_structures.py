@@ -23,27 +23,20 @@ DICTS = {"factory": "tests.models:dict_items", "args": {"n": 40, "width": 16}}
 SEQ = {"factory": "tests.models:seq_model", "args": {}}
 SENTENCES = {"factory": "tests.models:sentences", "args": {}, "collate": "gpipe.builtins:pad_collate"}
 
+# Real processes, one case per kind of structure: the same models through gpipe.Pipeline, under every
+# schedule and checkpointing mode, are in tests/test_pipeline.py.
 CASES = {
-    # (hidden, skip) tuples across every cut; 10 = 4+3+3
-    "tuples-gpipe": job(model=PAIRS, stages=3, balance=[2, 2, 2], chunks=3, data={**job()["data"], "batch_size": 10}),
-    "tuples-1f1b-always": job(model=PAIRS, stages=3, chunks=3, schedule="1f1b", activation_checkpoint="always",
-                              data={**job()["data"], "batch_size": 10}),
     # a dict input {"x", "mask"}; bool and int tensors, None and scalars cross every cut
-    "dict-mask-gpipe-always": job(model=MASKED, stages=3, chunks=2, activation_checkpoint="always",
-                                  data={**DICTS, "batch_size": 8}),
     "dict-mask-1f1b-except_last": job(model=MASKED, stages=2, chunks=4, schedule="1f1b",
                                       activation_checkpoint="except_last", data={**DICTS, "batch_size": 9}),
     # padded sequences whose length changes step to step (a custom collate), 7 = 3+2+2, the mask crossing
     "varlen-1f1b-always": job(model=SEQ, stages=2, balance=[2, 2], chunks=3, schedule="1f1b", steps=5,
                               activation_checkpoint="always", data={**SENTENCES, "batch_size": 7, "shuffle": True},
                               loss="cross_entropy"),
-    "varlen-gpipe": job(model=SEQ, stages=3, balance=[1, 2, 1], chunks=3, steps=5,
-                        data={**SENTENCES, "batch_size": 7}, loss="cross_entropy"),
 }
 
-pytestmark = pytest.mark.multiprocess
 
-
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_structures_cross_cuts_as_on_one_device(cli, name):
     train_and_compare(cli, name, CASES[name])
@@ -51,7 +44,7 @@ def test_structures_cross_cuts_as_on_one_device(cli, name):
 
 def test_sequence_lengths_change_step_to_step():
     """The varlen cases above do see batches of several lengths."""
-    plan = make_plan(parse_spec(yaml.safe_dump(CASES["varlen-gpipe"])), Path("."))
+    plan = make_plan(parse_spec(yaml.safe_dump(CASES["varlen-1f1b-always"])), Path("."))
     lengths = {plan.stream().micro_batches(s)[0][0]["tokens"].size(1) for s in range(5)}
     assert len(lengths) > 1, lengths
 
@@ -96,13 +89,14 @@ def test_probe_false_skips_the_probe():
         _plan(model=model)
 
 
+@pytest.mark.multiprocess
 def test_validate_exits_2_in_one_line(cli):
     path = cli.write(job(model={"factory": "tests.models:bad_cut", "args": {"kind": "tuple_to_linear"}}))
     r = cli.run("validate", str(path), timeout=60)
     assert r.returncode == 2, r.stderr
     line, = r.stderr.strip().splitlines()
     assert line.startswith("error: model: layer 1 (Linear) raised TypeError") and "Traceback" not in r.stderr
-    good = cli.write(CASES["dict-mask-gpipe-always"], "good.yaml")
+    good = cli.write(CASES["dict-mask-1f1b-except_last"], "good.yaml")
     r = cli.run("validate", str(good), timeout=60)
     assert r.returncode == 0 and "ok (5 layers" in r.stdout, r.stderr
 
@@ -152,15 +146,14 @@ def test_a_bad_description_is_refused(text):
 
 SKIPS = {"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}
 SKIP_CASES = {
-    # s and ids go from stage 0 to stage 2, past stage 1; s2 from stage 1 to 2; local stays in stage 2
-    "skip-3stages-gpipe": job(model=SKIPS, stages=3, balance=[1, 2, 3], chunks=3, data={**job()["data"], "batch_size": 10}),
-    "skip-3stages-1f1b-always": job(model=SKIPS, stages=3, balance=[1, 2, 3], chunks=3, schedule="1f1b",
-                                    activation_checkpoint="always", data={**job()["data"], "batch_size": 10}),
+    # s and ids go from stage 0 to stage 3, past stages 1 and 2; s2 from stage 1 to 3; local stays in stage 3
+    # (3 stages, 1f1b: tests/test_pipeline.py)
     "skip-4stages-gpipe-always": job(model=SKIPS, stages=4, balance=[1, 1, 1, 3], chunks=4,
                                      activation_checkpoint="always"),
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(SKIP_CASES))
 def test_skips_jump_stages_as_on_one_device(cli, name):
     spec = SKIP_CASES[name]
@@ -214,6 +207,7 @@ def test_skips_work_in_plain_pytorch():
     assert model[0].proj.weight.grad is not None and model[3].emb.weight.grad is not None
 
 
+@pytest.mark.multiprocess
 def test_the_unet_example_equals_one_device(cli):
     """examples/unet.yaml, small and brief: enc1 goes from stage 0 to stage 2, enc2 from stage 0 to stage 1."""
     examples = Path(__file__).resolve().parent.parent / "examples"
@@ -233,6 +227,7 @@ def test_the_unet_example_equals_one_device(cli):
         assert m["stages"][2]["received_bytes"]["stage 0's skips"] == enc1
 
 
+@pytest.mark.multiprocess
 def test_the_masked_charlm_example_equals_one_device(cli):
     """examples/charlm-masked.yaml, small: padded buckets of lines, the padding mask crossing the cut."""
     examples = Path(__file__).resolve().parent.parent / "examples"
