@@ -22,7 +22,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe import batchnorm, evaluation, init, schedule, skip, structure
 from gpipe import state as layout
-from gpipe.contract import StageConfig
+from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
 from gpipe.net import client_store
@@ -215,7 +215,7 @@ class Stage:
 
     def step(
         self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
-    ) -> dict[str, Any]:
+    ) -> StepResult:
         """Run one step of the schedule, then the optimizer; return the step's figures."""
         cfg, dev, timeout = self.cfg, self.device, self.cfg.step_timeout_s
         chunks, batch = len(sizes), cfg.batch_size or sum(sizes)
@@ -337,25 +337,27 @@ class Stage:
         busy += time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
         self._doing("idle")
-        return {
-            "stage": cfg.stage,
-            "replica": cfg.replica,
-            **({"reduce_s": reduce_s} if cfg.replicas > 1 else {}),
-            "loss_sum": float(loss_sum) if self.last else None,
-            "grad_norm": grad_norm,
-            "busy_s": busy,
-            "idle_s": max(0.0, step_s - busy),
-            "activation_peak_bytes": self.meter.peak,
-            "peak_memory_bytes": self._peak_memory(),
-            "start_unix": start_unix,
-            "timeline": timeline,  # (F or B, micro-batch, start s, end s) from start_unix
+        return StepResult(
+            rank=cfg.rank,
+            stage=cfg.stage,
+            replica=cfg.replica,
+            reduce_s=reduce_s if cfg.replicas > 1 else None,
+            loss_sum=float(loss_sum) if self.last else None,
+            grad_norm=grad_norm,
+            busy_s=busy,
+            idle_s=max(0.0, step_s - busy),
+            activation_peak_bytes=self.meter.peak,
+            peak_memory_bytes=self._peak_memory(),
+            start_unix=start_unix,
+            timeline=timeline,  # (F or B, micro-batch, start s, end s) from start_unix
             # Tensor bytes each channel carried this step (headers left out), by the channel's name.
-            "sent_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
-                           if isinstance(c, Sender)},
-            "received_bytes": {c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
-                               if isinstance(c, Receiver)},
-            **({"loss_scale": loss_scale, "skipped": skipped} if self.precision.scaler else {}),
-        }
+            sent_bytes={c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
+                        if isinstance(c, Sender)},
+            received_bytes={c.name: c.bytes - b for c, b in zip(self.channels, bytes_before, strict=True)
+                            if isinstance(c, Receiver)},
+            loss_scale=loss_scale if self.precision.scaler else None,
+            skipped=skipped if self.precision.scaler else None,
+        )
 
     def _reduce_replicas(self) -> float:
         """With replicas: wait for the sums of this stage's gradients across replicas (started during the last
@@ -369,7 +371,7 @@ class Stage:
         return time.perf_counter() - t0
 
     def evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
-                 sizes: list[int]) -> dict[str, Any]:
+                 sizes: list[int]) -> EvalResult:
         """Eval batch `batch` through the stage: its micro-batches forward in order (fill-drain, no backward),
         in eval mode, without gradients. The weights, the buffers and the generators are as they were.
 
@@ -421,8 +423,8 @@ class Stage:
                 for b, saved in buffers:
                     b.copy_(saved)
             self._doing("idle")
-        return {"stage": cfg.stage, "loss_sum": float(loss_sum) if self.last else None, "samples": sum(sizes),
-                "eval_s": time.perf_counter() - t0}
+        return EvalResult(stage=cfg.stage, loss_sum=float(loss_sum) if self.last else None, samples=sum(sizes),
+                          eval_s=time.perf_counter() - t0)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's state dict on the CPU, under the un-partitioned model's names."""
