@@ -578,7 +578,7 @@ class Supervisor:
                     for rank in attempt.ranks:
                         w = self.workers.get(rank)
                         if w is not None and w.attempt_id == attempt.id:
-                            # The worker's rank and the attempt's workers (Join's stage and stages).
+                            # The worker's rank, and the attempt's count of workers.
                             w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.topology.world,
                                                        spec.start_timeout_s, r.secret))
                 elif isinstance(r, report.Metrics):

@@ -137,7 +137,7 @@ async def test_a_job_starts_once_every_rank_is_registered_and_succeeds(h):
     a.queue.put_nowait(report.Master("127.0.0.1:1234", "0" * 32))
     await h.settle()
     joins = [c for r in (0, 1) for c in h.commands(r)]
-    assert [(j.stage, j.master) for j in joins if isinstance(j, Join)] == [(0, "127.0.0.1:1234"),
+    assert [(j.rank, j.master) for j in joins if isinstance(j, Join)] == [(0, "127.0.0.1:1234"),
                                                                           (1, "127.0.0.1:1234")]
     a.queue.put_nowait(report.Metrics({"step": 3, "loss": 0.5}))
     a.end(0, report.Done())
