@@ -140,7 +140,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
 
     resume = None
     if a.resume:
-        resume = checkpoint.latest(out / "checkpoints", lambda line: tell(report.Log(line)))
+        resume = checkpoint.latest(checkpoint.folder(out), lambda line: tell(report.Log(line)))
         if resume is not None:
             tell(report.Log(f"resuming from checkpoint {resume.path.name} ({resume.path})"))
         else:

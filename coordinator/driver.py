@@ -644,7 +644,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         if on_checkpoint is not None:
             on_checkpoint(snap.step, d, size, seconds, snap.stall_s)
 
-    writer = checkpoint.Writer(out / "checkpoints", spec.keep_checkpoints, committed)
+    writer = checkpoint.Writer(checkpoint.folder(out), spec.keep_checkpoints, committed)
     final: list[checkpoint.Snapshot] = []
 
     def on_snapshot(snap: checkpoint.Snapshot) -> None:

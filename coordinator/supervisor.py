@@ -200,13 +200,14 @@ def backoff_s(restart: int) -> float:
     return 0.0 if restart <= 1 else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (restart - 2))
 
 
-def newest_committed(root: Path) -> int:
-    """The newest step under `root` with a checkpoint manifest in place (0: none); the attempt verifies it."""
+def newest_committed(out: Path) -> int:
+    """The newest step of the job whose outputs are in `out` with a checkpoint manifest in place (0: none);
+    the attempt verifies it."""
     # Imported here: it brings torch, which only a restarted serve's first look needs.
-    from gpipe.coordinator.checkpoint import committed
+    from gpipe.coordinator import checkpoint
 
     with contextlib.suppress(OSError):
-        return max(committed(root), default=0)
+        return max(checkpoint.committed(checkpoint.folder(out)), default=0)
     return 0
 
 
@@ -273,7 +274,7 @@ class Supervisor:
             self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):
             # A checkpoint committed just before serve died may not have reached the record: the disk says.
-            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir) / "checkpoints"))
+            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
             # Not the job's fault: no restart is counted.
             self._set_state(e, JobState.RESTARTING, f"the coordinator restarted; resuming from {self._from(job)} "
                                                     f"once {_ranks(spec)} are back")
