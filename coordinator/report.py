@@ -82,8 +82,9 @@ class Failed:
         if not isinstance(e, JobFailed):
             return cls(str(e), e.exit_code)
         err = e.error
-        return cls(str(e), e.exit_code, e.cause, e.rank, err.stage if err else None, err.replica if err else None,
-                   err.step if err else None, err.type if err else "")
+        blamed = err if err is not None and e.rank is not None else None  # a stage's: its stage and replica
+        return cls(str(e), e.exit_code, e.cause, e.rank, blamed.stage if blamed else None,
+                   blamed.replica if blamed else None, err.step if err else None, err.type if err else "")
 
     def error(self) -> StageError | None:
         """The failure as a StageError, to tell whether it repeats (StageError.same_as); None without a cause."""

@@ -32,7 +32,9 @@ class JobFailed(GpipeError):
         super().__init__(message)
         self.error = error
         self.cause = cause if cause is not None or error is None else error.cause
-        self.rank = error.rank if rank is None and error is not None else rank  # the worker rank to blame
+        if rank is None and error is not None and error.rank >= 0:  # -1: the coordinator's own (its data)
+            rank = error.rank
+        self.rank = rank  # the worker rank to blame; None: none
 
 
 def describe_os_error(e: OSError, doing: str = "writing") -> str:
