@@ -90,3 +90,47 @@ def test_the_same_failure_is_the_same_cause_type_rank_and_step_whatever_its_mess
                   StageError(Cause.RAISED, "ValueError", "boom", 1, 1, 0, 3),
                   StageError(Cause.RAISED, "KeyError", "boom", 1, 1, 0, 2), None):
         assert not a.same_as(other)
+
+
+def run_of(stages: int, replicas: int):  # a driver.Run with only what its waits read
+    from types import SimpleNamespace
+
+    from gpipe.coordinator.driver import Run
+    from gpipe.topology import Topology
+
+    run = object.__new__(Run)
+    run.spec = SimpleNamespace(stages=stages, topology=Topology(stages, replicas))
+    run.plan = SimpleNamespace(bounds=[(2 * k, 2 * k + 2) for k in range(stages)])
+    return run
+
+
+def answered(value: object):
+    import torch
+
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def test_a_stages_error_becomes_a_job_failure_with_its_fields_and_the_users_line():
+    import torch
+
+    from gpipe.errors import JobFailed
+
+    run = run_of(2, 2)
+    err = StageError(Cause.RAISED, "ValueError", "boom", rank=3, stage=1, replica=1, step=2)
+    with pytest.raises(JobFailed) as failed:
+        run._result("at step 2", 3, answered(err), StepResult, 2)
+    assert str(failed.value) == "stage 1 of replica 1 (layers 2-3) failed at step 2: ValueError: boom"
+    assert failed.value.error is err and failed.value.rank == 3 and failed.value.cause is Cause.RAISED
+
+    lost: torch.futures.Future = torch.futures.Future()
+    lost.set_exception(RuntimeError("connection reset by peer"))
+    with pytest.raises(JobFailed) as failed:
+        run._result("at step 5", 2, lost, StepResult, 5)
+    e = failed.value.error
+    assert failed.value.cause is Cause.PEER and (e.rank, e.stage, e.replica, e.step) == (2, 0, 1, 5)
+
+    with pytest.raises(JobFailed) as failed:
+        run._wait_all({0: answered(None), 1: torch.futures.Future()}, 0.05, "while building its stage", type(None))
+    assert failed.value.cause is Cause.TIMEOUT and failed.value.rank == 1
