@@ -37,10 +37,11 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from gpipe.contract import Cause
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
-from gpipe.errors import CAUSE_DISK, GpipeError, JobFailed, SpecError, describe_os_error
+from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
 
 # Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
@@ -139,7 +140,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
 
     resume = None
     if a.resume:
-        resume = checkpoint.latest(out / "checkpoints", lambda line: tell(report.Log(line)))
+        resume = checkpoint.latest(checkpoint.folder(out), lambda line: tell(report.Log(line)))
         if resume is not None:
             tell(report.Log(f"resuming from checkpoint {resume.path.name} ({resume.path})"))
         else:
@@ -217,19 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (evaluate if a.evaluate else attempt)(a, tell)
     except GpipeError as e:
-        tell(report.Failed(str(e), getattr(e, "stage", None), e.exit_code, getattr(e, "cause", "")))
+        tell(report.Failed.of(e))
         return e.exit_code
     except OSError as e:
         if e.filename is None and e.errno not in DISK_ERRNOS:
             traceback.print_exc()
-            tell(report.Failed(f"internal error: {type(e).__name__}: {e}", None, 1))
-            return 1
-        tell(report.Failed(describe_os_error(e), None, 1, CAUSE_DISK))  # a restart would meet the same disk
-        return 1
+            tell(report.Failed(f"internal error: {type(e).__name__}: {e}", EXIT_FAILED))
+            return EXIT_FAILED
+        tell(report.Failed(describe_os_error(e), EXIT_FAILED, Cause.DISK))  # a restart would meet the same disk
+        return EXIT_FAILED
     except Exception as e:
         traceback.print_exc()  # to the log: a bug of ours
-        tell(report.Failed(f"internal error: {type(e).__name__}: {e}", None, 1))
-        return 1
+        tell(report.Failed(f"internal error: {type(e).__name__}: {e}", EXIT_FAILED))
+        return EXIT_FAILED
     tell(report.Done())
     return 0
 

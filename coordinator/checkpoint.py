@@ -60,10 +60,33 @@ from gpipe.files import (
 )
 from gpipe.state import StageState
 
+# The layout on disk (the module's docstring draws it) is decided here alone: other modules ask these.
 FORMAT = 1
+FOLDER = "checkpoints"  # in a job's output folder
 MANIFEST = "MANIFEST.json"
 META = "checkpoint.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def folder(out: Path) -> Path:
+    """Where the checkpoints of the job whose outputs are in `out` go."""
+    return out / FOLDER
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The checkpoint taken after `step` steps, under `root` (a job's checkpoint folder)."""
+    return root / f"step-{step}"
+
+
+def step_of(d: Path) -> int | None:
+    """The step that directory `d` holds the checkpoint of; None if it is no step-<N>."""
+    m = STEP_RE.match(d.name)
+    return int(m.group(1)) if m else None
+
+
+def shard_files(k: int) -> tuple[str, str]:
+    """Stage k's two files in a step directory: its tensors (safetensors) and its JSON state."""
+    return f"stage-{k}.safetensors", f"stage-{k}.json"
 
 
 
@@ -175,10 +198,6 @@ class Snapshot:
         return layout.model_state(held)
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step}"
-
-
 def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     """Write and commit `snap` under `root`; return its directory and its bytes on disk."""
     root.mkdir(parents=True, exist_ok=True)
@@ -190,7 +209,7 @@ def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     files: dict[str, dict[str, Any]] = {}
 
     def write_stage(k: int) -> tuple[int, str]:
-        st, path = snap.stages[k], d / f"stage-{k}.safetensors"
+        st, path = snap.stages[k], d / shard_files(k)[0]
         with naming(path):
             return write_stream(st, path) if isinstance(st, StageStream) else write_safetensors(st.tensors, path)
 
@@ -199,9 +218,10 @@ def write(root: Path, snap: Snapshot) -> tuple[Path, int]:
     with ThreadPoolExecutor(len(snap.stages) if streamed else 1, "checkpoint-stage") as pool:
         shards = list(pool.map(write_stage, range(len(snap.stages))))
     for k, st in enumerate(snap.stages):
-        files[f"stage-{k}.safetensors"] = dict(zip(("bytes", "sha256"), shards[k], strict=True))
-        size, sha = _write_json(d / f"stage-{k}.json", st.json_state)
-        files[f"stage-{k}.json"] = {"bytes": size, "sha256": sha}
+        tensors, json_state = shard_files(k)
+        files[tensors] = dict(zip(("bytes", "sha256"), shards[k], strict=True))
+        size, sha = _write_json(d / json_state, st.json_state)
+        files[json_state] = {"bytes": size, "sha256": sha}
     size, sha = _write_json(d / META, {"format": FORMAT, **snap.meta, "step": snap.step})
     files[META] = {"bytes": size, "sha256": sha}
     manifest = {"format": FORMAT, "step": snap.step, "stages": len(snap.stages), "files": files,
@@ -215,9 +235,8 @@ def committed(root: Path) -> list[int]:
     steps = []
     if root.is_dir():
         for d in root.iterdir():
-            m = STEP_RE.match(d.name)
-            if m and (d / MANIFEST).exists():
-                steps.append(int(m.group(1)))
+            if (s := step_of(d)) is not None and (d / MANIFEST).exists():
+                steps.append(s)
     return sorted(steps)
 
 
@@ -227,10 +246,9 @@ def prune(root: Path, keep: int) -> list[int]:
     gone = steps[:-keep] if keep > 0 else steps
     newest = steps[-1] if steps else None
     for d in list(root.iterdir()) if root.is_dir() else []:
-        m = STEP_RE.match(d.name)
-        if not m:
+        s = step_of(d)
+        if s is None:
             continue
-        s = int(m.group(1))
         torn = not (d / MANIFEST).exists() and newest is not None and s < newest
         if s in gone or torn:
             shutil.rmtree(d, ignore_errors=True)
@@ -320,8 +338,8 @@ def _sha256(path: Path) -> tuple[int, str]:
 
 def verify(d: Path) -> dict[str, Any]:
     """The manifest of step directory `d` once every file matches it; else BadCheckpoint saying why."""
-    m = STEP_RE.match(d.name)
-    if not m:
+    step = step_of(d)
+    if step is None:
         raise BadCheckpoint("not a step-<N> directory")
     try:
         manifest = json.loads((d / MANIFEST).read_text())
@@ -331,13 +349,13 @@ def verify(d: Path) -> dict[str, Any]:
         raise BadCheckpoint(f"{MANIFEST} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BadCheckpoint(f"{MANIFEST}: unknown format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
-    if manifest.get("step") != int(m.group(1)):
-        raise BadCheckpoint(f"{MANIFEST} names step {manifest.get('step')}, not {m.group(1)}")
+    if manifest.get("step") != step:
+        raise BadCheckpoint(f"{MANIFEST} names step {manifest.get('step')}, not {step}")
     files = manifest.get("files")
     stages = manifest.get("stages")
     if not isinstance(files, dict) or not isinstance(stages, int) or stages < 1:
         raise BadCheckpoint(f"{MANIFEST} lists no files or stages")
-    needed = {META} | {f"stage-{k}.{ext}" for k in range(stages) for ext in ("safetensors", "json")}
+    needed = {META} | {name for k in range(stages) for name in shard_files(k)}
     if needed - set(files):
         raise BadCheckpoint(f"{MANIFEST} does not list {sorted(needed - set(files))[0]}")
     for name, want in sorted(files.items()):
@@ -434,7 +452,7 @@ def open_committed(d: Path, manifest: dict[str, Any] | None = None) -> Loaded:
         if manifest is None:
             manifest = json.loads((d / MANIFEST).read_text())
         meta = json.loads((d / META).read_text())
-        shards = [Shard.open(d / f"stage-{k}.safetensors", d / f"stage-{k}.json") for k in range(manifest["stages"])]
+        shards = [Shard.open(*(d / name for name in shard_files(k))) for k in range(manifest["stages"])]
     except (OSError, ValueError, KeyError, struct.error) as e:
         raise BadCheckpoint(f"unreadable: {e}") from None
     return Loaded(manifest["step"], d, meta, shards)
@@ -464,9 +482,8 @@ def latest(root: Path, say: Callable[[str], None]) -> Loaded | None:
         return None
     dirs = []
     for d in root.iterdir():
-        m = STEP_RE.match(d.name)
-        if m and d.is_dir():
-            dirs.append((int(m.group(1)), d))
+        if (s := step_of(d)) is not None and d.is_dir():
+            dirs.append((s, d))
     for _, d in sorted(dirs, reverse=True):
         try:
             return load(d)

@@ -1,4 +1,4 @@
-"""The driver of one job attempt: the coordinator's side of the RPC world.
+"""The driver of one job attempt (a Run): the coordinator's side of the RPC world.
 
 The coordinator is RPC rank 0; worker rank N (stage N mod P of replica N div
 P: gpipe.topology) is RPC rank N+1. It creates each stage on its worker
@@ -33,18 +33,11 @@ import torch.distributed.rpc as rpc
 from safetensors.torch import save_file
 
 from gpipe import net, stream
-from gpipe.contract import StageConfig
+from gpipe.contract import Cause, EvalResult, StageConfig, StageError, StepResult
 from gpipe.coordinator import checkpoint, streaming, timeline
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
-from gpipe.errors import (
-    CAUSE_DISK,
-    CAUSE_IMPORT,
-    CAUSE_RAISED,
-    JobFailed,
-    SpecError,
-    describe_os_error,
-)
+from gpipe.errors import JobFailed, SpecError, describe_os_error
 from gpipe.files import atomic_write, atomic_write_json
 from gpipe.precision import LossScaler
 from gpipe.show import first_line
@@ -53,6 +46,7 @@ from gpipe.topology import Topology
 from gpipe.worker.stage_server import StageServer
 
 T = TypeVar("T")
+Future = torch.futures.Future[Any]  # an RPC's answer (a StepResult, an EvalResult, a StageError ...)
 LOOK_EVERY_S = 2.0  # while no step finishes, how often the stages are asked what they are doing
 LOOK_TIMEOUT_S = 5.0
 CHECK_EVERY_S = 1.0  # while no step finishes, how often the attempt checks its checkpoint writer
@@ -62,7 +56,7 @@ CHECK_EVERY_S = 1.0  # while no step finishes, how often the attempt checks its 
 class Looking:
     """The stages' answers to "what are you doing?", asked at `since`."""
 
-    answers: list[torch.futures.Future[Any]]
+    answers: list[Future]
     since: float
 
 
@@ -110,8 +104,9 @@ class EvalMetrics:
 OnEval = Callable[[EvalMetrics, dict[str, torch.Tensor] | None], None]
 
 
-class Attempt:
-    """Runs `plan` on stages that join the RPC world at `master`."""
+class Run:
+    """Drives one attempt of `plan`: the stages that join the RPC world at `master`, from building to the
+    last step (an attempt is a job's try, numbered; this is the driving of one)."""
 
     def __init__(self, plan: Plan, store_host: str, store_port: int, device_of: Callable[[int], str],
                  on_step: Callable[[StepMetrics], None], attempt_no: int = 1, on_eval: OnEval | None = None,
@@ -126,7 +121,7 @@ class Attempt:
         self.on_step = on_step
         self.attempt_no = attempt_no
         # StageServer of worker rank N, by rank: the first `stages` are replica 0's stages, in order.
-        self.stages: list[rpc.RRef] = []
+        self.stages: list[rpc.RRef[StageServer]] = []
         # Called at least every CHECK_EVERY_S while training waits: raises what must end the attempt now
         # (the checkpoint writer's failure).
         self.check: Callable[[], None] = lambda: None
@@ -144,25 +139,35 @@ class Attempt:
         layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
         return f"{self.topology.name(rank)} ({layers})"
 
-    def _result(self, what: str, k: int, fut: torch.futures.Future) -> Any:
+    def _blame(self, rank: int, cause: Cause, message: str, step: int | None = None,
+               type_: str = "") -> StageError:
+        """A failure of worker `rank` seen from here (lost contact, a wait that ran out)."""
+        top = self.topology
+        return StageError(cause=cause, type=type_, message=message, rank=rank, stage=top.stage_of(rank),
+                          replica=top.replica_of(rank), step=step)
+
+    def _result(self, what: str, rank: int, fut: Future, kind: type[T], step: int | None = None) -> T:
+        """Worker `rank`'s answer, of type `kind`; JobFailed naming its stage if it failed or was lost."""
         try:
             value = fut.wait()
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise JobFailed(f"lost contact with {self._stage_name(k)} {what}: {first}", stage=k) from None
-        if isinstance(value, dict) and value.get("error"):
-            error = str(value["error"])
-            # gpipe.factory.resolve says LookupError when the job's code cannot be imported here.
-            cause = CAUSE_IMPORT if error.startswith(("ModuleNotFoundError", "ImportError", "LookupError")) \
-                else CAUSE_RAISED
-            raise JobFailed(f"{self._stage_name(k)} failed {what}: {error}", stage=k, cause=cause)
+            raise JobFailed(f"lost contact with {self._stage_name(rank)} {what}: {first}",
+                            error=self._blame(rank, Cause.PEER, first, step, type(e).__name__)) from None
+        if isinstance(value, StageError):
+            raise JobFailed(f"{self._stage_name(rank)} failed {what}: {value.line()}", error=value)
+        if not isinstance(value, kind):  # a stage of another version: its answers cannot be read
+            raise JobFailed(f"{self._stage_name(rank)} answered {what} with a {type(value).__name__}, not a "
+                            f"{kind.__name__}", error=self._blame(rank, Cause.RAISED, "", step, "TypeError"))
         return value
 
-    def _wait_all(self, futs: dict[int, torch.futures.Future], timeout: float, what: str) -> dict[int, Any]:
+    def _wait_all(self, futs: dict[int, Future], timeout: float, what: str, kind: type[T],
+                  step: int | None = None) -> dict[int, T]:
+        """Every worker's answer in `futs` (by rank), within `timeout`; JobFailed naming those it waited for."""
         q: queue.Queue[int] = queue.Queue()
         for k, f in futs.items():
             f.add_done_callback(_put_when_done(q, k))
-        out: dict[int, Any] = {}
+        out: dict[int, T] = {}
         deadline = time.monotonic() + timeout
         while len(out) < len(futs):
             try:
@@ -170,9 +175,9 @@ class Attempt:
             except queue.Empty:
                 late = [k for k in futs if k not in out]
                 pending = ", ".join(self._stage_name(k) for k in late)
-                raise JobFailed(f"timed out after {timeout:.0f}s {what}, waiting for {pending}",
-                                stage=late[0]) from None
-            out[k] = self._result(what, k, futs[k])
+                message = f"timed out after {timeout:.0f}s {what}, waiting for {pending}"
+                raise JobFailed(message, error=self._blame(late[0], Cause.TIMEOUT, message, step)) from None
+            out[k] = self._result(what, k, futs[k], kind, step)
         return out
 
     # -- the attempt ---------------------------------------------------------
@@ -185,7 +190,8 @@ class Attempt:
 
         def init() -> None:
             try:
-                rpc.init_rpc("coordinator", rank=0, world_size=self.topology.world + 1, rpc_backend_options=opts)
+                rpc.init_rpc(  # type: ignore[no-untyped-call]  # torch.distributed.rpc has no annotations
+                    "coordinator", rank=0, world_size=self.topology.world + 1, rpc_backend_options=opts)
             except BaseException as e:
                 err.append(e)
 
@@ -194,9 +200,9 @@ class Attempt:
         t.join(spec.start_timeout_s)
         if t.is_alive():
             raise JobFailed(f"timed out after {spec.start_timeout_s:.0f}s waiting for the workers to join: "
-                            f"{self._who_did_not_join()}")
+                            f"{self._who_did_not_join()}", cause=Cause.TIMEOUT)
         if err:
-            raise JobFailed(f"the RPC world could not start: {str(err[0]).splitlines()[0]}")
+            raise JobFailed(f"the RPC world could not start: {str(err[0]).splitlines()[0]}", cause=Cause.PEER)
 
     def _who_did_not_join(self) -> str:
         """Which workers never reached the rendezvous, or else where the ones that did listen."""
@@ -217,7 +223,7 @@ class Attempt:
         return (f"every worker reached the rendezvous, but they could not all connect to each other ({where}): "
                 "check that these addresses reach one another (gpipe-worker --host sets a worker's)")
 
-    def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, Any]:
+    def build(self, resume: checkpoint.Loaded | None = None) -> dict[int, dict[str, Any]]:
         """Create every stage on its worker, then send each its weights (init exact) or, resuming, its slice of
         the checkpoint, in pieces (coordinator.streaming), and start them all.
 
@@ -227,8 +233,8 @@ class Attempt:
         spec, top = self.spec, self.topology
         slices = resume_parts(self.plan, resume) if resume is not None else None
         for rank in top.ranks():
-            cfg = stage_config(self.plan, top.stage_of(rank), self.device_of(rank), self.store_host, self.store_port,
-                               top.replica_of(rank))
+            cfg = StageConfig.of(self.plan, top.stage_of(rank), top.replica_of(rank), self.device_of(rank),
+                                 self.store_host, self.store_port)
             args = (asdict(cfg), None, resume.step if resume is not None else 0)
             self.stages.append(rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s))
         for rank in top.ranks():  # each replica's copy of stage k gets stage k's state
@@ -237,15 +243,15 @@ class Attempt:
         futs = {rank: self.stages[rank].rpc_async(timeout=spec.start_timeout_s).start(
                     slices[top.stage_of(rank)].json_state if slices is not None else None, exact)
                 for rank in top.ranks()}
-        return self._wait_all(futs, spec.start_timeout_s, "while building its stage")
+        return self._wait_all(futs, spec.start_timeout_s, "while building its stage", dict)
 
     def _send_state(self, rank: int, part: streaming.StageSlice | None, resume: checkpoint.Loaded | None) -> None:
         """Worker `rank`'s initial tensors, a piece at a time: its stage's weights from the plan (init exact), a
         checkpoint's slice, or nothing (init per_layer: the stage made its own)."""
         spec, rref = self.spec, self.stages[rank]
 
-        def check(fut: torch.futures.Future[Any]) -> None:
-            self._result("while receiving its state", rank, fut)
+        def check(fut: Future) -> None:
+            self._result("while receiving its state", rank, fut, type(None))
 
         if part is None:
             if spec.init == "exact":
@@ -265,8 +271,8 @@ class Attempt:
         spec, top = self.spec, self.topology
         stream = self.plan.stream()
         last = spec.stages - 1
-        pending: dict[int, dict[int, torch.futures.Future]] = {}
-        results: dict[int, dict[int, Any]] = {}
+        pending: dict[int, dict[int, Future]] = {}  # by step, by rank
+        results: dict[int, dict[int, StepResult]] = {}
         q: queue.Queue[tuple[int, int]] = queue.Queue()
         issued, finished = first_step, first_step
         t_prev: float | None = time.perf_counter()  # when the previous step ended; None: an evaluation followed it
@@ -282,9 +288,10 @@ class Attempt:
                 try:
                     shards = stream.shards(issued)  # per replica: (inputs, targets, sizes) of its micro-batches
                 except Exception as e:  # the job's data set or collate, on a later batch than the plan checked
-                    raise JobFailed(f"data: step {issued}: {first_line(e)}", cause=CAUSE_RAISED) from None
+                    raise JobFailed(f"data: step {issued}: {first_line(e)}",
+                                    error=StageError.of(e, None, issued)) from None
                 lr = lr_at(spec, issued)
-                futs = {}
+                futs: dict[int, Future] = {}
                 want_snapshot = on_snapshot is not None and self.snapshot_after(issued)
                 for rank in top.ranks():
                     (xs, ys, sizes), k = shards[top.replica_of(rank)], top.stage_of(rank)
@@ -309,20 +316,20 @@ class Attempt:
                     continue
                 late = [k for k in pending[finished] if k not in results[finished]]
                 waiting = ", ".join(self._stage_name(k) for k in late)
-                raise JobFailed(
-                    f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}",
-                    stage=late[0],
-                ) from None
+                message = f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for {waiting}"
+                raise JobFailed(message, error=self._blame(late[0], Cause.TIMEOUT, message, finished)) from None
             last_news, looking = time.monotonic(), None
             next_look = last_news + min(spec.peer_timeout_s, spec.step_timeout_s)
-            results[s][k] = self._result(f"at step {s}", k, pending[s][k])
+            results[s][k] = self._result(f"at step {s}", k, pending[s][k], StepResult, s)
             while finished in results and len(results[finished]) == top.world:
                 per_stage = results.pop(finished)
-                if "snapshot" in per_stage[0]:
+                if per_stage[0].snapshot is not None:
                     # Replica 0's: ranks 0 .. stages-1 are its stages, in order.
-                    parts = [streaming.from_stage(self.stages[k], per_stage[k].pop("snapshot"), spec.step_timeout_s)
+                    parts = [streaming.from_stage(self.stages[k], per_stage[k].snapshot or {}, spec.step_timeout_s)
                              for k in range(spec.stages)]
-                    stall = max(per_stage[k]["snapshot_s"] for k in range(spec.stages))
+                    for k in range(spec.stages):
+                        per_stage[k].snapshot = None  # pulled from here on: nothing to keep
+                    stall = max(per_stage[k].snapshot_s or 0.0 for k in range(spec.stages))
                     snap = checkpoint.Snapshot(finished + 1, parts, checkpoint_meta(self.plan, finished + 1), stall)
                     assert on_snapshot is not None  # asked for only when there is one
                     on_snapshot(snap)
@@ -349,7 +356,7 @@ class Attempt:
         last, n = spec.stages - 1, self.evals.at(position)
         after = f"after step {position - 1}" if position else "before any step"
         t0 = time.perf_counter()
-        sent: dict[int, dict[int, torch.futures.Future]] = {}
+        sent: dict[int, dict[int, Future]] = {}
         loss_sum, samples, issued = 0.0, 0, 0
         weights: dict[str, torch.Tensor] | None = None
         for b in range(n):
@@ -357,17 +364,19 @@ class Attempt:
                 try:
                     xs, ys, sizes = stream.micro_batches(issued)
                 except Exception as e:  # the job's eval data or collate, on a later batch than the plan checked
-                    raise JobFailed(f"eval.data: batch {issued}: {first_line(e)}", cause=CAUSE_RAISED) from None
+                    raise JobFailed(f"eval.data: batch {issued}: {first_line(e)}",
+                                    error=StageError.of(e, None, position)) from None
                 want = self.eval_weights and issued == n - 1
                 sent[issued] = {k: self.stages[k].rpc_async(timeout=0).run_eval(
                     position, issued, xs if k == 0 else None, ys if k == last else None, sizes, want)
                     for k in range(spec.stages)}
                 issued += 1
-            out = self._wait_all(sent.pop(b), spec.step_timeout_s, f"evaluating {after} (eval batch {b})")
-            loss_sum += out[last]["loss_sum"]
-            samples += out[last]["samples"]
-            if "weights" in out[0]:
-                weights = {name: t for k in range(spec.stages) for name, t in out[k]["weights"].items()}
+            out = self._wait_all(sent.pop(b), spec.step_timeout_s, f"evaluating {after} (eval batch {b})",
+                                 EvalResult)
+            loss_sum += out[last].loss_sum or 0.0  # the last stage's: it always has one
+            samples += out[last].samples
+            if out[0].weights is not None:
+                weights = {name: t for k in range(spec.stages) for name, t in (out[k].weights or {}).items()}
         m = EvalMetrics(step=position - 1 if position else None, eval_loss=loss_sum / samples,
                         eval_samples=samples, eval_time_s=time.perf_counter() - t0, attempt=self.attempt_no)
         if self.on_eval is not None:
@@ -395,7 +404,8 @@ class Attempt:
                     return None
                 seen.append(f"{top.name(k)} for {what}")
             raise JobFailed(f"step {step}: every stage has waited on its neighbours for {spec.peer_timeout_s:.0f}s "
-                            f"or more, none computing (a network partition between workers?): {'; '.join(seen)}")
+                            f"or more, none computing (a network partition between workers?): {'; '.join(seen)}",
+                            cause=Cause.PEER)
         if looking is not None and time.monotonic() < looking.since + LOOK_TIMEOUT_S:
             return looking  # answers still to come
         return Looking([self.stages[k].rpc_async(timeout=LOOK_TIMEOUT_S).activity() for k in top.ranks()],
@@ -406,75 +416,52 @@ class Attempt:
         every = self.spec.checkpoint_every
         return step == self.spec.steps - 1 or (every is not None and (step + 1) % every == 0)
 
-    def _report(self, step: int, per_stage: dict[int, Any], step_time: float) -> None:
+    def _report(self, step: int, per_stage: dict[int, StepResult], step_time: float) -> None:
         """One step's metrics out of every worker's answer (per_stage: by rank)."""
         spec, top = self.spec, self.topology
         # Each replica's last stage summed its shard's losses, each weighted by its micro-batch's size.
-        loss = sum(per_stage[top.rank(r, spec.stages - 1)]["loss_sum"] for r in range(top.replicas))
+        loss = sum(per_stage[top.rank(r, spec.stages - 1)].loss_sum or 0.0 for r in range(top.replicas))
         loss /= spec.data.batch_size
-        stages = [{k: v for k, v in per_stage[rank].items() if k not in ("loss_sum", "grad_norm", "loss_scale")}
-                  for rank in top.ranks()]
-        busy = sum(s["busy_s"] for s in stages)
-        span = sum(s["busy_s"] + s["idle_s"] for s in stages)
+        results = [per_stage[rank] for rank in top.ranks()]
+        busy = sum(s.busy_s for s in results)
+        span = sum(s.busy_s + s.idle_s for s in results)
+        last = per_stage[spec.stages - 1]  # fp16: one scale for the job, the same on every rank; replica 0's says
         self.on_step(StepMetrics(
             step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
             samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
-            grad_norm=per_stage[0]["grad_norm"], bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
-            attempt=self.attempt_no, stages=stages, replicas=replica_figures(top, stages),
-            # fp16: one scale for the job, the same on every rank; replica 0's last stage says.
-            loss_scale=per_stage[spec.stages - 1].get("loss_scale"), skipped=per_stage[spec.stages - 1].get("skipped"),
+            grad_norm=per_stage[0].grad_norm, bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
+            attempt=self.attempt_no, stages=[s.metrics() for s in results], replicas=replica_figures(top, results),
+            loss_scale=last.loss_scale, skipped=last.skipped,
         ))
 
 
-def _span(per_stage: dict[int, Any]) -> float:
+Attempt = Run  # its former name, still imported by tests/test_stage.py (an attempt is a job's try)
+
+
+def _span(per_stage: dict[int, StepResult]) -> float:
     """A step's time as its stages measured it: the longest any of them took, from its start to its optimizer
     step (for a step that waited behind an evaluation, which the coordinator's clock cannot tell apart)."""
-    return max(s["busy_s"] + s["idle_s"] for s in per_stage.values())
+    return max(s.busy_s + s.idle_s for s in per_stage.values())
 
 
-def replica_figures(top: Topology, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per replica, out of its stages' figures (by rank): its step time (its slowest stage's, the optimizer
+def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, Any]]:
+    """Per replica, out of its stages' answers (by rank): its step time (its slowest stage's, the optimizer
     step included), its stages' busy seconds, its bubble, and the longest any of its stages waited for the
     gradient sums across replicas after its backward (reduce_s: idle, not busy)."""
     out = []
     for r in range(top.replicas):
-        own = [stages[rank] for rank in top.replica_ranks(r)]
-        busy, span = sum(s["busy_s"] for s in own), sum(s["busy_s"] + s["idle_s"] for s in own)
-        out.append({"replica": r, "step_time_s": max(s["busy_s"] + s["idle_s"] for s in own), "busy_s": busy,
+        own = [results[rank] for rank in top.replica_ranks(r)]
+        busy, span = sum(s.busy_s for s in own), sum(s.busy_s + s.idle_s for s in own)
+        out.append({"replica": r, "step_time_s": max(s.busy_s + s.idle_s for s in own), "busy_s": busy,
                     "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0,
-                    "reduce_s": max(s.get("reduce_s", 0.0) for s in own)})
+                    "reduce_s": max(s.reduce_s or 0.0 for s in own)})
     return out
 
 
 def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int,
                  replica: int = 0) -> StageConfig:
-    """What stage k of `replica` is built with: its layers, the spec's training settings, its device and the
-    data-plane store."""
-    spec = plan.spec
-    start, end = plan.bounds[k]
-    return StageConfig(
-        stage=k, stages=spec.stages, start=start, end=end,
-        model_factory=spec.model.factory, model_args=spec.model.args,
-        optimizer=spec.optimizer.name, optimizer_args=spec.optimizer.torch_kwargs(),
-        loss=spec.loss, schedule=spec.schedule, chunks=spec.chunks,
-        activation_checkpoint=spec.activation_checkpoint, seed=spec.seed,
-        clip_grad_norm=spec.clip_grad_norm, device=device,
-        step_timeout_s=spec.step_timeout_s, start_timeout_s=spec.start_timeout_s,
-        store_host=store_host, store_port=store_port, import_paths=plan.import_paths,
-        deferred_batch_norm=spec.deferred_batch_norm,
-        skip_routes=plan.skip_routes(), init=spec.init, init_hook=spec.init_hook,
-        replica=replica, replicas=spec.replicas, batch_size=spec.data.batch_size,
-        precision=spec.precision,
-        loss_scale=(spec.loss_scale.init, spec.loss_scale.growth_interval),
-        # Replica 0 alone evaluates: the other replicas' stages queue no eval batches.
-        **(eval_config(plan) if replica == 0 else {}),
-    )
-
-
-def eval_config(plan: Plan) -> dict[str, Any]:
-    """StageConfig's evaluation fields: when the stages evaluate (gpipe.evaluation.EvalSchedule)."""
-    evals = plan.eval_schedule()
-    return {"eval_every": evals.every, "eval_batches": evals.batches, "steps": evals.steps}
+    """StageConfig.of, in the argument order callers outside the driver use."""
+    return StageConfig.of(plan, k, replica, device, store_host, store_port)
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -535,7 +522,7 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
     """Per stage: where its weights, optimizer and RNG state are in checkpoint `ck`, cut by the plan's balance.
 
     Only the checkpoint's headers are read here; the tensors go from disk to the
-    stages (Attempt.build). The checkpoint names every tensor by the
+    stages (Run.build). The checkpoint names every tensor by the
     un-partitioned model, so it fits any balance; the RNG states are restored
     only when the stage count is the same. A checkpoint that does not fit the
     job (another model or data set) is bad input: SpecError, and no restart would help.
@@ -631,7 +618,7 @@ class MetricsLog:
             self.f.flush()
         except OSError as e:  # a full disk: name the file
             raise JobFailed(f"metrics: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",
-                            cause=CAUSE_DISK) from None
+                            cause=Cause.DISK) from None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a write that failed already said so
@@ -657,7 +644,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         if on_checkpoint is not None:
             on_checkpoint(snap.step, d, size, seconds, snap.stall_s)
 
-    writer = checkpoint.Writer(out / "checkpoints", spec.keep_checkpoints, committed)
+    writer = checkpoint.Writer(checkpoint.folder(out), spec.keep_checkpoints, committed)
     final: list[checkpoint.Snapshot] = []
 
     def on_snapshot(snap: checkpoint.Snapshot) -> None:
@@ -666,27 +653,27 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         try:
             writer.submit(snap)
         except OSError as e:
-            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None  # names the path
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None  # names the path
 
-    attempt = Attempt(plan, host, port, devices.__getitem__, on_step, attempt_no, on_eval, eval_weights)
+    run = Run(plan, host, port, devices.__getitem__, on_step, attempt_no, on_eval, eval_weights)
 
     def check_writer() -> None:  # a checkpoint that cannot be written fails the attempt at once
         try:
             writer.check()
         except OSError as e:
-            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None
 
-    attempt.check = check_writer
+    run.check = check_writer
     left = False
     try:
-        attempt.join()
-        attempt.build(resume)
+        run.join()
+        run.build(resume)
         first = resume.step if resume is not None else 0
-        attempt.train(first, on_snapshot)
+        run.train(first, on_snapshot)
         try:
             writer.close()
         except OSError as e:
-            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=CAUSE_DISK) from None
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None
         # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
         ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
         assert ck is not None  # no final snapshot: resumed at the last step
@@ -695,10 +682,10 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
             timeline.write(out, spec.trace_step)
         except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter
             print(f"gpipe: no timeline drawn: {e}", file=sys.stderr, flush=True)
-        attempt.stages.clear()  # drop the RRefs, so the stages are released as the world is left
+        run.stages.clear()  # drop the RRefs, so the stages are released as the world is left
         left = shutdown(graceful=True)
         if not left:
-            raise JobFailed("the stages did not leave the RPC world in time")
+            raise JobFailed("the stages did not leave the RPC world in time", cause=Cause.TIMEOUT)
     finally:
         # A failed attempt still commits the snapshots it took: a stop request (SIGTERM) waits for that.
         with contextlib.suppress(ValueError):  # not the main thread: nothing to ignore
@@ -714,16 +701,16 @@ def drive_eval(plan: Plan, host: str, port: int, devices: list[str]) -> EvalMetr
 
     The plan evaluates before any step (Plan.evaluate_only); nothing is written.
     """
-    attempt = Attempt(plan, host, port, devices.__getitem__, lambda m: None)
+    run = Run(plan, host, port, devices.__getitem__, lambda m: None)
     left = False
     try:
-        attempt.join()
-        attempt.build()
-        m = attempt.evaluate(0)
-        attempt.stages.clear()
+        run.join()
+        run.build()
+        m = run.evaluate(0)
+        run.stages.clear()
         left = shutdown(graceful=True)
         if not left:
-            raise JobFailed("the stages did not leave the RPC world in time")
+            raise JobFailed("the stages did not leave the RPC world in time", cause=Cause.TIMEOUT)
         return m
     finally:
         if not left:

@@ -13,7 +13,9 @@ not take the supervisor down.
     Metrics(values)                  a logged step (also in metrics.jsonl)
     Eval(values)                     an evaluation: step, eval_loss, eval_samples ... (also in metrics.jsonl)
     Checkpoint(step, path, ...)      a checkpoint was committed
-    Failed(message, stage, exit_code, cause)  the attempt failed (stage None: no stage to blame)
+    Failed(message, exit_code, cause, rank, stage, replica, step, error_type)
+                                     the attempt failed: the user's line, and the fields the supervisor
+                                     decides by (rank None: no worker to blame)
     Done()                           trained; model.safetensors is written
 """
 
@@ -23,6 +25,9 @@ import json
 import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import IO, Any
+
+from gpipe.contract import Cause, StageError
+from gpipe.errors import GpipeError, JobFailed
 
 
 @dataclass(frozen=True)
@@ -62,10 +67,32 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Failed:
-    message: str
-    stage: int | None
+    message: str  # the one line the user reads
     exit_code: int
-    cause: str = ""  # gpipe.errors.CAUSE_*: why, where a restart may not help; "" unknown
+    cause: Cause | None = None  # why (gpipe.contract.Cause); None: not known
+    rank: int | None = None  # the worker rank to blame; None: none
+    stage: int | None = None  # its stage and replica (gpipe.topology)
+    replica: int | None = None
+    step: int | None = None  # the step it failed at, when it failed in one
+    error_type: str = ""  # the exception's class name, when one was raised
+
+    @classmethod
+    def of(cls, e: GpipeError) -> Failed:
+        """The report of an error that ends the attempt: a JobFailed's fields, or only the exit code."""
+        if not isinstance(e, JobFailed):
+            return cls(str(e), e.exit_code)
+        err = e.error
+        blamed = err if err is not None and e.rank is not None else None  # a stage's: its stage and replica
+        return cls(str(e), e.exit_code, e.cause, e.rank, blamed.stage if blamed else None,
+                   blamed.replica if blamed else None, err.step if err else None, err.type if err else "")
+
+    def error(self) -> StageError | None:
+        """The failure as a StageError, to tell whether it repeats (StageError.same_as); None without a cause."""
+        if self.cause is None:
+            return None
+        return StageError(cause=self.cause, type=self.error_type, message=self.message,
+                          rank=-1 if self.rank is None else self.rank, stage=-1 if self.stage is None else self.stage,
+                          replica=-1 if self.replica is None else self.replica, step=self.step)
 
 
 @dataclass(frozen=True)
@@ -77,7 +104,8 @@ Report = Log | Resumed | Master | Metrics | Eval | Checkpoint | Failed | Done
 _TYPES: dict[str, type[Report]] = {t.__name__: t for t in (Log, Resumed, Master, Metrics, Eval, Checkpoint, Failed,
                                                            Done)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
-                                             "int | None": (int, type(None)), "dict[str, Any]": (dict,)}
+                                             "int | None": (int, type(None)), "dict[str, Any]": (dict,),
+                                             "Cause | None": (str, type(None))}
 
 
 def encode(r: Report) -> str:
@@ -95,7 +123,7 @@ def decode(line: str | bytes) -> Report:
             v = obj[f.name]
             if isinstance(v, bool) or not isinstance(v, _FIELD_TYPES[str(f.type)]):
                 raise TypeError(f.name)
-            values[f.name] = v
+            values[f.name] = Cause(v) if f.type == "Cause | None" and isinstance(v, str) else v  # ValueError: unknown
         return cls(**values)
     except (ValueError, KeyError, TypeError, AttributeError):
         return Log(text.rstrip("\n"))

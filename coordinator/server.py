@@ -74,6 +74,9 @@ MAX_CORES, MAX_THREADS = 4096, 4096
 MAX_ATTEMPT_ERROR = 4096  # a longer attempt_error is cut
 MAX_WIRE_INT = 2**63 - 1
 T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]  # a call's: its request and response types vary by method
+Handler = Any  # a method's handler, or None: grpc's stubs type its behaviours as sync, not the coroutines aio holds
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
 
 
 class JobTable:
@@ -309,14 +312,14 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     def __init__(self, c: Coordinator):
         self.c = c
 
-    async def _job(self, name: str, context: grpc.aio.ServicerContext) -> JobRecord:
+    async def _job(self, name: str, context: Context) -> JobRecord:
         if (why := _bad_name(name)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if name not in self.c.sup.jobs:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {name!r}")
         return self.c.sup.record(name)
 
-    async def SubmitJob(self, request, context):
+    async def SubmitJob(self, request: jobs_pb2.SubmitJobRequest, context: Context) -> jobs_pb2.Job:
         try:
             return serde.job_to_pb(await self.c.submit(request.spec_yaml))
         except SpecError as e:
@@ -328,10 +331,10 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         except Stopping as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    async def GetJob(self, request, context):
+    async def GetJob(self, request: jobs_pb2.GetJobRequest, context: Context) -> jobs_pb2.Job:
         return serde.job_to_pb(await self._job(request.name, context))
 
-    async def ListJobs(self, request, context):
+    async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         # A page at a time, each job without its spec (up to 1 MiB) and all but its latest state change:
         # a page of the largest size fits in a message.
         size = request.page_size or DEFAULT_PAGE_SIZE
@@ -355,21 +358,21 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         more = start + size < len(names)
         return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=names[start + size - 1] if more else "")
 
-    async def ResumeJob(self, request, context):
+    async def ResumeJob(self, request: jobs_pb2.ResumeJobRequest, context: Context) -> jobs_pb2.Job:
         await self._job(request.name, context)
         try:
             return serde.job_to_pb(self.c.sup.resume(request.name))
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
-    async def StopJob(self, request, context):
+    async def StopJob(self, request: jobs_pb2.StopJobRequest, context: Context) -> jobs_pb2.Job:
         await self._job(request.name, context)
         try:
             return serde.job_to_pb(await self.c.sup.stop(request.name))
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
 
-    async def WatchJob(self, request, context):
+    async def WatchJob(self, request: jobs_pb2.WatchJobRequest, context: Context) -> AsyncIterator[jobs_pb2.JobEvent]:
         await self._job(request.name, context)
         try:
             async for e in _until_stopping(self.c.stopping, self.c.sup.watch(request.name)):
@@ -411,7 +414,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         self.c = c
         self.streaming: set[str] = set()  # the workers whose command stream is open
 
-    async def Register(self, request, context):
+    async def Register(self, request: workers_pb2.RegisterRequest, context: Context) -> workers_pb2.RegisterResponse:
         if (why := _bad_registration(request) or _unreachable(request, context.peer())) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         sup, rank = self.c.sup, request.rank
@@ -426,7 +429,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         return workers_pb2.RegisterResponse(worker_id=w.id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
 
-    async def Heartbeat(self, request, context):
+    async def Heartbeat(self, request: workers_pb2.HeartbeatRequest, context: Context) -> workers_pb2.HeartbeatResponse:
         for field in ("worker_id", "attempt_id"):
             if (why := _bad_id(field, getattr(request, field))) is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
@@ -434,7 +437,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
                                      request.attempt_exit, printable(request.attempt_error, MAX_ATTEMPT_ERROR))
         return workers_pb2.HeartbeatResponse(known=known)
 
-    async def Commands(self, request, context):
+    async def Commands(self, request: workers_pb2.CommandsRequest, context: Context) -> AsyncIterator[workers_pb2.WorkerCommand]:
         if (why := _bad_id("worker_id", request.worker_id)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         w = self.c.sup.worker(request.worker_id)
@@ -495,7 +498,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, client: str | None, worker: str | None):
         self.tokens = {JOBS: _bearer(client), WORKERS: _bearer(worker)}
 
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler:
         handler = await continuation(details)
         if details.method.startswith("/grpc.health.v1.") or handler is None:
             return handler
@@ -526,7 +529,7 @@ def _bearer(token: str | None) -> bytes | None:
 def _deny(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     """A handler like `handler` that refuses the call."""
 
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def deny(request: Any, context: Context) -> None:
         await context.abort(code, message)
 
     make: Callable[..., Any] = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
@@ -545,7 +548,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
     gRPC's own answer is UNKNOWN, with the decoder's exception in it.
     """
 
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler:
         handler = await continuation(details)
         if handler is None or not details.method.startswith("/gpipe.v1."):
             return handler
@@ -557,7 +560,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
             except DecodeError as e:
                 return _Undecodable(str(e).rpartition(": ")[2] or "cannot be decoded")
 
-        async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def check(request: Any, context: Context) -> None:
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"the request is not a valid {details.method.rpartition('/')[2]} request: "
@@ -566,7 +569,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             inner_stream = handler.unary_stream
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
                 await check(request, context)
                 async for m in inner_stream(request, context):
                     yield m
@@ -574,7 +577,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
         inner = handler.unary_unary
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary(request: Any, context: Context) -> Any:
             await check(request, context)
             return await inner(request, context)
 

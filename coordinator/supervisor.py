@@ -15,9 +15,11 @@ Every failure decision is made here, once:
   times, backing off (0 s, then 1, 2, 4 ... up to `BACKOFF_CAP_S`), once all
   its ranks are back (within `restart_timeout_s`). What a restart cannot fix
   fails the job at once: bad input (exit code 2), a disk error writing the
-  job's state or checkpoints, job code the workers cannot import, and the
-  same exception raised at the same step twice. Past that the job is FAILED,
-  naming the first failure.
+  job's state or checkpoints, job code the workers cannot import, input a
+  stage cannot use, and the same failure twice (StageError.same_as: cause,
+  type, rank and step). These decisions read the failure's fields
+  (report.Failed), never its message. Past that the job is FAILED, naming
+  the first failure.
 - One job's trouble is its own: an error in its bookkeeping fails that job,
   never the loops, and a record that cannot be saved (a full disk) fails the
   job and frees its workers. `serve` marks itself NOT_SERVING if a loop dies.
@@ -46,9 +48,10 @@ from pathlib import Path
 from typing import Protocol
 
 from gpipe import serde
+from gpipe.contract import Cause, StageError
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec
-from gpipe.errors import CAUSE_DISK, CAUSE_IMPORT, CAUSE_RAISED, EXIT_BAD_INPUT, describe_os_error
+from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, describe_os_error
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -58,6 +61,12 @@ WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker h
 COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 STOP_TIMEOUT_S = 30.0  # how long `stop` waits for a killed attempt to be reaped
+# What a restart cannot fix: the job fails at once, saying why.
+FAIL_FAST = {Cause.DISK: "a disk error: a restart would meet the same disk",
+             Cause.IMPORT: "the workers cannot import the job's code",
+             Cause.INPUT: "input a stage cannot use: a restart would meet it again"}
+# What is hopeless once it repeats (StageError.same_as): the same code raising at the same step is no accident.
+HOPELESS_TWICE = frozenset({Cause.RAISED, Cause.MEMORY})
 EVENT_WINDOW = 2000  # events of a job kept in memory (older metrics are read from disk)
 WATCH_QUEUE = 10_000  # events waiting for one watcher; a watcher that falls further behind loses the oldest
 
@@ -149,7 +158,7 @@ class Entry:
     fresh: bool = False  # the next attempt starts over instead of resuming
     failed_at: float = float("-inf")  # monotonic time of the last failure: workers heard since count as back
     not_before: float = float("-inf")  # monotonic time before which no restart starts (backoff)
-    last_failure: str = ""  # the previous attempt's failure, to tell an error that repeats
+    last_error: StageError | None = None  # the previous attempt's failure, to tell one that repeats
     events: deque[serde.Event] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     older: int = 0  # metrics no longer in `events`: the first `older` lines of the job's metrics.jsonl
     watchers: set[asyncio.Queue[serde.Event]] = field(default_factory=set)
@@ -167,13 +176,14 @@ class Entry:
 
 @dataclass
 class Attempt:
+    """One try of a job: the ranks it runs on, its process, and a failure decided here."""
+
     id: str
     job: str
     ranks: list[int]
     process: AttemptProcess | None = None
     stopped: bool = False
-    failure: tuple[str, int | None] | None = None  # (message, rank) decided here
-    cause: str = ""  # gpipe.errors.CAUSE_* of a failure decided here ("" for a lost worker: restart)
+    failure: report.Failed | None = None  # decided here (a lost worker, a record that cannot be saved)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -190,14 +200,15 @@ def backoff_s(restart: int) -> float:
     return 0.0 if restart <= 1 else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (restart - 2))
 
 
-def newest_committed(root: Path) -> int:
-    """The newest step under `root` with a checkpoint manifest in place (0: none); the attempt verifies it."""
-    newest = 0
+def newest_committed(out: Path) -> int:
+    """The newest step of the job whose outputs are in `out` with a checkpoint manifest in place (0: none);
+    the attempt verifies it."""
+    # Imported here: it brings torch, which only a restarted serve's first look needs.
+    from gpipe.coordinator import checkpoint
+
     with contextlib.suppress(OSError):
-        for d in root.iterdir():
-            if d.name.startswith("step-") and d.name[5:].isdigit() and (d / "MANIFEST.json").exists():
-                newest = max(newest, int(d.name[5:]))
-    return newest
+        return max(checkpoint.committed(checkpoint.folder(out)), default=0)
+    return 0
 
 
 def _ranks(spec: JobSpec) -> str:
@@ -263,7 +274,7 @@ class Supervisor:
             self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):
             # A checkpoint committed just before serve died may not have reached the record: the disk says.
-            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir) / "checkpoints"))
+            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
             # Not the job's fault: no restart is counted.
             self._set_state(e, JobState.RESTARTING, f"the coordinator restarted; resuming from {self._from(job)} "
                                                     f"once {_ranks(spec)} are back")
@@ -298,7 +309,7 @@ class Supervisor:
             raise ValueError(f"job {name!r} is {job.state.value}: only a FAILED or STOPPED job can be resumed")
         spec = e.job_spec  # ValueError: its record could not be read
         job.restarts, job.error, job.failed_rank, job.exit_code = 0, "", -1, 0
-        e.not_before, e.last_failure = float("-inf"), ""
+        e.not_before, e.last_error = float("-inf"), None
         self._set_state(e, JobState.RESTARTING,
                         f"resume requested: resuming from {self._from(job)} once {_ranks(spec)} are free")
         self.wake.set()
@@ -334,7 +345,7 @@ class Supervisor:
             attempt = self.attempts.get(e.record.name)
             if attempt is not None:
                 if attempt.failure is None and not attempt.stopped:
-                    attempt.failure, attempt.cause = (why, None), CAUSE_DISK
+                    attempt.failure = report.Failed(why, EXIT_FAILED, Cause.DISK)
                     attempt.failed.set()
                 self._kill(attempt)  # its task frees the workers and records FAILED
             elif not e.record.state.ended:
@@ -443,7 +454,11 @@ class Supervisor:
     def _fail_attempt_of(self, w: Worker, why: str) -> None:
         for attempt in self.attempts.values():
             if attempt.id == w.attempt_id and attempt.failure is None and not attempt.stopped:
-                attempt.failure = (why, w.rank)
+                e = self.jobs.get(attempt.job)
+                top = e.spec.topology if e is not None and e.spec is not None else None
+                attempt.failure = report.Failed(why, EXIT_FAILED, Cause.PEER, w.rank,
+                                                top.stage_of(w.rank) if top else None,
+                                                top.replica_of(w.rank) if top else None)
                 attempt.failed.set()
                 self._kill(attempt, COMMIT_GRACE_S)
 
@@ -564,7 +579,7 @@ class Supervisor:
                     for rank in attempt.ranks:
                         w = self.workers.get(rank)
                         if w is not None and w.attempt_id == attempt.id:
-                            # The worker's rank and the attempt's workers (Join's stage and stages).
+                            # The worker's rank, and the attempt's count of workers.
                             w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.topology.world,
                                                        spec.start_timeout_s, r.secret))
                 elif isinstance(r, report.Metrics):
@@ -593,7 +608,7 @@ class Supervisor:
                     async with asyncio.timeout(self.grace_s):
                         await attempt.failed.wait()
         except Exception as ex:  # the launch itself failed (no such file, no memory): the attempt fails
-            reported = report.Failed(f"the attempt could not start: {type(ex).__name__}: {ex}", None, 1)
+            reported = report.Failed(f"the attempt could not start: {type(ex).__name__}: {ex}", EXIT_FAILED)
         finally:
             self._kill(attempt)
             for rank in attempt.ranks:
@@ -613,30 +628,33 @@ class Supervisor:
             self._failed(e, attempt, reported, code)
 
     def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
+        """Restart the job, or fail it: decided by the failure's fields (cause, exit code, same_as)."""
         job, spec = e.record, e.job_spec
         bad_input = code == EXIT_BAD_INPUT or (reported is not None and reported.exit_code == EXIT_BAD_INPUT)
         if attempt.failure is not None and not bad_input:
-            (message, stage), cause = attempt.failure, attempt.cause
+            failure = attempt.failure  # what the supervisor saw explains it better than the attempt's report
         elif reported is not None:
-            message, stage, cause = reported.message, reported.stage, reported.cause
+            failure = reported
         else:
-            message, stage, cause = f"the attempt process died ({describe_exit(code)})", None, ""
+            message = f"the attempt process died ({describe_exit(code)})"
             if words := attempt.process.last_words() if attempt.process is not None else "":
                 message += f": {words}"
-        rank = -1 if stage is None else int(stage)
+            failure = report.Failed(message, EXIT_FAILED)
+        message = failure.message
         e.failed_at = self.clock.monotonic()
         if not job.error:  # the first failure is the one a user needs
-            job.error, job.failed_rank = message, rank
-        repeated, e.last_failure = cause == CAUSE_RAISED and message == e.last_failure, message
-        hopeless = {CAUSE_DISK: "a disk error: a restart would meet the same disk",
-                    CAUSE_IMPORT: "the workers cannot import the job's code"}.get(cause)
+            job.error, job.failed_rank = message, -1 if failure.rank is None else failure.rank
+        error = failure.error()
+        repeated = error is not None and error.cause in HOPELESS_TWICE and error.same_as(e.last_error)
+        e.last_error = error
+        hopeless = FAIL_FAST.get(failure.cause) if failure.cause is not None else None
         if repeated:
             hopeless = "the same error at the same step twice: a restart cannot fix it"
         if bad_input:
             job.exit_code = EXIT_BAD_INPUT
             self._set_state(e, JobState.FAILED, message)
         elif hopeless is not None:
-            job.exit_code = 1
+            job.exit_code = EXIT_FAILED
             self._set_state(e, JobState.FAILED, f"{message} (not restarted: {hopeless})")
         elif job.restarts < spec.max_restarts:
             job.restarts += 1
@@ -647,7 +665,7 @@ class Supervisor:
                             f"{wait}: resuming from {self._from(job)} once {_ranks(spec)} are back")
         else:
             gave_up = f" (gave up after {job.restarts} restarts; the last failure: {message})" if job.restarts else ""
-            job.exit_code = 1
+            job.exit_code = EXIT_FAILED
             self._set_state(e, JobState.FAILED, f"{job.error}{gave_up}")
 
     def _log(self, e: Entry, line: str) -> None:

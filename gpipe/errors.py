@@ -1,5 +1,9 @@
 """The errors a user sees, and the exit codes they map to."""
 
+from __future__ import annotations
+
+from gpipe.contract import Cause, StageError
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job ran and failed: a stage raised, a worker died, a wait timed out
 EXIT_BAD_INPUT = 2  # a bad spec, flag or file: nothing was started
@@ -17,21 +21,20 @@ class SpecError(GpipeError):
     exit_code = EXIT_BAD_INPUT
 
 
-# Why an attempt failed, where a restart cannot help (the supervisor then fails the job at once):
-CAUSE_RAISED = "raised"  # a stage raised (the model's code, or ours): fatal when the same one repeats
-CAUSE_IMPORT = "import"  # a stage could not import the job's code
-CAUSE_DISK = "disk"  # an I/O error writing the job's state or checkpoints
-
-
 class JobFailed(GpipeError):
-    """The job started and failed; the message names the stage, and `cause` says why, when known."""
+    """The job started and failed: the message is the user's line; `cause` and `error` are what the supervisor
+    decides by (gpipe.contract.Cause; the stage's failure, when one stage is to blame)."""
 
     exit_code = EXIT_FAILED
 
-    def __init__(self, message: str, stage: int | None = None, cause: str = ""):
+    def __init__(self, message: str, rank: int | None = None, cause: Cause | None = None,
+                 error: StageError | None = None):
         super().__init__(message)
-        self.stage = stage
-        self.cause = cause
+        self.error = error
+        self.cause = cause if cause is not None or error is None else error.cause
+        if rank is None and error is not None and error.rank >= 0:  # -1: the coordinator's own (its data)
+            rank = error.rank
+        self.rank = rank  # the worker rank to blame; None: none
 
 
 def describe_os_error(e: OSError, doing: str = "writing") -> str:

@@ -153,10 +153,12 @@ def _fields_from_json(d: object, checks: dict[str, tuple[_Check, bool]], what: s
 
 @dataclass
 class Join:
+    """Join attempt `attempt_id` as worker `rank` of `world` (stage rank mod stages of replica rank div stages)."""
+
     attempt_id: str
     master: str
-    stage: int
-    stages: int
+    rank: int
+    world: int  # the attempt's workers: replicas x stages
     start_timeout_s: float
     secret: str = field(repr=False)  # the attempt's: its store keys live under it (gpipe.net)
 
@@ -249,5 +251,5 @@ def command_to_pb(c: Join | Abort) -> wpb.WorkerCommand:
 def command_from_pb(m: wpb.WorkerCommand) -> Join | Abort:
     if m.WhichOneof("command") == "join":
         j = m.join
-        return Join(j.attempt_id, j.master, j.stage, j.stages, j.start_timeout_s, j.secret)
+        return Join(j.attempt_id, j.master, j.rank, j.world, j.start_timeout_s, j.secret)
     return Abort(m.abort.attempt_id)

@@ -54,6 +54,22 @@ def snap(step: int, scale: float = 1.0) -> checkpoint.Snapshot:
     return checkpoint.Snapshot(step, stages, {"balance": [1, 1], "data": {"dataset_len": 10}})
 
 
+def test_the_layout_has_one_home_and_the_supervisor_reads_it(tmp_path):
+    from gpipe.coordinator.supervisor import newest_committed
+
+    root = checkpoint.folder(tmp_path)
+    d, _ = checkpoint.write(root, snap(4))
+    assert checkpoint.step_of(d) == 4 and d == checkpoint.step_dir(root, 4)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [checkpoint.MANIFEST, checkpoint.META, *checkpoint.shard_files(0), *checkpoint.shard_files(1)])
+    checkpoint.step_dir(root, 9).mkdir()  # torn: no manifest
+    (root / "step-x").mkdir()  # not a checkpoint
+    (root / "step-12.tmp").mkdir()
+    assert checkpoint.step_of(root / "step-x") is None and checkpoint.step_of(root / "step-12.tmp") is None
+    assert checkpoint.committed(root) == [4] and newest_committed(tmp_path) == 4
+    assert newest_committed(tmp_path / "nothing") == 0
+
+
 def test_a_written_checkpoint_verifies_and_loads(tmp_path):
     d, size = checkpoint.write(tmp_path, snap(4, 2.0))
     assert d == tmp_path / "step-4" and size == sum(f.stat().st_size for f in d.iterdir() if f.name != "MANIFEST.json")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.contract import Cause
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import parse_spec
 from gpipe.coordinator.supervisor import Launch, RankTaken, Supervisor, Worker, backoff_s
@@ -117,6 +118,12 @@ def h() -> Harness:
     return Harness()
 
 
+def raised(message: str, rank: int, step: int | None, cause: Cause = Cause.RAISED,
+           error_type: str = "ValueError") -> report.Failed:
+    """What an attempt reports when stage `rank` (of 2, one replica) raised at `step`."""
+    return report.Failed(message, 1, cause, rank, rank % 2, rank // 2, step, error_type)
+
+
 async def test_a_job_starts_once_every_rank_is_registered_and_succeeds(h):
     job = h.submit()
     h.register(0)
@@ -130,7 +137,7 @@ async def test_a_job_starts_once_every_rank_is_registered_and_succeeds(h):
     a.queue.put_nowait(report.Master("127.0.0.1:1234", "0" * 32))
     await h.settle()
     joins = [c for r in (0, 1) for c in h.commands(r)]
-    assert [(j.stage, j.master) for j in joins if isinstance(j, Join)] == [(0, "127.0.0.1:1234"),
+    assert [(j.rank, j.master) for j in joins if isinstance(j, Join)] == [(0, "127.0.0.1:1234"),
                                                                           (1, "127.0.0.1:1234")]
     a.queue.put_nowait(report.Metrics({"step": 3, "loss": 0.5}))
     a.end(0, report.Done())
@@ -169,7 +176,7 @@ async def test_restarts_back_off_and_are_bounded(h):
         h.beat(0, 1)
         await h.settle()
         assert len(h.attempts) == n + 1, n
-        h.attempts[-1].end(1, report.Failed(f"stage 0 failed at step {n}: ValueError: x", 0, 1))
+        h.attempts[-1].end(1, raised(f"stage 0 failed at step {n}: ValueError: x", rank=0, step=n))
         await h.settle()
         if n == 1:  # the second restart waits for its backoff
             h.clock.advance(0.5)
@@ -185,7 +192,7 @@ async def test_bad_input_fails_at_once_without_a_restart(h):
     job = h.submit()
     h.register(0, 1)
     await h.settle()
-    h.attempts[0].end(2, report.Failed("checkpoint step-4 does not fit the model", None, 2))
+    h.attempts[0].end(2, report.Failed("checkpoint step-4 does not fit the model", 2))
     await h.settle()
     assert job.state == JobState.FAILED and job.restarts == 0 and job.exit_code == 2
 
@@ -272,16 +279,16 @@ async def test_a_rank_held_by_a_live_worker_is_refused_and_its_attempt_runs_on(h
 async def test_the_same_error_at_the_same_step_twice_fails_without_more_restarts(h):
     job = h.submit(max_restarts=5)
     h.register(0, 1)
-    boom = report.Failed("stage 1 (layer 2) failed at step 3: ValueError: bad", 1, 1, "raised")
     for n in range(2):
         h.clock.advance(0.1 + backoff_s(n))
         h.beat(0, 1)
         await h.settle()
         assert len(h.attempts) == n + 1
-        h.attempts[-1].end(1, boom)
+        # The message differs (an address, a count): the fields are what repeat.
+        h.attempts[-1].end(1, raised(f"stage 1 (layer 2) failed at step 3: ValueError: bad {n}", rank=1, step=3))
         await h.settle()
     assert job.state == JobState.FAILED and job.restarts == 1 and job.exit_code == 1
-    assert "same error at the same step twice" in job.history[-1].message
+    assert job.failed_rank == 1 and "not restarted" in job.history[-1].message
 
 
 async def test_a_different_error_each_time_keeps_restarting(h):
@@ -291,21 +298,73 @@ async def test_a_different_error_each_time_keeps_restarting(h):
         h.clock.advance(0.1 + backoff_s(n))
         h.beat(0, 1)
         await h.settle()
-        h.attempts[-1].end(1, report.Failed(f"stage 1 failed at step {n}: ValueError: bad", 1, 1, "raised"))
+        h.attempts[-1].end(1, raised("stage 1 failed at step 3: ValueError: bad", rank=1, step=n))
         await h.settle()
     assert job.state == JobState.RESTARTING and job.restarts == 2
 
 
-@pytest.mark.parametrize("cause", ["disk", "import"])
-async def test_a_disk_or_import_failure_fails_at_once(h, cause):
+@pytest.mark.parametrize("other", [{"rank": 0}, {"error_type": "KeyError"}, {"cause": Cause.TIMEOUT},
+                                   {"cause": Cause.PEER}])
+async def test_the_same_message_twice_is_not_the_same_failure_unless_its_fields_are(h, other):
+    # Same text each time; another rank, exception type or cause is another failure (and a timeout or a
+    # lost neighbour at the same step twice may be the network's: restarted).
+    job = h.submit(max_restarts=5)
+    h.register(0, 1)
+    failures = [raised("stage 1 failed at step 3: ValueError: bad", rank=1, step=3),
+                raised("stage 1 failed at step 3: ValueError: bad", **({"rank": 1, "step": 3} | other))]
+    if "cause" in other:
+        failures = failures[1:] * 2
+    for n, f in enumerate(failures):
+        h.clock.advance(0.1 + backoff_s(n))
+        h.beat(0, 1)
+        await h.settle()
+        h.attempts[-1].end(1, f)
+        await h.settle()
+    assert job.state == JobState.RESTARTING and job.restarts == 2
+
+
+@pytest.mark.parametrize("cause", [Cause.DISK, Cause.IMPORT, Cause.INPUT])
+async def test_a_disk_import_or_input_failure_fails_at_once(h, cause):
     job = h.submit(max_restarts=5)
     h.register(0, 1)
     await h.settle()
-    h.attempts[0].end(1, report.Failed(f"a {cause} failure", None, 1, cause))
+    h.attempts[0].end(1, report.Failed(f"a {cause} failure", 1, cause))
     await h.settle()
     assert job.state == JobState.FAILED and job.restarts == 0 and job.exit_code == 1
     assert "not restarted" in job.history[-1].message
     assert all(w.attempt_id is None for w in h.workers.values())
+
+
+def test_a_failure_crosses_the_attempts_pipe_as_fields():
+    from gpipe.contract import StageError
+    from gpipe.errors import JobFailed
+
+    err = StageError.of(ModuleNotFoundError("No module named 'mymodels'"), None, 3)
+    err.rank, err.stage, err.replica = 3, 1, 1  # as a stage of replica 1 of 2-stage pipelines says it
+    f = report.Failed.of(JobFailed("stage 1 of replica 1 (layers 2-3) failed while building its stage: "
+                                   f"{err.line()}", error=err))
+    assert (f.cause, f.rank, f.stage, f.replica, f.step, f.error_type) == \
+        (Cause.IMPORT, 3, 1, 1, 3, "ModuleNotFoundError")
+    back = report.decode(report.encode(f))
+    assert back == f and back.error() is not None and back.error().same_as(err)
+    # A cause the supervisor does not know is no failure it could decide by: the line is a Log.
+    assert isinstance(report.decode(report.encode(f).replace('"import"', '"cosmic"')), report.Log)
+    # No stage to blame: no rank, and the cause still says why.
+    f = report.Failed.of(JobFailed("checkpoint: writing /x: No space left on device (ENOSPC)", cause=Cause.DISK))
+    assert (f.cause, f.rank, f.stage) == (Cause.DISK, None, None)
+
+
+async def test_a_lost_worker_is_blamed_by_rank_stage_and_replica(h):
+    job = h.submit(stages=1, replicas=2)
+    h.register(0, 1)
+    await h.settle()
+    attempt = h.sup.attempts["j"]
+    h.sup.drop(h.workers[1], "lost")
+    assert attempt.failure is not None
+    assert (attempt.failure.cause, attempt.failure.rank, attempt.failure.stage, attempt.failure.replica) == \
+        (Cause.PEER, 1, 0, 1)
+    await h.settle()
+    assert job.state == JobState.RESTARTING and job.failed_rank == 1
 
 
 class FullDisk:

@@ -57,11 +57,11 @@ class Agent:
                 stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
 
     async def join(self, j: Join, log: Path) -> None:
-        """Start stage `j.stage` of attempt `j.attempt_id` (ending any attempt this worker was in)."""
+        """Start rank `j.rank` of attempt `j.attempt_id` (ending any attempt this worker was in)."""
         await self._kill(self.child)
         log.parent.mkdir(parents=True, exist_ok=True)
         # Over the child's stdin: the secret never goes on a command line.
-        line = json.dumps({"stage": j.stage, "stages": j.stages, "master": j.master, "host": self.host,
+        line = json.dumps({"stage": j.rank, "stages": j.world, "master": j.master, "host": self.host,
                            "start_timeout_s": j.start_timeout_s, "log": str(log), "secret": j.secret}) + "\n"
         child = None
         for _ in range(2):  # a spare that died meanwhile is replaced once

@@ -97,8 +97,8 @@ class Daemon:
         async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=worker_id)):
             cmd = serde.command_from_pb(m)
             if isinstance(cmd, serde.Join):
-                await self.agent.join(cmd, self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.stage}.log")
-                self._say(f"joined attempt {cmd.attempt_id} as rank {cmd.stage} of {cmd.stages}")
+                await self.agent.join(cmd, self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.rank}.log")
+                self._say(f"joined attempt {cmd.attempt_id} as rank {cmd.rank} of {cmd.world}")
             else:
                 await self.agent.abort(cmd.attempt_id)
         raise ConnectionError("the coordinator ended this worker's command stream")

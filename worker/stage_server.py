@@ -2,15 +2,17 @@
 
     rref = rpc.remote("stage1", StageServer, args=(cfg, None))      # builds the stage's layers on its worker
     rref.rpc_async(timeout=...).receive(pieces)                      # its weights, a piece at a time (init exact)
-    rref.rpc_async(timeout=...).start(json_state, weights_sent)      # its figures, or {"error": ...}
-    rref.rpc_async(timeout=0).run_step(step, lr, inputs, targets, sizes, snapshot)
+    rref.rpc_async(timeout=...).start(json_state, weights_sent)      # its figures, or a StageError
+    rref.rpc_async(timeout=0).run_step(step, lr, inputs, targets, sizes, snapshot)   # a StepResult
     rref.rpc_async(timeout=...).snapshot_piece(step, i)              # the checkpoint's copy, a piece at a time
-    rref.rpc_async(timeout=0).run_eval(position, batch, inputs, targets, sizes, weights)
+    rref.rpc_async(timeout=0).run_eval(position, batch, inputs, targets, sizes, weights)  # an EvalResult
 
 A StageServer owns its Stage, the queue of steps (and eval batches) it was
 sent, and the thread that runs them one at a time, in order, off the RPC
-threads. Errors come back as {"error": "<type>: <first line>"} with the
-traceback in the worker's log, so the coordinator can name the stage in one line.
+threads. A failure comes back as a gpipe.contract.StageError (its cause, type,
+first line, rank, stage, replica and step), with the traceback also in the
+worker's log, so the coordinator names the stage in one line and the
+supervisor decides by fields.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed.rpc as rpc
 
-from gpipe.contract import StageConfig
+from gpipe.contract import EvalResult, StageConfig, StageError, StepResult
 from gpipe.evaluation import EvalSchedule
 from gpipe.state import StageState
 from gpipe.stream import Piece
@@ -34,6 +36,7 @@ from gpipe.worker.stage import Stage, build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
+Answer = torch.futures.Future[StepResult | EvalResult | StageError]
 
 
 @dataclass(frozen=True)
@@ -59,26 +62,26 @@ class StepQueue:
 
     def __init__(self, first: int = 0, evals: Callable[[int], int] = lambda p: 0) -> None:
         self._cv = threading.Condition()
-        self._items: dict[tuple[int, int], tuple[torch.futures.Future, StepArgs | EvalArgs]] = {}
+        self._items: dict[tuple[int, int], tuple[Answer, StepArgs | EvalArgs]] = {}
         self._evals = evals
         self._next = (first, 0)
         self._closed = False
 
-    def put(self, step: int, fut: torch.futures.Future, args: StepArgs) -> None:
+    def put(self, step: int, fut: Answer, args: StepArgs) -> None:
         self._put((step, self._evals(step)), fut, args)
 
-    def put_eval(self, position: int, batch: int, fut: torch.futures.Future, args: EvalArgs) -> None:
+    def put_eval(self, position: int, batch: int, fut: Answer, args: EvalArgs) -> None:
         """Eval batch `batch` of the evaluation after `position` steps; ValueError if none such is due."""
         if not 0 <= batch < self._evals(position):
             raise ValueError(f"no eval batch {batch} is due after {position} steps")
         self._put((position, batch), fut, args)
 
-    def _put(self, key: tuple[int, int], fut: torch.futures.Future, args: StepArgs | EvalArgs) -> None:
+    def _put(self, key: tuple[int, int], fut: Answer, args: StepArgs | EvalArgs) -> None:
         with self._cv:
             self._items[key] = (fut, args)
             self._cv.notify_all()
 
-    def take(self) -> tuple[torch.futures.Future, StepArgs | EvalArgs] | None:
+    def take(self) -> tuple[Answer, StepArgs | EvalArgs] | None:
         """The next step or eval batch in order, waiting for it; None once closed."""
         with self._cv:
             self._cv.wait_for(lambda: self._closed or self._next in self._items)
@@ -93,12 +96,6 @@ class StepQueue:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-
-
-def describe(e: BaseException) -> str:
-    """One line for the coordinator: the error's type and the first line of its message."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 class StageServer:
@@ -118,7 +115,7 @@ class StageServer:
         the rest. A failure is kept for built() or start().
         """
         self.stage: Stage | None = None
-        self.error: str | None = None
+        self.error: StageError | None = None
         config = StageConfig(**cfg)
         evals = EvalSchedule(config.eval_every, config.eval_batches, config.steps)
         self._steps = StepQueue(first_step, evals.at)
@@ -127,54 +124,56 @@ class StageServer:
         self._outbox = Outbox()
         self._cfg = config
         StageServer.live.append(self)
-        if weights is None:
-            try:
-                self._incoming = Incoming(build_layers(self._cfg, None, torch.device(self._cfg.device)))
-            except BaseException as e:
-                traceback.print_exc()
-                self.error = describe(e)
-            return
         try:
+            if weights is None:
+                self._incoming = Incoming(build_layers(self._cfg, None, torch.device(self._cfg.device)))
+                return
             self.stage = Stage(config, weights, resume)
         except BaseException as e:
-            traceback.print_exc()
-            self.error = describe(e)
+            self.error = self._failure(e)
             return
         self._thread = threading.Thread(target=self._run, name="stage-executor", daemon=True)
         self._thread.start()
 
+    def _failure(self, e: BaseException, step: int | None = None) -> StageError:
+        """What goes back to the coordinator for `e`; its traceback goes to the worker's log."""
+        traceback.print_exception(e)
+        return StageError.of(e, self._cfg, step)
+
+    def _refusal(self, why: str) -> StageError:
+        """The build's own failure, or else `why` (a call out of order: the coordinator's bug)."""
+        return self.error or StageError.of(RuntimeError(why), self._cfg)
+
     # -- state in pieces (worker.streaming) ------------------------------------
 
-    def expect(self, entries: dict[str, tuple[str, list[int]]]) -> dict[str, Any]:
+    def expect(self, entries: dict[str, tuple[str, list[int]]]) -> StageError | None:
         """Make room for a checkpoint's tensors that are not weights (name -> (dtype, shape))."""
         return self._loading(lambda inc: inc.expect(entries))
 
-    def receive(self, pieces: list[Piece]) -> dict[str, Any]:
+    def receive(self, pieces: list[Piece]) -> StageError | None:
         """Copy pieces of the stage's tensors in."""
         return self._loading(lambda inc: inc.receive(pieces))
 
-    def _loading(self, do: Callable[[Incoming], None]) -> dict[str, Any]:
+    def _loading(self, do: Callable[[Incoming], None]) -> StageError | None:
         if self._incoming is None:
-            return {"error": self.error or "the stage has started already"}
+            return self._refusal("the stage has started already")
         try:
             do(self._incoming)
         except BaseException as e:
-            traceback.print_exc()
-            return {"error": describe(e)}
-        return {}
+            return self._failure(e)
+        return None
 
-    def start(self, json_state: dict[str, Any] | None, weights_sent: bool) -> dict[str, Any]:
+    def start(self, json_state: dict[str, Any] | None, weights_sent: bool) -> dict[str, Any] | StageError:
         """Once every piece is in: build the optimizer (with the checkpoint's state), join the data plane, start."""
         incoming, self._incoming = self._incoming, None
         if incoming is None:
-            return {"error": self.error or "the stage has started already"}
+            return self._refusal("the stage has started already")
         try:
             resume = incoming.finish(json_state, weights_sent)
             self.stage = Stage(self._cfg, incoming.layers, resume)
         except BaseException as e:
-            traceback.print_exc()
-            self.error = describe(e)
-            return {"error": self.error}
+            self.error = self._failure(e)
+            return self.error
         del incoming
         self._thread = threading.Thread(target=self._run, name="stage-executor", daemon=True)
         self._thread.start()
@@ -188,10 +187,10 @@ class StageServer:
         """Let the checkpoint copy of step `step` go (it is written, or will not be)."""
         self._outbox.drop(step)
 
-    def built(self) -> dict[str, Any]:
-        """The built stage's figures, or {"error": ...} when building failed."""
+    def built(self) -> dict[str, Any] | StageError:
+        """The built stage's figures, or the StageError building failed with."""
         if self.stage is None:
-            return {"error": self.error}
+            return self._refusal("the stage was not built")
         return {"params": sum(p.numel() for p in self.stage.layers.parameters()), "pid": os.getpid(),
                 "threads": torch.get_num_threads()}
 
@@ -199,78 +198,64 @@ class StageServer:
         """What the stage does now (Stage.activity); a stage not built is idle."""
         return self.stage.activity() if self.stage is not None else ("idle", "", 0.0)
 
-    @rpc.functions.async_execution
+    @rpc.functions.async_execution  # type: ignore[untyped-decorator]  # torch's decorator is untyped
     def run_step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
-                 snapshot: bool = False) -> torch.futures.Future:
-        """Queue one step; the returned future completes when its optimizer step is done.
+                 snapshot: bool = False) -> Answer:
+        """Queue one step; the returned future completes with its StepResult when its optimizer step is done.
 
         The coordinator sends step s+1 while step s runs, so a stage never waits
         for its inputs. With `snapshot`, the answer also carries a copy of the
-        stage's state after the step (a StageState, for a checkpoint), taken
-        before the next step starts.
+        stage's state after the step (StepResult.snapshot, for a checkpoint),
+        taken before the next step starts.
         """
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: Answer = torch.futures.Future()
         if self.stage is None:
-            fut.set_result({"error": f"the stage was not built: {self.error}"})
+            fut.set_result(self._refusal("the stage was not built"))
         else:
             self._steps.put(step, fut, (step, lr, inputs, targets, sizes, snapshot))
         return fut
 
-    @rpc.functions.async_execution
+    @rpc.functions.async_execution  # type: ignore[untyped-decorator]  # torch's decorator is untyped
     def run_eval(self, position: int, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
-                 sizes: list[int], weights: bool = False) -> torch.futures.Future:
+                 sizes: list[int], weights: bool = False) -> Answer:
         """Queue eval batch `batch` of the evaluation after `position` steps: it runs after step
         `position`-1's optimizer step and before step `position`. The future completes with the stage's
-        figures (Stage.evaluate), and with `weights`, a copy of its weights under "weights"."""
-        fut: torch.futures.Future = torch.futures.Future()
+        EvalResult (Stage.evaluate), with `weights`, a copy of its weights in EvalResult.weights."""
+        fut: Answer = torch.futures.Future()
         if self.stage is None:
-            fut.set_result({"error": f"the stage was not built: {self.error}"})
+            fut.set_result(self._refusal("the stage was not built"))
             return fut
         try:
             self._steps.put_eval(position, batch, fut, EvalArgs(batch, inputs, targets, sizes, weights))
         except ValueError as e:
-            fut.set_result({"error": describe(e)})
+            fut.set_result(self._failure(e))
         return fut
 
-    @staticmethod
-    def _answer(fut: torch.futures.Future, work: Callable[[], dict[str, Any]]) -> None:
-        """Complete `fut` with what `work` returns, or with {"error": ...} (the traceback to the log)."""
-        try:
-            fut.set_result(work())
-        except BaseException as e:
-            traceback.print_exc()
-            fut.set_result({"error": describe(e)})
-
-    def _evaluate(self, args: EvalArgs) -> dict[str, Any]:
+    def _evaluate(self, args: EvalArgs) -> EvalResult:
         assert self.stage is not None
-        r = self.stage.evaluate(args.batch, args.inputs, args.targets, args.sizes)
-        result: dict[str, Any] = {"stage": r.stage, "loss_sum": r.loss_sum, "samples": r.samples, "eval_s": r.eval_s}
+        result = self.stage.evaluate(args.batch, args.inputs, args.targets, args.sizes)
         if args.weights:
-            result["weights"] = self.stage.weights()
+            result.weights = self.stage.weights()
+        return result
+
+    def _step(self, args: StepArgs) -> StepResult:
+        assert self.stage is not None
+        step, lr, inputs, targets, sizes, snapshot = args
+        result = self.stage.step(step, lr, inputs, targets, sizes)
+        if snapshot:
+            self._snapshot(step, result)
         return result
 
     def _run(self) -> None:
-        """Runs the queued steps and eval batches one at a time, in order."""
-        assert self.stage is not None
+        """Runs the queued steps and eval batches one at a time, in order; a failure is the answer."""
         while (job := self._steps.take()) is not None:
             fut, args = job
-            if isinstance(args, EvalArgs):
-                self._answer(fut, lambda: self._evaluate(args))  # noqa: B023  # called at once
-                continue
-            step, lr, inputs, targets, sizes, snapshot = args
             try:
-                r = self.stage.step(step, lr, inputs, targets, sizes)
-                result = {**r.metrics(), "loss_sum": r.loss_sum, "grad_norm": r.grad_norm}
-                if r.loss_scale is not None:
-                    result["loss_scale"] = r.loss_scale
-                if snapshot:
-                    self._snapshot(step, result)
-                fut.set_result(result)
+                fut.set_result(self._evaluate(args) if isinstance(args, EvalArgs) else self._step(args))
             except BaseException as e:
-                traceback.print_exc()
-                fut.set_result({"error": describe(e)})
+                fut.set_result(self._failure(e, args[0] if isinstance(args, tuple) else None))
 
-    def _snapshot(self, step: int, result: dict[str, Any]) -> None:
+    def _snapshot(self, step: int, result: StepResult) -> None:
         """Copy the state out for the checkpoint after `step`, to be pulled in pieces while the next steps run.
 
         Between steps, before the next one changes anything: snapshot_s is the stall a checkpoint costs.
@@ -282,9 +267,9 @@ class StageServer:
         t1 = time.perf_counter()
         out = Outgoing(step, self.stage.snapshot(copy=False))
         self._outbox.put(out, self._cfg.step_timeout_s)
-        result["snapshot"] = out.describe()
-        result["snapshot_s"] = time.perf_counter() - t1
-        result["snapshot_wait_s"] = t1 - t0
+        result.snapshot = out.describe()
+        result.snapshot_s = time.perf_counter() - t1
+        result.snapshot_wait_s = t1 - t0
 
     def close(self) -> None:
         """Stop taking steps and close the stage's channels."""

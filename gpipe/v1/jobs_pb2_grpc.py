@@ -72,7 +72,7 @@ class JobServiceServicer:
     def SubmitJob(self, request, context):
         """Validate a job spec (YAML text) and queue it. A bad spec is INVALID_ARGUMENT
         naming the field; a name already in use is ALREADY_EXISTS. Nothing starts
-        until a worker is registered for every stage.
+        until a worker is registered for every rank (every stage of every replica).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,20 +57,20 @@ class CommandsRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class JoinAttempt(_message.Message):
-    __slots__ = ("attempt_id", "master", "stage", "stages", "start_timeout_s", "secret")
+    __slots__ = ("attempt_id", "master", "rank", "world", "start_timeout_s", "secret")
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_FIELD_NUMBER: _ClassVar[int]
-    STAGE_FIELD_NUMBER: _ClassVar[int]
-    STAGES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
     START_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     attempt_id: str
     master: str
-    stage: int
-    stages: int
+    rank: int
+    world: int
     start_timeout_s: float
     secret: str
-    def __init__(self, attempt_id: _Optional[str] = ..., master: _Optional[str] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ..., start_timeout_s: _Optional[float] = ..., secret: _Optional[str] = ...) -> None: ...
+    def __init__(self, attempt_id: _Optional[str] = ..., master: _Optional[str] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., start_timeout_s: _Optional[float] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class AbortAttempt(_message.Message):
     __slots__ = ("attempt_id",)

@@ -55,7 +55,8 @@ class WorkerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """Announce a worker daemon for one rank (its stage index). ALREADY_EXISTS
+        """Announce a worker daemon for one rank (gpipe.topology: stage rank mod
+        stages of replica rank div stages). ALREADY_EXISTS
         while a live worker (heard from within the heartbeat timeout, its command
         stream open) holds the rank: the holder and its attempt are not touched.
         """
