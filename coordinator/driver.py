@@ -435,8 +435,6 @@ class Run:
         ))
 
 
-Attempt = Run  # its former name, still imported by tests/test_stage.py (an attempt is a job's try)
-
 
 def _span(per_stage: dict[int, StepResult]) -> float:
     """A step's time as its stages measured it: the longest any of them took, from its start to its optimizer

@@ -341,7 +341,7 @@ def test_a_stage_evaluates_in_eval_mode_and_leaves_weights_buffers_and_generator
         for b in range(stream.batches):
             xs, ys, sizes = stream.micro_batches(b)
             out = stage.evaluate(b, xs, ys, sizes)
-            total, samples = total + out["loss_sum"], samples + out["samples"]
+            total, samples = total + out.loss_sum, samples + out.samples
         assert torch.equal(torch.get_rng_state(), generator)
         assert stage.layers.training
         assert max_diff(stage.layers.state_dict(), before) == 0.0

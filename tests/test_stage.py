@@ -17,6 +17,7 @@ from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.driver import stage_config
 from gpipe.coordinator.plan import Plan, make_plan
 from gpipe.coordinator.spec import parse_spec
+from gpipe.contract import Cause, StageError
 from gpipe.state import StageState
 from gpipe.topology import Topology
 from gpipe.worker.stage import Stage
@@ -120,9 +121,11 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
     cfg = asdict(stage_config(plan, 0, "cpu", "127.0.0.1", store.port))
     server = StageServer({**cfg, "model_factory": "tests.models:no_such_model"}, plan.stage_state(0))
     try:
-        error = server.built()["error"]
-        assert "no_such_model" in error and "\n" not in error
-        assert "no_such_model" in server.run_step(0, 0.1, None, None, [1]).wait()["error"]
+        error = server.built()
+        assert isinstance(error, StageError) and error.cause == Cause.IMPORT and error.stage == 0
+        assert "no_such_model" in error.line() and "\n" not in error.line()
+        answer = server.run_step(0, 0.1, None, None, [1]).wait()
+        assert isinstance(answer, StageError) and "no_such_model" in answer.line()
         assert not dist.is_initialized()
     finally:
         StageServer.close_all()
@@ -132,7 +135,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
     """Every stage waiting on a neighbour for peer_timeout_s is a partition; one computing, or idle, is not."""
     from types import SimpleNamespace
 
-    from gpipe.coordinator.driver import Attempt
+    from gpipe.coordinator.driver import Run
     from gpipe.errors import JobFailed
 
     def answering(*activities):
@@ -142,7 +145,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
             return SimpleNamespace(rpc_async=lambda timeout: SimpleNamespace(activity=lambda: fut))
         return [stage(a) for a in activities]
 
-    at = object.__new__(Attempt)
+    at = object.__new__(Run)
     at.spec = SimpleNamespace(stages=2, peer_timeout_s=20.0, topology=Topology(2))
     at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0),
                           ("waiting", "stage 0's activation of micro-batch 1", 21.0))
@@ -165,10 +168,10 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
 def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
     from types import SimpleNamespace
 
-    from gpipe.coordinator.driver import Attempt
+    from gpipe.coordinator.driver import Run
 
     store, port = net.bound_store("127.0.0.1", 10)
-    at = object.__new__(Attempt)
+    at = object.__new__(Run)
     at.spec, at.plan = SimpleNamespace(stages=2, topology=Topology(2)), SimpleNamespace(bounds=[(0, 2), (2, 4)])
     at.store_port, at.master = port, f"127.0.0.1:{port}"
     net.client_store("127.0.0.1", port, 10).set(f"{net.REACHED_KEY}0", "10.0.0.6")
