@@ -13,11 +13,11 @@ import torch.distributed as dist
 import yaml
 
 from gpipe import net
+from gpipe.contract import Cause, StageError
 from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.driver import stage_config
 from gpipe.coordinator.plan import Plan, make_plan
 from gpipe.coordinator.spec import parse_spec
-from gpipe.contract import Cause, StageError
 from gpipe.state import StageState
 from gpipe.topology import Topology
 from gpipe.worker.stage import Stage
