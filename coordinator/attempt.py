@@ -125,17 +125,12 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     import torch
 
     from gpipe.coordinator import checkpoint
-    from gpipe.coordinator.driver import (
-        EvalMetrics,
-        MetricsLog,
-        StepMetrics,
-        drive,
-        resume_parts,
-        write_plan,
-    )
+    from gpipe.coordinator.driver import drive
     from gpipe.coordinator.evaluation import BEST, Best
+    from gpipe.coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
     from gpipe.coordinator.outputs import prepare_output
     from gpipe.coordinator.plan import make_plan
+    from gpipe.coordinator.resume import resume_parts
     from gpipe.memory import map_apart, resident_peak_bytes
 
     resume = None

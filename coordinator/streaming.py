@@ -13,16 +13,13 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from gpipe import stream
 from gpipe.coordinator import checkpoint
-
-if TYPE_CHECKING:
-    from gpipe.worker.stage_server import StageServer
+from gpipe.coordinator.handle import StageHandle
 
 IN_FLIGHT = 2  # messages of state on the way to or from one stage
 
@@ -45,16 +42,16 @@ class StageSlice:
                 yield key, off, data
 
 
-def send_pieces(rref: rpc.RRef[StageServer], pieces: Iterable[stream.Piece], timeout: float,
+def send_pieces(stage: StageHandle, pieces: Iterable[stream.Piece],
                 check: Callable[[torch.futures.Future[Any]], object]) -> int:
-    """Send `pieces` to a StageServer's receive(), batched up to PIECE_BYTES a message, IN_FLIGHT at most
+    """Send `pieces` to a stage's receive(), batched up to PIECE_BYTES a message, IN_FLIGHT at most
     unanswered; `check` raises a failed answer. Returns the bytes sent."""
     futs: deque[torch.futures.Future[Any]] = deque()
     batch: list[stream.Piece] = []
     size = sent = 0
 
     def flush() -> None:
-        futs.append(rref.rpc_async(timeout=timeout).receive(batch))
+        futs.append(stage.receive(batch))
         while len(futs) >= IN_FLIGHT:
             check(futs.popleft())
 
@@ -72,7 +69,7 @@ def send_pieces(rref: rpc.RRef[StageServer], pieces: Iterable[stream.Piece], tim
     return sent
 
 
-def from_stage(rref: rpc.RRef[StageServer], desc: dict[str, Any], timeout: float) -> checkpoint.StageStream:
+def from_stage(stage: StageHandle, desc: dict[str, Any]) -> checkpoint.StageStream:
     """A stage's checkpoint copy (as its step's answer described it), pulled in pieces as the writer writes it."""
     step, count = int(desc["step"]), int(desc["pieces"])
 
@@ -82,12 +79,12 @@ def from_stage(rref: rpc.RRef[StageServer], desc: dict[str, Any], timeout: float
             ahead: deque[torch.futures.Future[torch.Tensor]] = deque()
             for i in range(count):
                 while len(ahead) < IN_FLIGHT and i + len(ahead) < count:
-                    ahead.append(rref.rpc_async(timeout=timeout).snapshot_piece(step, i + len(ahead)))
+                    ahead.append(stage.snapshot_piece(step, i + len(ahead)))
                 yield ahead.popleft().wait()
             done = True
         finally:
             if not done or count == 0:  # the last piece lets the copy go; otherwise say so
                 with contextlib.suppress(Exception):
-                    rref.rpc_async(timeout=timeout).drop_snapshot(step)
+                    stage.drop_snapshot(step)
 
     return checkpoint.StageStream(desc["header"], int(desc["data_bytes"]), desc["json_state"], pieces)

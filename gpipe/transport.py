@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -108,7 +109,8 @@ class Hub:
     def __init__(self, stages: int, replicas: int = 1, timeout: float = 300.0):
         self.stages, self.replicas, self.timeout = stages, replicas, timeout
         self._cv = threading.Condition()
-        self._boxes: dict[tuple[str, int, int], dict[int, Any]] = {}
+        # Per lane, per micro-batch: its messages in order (the next step's may come before this one's is taken).
+        self._boxes: dict[tuple[str, int, int], dict[int, deque[Any]]] = {}
         self._rounds: dict[tuple[str, int], _Round] = {}
         self._error: BaseException | None = None
 
@@ -142,13 +144,13 @@ class Hub:
 
     def _put(self, key: tuple[str, int, int], mb: int, value: Any) -> None:
         with self._cv:
-            self._boxes.setdefault(key, {})[mb] = value
+            self._boxes.setdefault(key, {}).setdefault(mb, deque()).append(value)
             self._cv.notify_all()
 
     def _take(self, key: tuple[str, int, int], mb: int, what: str, timeout: float) -> Any:
         with self._cv:
-            self._wait(lambda: mb in self._boxes.get(key, {}), what, timeout)
-            return self._boxes[key].pop(mb)
+            self._wait(lambda: bool(self._boxes.get(key, {}).get(mb)), what, timeout)
+            return self._boxes[key][mb].popleft()
 
     def _reduce(self, group: tuple[str, int], members: int, who: int, values: list[torch.Tensor | None],
                 op: Op, what: str) -> list[torch.Tensor | None]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from gpipe.builtins import mlp
 from gpipe.coordinator import balance
-from gpipe.coordinator.driver import write_plan
+from gpipe.coordinator.metrics import write_plan
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import parse_spec
 from gpipe.schedule import simulate

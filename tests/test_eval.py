@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import TensorDataset
 
 from gpipe import serde
-from gpipe.coordinator.driver import EvalMetrics
 from gpipe.coordinator.evaluation import Best
+from gpipe.coordinator.metrics import EvalMetrics
 from gpipe.evaluation import EvalSchedule
 from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests import reference

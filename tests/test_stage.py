@@ -133,50 +133,54 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
 
 def test_a_partition_between_workers_is_told_from_a_slow_stage():
     """Every stage waiting on a neighbour for peer_timeout_s is a partition; one computing, or idle, is not."""
-    from types import SimpleNamespace
-
-    from gpipe.coordinator.driver import Run
+    from gpipe.coordinator.watch import PartitionWatch
     from gpipe.errors import JobFailed
 
-    def answering(*activities):
-        def stage(a):
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(a)
-            return SimpleNamespace(rpc_async=lambda timeout: SimpleNamespace(activity=lambda: fut))
-        return [stage(a) for a in activities]
+    class Answering:  # a stage handle that answers activity() with `a`, or never
+        def __init__(self, a=None):
+            self.fut: torch.futures.Future = torch.futures.Future()
+            if a is not None:
+                self.fut.set_result(a)
 
-    at = object.__new__(Run)
-    at.spec = SimpleNamespace(stages=2, peer_timeout_s=20.0, topology=Topology(2))
-    at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0),
-                          ("waiting", "stage 0's activation of micro-batch 1", 21.0))
-    looking = at._look_for_a_partition(7, None)  # asks, and never waits for the answers
-    assert looking is not None
+        def activity(self, timeout):
+            return self.fut
+
+    def watch(*activities):
+        return PartitionWatch([Answering(a) for a in activities], Topology(2), 20.0)
+
+    w = watch(("waiting", "stage 1's gradient of micro-batch 0", 25.0), ("waiting", "stage 0's activation of micro-batch 1", 21.0))
+    w.look(7)  # asks, and never waits for the answers
+    assert w.looking is not None
     with pytest.raises(JobFailed, match="partition between workers") as failed:
-        at._look_for_a_partition(7, looking)  # the next look judges them
+        w.look(7)  # the next look judges them
     assert "stage 1 for stage 0's activation of micro-batch 1" in str(failed.value)
     for other in (("computing", "", 60.0), ("idle", "", 60.0), ("waiting", "stage 0's activation", 5.0)):
-        at.stages = answering(("waiting", "stage 1's gradient of micro-batch 0", 25.0), other)
-        assert at._look_for_a_partition(7, at._look_for_a_partition(7, None)) is None  # not a partition
+        w = watch(("waiting", "stage 1's gradient of micro-batch 0", 25.0), other)
+        w.look(7)
+        w.look(7)  # not a partition: judged, nothing raised, nothing pending
+        assert w.looking is None
 
     # A stage that has not answered yet holds up nothing: the look is kept, and asked again later.
-    pending: torch.futures.Future = torch.futures.Future()
-    at.stages = [SimpleNamespace(rpc_async=lambda timeout: SimpleNamespace(activity=lambda: pending))] * 2
-    looking = at._look_for_a_partition(7, None)
-    assert at._look_for_a_partition(7, looking) is looking
+    w = PartitionWatch([Answering(), Answering()], Topology(2), 20.0)
+    w.look(7)
+    looking = w.looking
+    w.look(7)
+    assert w.looking is looking
 
 
 def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
-    from types import SimpleNamespace
-
-    from gpipe.coordinator.driver import Run
+    from gpipe.coordinator.rpcworld import RpcWorld
 
     store, port = net.bound_store("127.0.0.1", 10)
-    at = object.__new__(Run)
-    at.spec, at.plan = SimpleNamespace(stages=2, topology=Topology(2)), SimpleNamespace(bounds=[(0, 2), (2, 4)])
-    at.store_port, at.master = port, f"127.0.0.1:{port}"
+    world = object.__new__(RpcWorld)
+    world.topology, world.store_port, world.master = Topology(2), port, f"127.0.0.1:{port}"
+
+    def name_of(rank: int) -> str:
+        return f"stage {rank} (layers {2 * rank}-{2 * rank + 1})"
+
     net.client_store("127.0.0.1", port, 10).set(f"{net.REACHED_KEY}0", "10.0.0.6")
-    why = at._who_did_not_join()
+    why = world._who_did_not_join(name_of)
     assert "stage 1 (layers 2-3) never reached the rendezvous" in why and "stage 0" not in why
     store.set(f"{net.REACHED_KEY}1", "10.0.0.7")
-    why = at._who_did_not_join()
+    why = world._who_did_not_join(name_of)
     assert "could not all connect to each other" in why and "stage 0 at 10.0.0.6, stage 1 at 10.0.0.7" in why

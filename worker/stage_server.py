@@ -30,8 +30,10 @@ import torch.distributed.rpc as rpc
 
 from gpipe.contract import EvalResult, StageConfig, StageError, StepResult
 from gpipe.evaluation import EvalSchedule
+from gpipe.rng import SharedGenerators
 from gpipe.state import StageState
 from gpipe.stream import Piece
+from gpipe.transport import Transport
 from gpipe.worker.stage import Stage, build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
@@ -105,14 +107,16 @@ class StageServer:
     live: ClassVar[list[StageServer]] = []
 
     def __init__(self, cfg: dict[str, Any], weights: dict[str, torch.Tensor] | None, first_step: int = 0,
-                 resume: StageState | None = None):
+                 resume: StageState | None = None, transport: Transport | None = None,
+                 shared_rng: SharedGenerators | None = None):
         """Build the stage (and join the stages' data plane); its steps start at `first_step`.
 
         `weights` are its parameters and buffers; `resume`, when resuming, the
         checkpoint's optimizer and RNG state. With no `weights`, only the layers
         are built now (initialised here with init per_layer): their weights and
         a checkpoint's state come in pieces (expect, receive), and start() builds
-        the rest. A failure is kept for built() or start().
+        the rest. A failure is kept for built() or start(). `transport` and `shared_rng`: a stage linked in
+        memory to stages that are threads of this process (coordinator.handle.LocalStage); c10d by default.
         """
         self.stage: Stage | None = None
         self.error: StageError | None = None
@@ -123,12 +127,13 @@ class StageServer:
         self._incoming: Incoming | None = None
         self._outbox = Outbox()
         self._cfg = config
+        self._transport, self._shared_rng = transport, shared_rng
         StageServer.live.append(self)
         try:
             if weights is None:
                 self._incoming = Incoming(build_layers(self._cfg, None, torch.device(self._cfg.device)))
                 return
-            self.stage = Stage(config, weights, resume)
+            self.stage = Stage(config, weights, resume, self._transport, shared_rng=self._shared_rng)
         except BaseException as e:
             self.error = self._failure(e)
             return
@@ -170,7 +175,7 @@ class StageServer:
             return self._refusal("the stage has started already")
         try:
             resume = incoming.finish(json_state, weights_sent)
-            self.stage = Stage(self._cfg, incoming.layers, resume)
+            self.stage = Stage(self._cfg, incoming.layers, resume, self._transport, shared_rng=self._shared_rng)
         except BaseException as e:
             self.error = self._failure(e)
             return self.error

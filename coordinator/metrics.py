@@ -1,0 +1,148 @@
+"""A step's and an evaluation's figures: out of the stages' answers, into metrics.jsonl and plan.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpipe.contract import Cause, StepResult
+from gpipe.coordinator.lr import lr_at
+from gpipe.coordinator.plan import Plan
+from gpipe.errors import JobFailed, describe_os_error
+from gpipe.files import atomic_write_json
+from gpipe.topology import Topology
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    step_time_s: float
+    samples_per_s: float
+    grad_norm: float | None
+    bubble_fraction: float  # the share of the stages' step time spent waiting
+    attempt: int = 1  # which attempt of the job ran this step (a resumed job runs some steps again)
+    loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by; null otherwise
+    skipped: bool | None = None  # fp16: an inf or nan in some stage's gradients skipped the optimizer step
+    stages: list[dict[str, Any]] = field(default_factory=list)  # every worker's, by rank
+    replicas: list[dict[str, Any]] = field(default_factory=list)  # per replica: its time, bubble and reduction wait
+
+
+@dataclass
+class EvalMetrics:
+    """An evaluation: the mean loss over its samples, after step `step` (None: weights of an unknown step)."""
+
+    step: int | None
+    eval_loss: float
+    eval_samples: int
+    eval_time_s: float
+    attempt: int = 1
+
+
+# An evaluation's metrics, and the model's weights it was taken with when asked for (keep_best).
+OnEval = Callable[[EvalMetrics, dict[str, torch.Tensor] | None], None]
+
+
+def step_metrics(plan: Plan, step: int, per_rank: dict[int, StepResult], step_time: float,
+                 attempt: int) -> StepMetrics:
+    """One step's figures out of every worker's answer (by rank)."""
+    spec, top = plan.spec, plan.spec.topology
+    last = spec.stages - 1
+    # Each replica's last stage summed its shard's losses, each weighted by its micro-batch's size.
+    loss = sum(per_rank[top.rank(r, last)].loss_sum or 0.0 for r in range(top.replicas)) / spec.data.batch_size
+    results = [per_rank[rank] for rank in top.ranks()]
+    busy = sum(s.busy_s for s in results)
+    span = sum(s.busy_s + s.idle_s for s in results)
+    scaler = per_rank[top.rank(0, last)]  # fp16: one scale for the job, the same on every rank
+    return StepMetrics(
+        step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
+        samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
+        # The global norm, the same on every stage (clipping sums it over a replica's stages).
+        grad_norm=per_rank[top.rank(0, 0)].grad_norm, bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
+        attempt=attempt, stages=[s.metrics() for s in results], replicas=replica_figures(top, results),
+        loss_scale=scaler.loss_scale, skipped=scaler.skipped,
+    )
+
+
+def step_span(per_stage: dict[int, StepResult]) -> float:
+    """A step's time as its stages measured it: the longest any of them took, from its start to its optimizer
+    step (for a step that waited behind an evaluation, which the coordinator's clock cannot tell apart)."""
+    return max(s.busy_s + s.idle_s for s in per_stage.values())
+
+
+def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, Any]]:
+    """Per replica, out of its stages' answers (by rank): its step time (its slowest stage's, the optimizer
+    step included), its stages' busy seconds, its bubble, and the longest any of its stages waited for the
+    gradient sums across replicas after its backward (reduce_s: idle, not busy)."""
+    out = []
+    for r in range(top.replicas):
+        own = [results[rank] for rank in top.replica_ranks(r)]
+        busy, span = sum(s.busy_s for s in own), sum(s.busy_s + s.idle_s for s in own)
+        out.append({"replica": r, "step_time_s": max(s.busy_s + s.idle_s for s in own), "busy_s": busy,
+                    "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0,
+                    "reduce_s": max(s.reduce_s or 0.0 for s in own)})
+    return out
+
+
+def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
+    """plan.json: the balance, what it was chosen by, where each stage runs (replica 0's copy), and every
+    worker by rank: its replica, stage and placement (`placement`, by rank)."""
+    spec, top = plan.spec, plan.spec.topology
+    atomic_write_json(out / "plan.json", {
+        "balance": plan.balance,
+        "balance_by": plan.balance_by,
+        "layer_costs": plan.balance_costs,
+        "replicas": spec.replicas,
+        "stages": [
+            {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
+             **placement[k]}
+            for k, b in enumerate(plan.bounds)
+        ],
+        "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n), **placement[n]}
+                    for n in top.ranks()],
+        "spec": spec.model_dump(mode="json"),
+    })
+
+
+class MetricsLog:
+    """Appends every `log_every`-th step (and the last) to metrics.jsonl, a line at a time."""
+
+    def __init__(self, out: Path, log_every: int, steps: int):
+        self.path = out / "metrics.jsonl"
+        self.f = open(self.path, "a+")
+        self.f.seek(0, os.SEEK_END)
+        if self.f.tell():
+            self.f.seek(self.f.tell() - 1)
+            if self.f.read(1) != "\n":  # a line cut short by a killed attempt: end it
+                self.f.write("\n")
+        self.log_every, self.steps = log_every, steps
+
+    def write(self, m: StepMetrics) -> bool:
+        if m.step % self.log_every and m.step != self.steps - 1:
+            return False
+        self._line(asdict(m))
+        return True
+
+    def write_eval(self, m: EvalMetrics) -> None:
+        """Every evaluation gets its line: {"step", "eval_loss", "eval_samples", "eval_time_s", "attempt"}."""
+        self._line(asdict(m))
+
+    def _line(self, values: dict[str, Any]) -> None:
+        try:
+            self.f.write(json.dumps(values) + "\n")
+            self.f.flush()
+        except OSError as e:  # a full disk: name the file
+            raise JobFailed(f"metrics: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",
+                            cause=Cause.DISK) from None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a write that failed already said so
+            self.f.close()

@@ -1,0 +1,121 @@
+"""The driver over stage handles in this process (coordinator.handle.local_stages): its loop, in seconds.
+
+The same Run that drives worker processes over torch RPC drives stage servers
+on threads of this process, linked in memory: the steps sent ahead, the
+metrics, the checkpoints pulled in pieces and written, evaluation between
+steps, a resume from a checkpoint with another balance. The weights equal one
+device's (tests/reference.py). tests/test_transparency.py and the service
+tests drive the same code over real processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gpipe.contract import Cause
+from gpipe.coordinator import checkpoint
+from gpipe.coordinator.driver import Run
+from gpipe.coordinator.handle import local_stages
+from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
+from gpipe.coordinator.plan import Plan, make_plan
+from gpipe.coordinator.spec import parse_spec
+from gpipe.errors import JobFailed
+from gpipe.worker.stage_server import StageServer
+from tests import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+REGRESSION = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}
+
+
+def job(**kw) -> dict:
+    spec = {
+        "name": "d", "seed": 3, "stages": 3, "balance": [2, 3, 2], "chunks": 3,
+        "model": {"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 2}},
+        "data": {**REGRESSION, "batch_size": 9}, "loss": "mse", "optimizer": {"name": "adam", "lr": 0.01},
+        "clip_grad_norm": 0.5, "steps": 4, "schedule": "1f1b", "activation_checkpoint": "except_last",
+        "start_timeout_s": 30, "step_timeout_s": 30,
+    }
+    return spec | kw
+
+
+def plan_of(spec: dict) -> Plan:
+    return make_plan(parse_spec(yaml.safe_dump(spec)), ROOT)
+
+
+@pytest.fixture(autouse=True)
+def close_stages():
+    yield
+    StageServer.close_all()
+
+
+def drive(plan: Plan, out: Path, resume: checkpoint.Loaded | None = None,
+          **kw: object) -> tuple[list[StepMetrics], list[EvalMetrics]]:
+    """One attempt of `plan` over local stages, its checkpoints written under `out`; the step and eval metrics."""
+    steps: list[StepMetrics] = []
+    evals: list[EvalMetrics] = []
+    run = Run(plan, steps.append, on_eval=lambda m, w: evals.append(m), **kw)  # type: ignore[arg-type]
+    writer = checkpoint.Writer(checkpoint.folder(out), plan.spec.keep_checkpoints, lambda *a: None)
+    first = resume.step if resume is not None else 0
+    run.build(local_stages(plan, first), resume)
+    run.train(first, writer.submit)
+    writer.close()
+    return steps, evals
+
+
+def model_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    """The whole model's weights in the checkpoint after `step` steps (verified)."""
+    return checkpoint.load(checkpoint.step_dir(checkpoint.folder(out), step)).model_state()
+
+
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want)
+    return max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+
+
+def test_the_driver_over_local_stages_trains_as_one_device(tmp_path):
+    spec = job(checkpoint_every=2)
+    steps, _ = drive(plan_of(spec), tmp_path)
+    assert [m.step for m in steps] == [0, 1, 2, 3]
+    assert all(m.loss > 0 and m.step_time_s > 0 and 0 <= m.bubble_fraction < 1 for m in steps)
+    assert all(m.grad_norm is not None for m in steps)  # clipping took the norm over the three stages
+    assert [[s["stage"] for s in m.stages] for m in steps] == [[0, 1, 2]] * 4
+    # Every stage ran 3 forwards and 3 backwards a step, on the timeline.
+    assert all(sorted(a for a, *_ in s["timeline"]) == ["B"] * 3 + ["F"] * 3 for m in steps for s in m.stages)
+    assert sorted(p.name for p in checkpoint.folder(tmp_path).iterdir() if p.name.startswith("step-")) == \
+        ["step-2", "step-4"]
+    assert worst(model_weights(tmp_path, 4), reference.train(spec)) <= 1e-5
+
+
+def test_a_resume_with_another_balance_and_replicas_ends_as_uninterrupted(tmp_path):
+    spec = job(checkpoint_every=2)
+    drive(plan_of({**spec, "steps": 2}), tmp_path / "a")
+    ck = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "a"), 2))
+    resumed = {**spec, "stages": 2, "balance": [4, 3]}  # the same micro-batches, cut elsewhere
+    steps, _ = drive(plan_of(resumed), tmp_path / "b", resume=ck)
+    assert [m.step for m in steps] == [2, 3]
+    assert worst(model_weights(tmp_path / "b", 4), reference.train(spec)) <= 1e-5
+
+
+def test_evaluation_runs_between_the_steps_and_equals_one_device(tmp_path):
+    held_out = {"factory": "random_regression", "args": {"n": 10, "in_features": 16, "out_features": 16, "seed": 9},
+                "batch_size": 4}
+    spec = job(eval={"data": held_out, "every": 2})
+    steps, evals = drive(plan_of(spec), tmp_path)
+    assert [m.step for m in evals] == [1, 3]
+    want, n = reference.evaluate(spec, reference.train({**spec, "steps": 2}), [2, 3, 2])
+    assert evals[0].eval_samples == n == 10 and abs(evals[0].eval_loss - want) < 1e-5
+
+
+def test_a_stage_that_raises_fails_the_run_naming_it_with_its_fields(tmp_path):
+    # FailAfter (layer 2, on stage 1) raises on its 4th forward: step 1's first (3 micro-batches a step).
+    spec = job(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 4}}, balance=[1, 2, 1],
+               clip_grad_norm=None, activation_checkpoint="never")
+    with pytest.raises(JobFailed) as failed:
+        drive(plan_of(spec), tmp_path)
+    e = failed.value.error
+    assert e is not None and e.cause is Cause.RAISED and e.stage == 1 and e.step == 1
+    assert "stage 1 (layers 1-2) failed at step 1: ValueError: boom after 4 forwards" in str(failed.value)
