@@ -2,9 +2,9 @@
 
 Started ahead of its attempt by its agent (gpipe.worker.agent), it imports
 torch and what building a stage needs, then waits for one line of JSON on
-stdin saying which attempt to join: {"stage", "stages", "master", "host",
+stdin saying which attempt to join: {"rank", "world", "master", "host",
 "start_timeout_s", "log", "secret"}. So a join costs no import time. With arguments, it
-joins at once (`python -m gpipe.worker --stage K --stages P --master H:P --host H`).
+joins at once (`python -m gpipe.worker --rank N --world W --master H:P --host H`).
 """
 
 import json
@@ -29,5 +29,5 @@ fd = os.open(j["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)
-proc.exit_now(main(["--stage", str(j["stage"]), "--stages", str(j["stages"]), "--master", j["master"],
+proc.exit_now(main(["--rank", str(j["rank"]), "--world", str(j["world"]), "--master", j["master"],
                     "--host", j["host"], "--start-timeout", str(j["start_timeout_s"])], secret=j["secret"]))

@@ -61,7 +61,7 @@ class Agent:
         await self._kill(self.child)
         log.parent.mkdir(parents=True, exist_ok=True)
         # Over the child's stdin: the secret never goes on a command line.
-        line = json.dumps({"stage": j.rank, "stages": j.world, "master": j.master, "host": self.host,
+        line = json.dumps({"rank": j.rank, "world": j.world, "master": j.master, "host": self.host,
                            "start_timeout_s": j.start_timeout_s, "log": str(log), "secret": j.secret}) + "\n"
         child = None
         for _ in range(2):  # a spare that died meanwhile is replaced once

@@ -6,7 +6,7 @@ between stages go over the stage's own channels. The process lives for one
 attempt only: a failed attempt's processes are killed, never reused, since an
 RPC world or a communicator that saw a failure cannot be trusted again.
 
-    GPIPE_ATTEMPT_SECRET=... python -m gpipe.worker --stage N --stages W --master HOST:PORT --host HOST
+    GPIPE_ATTEMPT_SECRET=... python -m gpipe.worker --rank N --world W --master HOST:PORT --host HOST
 
 where N is the worker's rank and W the attempt's workers (replicas x stages:
 which stage of which replica rank N serves is gpipe.topology's, told to the
@@ -39,8 +39,8 @@ SECRET_ENV = "GPIPE_ATTEMPT_SECRET"
 def main(argv: list[str] | None = None, secret: str | None = None) -> int:
     """Join the attempt, serve the stage, leave; `secret` is the attempt's (default: env GPIPE_ATTEMPT_SECRET)."""
     p = argparse.ArgumentParser(prog="python -m gpipe.worker")
-    p.add_argument("--stage", type=int, required=True, help="this worker's rank in the attempt")
-    p.add_argument("--stages", type=int, required=True, help="the attempt's workers (replicas x stages)")
+    p.add_argument("--rank", type=int, required=True, help="this worker's rank in the attempt")
+    p.add_argument("--world", type=int, required=True, help="the attempt's workers (replicas x stages)")
     p.add_argument("--master", required=True, help="the coordinator's rendezvous HOST:PORT")
     p.add_argument("--host", required=True, help="the address this process listens on")
     p.add_argument("--start-timeout", type=float, default=120.0)
@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None, secret: str | None = None) -> int:
     # Say that this worker reached the rendezvous, and from where: if the RPC world does not form, the
     # coordinator can tell a worker that never got here from workers that cannot reach each other.
     host, _, port = a.master.rpartition(":")
-    net.client_store(host, int(port), a.start_timeout).set(f"{net.REACHED_KEY}{a.stage}", a.host)
+    net.client_store(host, int(port), a.start_timeout).set(f"{net.REACHED_KEY}{a.rank}", a.host)
     opts = net.rpc_options(a.master, a.start_timeout)
     rpc.init_rpc(  # type: ignore[no-untyped-call]  # unannotated in torch
-        rpc_name(a.stage), rank=a.stage + 1, world_size=a.stages + 1, rpc_backend_options=opts)
+        rpc_name(a.rank), rank=a.rank + 1, world_size=a.world + 1, rpc_backend_options=opts)
     rpc.shutdown()  # waits until the coordinator is done with every stage
     StageServer.close_all()
     if dist.is_initialized():
