@@ -148,6 +148,33 @@ def test_cli_bad_invocations(cli, args, message):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
+    from gpipe.coordinator import local_run
+
+    monkeypatch.setattr(local_run.os, "sched_getaffinity", lambda pid: {0, 1})
+    three = parse_spec(spec_with(stages=3, chunks=2, balance=[2, 1, 1]))
+    assert local_run.worker_cores(three) == [[0], [1], [0]]
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and warned[0].startswith("warning: 3 workers (1 replica(s) x 3 stage(s)) share "
+                                                     "this machine's 2 CPU core(s)"), warned
+    assert local_run.worker_cores(three, oversubscribe=True) == [[0], [1], [0]]
+    assert local_run.worker_cores(parse_spec(GOOD)) == [[0], [1]]  # enough cores: each its own, no line
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cuda_job_with_fewer_gpus_than_workers_is_refused_unless_oversubscribe(monkeypatch):
+    import torch
+
+    from gpipe.coordinator import local_run
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = parse_spec(spec_with(device="cuda"))
+    with pytest.raises(SpecError) as e:
+        local_run.worker_cores(cuda)
+    assert str(e.value).startswith("replicas: 2 workers (1 replica(s) x 2 stage(s))") and "1 GPU(s)" in str(e.value)
+    assert len(local_run.worker_cores(cuda, oversubscribe=True)) == 2
+
+
 def test_validate(cli):
     path = cli.write(__import__("yaml").safe_load(GOOD))
     r = cli.run("validate", str(path), timeout=60)
