@@ -148,6 +148,15 @@ def test_cli_bad_invocations(cli, args, message):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_per_layer_turns_the_probe_off_unless_told_and_probe_true_is_refused():
+    assert parse_spec(GOOD).probe is True  # init exact: the probe runs by default
+    assert parse_spec(spec_with(init="per_layer")).probe is False  # it could not run: off, not refused
+    assert parse_spec(spec_with(init="per_layer", probe=False)).probe is False
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(init="per_layer", probe=True))
+    assert str(e.value).startswith("probe: init per_layer never builds the whole model"), e.value
+
+
 def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
     from gpipe.coordinator import local_run
 
