@@ -31,6 +31,20 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads in this process set to `n` for a while: a one-device reference computed with
+    the stages' thread count sums in their order (MKL and OpenMP split a reduction by the threads they get)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def wait_for(cond, timeout: float, what: str, every: float = 0.05) -> None:
     """Poll `cond` until it holds; fail the test naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -25,7 +25,7 @@ from gpipe.coordinator.evaluation import Best
 from gpipe.evaluation import EvalSchedule
 from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests import reference
-from tests.conftest import Cli, end_leftovers
+from tests.conftest import Cli, end_leftovers, torch_threads
 from tests.test_service import Service
 from tests.test_service import job as service_job
 from tests.test_stage import attempt_secret, built, plan_of  # noqa: F401  # attempt_secret: a fixture
@@ -51,6 +51,20 @@ def job(**kw) -> dict:
     return spec
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The one-device references here sum with one thread, as the stages do (`pinned`): with 2 threads
+    the diverging LR made 1.9e-5 of the last bit's difference in the weights."""
+    with torch_threads(1):
+        yield
+
+
+def pinned(c: Cli) -> Cli:
+    """`c` with its stages on one intra-op thread each, whatever this machine's cores (OMP_NUM_THREADS)."""
+    c.env["OMP_NUM_THREADS"] = "1"
+    return c
+
+
 def max_diff(got: dict, want: dict) -> float:
     assert set(got) == set(want)
     return max((got[k].double() - want[k].double()).abs().max().item() for k in want)
@@ -66,7 +80,7 @@ def one_device_eval(spec: dict, steps: int) -> tuple[float, int]:
 
 def run_evals(cli: Cli, spec: dict) -> list[dict]:
     """Run `spec` to its end; its eval lines."""
-    cli.write(spec)
+    pinned(cli).write(spec)
     r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
@@ -84,7 +98,7 @@ def runs(tmp_path_factory):
     """The same job trained with evaluation (and keep_best) and without: {"eval": Cli, "plain": Cli}."""
     out = {}
     for name, spec in (("eval", job()), ("plain", job(eval=None, keep_best=False))):
-        c = Cli(tmp_path_factory.mktemp(name))
+        c = pinned(Cli(tmp_path_factory.mktemp(name)))
         spec = {k: v for k, v in spec.items() if v is not None and not (k == "keep_best" and not v)}
         c.write(spec)
         r = c.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
@@ -140,7 +154,7 @@ def test_keep_best_keeps_the_lowest_eval_loss_with_its_step(runs):
 
 def test_a_resumed_job_does_not_regress_its_best(runs, tmp_path):
     """Resumed with more steps: the next evaluations are worse than step 2's, so the best stays."""
-    c = Cli(tmp_path)
+    c = pinned(Cli(tmp_path))
     shutil.copytree(runs["eval"].tmp / "st", tmp_path / "st")
     c.write(job(steps=STEPS + 1))
     try:
