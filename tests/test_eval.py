@@ -109,15 +109,14 @@ def runs(tmp_path_factory):
     return out
 
 
-pytestmark = pytest.mark.multiprocess
-
-
+@pytest.mark.multiprocess
 def test_eval_loss_after_every_step_equals_one_device_evaluation(runs):
     evals = [m for m in lines(runs["eval"].tmp / "st" / "e") if "eval_loss" in m]
     assert [m["step"] for m in evals] == list(range(STEPS)) and evals[0]["eval_samples"] == 30
     assert_one_device(job(), evals)
 
 
+@pytest.mark.multiprocess
 def test_evaluation_changes_nothing_of_training(runs):
     with_eval = load_file(runs["eval"].tmp / "st" / "e" / "model.safetensors")
     without = load_file(runs["plain"].tmp / "st" / "e" / "model.safetensors")
@@ -140,6 +139,7 @@ def test_evaluation_changes_nothing_of_training(runs):
     assert trained == [m["loss"] for m in steps]
 
 
+@pytest.mark.multiprocess
 def test_keep_best_keeps_the_lowest_eval_loss_with_its_step(runs):
     out = runs["eval"].tmp / "st" / "e"
     evals = [m for m in lines(out) if "eval_loss" in m]
@@ -152,6 +152,7 @@ def test_keep_best_keeps_the_lowest_eval_loss_with_its_step(runs):
     assert max_diff(load_file(out / "best" / "model.safetensors"), reference.train(job(steps=3))) < 1e-5
 
 
+@pytest.mark.multiprocess
 def test_a_resumed_job_does_not_regress_its_best(runs, tmp_path):
     """Resumed with more steps: the next evaluations are worse than step 2's, so the best stays."""
     c = pinned(Cli(tmp_path))
@@ -168,6 +169,7 @@ def test_a_resumed_job_does_not_regress_its_best(runs, tmp_path):
     assert json.loads((out / "best" / "best.json").read_text())["step"] == 2
 
 
+@pytest.mark.multiprocess
 def test_the_eval_verb_evaluates_the_finished_weights_and_the_best(runs):
     c = runs["eval"]
     out = c.tmp / "st" / "e"
@@ -186,6 +188,7 @@ def test_the_eval_verb_evaluates_the_finished_weights_and_the_best(runs):
     assert not end_leftovers(c)
 
 
+@pytest.mark.multiprocess
 def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     spec = job(deferred_batch_norm=True, steps=2, keep_best=False, schedule="gpipe", activation_checkpoint="never",
                eval={"data": {**HELD_OUT, "batch_size": 7}, "every": 2, "batches": 3})
@@ -194,6 +197,7 @@ def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     assert_one_device(spec, evals)
 
 
+@pytest.mark.multiprocess
 def test_bf16_evaluation_runs_under_the_training_autocast(cli):
     """precision: bf16 evaluates under autocast too: the eval loss of the final weights equals one-device
     autocast evaluation of them (rounded at the same cut) to within 1e-3, and differs from float32's."""
@@ -208,6 +212,7 @@ def test_bf16_evaluation_runs_under_the_training_autocast(cli):
     assert abs(evals[-1]["eval_loss"] - fp32) > abs(evals[-1]["eval_loss"] - want)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
@@ -223,6 +228,7 @@ def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
     assert max_diff(with_eval, without) < 1e-6  # CUDA kernels may differ in the last bit between runs
 
 
+@pytest.mark.multiprocess
 def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_device(cli):
     """Eval micro-batches travel on the activation and skip channels (int64 tensors among them), past a stage."""
     data = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}
@@ -234,6 +240,7 @@ def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_dev
     assert_one_device(spec, evals)
 
 
+@pytest.mark.multiprocess
 def test_serve_shows_and_streams_the_eval_loss_and_keeps_it_across_a_restart(cli):
     """submit --follow shows each evaluation; status shows the latest; logs streams the eval lines, also
     once serve restarted and reads them back from metrics.jsonl."""
@@ -273,6 +280,7 @@ def inputs_only(n: int = 8) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("change", "field"), [
     ({"eval": {"data": {"factory": "tests.test_eval:inputs_only", "batch_size": 4}, "every": 1}}, "eval.data"),
     ({"eval": {"data": HELD_OUT, "every": 1, "batches": 5}}, "eval.batches"),
@@ -293,6 +301,7 @@ def test_a_bad_eval_section_is_one_line_naming_the_field(cli, change, field):
     assert not (cli.tmp / "st").exists()
 
 
+@pytest.mark.multiprocess
 def test_the_eval_verb_refuses_bad_input_with_exit_2(cli):
     cli.write({k: v for k, v in job(eval=None, keep_best=False).items() if v is not None}, "plain.yaml")
     cli.write(job())
@@ -393,6 +402,7 @@ def test_eval_lines_cross_the_wire_and_the_job_record():
     assert serde.JobRecord.from_json(json.loads(json.dumps(job.to_json()))) == job
 
 
+@pytest.mark.multiprocess
 def test_the_progress_line_shows_the_latest_eval_loss():
     code = (
         "from gpipe.coordinator.progress import Follower, Progress\n"

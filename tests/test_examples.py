@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.multiprocess
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.multiprocess
 def test_charlm_ddp_trains_evaluates_keeps_the_best_and_the_eval_verb_scores_it(cli):
     """examples/charlm-ddp.yaml, small: 2 replicas x 2 stages, bf16, evaluation and keep_best. The job's
     module (charlm.py) is found next to its spec only, not in the folder the command runs from."""
@@ -46,6 +45,7 @@ def test_charlm_ddp_trains_evaluates_keeps_the_best_and_the_eval_verb_scores_it(
     assert scored["loss"] == pytest.approx(best["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_the_demo_runs_on_one_core_with_one_warning_line(cli):
     """`make demo` (examples/charlm.yaml: 2 stages), small, on a machine with one core: its 2 workers share
     the core, and `run` says so in one warning line (tests.test_spec: --oversubscribe silences it)."""

@@ -26,8 +26,6 @@ from tests import reference
 from tests.conftest import tagged_pids, wait_for
 from tests.test_failures import _worker_pid
 
-pytestmark = pytest.mark.multiprocess
-
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
 
 
@@ -74,6 +72,7 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(cli, victim):
     seed = random.randrange(1 << 30)
@@ -107,6 +106,7 @@ def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(c
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", ["stage 1's worker", "the coordinator's attempt process"])
 def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
     # Wide layers, so a checkpoint takes long enough on disk to be caught in the middle of its save.
@@ -183,6 +183,7 @@ def damage_manifest(d: Path) -> None:
     (d / checkpoint.MANIFEST).unlink()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("damage,why", [
     (damage_truncate, "stage-1.safetensors has 12844 bytes, the manifest says 12944 (truncated?)"),
     (damage_flip, "stage-0.safetensors: sha256 does not match the manifest (the file is damaged)"),
@@ -209,6 +210,7 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_previous_one(cli, finished,
     checkpoint.verify(ckpts / "step-10")  # written again, whole
 
 
+@pytest.mark.multiprocess
 def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
@@ -221,6 +223,7 @@ def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     # Each attempt fails 7 forwards (3 steps of 2 micro-batches, and one) after its start: step 3, then 6.
     s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
@@ -235,6 +238,7 @@ def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
     s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
              max_restarts=3, steps=10)
@@ -245,6 +249,7 @@ def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
     assert "failed at step 3" in last and "same error at the same step twice" in last, last
 
 
+@pytest.mark.multiprocess
 def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
     # The plan imports the model on the coordinator's side; the stages import it again where they run.
     (cli.tmp / "vanishing.py").write_text(
@@ -260,6 +265,7 @@ def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
     assert "not on this host" in last and "cannot import the job's code" in last, last
 
 
+@pytest.mark.multiprocess
 def test_a_killed_run_resumes_with_run_resume(cli):
     s = spec(steps=24)
     path = cli.write(s)
@@ -278,6 +284,7 @@ def test_a_killed_run_resumes_with_run_resume(cli):
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("balance", [[1, 2, 1], [3, 1]])
 def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished, balance):
     # The same job (2 stages, [2, 2]) resumed on another balance, for 4 more steps: the names in a checkpoint
@@ -296,6 +303,7 @@ def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished, balan
     assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_nothing_changes(cli, finished):
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")

@@ -25,8 +25,6 @@ from tests import reference
 from tests.conftest import ROOT, Cli, end_leftovers
 from tests.test_failures import _worker_pid
 
-pytestmark = pytest.mark.multiprocess
-
 TOKEN = "s3cret-token"
 WORKER_TOKEN = "w0rker-token"
 
@@ -162,6 +160,7 @@ def shared(tmp_path_factory):
     assert not left, f"processes left behind: {left}"
 
 
+@pytest.mark.multiprocess
 def test_submit_follow_trains_the_same_weights_as_one_device(shared):
     spec = job("svc", chunks=4, schedule="1f1b")
     r = shared.client("submit", str(shared.cli.write(spec)), "--follow")
@@ -180,6 +179,7 @@ def test_submit_follow_trains_the_same_weights_as_one_device(shared):
     assert [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.multiprocess
 async def test_watch_streams_every_step_and_health_is_serving(shared):
     shared.client("submit", str(shared.cli.write(job("watched", steps=6))))
     async with grpc.aio.insecure_channel(shared.address) as ch:
@@ -192,6 +192,7 @@ async def test_watch_streams_every_step_and_health_is_serving(shared):
     assert states == ["PENDING", "RUNNING", "SUCCEEDED"]
 
 
+@pytest.mark.multiprocess
 def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(shared):
     bad = shared.cli.write(job("bad", balance=[1, 1]), "bad.yaml")
     r = shared.client("submit", str(bad), "--follow")
@@ -212,6 +213,7 @@ def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(shared):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "'nosuchjob'" in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(shared):
     path = shared.cli.write(job("long", model=SLOW, steps=1000))
     with shared.cli.running("submit", str(path), "--follow", "--coordinator", shared.address) as follower:
@@ -229,6 +231,7 @@ def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(shared):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.multiprocess
 def test_a_killed_worker_fails_the_running_job_naming_its_rank(service):
     path = service.cli.write(job("victim", model=SLOW, steps=1000, max_restarts=0))
     with service.cli.running("submit", str(path), "--follow", "--coordinator", service.address) as follower:
@@ -251,6 +254,7 @@ def run_worker(cli, *args: str, timeout: float = 60) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiprocess
 def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
     s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
     try:
@@ -274,6 +278,7 @@ def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
         s.stop_all()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("only", ["client", "worker"])
 def test_a_serve_with_one_token_closes_the_service_that_has_none(cli, only):
     s = Service(cli, token=TOKEN if only == "client" else None,
@@ -292,6 +297,7 @@ def test_a_serve_with_one_token_closes_the_service_that_has_none(cli, only):
         s.stop_all()
 
 
+@pytest.mark.multiprocess
 def test_one_token_for_both_services_is_refused(cli):
     (cli.tmp / "t").write_text(TOKEN)
     r = cli.run("serve", "--port", str(free_port()), "--state-dir", str(cli.tmp / "state"),
@@ -299,6 +305,7 @@ def test_one_token_for_both_services_is_refused(cli):
     assert r.returncode == 2 and "tokens must differ" in r.stderr and not (cli.tmp / "state").exists()
 
 
+@pytest.mark.multiprocess
 def test_an_unreachable_coordinator_is_one_clear_line(cli):
     r = cli.run("list", "--coordinator", f"127.0.0.1:{free_port()}", timeout=60)
     assert r.returncode == 1
@@ -306,6 +313,7 @@ def test_an_unreachable_coordinator_is_one_clear_line(cli):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_worker_flags(cli):
     env = {k: v for k, v in cli.env.items() if k not in ("RANK", "GPIPE_COORDINATOR")}
     run = lambda *a: subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
@@ -324,6 +332,7 @@ def test_worker_flags(cli):
     assert r.returncode == 2 and "no network interface on this machine has address 192.0.2.1" in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_tls_with_a_token(cli):
     import shutil
 
@@ -363,6 +372,7 @@ def submit_running(s: Service, name: str, after: int, **kw) -> Path:
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_coordinator_killed_mid_run_lists_past_jobs_and_resumes_from_its_checkpoint(service):
     assert service.client("submit", str(service.cli.write(job("before"), "before.yaml")), "--follow").returncode == 0
     spec = job("survivor", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
@@ -389,6 +399,7 @@ def test_a_coordinator_killed_mid_run_lists_past_jobs_and_resumes_from_its_check
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_a_lost_worker_that_comes_back_resumes_the_job_to_the_same_weights(service):
     rank = random.randrange(2)
     at = random.randrange(3, 15)
@@ -418,6 +429,7 @@ def test_a_lost_worker_that_comes_back_resumes_the_job_to_the_same_weights(servi
     print(f"the job was RESTARTING {detected:.2f}s after the SIGKILL (status polled)")
 
 
+@pytest.mark.multiprocess
 def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(service):
     spec = job("paused", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
                steps=24, checkpoint_every=3, restart_timeout_s=3)
@@ -446,6 +458,7 @@ def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(service):
     assert r.returncode == 2 and "only a FAILED or STOPPED job can be resumed" in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_when_it_is_back(service):
     # SIGSTOP freezes the daemon and its attempt process: to the coordinator, a worker cut off from the network.
     out = submit_running(service, "partition", 6, steps=24, checkpoint_every=4)
@@ -473,6 +486,7 @@ def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_wh
     print(f"a frozen worker was dropped and its job RESTARTING {detected:.1f}s later")
 
 
+@pytest.mark.multiprocess
 def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_port(cli):
     s = Service(cli)
     try:
@@ -501,6 +515,7 @@ def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_p
         s.stop_all()
 
 
+@pytest.mark.multiprocess
 def test_serve_without_tokens_stays_on_this_machine_unless_told(cli):
     from gpipe import net
 
@@ -530,6 +545,7 @@ def sigterm(s: Service, key: str) -> tuple[int, float]:
     return code, time.monotonic() - t0
 
 
+@pytest.mark.multiprocess
 def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     out = submit_running(service, "term", 3, steps=400, checkpoint_every=5)
     with service.cli.running("logs", "term", "--follow", "--coordinator", service.address) as follower:
@@ -554,6 +570,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     print(f"an idle worker: exit {code} {took:.2f}s after SIGTERM")
 
 
+@pytest.mark.multiprocess
 def test_a_rogue_registration_for_a_live_rank_is_refused_and_the_job_runs_on(service):
     out = submit_running(service, "guarded", 3, steps=60)
     # A second daemon for rank 0, on this very host: refused, and it keeps trying.

@@ -127,6 +127,7 @@ def test_checks_that_need_the_model(changes, message, tmp_path):
     assert str(e.value).startswith(message), str(e.value)
 
 
+@pytest.mark.multiprocess
 def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     path = cli.write(__import__("yaml").safe_load(spec_with(balance=[1, 1])))
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), timeout=60)
@@ -136,6 +137,7 @@ def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     assert not (cli.tmp / "state").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args,message", [
     (["run", "missing.yaml"], "error: missing.yaml: cannot read job file"),
     (["run"], "error: the following arguments are required: job"),
@@ -184,6 +186,7 @@ def test_a_cuda_job_with_fewer_gpus_than_workers_is_refused_unless_oversubscribe
     assert len(local_run.worker_cores(cuda, oversubscribe=True)) == 2
 
 
+@pytest.mark.multiprocess
 def test_validate(cli):
     path = cli.write(__import__("yaml").safe_load(GOOD))
     r = cli.run("validate", str(path), timeout=60)
@@ -194,6 +197,7 @@ def test_validate(cli):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.multiprocess
 def test_validate_bounds_the_memory_a_model_may_take(cli):
     d = __import__("yaml").safe_load(GOOD)
     d["model"] = {"factory": "mlp", "args": {"width": 16384, "depth": 3}}  # 3 GiB of weights
@@ -391,6 +395,7 @@ def test_load_spec_reads_at_most_the_limit(tmp_path):
         load_spec(latin1)
 
 
+@pytest.mark.multiprocess
 def test_cli_refuses_a_huge_number(cli):
     path = cli.tmp / "job.yaml"
     path.write_text(GOOD.replace("steps: 2", "steps: 1000000000000000000000000000000"))
