@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import TensorDataset
@@ -22,6 +23,9 @@ from torch.utils.data import TensorDataset
 from gpipe import serde
 from gpipe.coordinator.driver import EvalMetrics
 from gpipe.coordinator.evaluation import Best
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
+from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
 from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests import reference
@@ -280,21 +284,30 @@ def inputs_only(n: int = 8) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("change", "field"), [
+BAD_EVAL = [
     ({"eval": {"data": {"factory": "tests.test_eval:inputs_only", "batch_size": 4}, "every": 1}}, "eval.data"),
     ({"eval": {"data": HELD_OUT, "every": 1, "batches": 5}}, "eval.batches"),
     ({"eval": {"data": {**HELD_OUT, "args": {**HELD_OUT["args"], "in_features": 5}}, "every": 1}}, "eval.data"),
     ({"eval": {"data": {**HELD_OUT, "batch_size": 0}, "every": 1}}, "eval.data.batch_size"),
     ({"eval": {"data": HELD_OUT, "every": 0}}, "eval.every"),
     ({"eval": None, "keep_best": True}, "keep_best"),
-])
-def test_a_bad_eval_section_is_one_line_naming_the_field(cli, change, field):
+]
+
+
+@pytest.mark.parametrize(("change", "field"), BAD_EVAL)
+def test_a_bad_eval_section_is_refused_naming_the_field(tmp_path, change, field):
+    """What validate and run check before anything starts: the spec, then the plan (its model and data)."""
     spec = {k: v for k, v in job(**change).items() if v is not None}
-    cli.write(spec)
-    # run checks as validate does (the same plan, before any worker starts): run once is enough
-    runs = [("validate", "job.yaml")] + ([("run", "job.yaml", "--state-dir", "st")] if field == "eval.data" else [])
-    for args in runs:
+    with pytest.raises(SpecError) as e:
+        make_plan(parse_spec(yaml.safe_dump(spec)), tmp_path)
+    assert str(e.value).startswith(field), e.value
+
+
+@pytest.mark.multiprocess
+def test_a_bad_eval_section_is_one_line_and_exit_2_from_validate_and_run_and_nothing_starts(cli):
+    change, field = BAD_EVAL[0]  # the data set's items have no targets: found by the plan, not the spec
+    cli.write({k: v for k, v in job(**change).items() if v is not None})
+    for args in (("validate", "job.yaml"), ("run", "job.yaml", "--state-dir", "st")):
         r = cli.run(*args)
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
