@@ -254,7 +254,7 @@ def _ends_by_itself(p, timeout: float) -> str:
 @pytest.mark.parametrize("mode", ["garbage", "close", "store"])
 def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mode):
     """Mid-run, every port of the attempt gets garbage or a connect-and-close; or the store gets requests."""
-    path = cli.write(spec())
+    path = cli.write(spec(steps=60))  # hit after 3 steps: the rest is for a restart to finish, or none
     out = cli.tmp / "state" / "dp"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         wait_for(lambda: steps_done(out) >= 3, 120, "three steps")
@@ -285,7 +285,7 @@ def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mo
 @pytest.mark.parametrize("mode", ["garbage", "close"])
 def test_packets_while_an_attempt_starts_may_fail_it_but_the_job_goes_on(cli, mode):
     """Each port of the first attempt is hit the moment it listens, before or as the RPC world forms."""
-    path = cli.write(spec(steps=40))
+    path = cli.write(spec(steps=20))
     out = cli.tmp / "state" / "dp"
     hits: dict[tuple[str, int], str] = {}
     first = None  # the first attempt's coordinator process: its ports, then its workers', are hit while it lives
