@@ -150,6 +150,7 @@ def hosts():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # its waits, each bounded by what serve may take under load, add up past 180 s
 def test_four_hosts_from_the_manifests_train_through_cut_links_to_the_one_device_weights(cli, tmp_path, hosts):
     c = Cluster(hosts, tmp_path, cli.tag)
     spec = job_spec()
