@@ -60,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue from the job's newest good checkpoint in the state dir (default: start over)")
     run.add_argument("--oversubscribe", action="store_true",
                      default=os.environ.get("GPIPE_OVERSUBSCRIBE", "") not in ("", "0"),
-                     help="workers (replicas x stages) outnumbering the CPU cores share them with a warning "
-                          "line: this silences it; GPUs, fewer than workers, are refused (exit 2) unless it "
-                          "lets them share. Env GPIPE_OVERSUBSCRIBE=1 sets it")
+                     help="silence the warning line when workers (replicas x stages) outnumber the CPU cores "
+                          "and share them; with device: cuda, let workers share GPUs when there are fewer "
+                          "(without it, exit 2). Env GPIPE_OVERSUBSCRIBE=1 sets it")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
     val.add_argument("--memory-mib", type=int, default=None,

@@ -6,12 +6,12 @@ gpipe.coordinator.local) on its share of this machine's cores, all on
 loopback. On a CPU, more workers than cores share the cores round-robin, with
 one warning line (none with `oversubscribe`); a GPU job with fewer GPUs than
 workers is refused before anything starts, unless `oversubscribe` lets them
-share. So restarts, their backoff and every
-failure message are `serve`'s: when an attempt fails (a stage raises, a worker
-dies, a wait times out) and `max_restarts` allows, a fresh attempt resumes
-from the last good checkpoint, so the job loses at most the steps since then
-and ends with the same weights. Outputs go to <state-dir>/<name>/: plan.json,
-metrics.jsonl, checkpoints/, logs/ and, at the end, model.safetensors.
+share. So restarts, their backoff and every failure message are `serve`'s:
+when an attempt fails (a stage raises, a worker dies, a wait times out) and
+`max_restarts` allows, a fresh attempt resumes from the last good checkpoint,
+so the job loses at most the steps since then and ends with the same weights.
+Outputs go to <state-dir>/<name>/: plan.json, metrics.jsonl, checkpoints/,
+logs/ and, at the end, model.safetensors.
 """
 
 from __future__ import annotations
