@@ -175,7 +175,8 @@ def test_four_hosts_from_the_manifests_train_through_cut_links_to_the_one_device
     c.wait_for(lambda: any(h["state"] == "RESTARTING" and h["time_unix"] > cut for h in _history(out)),
                "RESTARTING after the cut", RESTARTING_WITHIN_S)
     first = next(h for h in _history(out) if h["state"] == "RESTARTING")
-    assert "stage 1's worker missed its heartbeats" in first["message"], first  # dropped: mended only now
+    # Dropped (its heartbeats stopped, or its command stream was seen to break): mended only now.
+    assert re.match(r"stage 1's worker (missed its heartbeats|disconnected)", first["message"]), first
     restarting_s = first["time_unix"] - cut
     hosts.mend(2)
     mended = time.monotonic()
