@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue from the job's newest good checkpoint in the state dir (default: start over)")
     run.add_argument("--oversubscribe", action="store_true",
                      default=os.environ.get("GPIPE_OVERSUBSCRIBE", "") not in ("", "0"),
-                     help="let workers (replicas x stages) share cores (or GPUs) when there are fewer than "
-                          "workers; without it, that is refused (exit 2). Env GPIPE_OVERSUBSCRIBE=1 sets it")
+                     help="silence the warning line when workers (replicas x stages) outnumber the CPU cores "
+                          "and share them; with device: cuda, let workers share GPUs when there are fewer "
+                          "(without it, exit 2). Env GPIPE_OVERSUBSCRIBE=1 sets it")
     val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
     val.add_argument("job")
     val.add_argument("--memory-mib", type=int, default=None,

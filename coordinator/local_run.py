@@ -3,13 +3,15 @@
 The same supervisor as `serve` (gpipe.coordinator.supervisor) runs the job,
 with one local worker per rank (replicas x stages: gpipe.topology;
 gpipe.coordinator.local) on its share of this machine's cores, all on
-loopback. Fewer cores (on a GPU job, GPUs) than workers is refused before
-anything starts, unless `oversubscribe` lets them share. So restarts, their backoff and every
-failure message are `serve`'s: when an attempt fails (a stage raises, a worker
-dies, a wait times out) and `max_restarts` allows, a fresh attempt resumes
-from the last good checkpoint, so the job loses at most the steps since then
-and ends with the same weights. Outputs go to <state-dir>/<name>/: plan.json,
-metrics.jsonl, checkpoints/, logs/ and, at the end, model.safetensors.
+loopback. On a CPU, more workers than cores share the cores round-robin, with
+one warning line (none with `oversubscribe`); a GPU job with fewer GPUs than
+workers is refused before anything starts, unless `oversubscribe` lets them
+share. So restarts, their backoff and every failure message are `serve`'s:
+when an attempt fails (a stage raises, a worker dies, a wait times out) and
+`max_restarts` allows, a fresh attempt resumes from the last good checkpoint,
+so the job loses at most the steps since then and ends with the same weights.
+Outputs go to <state-dir>/<name>/: plan.json, metrics.jsonl, checkpoints/,
+logs/ and, at the end, model.safetensors.
 """
 
 from __future__ import annotations
@@ -48,19 +50,22 @@ def _attempts_logged(out: Path) -> int:
 
 
 def worker_cores(spec: JobSpec, oversubscribe: bool = False) -> list[list[int]]:
-    """Each local worker's cores, by rank: disjoint sets; SpecError when the workers outnumber this machine's
-    cores (or GPUs, for `device: cuda`), unless `oversubscribe` (then they share, round-robin)."""
+    """Each local worker's cores, by rank: disjoint sets while there are enough, else shared round-robin.
+    On a CPU, sharing is one warning line on stderr (silenced by `oversubscribe`); with `device: cuda`,
+    fewer GPUs than workers is a SpecError unless `oversubscribe`."""
     top = spec.topology
     cores = sorted(os.sched_getaffinity(0))
-    have, what = len(cores), "CPU core(s)"
+    workers = f"{top.world} workers ({spec.replicas} replica(s) x {spec.stages} stage(s))"
     if spec.device == "cuda":
         import torch
 
-        have, what = torch.cuda.device_count(), "GPU(s)"
-    if top.world > have and not oversubscribe:
-        raise SpecError(f"replicas: {spec.replicas} replica(s) x {spec.stages} stage(s) need {top.world} workers, "
-                        f"but this machine has {have} {what} for them: lower replicas or stages, or let them "
-                        "share with --oversubscribe (env GPIPE_OVERSUBSCRIBE=1)")
+        gpus = torch.cuda.device_count()
+        if top.world > gpus and not oversubscribe:
+            raise SpecError(f"replicas: {workers}, but this machine has {gpus} GPU(s) for them: lower replicas "
+                            "or stages, or let them share with --oversubscribe (env GPIPE_OVERSUBSCRIBE=1)")
+    elif top.world > len(cores) and not oversubscribe:
+        print(f"warning: {workers} share this machine's {len(cores)} CPU core(s), slower than fewer workers "
+              "would be (--oversubscribe silences this)", file=sys.stderr, flush=True)
     return split_cores(top.world, cores)
 
 

@@ -312,7 +312,8 @@ class JobSpec(_Spec):
         description="Before anything starts, run one micro-batch of at most a few samples forward and "
         "backward through the model on the CPU, layer by layer, checking what crosses each cut and "
         "finding the skip connections' routes. false: skip it (a model too big for the host that "
-        "validates), and give up skip connections between stages.",
+        "validates), and give up skip connections between stages. Default: true, but false with init "
+        "per_layer (which never builds the whole model the probe runs).",
     )
     loss: str = Field(
         default="cross_entropy",
@@ -382,7 +383,8 @@ class JobSpec(_Spec):
         "fits its memory), streamed to the stages a piece at a time. per_layer: no process builds the "
         "whole model; each stage builds its own layers and initialises layer i from a generator seeded by "
         "(seed, i), calling each submodule's reset_parameters() or init_hook (gpipe.init.per_layer gives "
-        "the same weights on one device). per_layer needs probe: false and balance by_params or a list.",
+        "the same weights on one device). per_layer turns the probe off (probe: true is refused) and "
+        "needs balance by_params or a list.",
     )
     init_hook: str | None = Field(
         default=None, max_length=MAX_FACTORY_CHARS,
@@ -423,6 +425,14 @@ class JobSpec(_Spec):
             raise ValueError(f"{v!r} is not cross_entropy, mse or 'module:function'")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _probe_follows_init(cls, data: Any) -> Any:
+        """probe's default is what init can run: off with per_layer, which never builds the whole model."""
+        if isinstance(data, dict) and data.get("init") == "per_layer" and "probe" not in data:
+            return {**data, "probe": False}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         if isinstance(self.balance, list) and len(self.balance) != self.stages:
@@ -438,7 +448,7 @@ class JobSpec(_Spec):
             raise ValueError("init_hook: applies to init per_layer only")
         if self.init == "per_layer" and self.probe:
             raise ValueError("probe: init per_layer never builds the whole model, which the probe runs; "
-                             "set probe: false")
+                             "leave probe out (or false)")
         if self.init == "per_layer" and self.balance in ("by_time", "by_memory"):
             raise ValueError(f"balance: {self.balance} runs the whole model, which init per_layer never "
                              "builds; use by_params or a list")

@@ -31,6 +31,20 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads in this process set to `n` for a while: a one-device reference computed with
+    the stages' thread count sums in their order (MKL and OpenMP split a reduction by the threads they get)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def wait_for(cond, timeout: float, what: str, every: float = 0.05) -> None:
     """Poll `cond` until it holds; fail the test naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -44,7 +58,8 @@ def wait_for(cond, timeout: float, what: str, every: float = 0.05) -> None:
 class Cli:
     def __init__(self, tmp: Path):
         self.tmp, self.tag = tmp, uuid.uuid4().hex
-        # GPIPE_OVERSUBSCRIBE: `run` lets a test's workers (replicas x stages) share this machine's few cores.
+        # GPIPE_OVERSUBSCRIBE: a test's workers (replicas x stages) share this machine's few cores without
+        # `run`'s warning line about it.
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_TEST_TAG=self.tag, GPIPE_OVERSUBSCRIBE="1")
         self.env.pop("OMP_NUM_THREADS", None)
 
@@ -53,9 +68,11 @@ class Cli:
         path.write_text(yaml.safe_dump(spec))
         return path
 
-    def start(self, *args: str) -> subprocess.Popen:
+    def start(self, *args: str, cores: str | None = None) -> subprocess.Popen:
+        """The CLI with `args`; with `cores` ('0'), on those cores only, as on a machine that has no others."""
+        pin = ["taskset", "-c", cores] if cores is not None else []
         return subprocess.Popen(
-            [sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=self.tmp, env=self.env,
+            [*pin, sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=self.tmp, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
 
@@ -70,8 +87,8 @@ class Cli:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
 
-    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        p = self.start(*args)
+    def run(self, *args: str, timeout: float = 120, cores: str | None = None) -> subprocess.CompletedProcess:
+        p = self.start(*args, cores=cores)
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

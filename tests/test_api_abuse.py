@@ -25,8 +25,6 @@ from gpipe.v1 import workers_pb2 as W
 from tests.conftest import Cli, end_leftovers
 from tests.test_service import Service, job
 
-pytestmark = pytest.mark.multiprocess
-
 CLIENT, WORKER = "client-t0ken", "w0rker-t0ken"
 STREAMS = {"WatchJob", "Commands"}
 
@@ -268,6 +266,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("row", ROWS)
 def test_a_bad_request_gets_its_status_and_a_message_naming_what_is_wrong(api, row):
     code, details, _ = call(api, row.method, row.request, row.token)
@@ -278,6 +277,7 @@ def test_a_bad_request_gets_its_status_and_a_message_naming_what_is_wrong(api, r
     assert "Traceback" not in details and "Exception" not in details
 
 
+@pytest.mark.multiprocess
 def test_a_hostname_with_a_newline_is_registered_and_logged_escaped(api):
     forged = "gpipe: job kept SUCCEEDED: weights in /tmp/x"
     code, details, _ = call(api, "Register", register(rank=100, hostname=f"evil\n{forged}\x1b[2J"))
@@ -291,6 +291,7 @@ def test_a_hostname_with_a_newline_is_registered_and_logged_escaped(api):
     assert code == grpc.StatusCode.OK and not W.HeartbeatResponse.FromString(body).known
 
 
+@pytest.mark.multiprocess
 def test_a_rank_held_by_a_live_worker_is_refused_until_its_stream_closes(api):
     with grpc.insecure_channel(api.address) as ch:
         stub = workers_pb2_grpc.WorkerServiceStub(ch)
@@ -315,6 +316,7 @@ def _refused(api: Service, rank: int) -> tuple[grpc.StatusCode, str] | None:
     return None if code == grpc.StatusCode.OK else (code, details)
 
 
+@pytest.mark.multiprocess
 def test_validations_run_two_at_a_time_the_rest_wait_or_are_refused_and_get_no_secrets(api):
     out = api.tmp / "spy-busy.jsonl"
 
@@ -341,6 +343,7 @@ def test_validations_run_two_at_a_time_the_rest_wait_or_are_refused_and_get_no_s
     print(f"{len(validated)} validated, {len(refused)} refused, at most {at_once} at once")
 
 
+@pytest.mark.multiprocess
 def test_a_model_too_big_to_validate_is_one_line_not_the_hosts_memory(api):
     """A spec's model is built by its validation, bounded to --validate-memory-mib: 3 GiB of weights is refused."""
     model = {"factory": "mlp", "args": {"width": 16384, "depth": 3}}
@@ -351,6 +354,7 @@ def test_a_model_too_big_to_validate_is_one_line_not_the_hosts_memory(api):
     assert code == grpc.StatusCode.OK, details
 
 
+@pytest.mark.multiprocess
 def test_other_calls_are_answered_while_a_1MiB_spec_is_parsed_and_validated(api):
     """Other callers keep being answered while a 1 MiB spec is parsed and validated (bench/robustness.py
     measures how fast: the issue asks for well under a second)."""
@@ -398,6 +402,7 @@ def test_other_calls_are_answered_while_a_1MiB_spec_is_parsed_and_validated(api)
     assert code == grpc.StatusCode.OK and len(body) < 100_000
 
 
+@pytest.mark.multiprocess
 def test_after_all_that_serve_answers_and_logged_no_traceback(api):
     with grpc.insecure_channel(api.address) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)

@@ -21,8 +21,6 @@ from safetensors.torch import load_file
 from tests import reference
 from tests.test_service import Service, job
 
-pytestmark = pytest.mark.multiprocess
-
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str):
@@ -47,6 +45,7 @@ def fill(path: Path) -> Path:
     return filler
 
 
+@pytest.mark.multiprocess
 def test_run_on_a_full_disk_fails_once_naming_the_path_and_errno(cli):
     with tmpfs(cli.tmp / "small", "1m") as state:
         spec = job("full", model={"factory": "mlp", "args": {"width": 256, "depth": 4}},
@@ -60,6 +59,7 @@ def test_run_on_a_full_disk_fails_once_naming_the_path_and_errno(cli):
     assert "restart 1 of" not in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_serve_on_a_full_disk_fails_the_job_frees_its_workers_and_resumes_once_there_is_room(cli):
     s = Service(cli)
     with tmpfs(s.state, "16m"):
@@ -91,6 +91,7 @@ def test_serve_on_a_full_disk_fails_the_job_frees_its_workers_and_resumes_once_t
             s.stop_all()
 
 
+@pytest.mark.multiprocess
 def test_an_unreadable_record_is_listed_skipped_and_its_name_and_files_are_kept(cli):
     s = Service(cli)
     bad = s.state / "old"

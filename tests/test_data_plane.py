@@ -20,8 +20,6 @@ from gpipe.coordinator import report
 from tests.conftest import Cli, tagged_pids, wait_for
 from tests.test_service import Service
 
-pytestmark = pytest.mark.multiprocess
-
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 8, "seconds": 0.02}}
 SECRET = re.compile(r"[0-9a-f]{32}")
 
@@ -149,6 +147,7 @@ def store_port(log: Path, attempt: int = 1) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.multiprocess
 def test_run_listens_on_loopback_only_keys_under_one_secret_and_every_port_closes_with_the_job(cli):
     path = cli.write(spec(steps=60, max_restarts=0))
     out = cli.tmp / "state" / "dp"
@@ -183,6 +182,7 @@ class HostService(Service):
         return super()._spawn(key, [*args, "--host", self.host])
 
 
+@pytest.mark.multiprocess
 def test_serve_and_workers_listen_on_the_cluster_address_only_and_only_while_the_attempt_lives(cli):
     """With a non-loopback address (eth0's, say), nothing of an attempt listens on loopback or everywhere."""
     host = next((ip for name, ip in net.interfaces().items() if not ip.startswith("127.")), None)
@@ -250,10 +250,11 @@ def _ends_by_itself(p, timeout: float) -> str:
         pytest.fail(f"the job was still running {timeout:.0f}s after the packets: it hangs")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["garbage", "close", "store"])
 def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mode):
     """Mid-run, every port of the attempt gets garbage or a connect-and-close; or the store gets requests."""
-    path = cli.write(spec())
+    path = cli.write(spec(steps=60))  # hit after 3 steps: the rest is for a restart to finish, or none
     out = cli.tmp / "state" / "dp"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         wait_for(lambda: steps_done(out) >= 3, 120, "three steps")
@@ -280,10 +281,11 @@ def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mo
         assert restarted is None, "a packet that is not garbage cost a restart"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["garbage", "close"])
 def test_packets_while_an_attempt_starts_may_fail_it_but_the_job_goes_on(cli, mode):
     """Each port of the first attempt is hit the moment it listens, before or as the RPC world forms."""
-    path = cli.write(spec(steps=40))
+    path = cli.write(spec(steps=20))
     out = cli.tmp / "state" / "dp"
     hits: dict[tuple[str, int], str] = {}
     first = None  # the first attempt's coordinator process: its ports, then its workers', are hit while it lives

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import TensorDataset
@@ -22,10 +23,13 @@ from torch.utils.data import TensorDataset
 from gpipe import serde
 from gpipe.coordinator.evaluation import Best
 from gpipe.coordinator.metrics import EvalMetrics
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
+from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
 from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests import reference
-from tests.conftest import Cli, end_leftovers
+from tests.conftest import Cli, end_leftovers, torch_threads
 from tests.test_service import Service
 from tests.test_service import job as service_job
 from tests.test_stage import attempt_secret, built, plan_of  # noqa: F401  # attempt_secret: a fixture
@@ -51,6 +55,20 @@ def job(**kw) -> dict:
     return spec
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The one-device references here sum with one thread, as the stages do (`pinned`): with 2 threads
+    the diverging LR made 1.9e-5 of the last bit's difference in the weights."""
+    with torch_threads(1):
+        yield
+
+
+def pinned(c: Cli) -> Cli:
+    """`c` with its stages on one intra-op thread each, whatever this machine's cores (OMP_NUM_THREADS)."""
+    c.env["OMP_NUM_THREADS"] = "1"
+    return c
+
+
 def max_diff(got: dict, want: dict) -> float:
     assert set(got) == set(want)
     return max((got[k].double() - want[k].double()).abs().max().item() for k in want)
@@ -66,7 +84,7 @@ def one_device_eval(spec: dict, steps: int) -> tuple[float, int]:
 
 def run_evals(cli: Cli, spec: dict) -> list[dict]:
     """Run `spec` to its end; its eval lines."""
-    cli.write(spec)
+    pinned(cli).write(spec)
     r = cli.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return [m for m in lines(cli.tmp / "st" / "e") if "eval_loss" in m]
@@ -84,7 +102,7 @@ def runs(tmp_path_factory):
     """The same job trained with evaluation (and keep_best) and without: {"eval": Cli, "plain": Cli}."""
     out = {}
     for name, spec in (("eval", job()), ("plain", job(eval=None, keep_best=False))):
-        c = Cli(tmp_path_factory.mktemp(name))
+        c = pinned(Cli(tmp_path_factory.mktemp(name)))
         spec = {k: v for k, v in spec.items() if v is not None and not (k == "keep_best" and not v)}
         c.write(spec)
         r = c.run("run", "job.yaml", "--state-dir", "st", "--no-progress", timeout=300)
@@ -95,15 +113,14 @@ def runs(tmp_path_factory):
     return out
 
 
-pytestmark = pytest.mark.multiprocess
-
-
+@pytest.mark.multiprocess
 def test_eval_loss_after_every_step_equals_one_device_evaluation(runs):
     evals = [m for m in lines(runs["eval"].tmp / "st" / "e") if "eval_loss" in m]
     assert [m["step"] for m in evals] == list(range(STEPS)) and evals[0]["eval_samples"] == 30
     assert_one_device(job(), evals)
 
 
+@pytest.mark.multiprocess
 def test_evaluation_changes_nothing_of_training(runs):
     with_eval = load_file(runs["eval"].tmp / "st" / "e" / "model.safetensors")
     without = load_file(runs["plain"].tmp / "st" / "e" / "model.safetensors")
@@ -126,6 +143,7 @@ def test_evaluation_changes_nothing_of_training(runs):
     assert trained == [m["loss"] for m in steps]
 
 
+@pytest.mark.multiprocess
 def test_keep_best_keeps_the_lowest_eval_loss_with_its_step(runs):
     out = runs["eval"].tmp / "st" / "e"
     evals = [m for m in lines(out) if "eval_loss" in m]
@@ -138,9 +156,10 @@ def test_keep_best_keeps_the_lowest_eval_loss_with_its_step(runs):
     assert max_diff(load_file(out / "best" / "model.safetensors"), reference.train(job(steps=3))) < 1e-5
 
 
+@pytest.mark.multiprocess
 def test_a_resumed_job_does_not_regress_its_best(runs, tmp_path):
     """Resumed with more steps: the next evaluations are worse than step 2's, so the best stays."""
-    c = Cli(tmp_path)
+    c = pinned(Cli(tmp_path))
     shutil.copytree(runs["eval"].tmp / "st", tmp_path / "st")
     c.write(job(steps=STEPS + 1))
     try:
@@ -154,6 +173,7 @@ def test_a_resumed_job_does_not_regress_its_best(runs, tmp_path):
     assert json.loads((out / "best" / "best.json").read_text())["step"] == 2
 
 
+@pytest.mark.multiprocess
 def test_the_eval_verb_evaluates_the_finished_weights_and_the_best(runs):
     c = runs["eval"]
     out = c.tmp / "st" / "e"
@@ -172,6 +192,7 @@ def test_the_eval_verb_evaluates_the_finished_weights_and_the_best(runs):
     assert not end_leftovers(c)
 
 
+@pytest.mark.multiprocess
 def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     spec = job(deferred_batch_norm=True, steps=2, keep_best=False, schedule="gpipe", activation_checkpoint="never",
                eval={"data": {**HELD_OUT, "batch_size": 7}, "every": 2, "batches": 3})
@@ -180,6 +201,7 @@ def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     assert_one_device(spec, evals)
 
 
+@pytest.mark.multiprocess
 def test_bf16_evaluation_runs_under_the_training_autocast(cli):
     """precision: bf16 evaluates under autocast too: the eval loss of the final weights equals one-device
     autocast evaluation of them (rounded at the same cut) to within 1e-3, and differs from float32's."""
@@ -194,6 +216,7 @@ def test_bf16_evaluation_runs_under_the_training_autocast(cli):
     assert abs(evals[-1]["eval_loss"] - fp32) > abs(evals[-1]["eval_loss"] - want)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
@@ -209,6 +232,7 @@ def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
     assert max_diff(with_eval, without) < 1e-6  # CUDA kernels may differ in the last bit between runs
 
 
+@pytest.mark.multiprocess
 def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_device(cli):
     """Eval micro-batches travel on the activation and skip channels (int64 tensors among them), past a stage."""
     data = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}
@@ -220,6 +244,7 @@ def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_dev
     assert_one_device(spec, evals)
 
 
+@pytest.mark.multiprocess
 def test_serve_shows_and_streams_the_eval_loss_and_keeps_it_across_a_restart(cli):
     """submit --follow shows each evaluation; status shows the latest; logs streams the eval lines, also
     once serve restarted and reads them back from metrics.jsonl."""
@@ -259,26 +284,37 @@ def inputs_only(n: int = 8) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8))
 
 
-@pytest.mark.parametrize(("change", "field"), [
+BAD_EVAL = [
     ({"eval": {"data": {"factory": "tests.test_eval:inputs_only", "batch_size": 4}, "every": 1}}, "eval.data"),
     ({"eval": {"data": HELD_OUT, "every": 1, "batches": 5}}, "eval.batches"),
     ({"eval": {"data": {**HELD_OUT, "args": {**HELD_OUT["args"], "in_features": 5}}, "every": 1}}, "eval.data"),
     ({"eval": {"data": {**HELD_OUT, "batch_size": 0}, "every": 1}}, "eval.data.batch_size"),
     ({"eval": {"data": HELD_OUT, "every": 0}}, "eval.every"),
     ({"eval": None, "keep_best": True}, "keep_best"),
-])
-def test_a_bad_eval_section_is_one_line_naming_the_field(cli, change, field):
+]
+
+
+@pytest.mark.parametrize(("change", "field"), BAD_EVAL)
+def test_a_bad_eval_section_is_refused_naming_the_field(tmp_path, change, field):
+    """What validate and run check before anything starts: the spec, then the plan (its model and data)."""
     spec = {k: v for k, v in job(**change).items() if v is not None}
-    cli.write(spec)
-    # run checks as validate does (the same plan, before any worker starts): run once is enough
-    runs = [("validate", "job.yaml")] + ([("run", "job.yaml", "--state-dir", "st")] if field == "eval.data" else [])
-    for args in runs:
+    with pytest.raises(SpecError) as e:
+        make_plan(parse_spec(yaml.safe_dump(spec)), tmp_path)
+    assert str(e.value).startswith(field), e.value
+
+
+@pytest.mark.multiprocess
+def test_a_bad_eval_section_is_one_line_and_exit_2_from_validate_and_run_and_nothing_starts(cli):
+    change, field = BAD_EVAL[0]  # the data set's items have no targets: found by the plan, not the spec
+    cli.write({k: v for k, v in job(**change).items() if v is not None})
+    for args in (("validate", "job.yaml"), ("run", "job.yaml", "--state-dir", "st")):
         r = cli.run(*args)
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
     assert not (cli.tmp / "st").exists()
 
 
+@pytest.mark.multiprocess
 def test_the_eval_verb_refuses_bad_input_with_exit_2(cli):
     cli.write({k: v for k, v in job(eval=None, keep_best=False).items() if v is not None}, "plain.yaml")
     cli.write(job())
@@ -379,6 +415,7 @@ def test_eval_lines_cross_the_wire_and_the_job_record():
     assert serde.JobRecord.from_json(json.loads(json.dumps(job.to_json()))) == job
 
 
+@pytest.mark.multiprocess
 def test_the_progress_line_shows_the_latest_eval_loss():
     code = (
         "from gpipe.coordinator.progress import Follower, Progress\n"

@@ -20,8 +20,6 @@ from gpipe.v1 import workers_pb2 as W
 from tests.conftest import Cli, end_leftovers
 from tests.test_service import Service, job
 
-pytestmark = pytest.mark.multiprocess
-
 CLIENT, WORKER = "client-fuzz", "worker-fuzz"
 BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
           grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -70,12 +68,14 @@ def status(fn, request, token: str) -> grpc.StatusCode:
         return e.code()
 
 
+@pytest.mark.multiprocess
 @FUZZ
 @given(spec_yaml)
 def test_submit(stubs, spec_yaml):
     assert status(stubs[1].SubmitJob, J.SubmitJobRequest(spec_yaml=spec_yaml), CLIENT) != grpc.StatusCode.OK
 
 
+@pytest.mark.multiprocess
 @FUZZ
 @given(st.sampled_from(["GetJob", "StopJob", "ResumeJob", "WatchJob"]), text)
 def test_job_by_name(stubs, method, name):
@@ -84,6 +84,7 @@ def test_job_by_name(stubs, method, name):
                                                                   grpc.StatusCode.NOT_FOUND)
 
 
+@pytest.mark.multiprocess
 @FUZZ
 @given(st.one_of(st.sampled_from([CLIENT, WORKER]), st.text(st.characters(min_codepoint=33, max_codepoint=126))))
 def test_list_with_any_token(stubs, token):
@@ -91,6 +92,7 @@ def test_list_with_any_token(stubs, token):
     assert (got == grpc.StatusCode.OK) == (token == CLIENT), got
 
 
+@pytest.mark.multiprocess
 @FUZZ
 @given(int32, text, text, text, st.lists(int32, max_size=64), int32)
 def test_register(stubs, rank, host, device, hostname, cores, threads):
@@ -99,6 +101,7 @@ def test_register(stubs, rank, host, device, hostname, cores, threads):
     status(stubs[2].Register, request, WORKER)
 
 
+@pytest.mark.multiprocess
 @FUZZ
 @given(text, text, int32, st.booleans(), text)
 def test_heartbeat(stubs, worker_id, attempt_id, code, ended, error):
@@ -107,12 +110,14 @@ def test_heartbeat(stubs, worker_id, attempt_id, code, ended, error):
     status(stubs[2].Heartbeat, request, WORKER)
 
 
+@pytest.mark.multiprocess
 @FUZZ
 @given(text)
 def test_commands(stubs, worker_id):
     assert status(stubs[2].Commands, W.CommandsRequest(worker_id=worker_id), WORKER) != grpc.StatusCode.OK
 
 
+@pytest.mark.multiprocess
 def test_serve_is_healthy_after_the_fuzz(stubs):
     s = stubs[0]
     with grpc.insecure_channel(s.address) as ch:

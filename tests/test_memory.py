@@ -12,8 +12,6 @@ import pytest
 
 from tests import reference
 
-pytestmark = pytest.mark.multiprocess
-
 STAGES, CHUNKS = 2, 8
 
 
@@ -36,6 +34,7 @@ def peaks(cli, **kw) -> list[int]:
     return [s["activation_peak_bytes"] for s in last["stages"]]
 
 
+@pytest.mark.multiprocess
 def test_1f1b_and_checkpointing_bound_activation_memory(cli):
     gpipe = peaks(cli, schedule="gpipe")
     one_f_one_b = peaks(cli, schedule="1f1b")

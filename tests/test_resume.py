@@ -26,8 +26,6 @@ from tests import reference
 from tests.conftest import tagged_pids, wait_for
 from tests.test_failures import _worker_pid
 
-pytestmark = pytest.mark.multiprocess
-
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
 
 
@@ -74,10 +72,11 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(cli, victim):
+@pytest.mark.multiprocess
+def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(cli):
+    # Either stage's worker: a dead worker process is noticed and resumed from the same way for each.
     seed = random.randrange(1 << 30)
-    at = random.Random(seed).randrange(5, 22)
+    victim, at = random.Random(seed).randrange(2), random.Random(seed).randrange(5, 22)
     print(f"random seed {seed}: SIGKILL stage {victim}'s worker after step {at}")
     s = spec()
     path = cli.write(s)
@@ -107,6 +106,7 @@ def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(c
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", ["stage 1's worker", "the coordinator's attempt process"])
 def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
     # Wide layers, so a checkpoint takes long enough on disk to be caught in the middle of its save.
@@ -183,12 +183,30 @@ def damage_manifest(d: Path) -> None:
     (d / checkpoint.MANIFEST).unlink()
 
 
-@pytest.mark.parametrize("damage,why", [
+DAMAGES = [
     (damage_truncate, "stage-1.safetensors has 12844 bytes, the manifest says 12944 (truncated?)"),
     (damage_flip, "stage-0.safetensors: sha256 does not match the manifest (the file is damaged)"),
     (damage_manifest, "no MANIFEST.json (the save did not finish)"),
-], ids=["truncated-shard", "flipped-byte", "no-manifest"])
-def test_a_damaged_checkpoint_is_passed_over_for_the_previous_one(cli, finished, damage, why):
+]
+
+
+@pytest.mark.multiprocess  # the finished run
+@pytest.mark.parametrize("damage,why", DAMAGES, ids=["truncated-shard", "flipped-byte", "no-manifest"])
+def test_each_damage_passes_a_checkpoint_over_for_the_previous_one(finished, tmp_path, damage, why):
+    """What an attempt's resume reads (checkpoint.latest) of each damage; a real run below resumes past one."""
+    src, _ = finished
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(src / "state" / "r" / "checkpoints", ckpts)
+    damage(ckpts / "step-10")
+    said: list[str] = []
+    loaded = checkpoint.latest(ckpts, said.append)
+    assert said == [f"checkpoint step-10 is not used: {why}"]
+    assert loaded is not None and loaded.step == 9
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_checkpoint_is_passed_over_for_the_previous_one(cli, finished):
+    damage, why = DAMAGES[1]  # a flipped byte: the damage only the hash shows
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
     out = cli.tmp / "state" / "r"
@@ -209,6 +227,7 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_previous_one(cli, finished,
     checkpoint.verify(ckpts / "step-10")  # written again, whole
 
 
+@pytest.mark.multiprocess
 def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
@@ -221,6 +240,7 @@ def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     # Each attempt fails 7 forwards (3 steps of 2 micro-batches, and one) after its start: step 3, then 6.
     s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
@@ -235,6 +255,7 @@ def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
     s = spec(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
              max_restarts=3, steps=10)
@@ -245,6 +266,7 @@ def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
     assert "failed at step 3" in last and "same error at the same step twice" in last, last
 
 
+@pytest.mark.multiprocess
 def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
     # The plan imports the model on the coordinator's side; the stages import it again where they run.
     (cli.tmp / "vanishing.py").write_text(
@@ -260,6 +282,7 @@ def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
     assert "not on this host" in last and "cannot import the job's code" in last, last
 
 
+@pytest.mark.multiprocess
 def test_a_killed_run_resumes_with_run_resume(cli):
     s = spec(steps=24)
     path = cli.write(s)
@@ -278,11 +301,12 @@ def test_a_killed_run_resumes_with_run_resume(cli):
     assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
-@pytest.mark.parametrize("balance", [[1, 2, 1], [3, 1]])
-def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished, balance):
-    # The same job (2 stages, [2, 2]) resumed on another balance, for 4 more steps: the names in a checkpoint
-    # are the un-partitioned model's, so each new stage takes its slice of weights and optimizer state.
-    # With as many stages as before, the spec's balance still wins over the checkpoint's.
+@pytest.mark.multiprocess
+def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished):
+    # The same job (2 stages, [2, 2]) resumed on 3 stages, for 4 more steps: the names in a checkpoint are the
+    # un-partitioned model's, so each new stage takes its slice of weights and optimizer state. (That the
+    # spec's balance wins over the checkpoint's with as many stages as before is the plan's: test_balance.)
+    balance = [1, 2, 1]
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
     longer = {**s, "stages": len(balance), "balance": balance, "steps": 14}
@@ -296,6 +320,7 @@ def test_a_checkpoint_fits_another_balance_and_a_longer_run(cli, finished, balan
     assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_nothing_changes(cli, finished):
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")

@@ -39,7 +39,7 @@ REGRESSION = {"factory": "random_regression", "args": {"n": 48, "in_features": 1
 
 def job(**kw) -> dict:
     spec = {
-        "name": "s", "seed": 5, "model": NORM, "stages": 2, "chunks": 2, "init": "per_layer", "probe": False,
+        "name": "s", "seed": 5, "model": NORM, "stages": 2, "chunks": 2, "init": "per_layer",
         "data": {**REGRESSION, "batch_size": 8}, "loss": "mse",
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 3,
     }
@@ -150,7 +150,7 @@ ALLOWANCE = 480 << 20  # a process with torch imported (some 320-350 MiB here), 
 
 def scale_job(**kw) -> dict:
     spec = {
-        "name": "scale", "seed": 1, "stages": STAGES, "chunks": 4, "init": "per_layer", "probe": False,
+        "name": "scale", "seed": 1, "stages": STAGES, "chunks": 4, "init": "per_layer",
         "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
         "data": {"factory": "random_regression", "args": {"n": 16, "in_features": WIDTH, "out_features": WIDTH},
                  "batch_size": 8},

@@ -127,6 +127,7 @@ def test_checks_that_need_the_model(changes, message, tmp_path):
     assert str(e.value).startswith(message), str(e.value)
 
 
+@pytest.mark.multiprocess
 def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     path = cli.write(__import__("yaml").safe_load(spec_with(balance=[1, 1])))
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), timeout=60)
@@ -136,6 +137,7 @@ def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     assert not (cli.tmp / "state").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args,message", [
     (["run", "missing.yaml"], "error: missing.yaml: cannot read job file"),
     (["run"], "error: the following arguments are required: job"),
@@ -148,6 +150,43 @@ def test_cli_bad_invocations(cli, args, message):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_per_layer_turns_the_probe_off_unless_told_and_probe_true_is_refused():
+    assert parse_spec(GOOD).probe is True  # init exact: the probe runs by default
+    assert parse_spec(spec_with(init="per_layer")).probe is False  # it could not run: off, not refused
+    assert parse_spec(spec_with(init="per_layer", probe=False)).probe is False
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(init="per_layer", probe=True))
+    assert str(e.value).startswith("probe: init per_layer never builds the whole model"), e.value
+
+
+def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
+    from gpipe.coordinator import local_run
+
+    monkeypatch.setattr(local_run.os, "sched_getaffinity", lambda pid: {0, 1})
+    three = parse_spec(spec_with(stages=3, chunks=2, balance=[2, 1, 1]))
+    assert local_run.worker_cores(three) == [[0], [1], [0]]
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and warned[0].startswith("warning: 3 workers (1 replica(s) x 3 stage(s)) share "
+                                                     "this machine's 2 CPU core(s)"), warned
+    assert local_run.worker_cores(three, oversubscribe=True) == [[0], [1], [0]]
+    assert local_run.worker_cores(parse_spec(GOOD)) == [[0], [1]]  # enough cores: each its own, no line
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cuda_job_with_fewer_gpus_than_workers_is_refused_unless_oversubscribe(monkeypatch):
+    import torch
+
+    from gpipe.coordinator import local_run
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = parse_spec(spec_with(device="cuda"))
+    with pytest.raises(SpecError) as e:
+        local_run.worker_cores(cuda)
+    assert str(e.value).startswith("replicas: 2 workers (1 replica(s) x 2 stage(s))") and "1 GPU(s)" in str(e.value)
+    assert len(local_run.worker_cores(cuda, oversubscribe=True)) == 2
+
+
+@pytest.mark.multiprocess
 def test_validate(cli):
     path = cli.write(__import__("yaml").safe_load(GOOD))
     r = cli.run("validate", str(path), timeout=60)
@@ -158,6 +197,7 @@ def test_validate(cli):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.multiprocess
 def test_validate_bounds_the_memory_a_model_may_take(cli):
     d = __import__("yaml").safe_load(GOOD)
     d["model"] = {"factory": "mlp", "args": {"width": 16384, "depth": 3}}  # 3 GiB of weights
@@ -355,6 +395,7 @@ def test_load_spec_reads_at_most_the_limit(tmp_path):
         load_spec(latin1)
 
 
+@pytest.mark.multiprocess
 def test_cli_refuses_a_huge_number(cli):
     path = cli.tmp / "job.yaml"
     path.write_text(GOOD.replace("steps: 2", "steps: 1000000000000000000000000000000"))
