@@ -24,8 +24,6 @@ from tests import reference
 from tests.conftest import tagged_pids, wait_for
 from tests.test_transparency import REGRESSION, job
 
-pytestmark = pytest.mark.multiprocess
-
 DROPOUT = {"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 3}}
 
 
@@ -86,6 +84,7 @@ CASES = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_replicas_equal_one_device(cli, name):
     spec = CASES[name]
@@ -119,6 +118,7 @@ def test_replicas_equal_one_device(cli, name):
     assert names == [f"replica {r} stage {k}" for r in range(R) for k in range(P)]
 
 
+@pytest.mark.multiprocess
 def test_replicas_with_deferred_batch_norm_equal_one_device(cli):
     bn = {"factory": "tests.models:bn_net", "args": {"width": 8}}
     data = {"factory": "random_regression", "args": {"n": 40, "in_features": 8, "out_features": 8}, "batch_size": 10}
@@ -142,6 +142,7 @@ def test_replicas_with_deferred_batch_norm_equal_one_device(cli):
     assert not (cli.tmp / "state" / "bn2").exists()
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_two_replicas_resumes_with_one(cli):
     """2 steps with 2 replicas x 2 micro-batches, then resumed with 1 replica x 4 micro-batches (the same
     micro-batches, the same dropout): the weights equal 4 uninterrupted steps."""
@@ -162,30 +163,18 @@ def test_a_checkpoint_of_two_replicas_resumes_with_one(cli):
     assert diff <= 1e-5
 
 
-def test_too_few_cores_is_refused_naming_replicas_and_stages(cli):
-    spec = job(stages=2, replicas=2, chunks=1)
-    env = {k: v for k, v in cli.env.items() if k != "GPIPE_OVERSUBSCRIBE"}
-    cli.env = env
-    cores = len(os.sched_getaffinity(0))
-    if cores >= 4:
-        spec = job(stages=2, replicas=(cores + 2) // 2, chunks=1, data={**REGRESSION, "batch_size": 64})
-    r = run_job(cli, spec)
-    assert r.returncode == 2, r.stderr
-    line = r.stderr.strip().splitlines()[-1]
-    assert "replica" in line and "stage" in line and "core" in line and "Traceback" not in r.stderr
-    assert not (cli.tmp / "state" / "t").exists()
-
-
 @pytest.mark.parametrize("field,value,words", [
     ("replicas", 0, "replicas"),
     ("replicas", 65, "replicas"),
     ("replicas", 2.0, "replicas"),
 ])
+@pytest.mark.multiprocess
 def test_bad_replicas_are_refused(cli, field, value, words):
     r = cli.run("validate", str(cli.write(job(**{field: value}))))
     assert r.returncode == 2 and words in r.stderr, r.stderr
 
 
+@pytest.mark.multiprocess
 def test_replicas_times_stages_over_the_bound_names_both(cli):
     r = cli.run("validate", str(cli.write(job(stages=5, replicas=64, data={**REGRESSION, "batch_size": 1024}))))
     assert r.returncode == 2
@@ -195,6 +184,7 @@ def test_replicas_times_stages_over_the_bound_names_both(cli):
 
 
 
+@pytest.mark.multiprocess
 def test_serve_waits_for_every_rank_of_every_replica_then_equals_one_device(cli):
     """Under serve a job of 2 replicas x 2 stages takes ranks 0-3: PENDING, naming them, until all four
     workers are there; then it trains as one device does."""
@@ -228,6 +218,7 @@ def test_serve_waits_for_every_rank_of_every_replica_then_equals_one_device(cli)
         s.stop_all()
 
 
+@pytest.mark.multiprocess
 def test_a_worker_of_the_second_replica_killed_mid_run_resumes_to_the_same_weights(cli):
     """SIGKILL stage 1 of replica 1 (rank 3) after step 3: the supervisor names it, restarts every rank from
     the last checkpoint, and the job ends with one device's weights."""
@@ -286,6 +277,7 @@ def _reduce_on(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_the_reducer_sums_every_bucket_in_order_even_when_a_replica_skips_a_parameter(tmp_path):
     """Buckets are launched in one order on every rank, whichever becomes ready first; each rank ends with
     the sum of both ranks' gradients."""
@@ -327,6 +319,7 @@ def test_the_reducer_sums_every_bucket_in_order_even_when_a_replica_skips_a_para
         assert torch.allclose(a, c, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.gpu
 def test_replicas_on_gpus_equal_one_device(cli):
     """2 replicas x 1 stage on two GPUs (NCCL): the weights equal the one-device reference on the CPU."""
@@ -340,6 +333,7 @@ def test_replicas_on_gpus_equal_one_device(cli):
     assert diff <= 1e-4  # CUDA's float32 kernels against the CPU's
 
 
+@pytest.mark.multiprocess
 def test_fp16_overflow_skips_the_step_on_every_stage_of_every_replica(cli):
     """fp16 with 2 replicas x 2 stages: an inf gradient at step 1 (stage 0 of each replica, where the
     GradOverflow layer lives) skips that step on all four ranks, and the one loss scale backs off."""
@@ -362,6 +356,7 @@ def test_fp16_overflow_skips_the_step_on_every_stage_of_every_replica(cli):
                    if not n.startswith(("rng/", "model/2.calls")))
 
 
+@pytest.mark.multiprocess
 def test_replica_0_evaluates_and_the_eval_verb_runs_one_pipeline(cli):
     """Evaluation with 2 replicas x 2 stages: replica 0 alone evaluates, between the steps, and the eval loss
     equals one device's on the same weights; the eval verb evaluates the finished weights on one pipeline."""
@@ -382,6 +377,7 @@ def test_replica_0_evaluates_and_the_eval_verb_runs_one_pipeline(cli):
         "stage-0.log", "stage-1.log"]  # one pipeline
 
 
+@pytest.mark.multiprocess
 def test_per_layer_init_gives_every_replica_the_same_weights(cli):
     """init per_layer: each replica's stages initialise their own layers, the same ones, so training equals
     one device from per_layer weights; a checkpoint is pulled from replica 0's stages in pieces."""
