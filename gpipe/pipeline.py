@@ -23,6 +23,7 @@ is torchgpipe's mode: each stage's kernels run on its own device.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,10 +35,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe import schedule as schedules
 from gpipe import skip, structure
-from gpipe.contract import StageConfig
+from gpipe.contract import StageConfig, StepResult
+from gpipe.coordinator.probe import Recorder
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.rng import SharedGenerators
 from gpipe.transport import Hub, HubClosed
+from gpipe.worker.stage import Stage  # the service's own stage: one engine
 
 T = TypeVar("T")
 CHECKPOINTS = ("always", "except_last", "never")
@@ -93,7 +96,7 @@ class Pipeline:
         self._timeout = timeout_s
         self._steps = 0  # steps run: the randomness of the next is seeded with it
         self._evals = 0
-        self._stages: list[Any] = []  # gpipe.worker.stage.Stage, by rank: built at the first call
+        self._stages: list[Stage] = []  # by rank: built at the first call
         self._hub = Hub(len(balance), replicas, timeout_s)
         self._rng = SharedGenerators()
         self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
@@ -107,8 +110,6 @@ class Pipeline:
 
     def _build(self, sample: Any) -> None:
         """The stages, at the first call: skip connections that cross a cut are found on `sample` first."""
-        from gpipe.worker.stage import Stage  # the worker's stage: the same engine as the service
-
         stages = len(self.balance)
         routes = self._skip_routes(sample)
         for r in range(self.replicas):
@@ -116,7 +117,7 @@ class Pipeline:
                 layers = nn.Sequential(OrderedDict((str(i), self.model[i]) for i in range(start, end)))
                 layers = layers.to(self.devices[k])  # in place: the model's own parameters, on the stage's device
                 if r > 0:
-                    layers = _copy(layers)
+                    layers = copy.deepcopy(layers)
                 cfg = StageConfig(
                     stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
@@ -128,8 +129,6 @@ class Pipeline:
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:
         found by running the first samples forward in eval mode, without gradients, changing nothing."""
-        from gpipe.coordinator.probe import Recorder
-
         x = structure.map_tensors(sample, lambda t: t[:PROBE_SAMPLES])
         rec = Recorder()
         buffers = [(b, b.clone()) for b in self.model.buffers()]
@@ -169,7 +168,7 @@ class Pipeline:
         last = len(self.balance) - 1
         step = self._steps
 
-        def run(stage: Any) -> Any:
+        def run(stage: Stage) -> StepResult:
             r, k = stage.cfg.replica, stage.cfg.stage
             (inp, sizes), (tgt, _) = xs[r], ys[r]
             if k == last:
@@ -237,14 +236,14 @@ class Pipeline:
                         t.copy_(own[name])
                     copy.zero_grad(set_to_none=True)
 
-    def _run(self, work: Callable[[Any], T], replicas: int | None = None) -> list[T]:
+    def _run(self, work: Callable[[Stage], T], replicas: int | None = None) -> list[T]:
         """`work(stage)` for every stage of the first `replicas` replicas, each on its thread; the first error
         any raised (the others stop waiting on it at once)."""
         hub = self._hub
         hub.reset()
         stages = self._stages[: len(self.balance) * (replicas or self.replicas)]
 
-        def guarded(stage: Any) -> T:
+        def guarded(stage: Stage) -> T:
             device = stage.device
             try:
                 with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -270,12 +269,6 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _copy(layers: nn.Sequential) -> nn.Sequential:
-    import copy
-
-    return copy.deepcopy(layers)
 
 
 def _gather(parts: list[Any]) -> Any:
