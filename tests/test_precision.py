@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import shutil
@@ -20,6 +19,7 @@ from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler, Precision
 from tests import reference
+from tests.conftest import torch_threads
 
 MLP = {"factory": "mlp", "args": {"width": 16, "depth": 5}}
 REGRESSION = {"factory": "random_regression", "args": {"n": 50, "in_features": 16, "out_features": 16}}
@@ -52,17 +52,6 @@ def run(cli, spec: dict, *flags: str) -> tuple[Path, subprocess.CompletedProcess
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    """torch's intra-op threads in this process set to `n` for a while."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def max_diff(got: dict, want: dict) -> float:
@@ -98,7 +87,7 @@ def test_bf16_weights_equal_one_device_autocast(cli, name):
     # (tests/reference.py). Bit for bit when it runs the bf16 kernels with the stages' thread count.
     plan = json.loads((out / "plan.json").read_text())
     single = all(s["threads"] == 1 for s in plan["stages"])
-    with threads(1 if single else torch.get_num_threads()):
+    with torch_threads(1 if single else torch.get_num_threads()):
         rounded = max_diff(got, reference.train(spec, cuts=plan["balance"]))
         plain = max_diff(got, reference.train(spec))
         fp32 = max_diff(got, reference.train({**spec, "precision": "fp32"}))
