@@ -91,3 +91,14 @@ def map_apart(threshold: int = 1 << 20) -> None:
         ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def give_back() -> None:
+    """Hand the free memory of every malloc arena back to the system (glibc's malloc_trim): the stages' heaps
+    are never trimmed on their own (gpipe.worker.agent's MALLOC_TRIM_THRESHOLD_). No effect elsewhere than glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

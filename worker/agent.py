@@ -26,8 +26,14 @@ from gpipe.serde import Join
 # outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
 # memory back to the OS, so each one page-faults anew: 8 MiB transfers reached
 # 0.69 of raw gloo that way, 0.85 with these (bench/transfer.py). A worker owns
-# its machine's memory, so keep it: the heap serves all sizes and is not trimmed.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+# its machine's memory, so keep it: the heap serves what a thread's arena can
+# hold (heaps of 64 MiB) and is not trimmed. Bigger blocks are mapped on their
+# own whatever the thread's arena: the main arena's heap has no such limit, and a
+# stage thread that shares it (threads outnumber a core's 8 arenas, and which
+# one a thread gets is a matter of timing) kept a whole set of gradients freed
+# at zero_grad beside the next step's: one stage of the scale run 1.9 GB above
+# the others.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
 class Agent:
