@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from gpipe import stream
-from gpipe.contract import Cause, EvalResult, StageConfig, StageError, StepResult
+from gpipe.contract import Cause, EvalResult, StageError, StepResult
 from gpipe.coordinator import checkpoint, streaming, timeline
 from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.handle import Future, StageHandle
@@ -275,12 +275,6 @@ class Run:
         if self.on_eval is not None:
             self.on_eval(m, weights)
         return m
-
-
-def stage_config(plan: Plan, k: int, device: str, store_host: str, store_port: int,
-                 replica: int = 0) -> StageConfig:
-    """StageConfig.of, in the argument order callers outside the driver use."""
-    return StageConfig.of(plan, k, replica, device, store_host, store_port)
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -202,8 +202,8 @@ class _Round:
 
 
 class _Sender:
-    def __init__(self, hub: Hub, key: tuple[str, int, int], device: torch.device, name: str):
-        self.hub, self.key, self.device, self.name = hub, key, device, name
+    def __init__(self, hub: Hub, key: tuple[str, int, int], name: str):
+        self.hub, self.key, self.name = hub, key, name
         self.bytes = 0
 
     def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
@@ -275,7 +275,7 @@ class MemoryTransport:
         return lane, base + src, base + dst
 
     def sender(self, peer: int, lane: Lane, name: str) -> Outbound:
-        return _Sender(self.hub, self._key(lane, self.stage, peer), self.device, name)
+        return _Sender(self.hub, self._key(lane, self.stage, peer), name)
 
     def receiver(self, peer: int, lane: Lane, name: str) -> Inbound:
         return _Receiver(self.hub, self._key(lane, peer, self.stage), self.device, name)

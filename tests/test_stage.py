@@ -13,9 +13,8 @@ import torch.distributed as dist
 import yaml
 
 from gpipe import net
-from gpipe.contract import Cause, StageError
+from gpipe.contract import Cause, StageConfig, StageError
 from gpipe.coordinator.data import DataStream
-from gpipe.coordinator.driver import stage_config
 from gpipe.coordinator.plan import Plan, make_plan
 from gpipe.coordinator.spec import parse_spec
 from gpipe.state import StageState
@@ -55,7 +54,7 @@ def built(plan: Plan, weights: dict[str, torch.Tensor], resume: StageState | Non
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stage = None
     try:
-        stage = Stage(stage_config(plan, 0, "cpu", "127.0.0.1", store.port), weights, resume)
+        stage = Stage(StageConfig.of(plan, 0, 0, "cpu", "127.0.0.1", store.port), weights, resume)
         yield stage
     finally:
         if stage is not None:
@@ -118,7 +117,7 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
     # What the coordinator creates remotely: a build error is kept, and answered in one line.
     plan = plan_of(job())
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    cfg = asdict(stage_config(plan, 0, "cpu", "127.0.0.1", store.port))
+    cfg = asdict(StageConfig.of(plan, 0, 0, "cpu", "127.0.0.1", store.port))
     server = StageServer({**cfg, "model_factory": "tests.models:no_such_model"}, plan.stage_state(0))
     try:
         error = server.built()

@@ -110,8 +110,8 @@ class Pass:
     targets: list[Any] | None  # the last stage's (none: keep the outputs instead of taking the loss)
     sizes: list[int]
     batch: int  # the whole batch: a micro-batch's loss weighs size/batch
+    loss_sum: torch.Tensor  # the last stage's: each micro-batch's loss times its size (float64, on its device)
     what: str = "micro-batch"  # how waits name a micro-batch
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
     in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
