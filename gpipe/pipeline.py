@@ -33,9 +33,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gpipe import capture, skip, structure
 from gpipe import schedule as schedules
-from gpipe import skip, structure
 from gpipe.contract import StageConfig, StepResult
+from gpipe.coordinator import balance as balancing
 from gpipe.coordinator.probe import Recorder
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.rng import SharedGenerators
@@ -59,17 +60,43 @@ class Pipeline:
     a stage on another.
     """
 
-    def __init__(self, model: nn.Sequential, balance: Sequence[int], chunks: int = 1, schedule: str = "gpipe",
-                 activation_checkpoint: str = "never", devices: Sequence[str | torch.device] | None = None,
-                 precision: str = "fp32", deferred_batch_norm: bool = False, replicas: int = 1, seed: int = 0,
+    def __init__(self, model: nn.Module, balance: Sequence[int] | None = None, chunks: int = 1,
+                 schedule: str = "gpipe", activation_checkpoint: str = "never",
+                 devices: Sequence[str | torch.device] | None = None, precision: str = "fp32",
+                 deferred_batch_norm: bool = False, replicas: int = 1, seed: int = 0,
                  loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL),
-                 timeout_s: float = 300.0):
-        if not isinstance(model, nn.Sequential):
-            raise TypeError(f"model: expected torch.nn.Sequential, got {type(model).__name__}")
-        balance = list(balance)
-        if not balance or any(type(n) is not int or n < 1 for n in balance) or sum(balance) != len(model):
-            raise ValueError(f"balance: {balance} must be positive layer counts that add up to the model's "
-                             f"{len(model)} layers")
+                 timeout_s: float = 300.0, split_points: Sequence[str] | None = None, stages: int | None = None,
+                 output: str | None = None):
+        self.original = model
+        self.split_points = list(split_points or [])
+        self.output = output
+        self.captured: capture.Captured | None = None
+        self._want: list[int] | None = None  # blocks per stage, for a model captured at the first call
+        if isinstance(model, nn.Sequential):
+            if split_points or stages is not None or output is not None:
+                raise ValueError("split_points, stages, output: for a model that is not an nn.Sequential (an "
+                                 "nn.Sequential is cut between its layers by balance)")
+            balance = list(balance or [])
+            if not balance or any(type(n) is not int or n < 1 for n in balance) or sum(balance) != len(model):
+                raise ValueError(f"balance: {balance} must be positive layer counts that add up to the model's "
+                                 f"{len(model)} layers")
+        else:
+            given = [n for n, v in (("balance", balance), ("split_points", split_points), ("stages", stages))
+                     if v is not None]
+            if len(given) != 1:
+                raise ValueError("a model that is not an nn.Sequential is cut by one of split_points (names of "
+                                 "submodules), balance (blocks per stage) or stages (its blocks balanced by "
+                                 f"parameters); got {', '.join(given) or 'none'}")
+            if stages is not None and (type(stages) is not int or stages < 1):
+                raise ValueError(f"stages: must be a positive int, got {stages!r}")
+            if balance is not None:
+                balance = list(balance)
+                if not balance or any(type(n) is not int or n < 1 for n in balance):
+                    raise ValueError(f"balance: {balance} must be positive block counts")
+            count = len(balance) if balance is not None else stages if stages is not None \
+                else len(self.split_points) + 1
+            self._want = balance
+            balance = [1] * count  # stage count only, until the model is captured at the first call
         if type(chunks) is not int or chunks < 1:
             raise ValueError(f"chunks: must be a positive int, got {chunks!r}")
         if schedule not in schedules.SCHEDULES:
@@ -81,14 +108,16 @@ class Pipeline:
         if type(replicas) is not int or replicas < 1:
             raise ValueError(f"replicas: must be a positive int, got {replicas!r}")
         if replicas > 1 and not deferred_batch_norm:
-            for i, layer in enumerate(model):
+            for i, layer in enumerate(model.children()):
                 if any(isinstance(m, _BatchNorm) and m.track_running_stats for m in layer.modules()):
                     raise ValueError(f"deferred_batch_norm: layer {i} ({type(layer).__name__}) tracks running "
                                      "statistics, which with replicas equal one device's only when deferred")
+        assert balance is not None
         devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * len(balance)
         if len(devs) != len(balance):
             raise ValueError(f"devices: {len(devs)} given for {len(balance)} stages")
-        self.model, self.balance, self.chunks, self.replicas = model, balance, chunks, replicas
+        self.model: nn.Sequential | None = model if isinstance(model, nn.Sequential) else None
+        self.balance, self.chunks, self.replicas = balance, chunks, replicas
         self.devices = devs
         self.skipped: bool | None = None  # fp16: whether the last step overflowed (and left no gradients)
         self._settings = dict(schedule=schedule, activation_checkpoint=activation_checkpoint, precision=precision,
@@ -100,21 +129,53 @@ class Pipeline:
         self._hub = Hub(len(balance), replicas, timeout_s)
         self._rng = SharedGenerators()
         self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
-        bounds, start = [], 0
-        for n in balance:
-            bounds.append((start, start + n))
-            start += n
-        self.bounds = bounds
+        self.bounds = _bounds(balance)
 
     # -- building ---------------------------------------------------------------------------------
+
+    def _capture(self, sample: Any) -> nn.Sequential:
+        """A model that is not an nn.Sequential, captured on its first micro-batch and cut into pieces
+        (gpipe.capture); the balance then counts pieces."""
+        stages = len(self.balance)
+        try:
+            c = capture.capture(self.original, sample, self.split_points, self.output)
+        except capture.CaptureError as e:
+            raise ValueError(str(e)) from None
+        if self.split_points:
+            self.balance = capture.balance_of_cuts(c.cuts, len(c.pieces))
+        elif self._want is not None:
+            if sum(self._want) != len(c.pieces):
+                raise ValueError(f"balance: {self._want} adds up to {sum(self._want)} but the model has "
+                                 f"{len(c.pieces)} blocks ({c.blocks})")
+            self.balance = list(self._want)
+        else:
+            if stages > len(c.pieces):
+                raise ValueError(f"stages: {stages} stages but the model has only {len(c.pieces)} blocks ({c.blocks})")
+            self.balance = balancing.partition(balancing.param_costs(c.pieces), stages)
+        self.bounds = _bounds(self.balance)
+        for group in c.tied:
+            held = {self.devices[self._stage_of(int(k.split(".", 1)[0]))] for k in group}
+            if len(held) > 1:
+                raise ValueError(f"devices: {capture.model_name(group[0])} is one parameter used on "
+                                 f"{len(held)} devices; put its stages on one device")
+        self.captured = c
+        return c.pieces
+
+    def _stage_of(self, piece: int) -> int:
+        return next(k for k, (a, b) in enumerate(self.bounds) if a <= piece < b)
 
     def _build(self, sample: Any) -> None:
         """The stages, at the first call: skip connections that cross a cut are found on `sample` first."""
         stages = len(self.balance)
-        routes = self._skip_routes(sample)
+        if self.model is None:
+            self.model = self._capture(sample)
+            routes: list[tuple[str, int, int]] = []
+        else:
+            routes = self._skip_routes(sample)
+        model = self.model
         for r in range(self.replicas):
             for k, (start, end) in enumerate(self.bounds):
-                layers = nn.Sequential(OrderedDict((str(i), self.model[i]) for i in range(start, end)))
+                layers = nn.Sequential(OrderedDict((str(i), model[i]) for i in range(start, end)))
                 layers = layers.to(self.devices[k])  # in place: the model's own parameters, on the stage's device
                 if r > 0:
                     layers = copy.deepcopy(layers)
@@ -129,6 +190,7 @@ class Pipeline:
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:
         found by running the first samples forward in eval mode, without gradients, changing nothing."""
+        assert self.model is not None
         x = structure.map_tensors(sample, lambda t: t[:PROBE_SAMPLES])
         rec = Recorder()
         buffers = [(b, b.clone()) for b in self.model.buffers()]
@@ -180,7 +242,7 @@ class Pipeline:
         scaled = [res.skipped for res in results if res.skipped is not None]
         self.skipped = any(scaled) if scaled else None
         if self.skipped:  # fp16 overflowed: no gradients, so the optimizer's step changes nothing
-            for p in self.model.parameters():
+            for p in self.original.parameters():
                 p.grad = None
         loss = sum(res.loss_sum for res in results if res.loss_sum is not None) / batch
         return torch.tensor(loss, dtype=torch.float32)
@@ -269,6 +331,15 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bounds(balance: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each stage's layers."""
+    out, start = [], 0
+    for n in balance:
+        out.append((start, start + n))
+        start += n
+    return out
 
 
 def _gather(parts: list[Any]) -> Any:

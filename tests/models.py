@@ -418,3 +418,70 @@ def overflow_mlp(width: int = 16, at: list[int] | None = None) -> nn.Sequential:
     """Linear, ReLU, GradOverflow, Linear, ReLU, Linear: with balance [3, 3], the overflow is stage 0's alone."""
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), GradOverflow(width, at or []),
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+
+# -- models that are not an nn.Sequential (gpipe.capture) --------------------------------------------------------
+
+def gpt2(vocab: int = 97, width: int = 32, layers: int = 4, heads: int = 4, dropout: float = 0.0) -> nn.Module:
+    """A small GPT2LMHeadModel from a config (no download): its embedding and head are one tied weight."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=width, n_layer=layers, n_head=heads,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(vocab: int = 97, width: int = 32, layers: int = 4, heads: int = 4) -> nn.Module:
+    """A small LlamaForCausalLM (RoPE, grouped-query attention, RMSNorm), untied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=64,
+                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h)) * first.sigmoid()
+
+
+class ResidualNet(nn.Module):
+    """A hand-written module: the stem's output is read by every block and by the head, so it crosses every cut."""
+
+    def __init__(self, width: int = 16, blocks: int = 4):
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.stem(x)
+        h = first
+        for b in self.blocks:
+            h = b(h, first)
+        return self.head(h) + first
+
+
+def residual_net(width: int = 16, blocks: int = 4) -> nn.Module:
+    return ResidualNet(width, blocks)
+
+
+class Branchy(nn.Module):
+    """A forward that branches on a tensor's value: torch.export cannot capture it."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+            if x.sum() > 0:
+                x = -x
+        return x

@@ -1,0 +1,191 @@
+"""Any nn.Module, not only nn.Sequential (gpipe.capture): Hugging Face causal LMs and hand-written modules,
+split by name or at their repeated blocks, tied weights kept tied, against one device on the same micro-batches.
+
+These run through gpipe.Pipeline (the service's stages as threads); the service's own path, real processes
+over gloo, is tests/test_anymodel_service.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpipe
+from gpipe.capture import CaptureError, capture, select_output
+from tests import models
+
+pytest.importorskip("transformers")
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def batches(steps: int, batch: int, length: int, vary: bool = False, mask: bool = False, seed: int = 1):
+    """(inputs, targets) per step: token ids (and an attention mask with left padding), lengths varying."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        n = length + (s % 3 if vary else 0)
+        ids = torch.randint(1, 97, (batch, n + 1), generator=g)
+        x = {"input_ids": ids[:, :-1]}
+        if mask:
+            m = torch.ones(batch, n, dtype=torch.long)
+            m[0, :2] = 0
+            m[-1, :1] = 0
+            x["attention_mask"] = m
+        out.append((x, ids[:, 1:]))
+    return out
+
+
+def one_device(model, data, chunks: int, loss_fn=lm_loss, lr: float = 0.1, replicas: int = 1) -> list[float]:
+    """Train `model` on one device, micro-batch after micro-batch, as the pipeline cuts each batch."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for x, y in data:
+        batch = y.size(0)
+        total = 0.0
+        for xs, ys in zip(_cut(x, batch, replicas, chunks), _cut(y, batch, replicas, chunks), strict=True):
+            out = select_output(model(**xs), None)
+            loss = loss_fn(out, ys) * ys.size(0) / batch
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _cut(v, batch: int, replicas: int, chunks: int) -> list:
+    from gpipe import structure
+
+    parts = []
+    for shard in structure.split(v, replicas, batch, "v"):
+        size = structure.tensors(shard)[0].size(0)
+        parts += structure.split(shard, chunks, size, "v")
+    return parts
+
+
+def pipelined(model, data, chunks: int, loss_fn=lm_loss, lr: float = 0.1, **kw) -> tuple[list[float], gpipe.Pipeline]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    pipe = gpipe.Pipeline(model, chunks=chunks, **kw)
+    losses = []
+    for x, y in data:
+        losses.append(pipe.step(x, y, loss_fn).item())
+        opt.step()
+        opt.zero_grad()
+    pipe.close()
+    return losses, pipe
+
+
+def assert_same_weights(got, want, tolerance: float = 1e-5) -> None:
+    g, w = dict(got.named_parameters()), dict(want.named_parameters())
+    assert set(g) == set(w)
+    worst = max((g[k] - w[k]).abs().max().item() for k in w)
+    assert worst <= tolerance, f"weights differ from one device by {worst}"
+
+
+def fresh(factory, **args):
+    torch.manual_seed(0)
+    return factory(**args)
+
+
+@pytest.mark.parametrize(("cut", "schedule", "checkpointing"), [
+    ({"split_points": ["transformer.h.2"]}, "gpipe", "never"),
+    ({"split_points": ["transformer.h.2"]}, "1f1b", "except_last"),
+    ({"split_points": ["transformer.h.1", "transformer.h.3"]}, "1f1b", "never"),
+    ({"stages": 3}, "gpipe", "always"),
+    ({"balance": [1, 3]}, "1f1b", "never"),
+])
+def test_gpt2_with_tied_weights_equals_one_device(cut, schedule, checkpointing):
+    data = batches(3, 8, 10)
+    want = fresh(models.gpt2)
+    want_losses = one_device(want, data, chunks=4)
+    got = fresh(models.gpt2)
+    losses, pipe = pipelined(got, data, chunks=4, schedule=schedule, activation_checkpoint=checkpointing, **cut)
+    assert_same_weights(got, want)
+    assert losses == pytest.approx(want_losses, abs=1e-5)
+    assert got.transformer.wte.weight is got.lm_head.weight  # still one tensor
+    assert pipe.captured is not None
+    assert ["0.transformer.wte.weight", f"{len(pipe.captured.pieces) - 1}.transformer.wte.weight"] in \
+        pipe.captured.tied
+    stage_of_head = len(pipe.balance) - 1
+    assert stage_of_head > 0  # the embedding and the head are on different stages
+
+
+def test_gpt2_sequence_lengths_that_change_from_step_to_step_equal_one_device():
+    data = batches(4, 6, 7, vary=True)
+    want = fresh(models.gpt2)
+    one_device(want, data, chunks=3)
+    got = fresh(models.gpt2)
+    pipelined(got, data, chunks=3, split_points=["transformer.h.2"])
+    assert_same_weights(got, want)
+
+
+def test_llama_with_an_attention_mask_and_two_replicas_equals_one_device():
+    data = batches(3, 8, 9, mask=True)
+    want = fresh(models.llama)
+    one_device(want, data, chunks=2, replicas=2)
+    got = fresh(models.llama)
+    pipelined(got, data, chunks=2, replicas=2, split_points=["model.layers.2"], schedule="1f1b")
+    assert_same_weights(got, want)
+
+
+def test_a_hand_written_module_whose_residual_crosses_every_cut_equals_one_device():
+    g = torch.Generator().manual_seed(2)
+    data = [({"x": torch.randn(8, 16, generator=g)}, torch.randn(8, 16, generator=g)) for _ in range(3)]
+    data = [(x["x"], y) for x, y in data]
+
+    def train_one(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x, y in data:
+            for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+                (F.mse_loss(model(xm), ym) * xm.size(0) / 8).backward()
+            opt.step()
+            opt.zero_grad()
+
+    want = fresh(models.residual_net)
+    train_one(want)
+    got = fresh(models.residual_net)
+    opt = torch.optim.SGD(got.parameters(), lr=0.05)
+    pipe = gpipe.Pipeline(got, stages=4, chunks=4, schedule="1f1b")
+    for x, y in data:
+        pipe.step(x, y, F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+    assert_same_weights(got, want)
+    assert pipe.captured is not None
+    assert all(len(c) >= 2 for c in pipe.captured.crossing)  # the running value and the stem's, at every cut
+
+
+def test_evaluation_is_the_models_eval_mode_output_dropout_off():
+    model = fresh(models.gpt2, dropout=0.3)
+    pipe = gpipe.Pipeline(model, stages=2, chunks=2)
+    x = torch.randint(0, 97, (4, 10))
+    out = pipe({"input_ids": x})
+    model.eval()
+    assert torch.equal(out, model(input_ids=x).logits)
+
+
+def test_a_split_point_that_names_no_submodule_lists_the_nearest_names():
+    with pytest.raises(CaptureError, match=r"'transformer\.h\.9' names no submodule.*nearest: transformer\.h\.\d"):
+        capture(fresh(models.gpt2), {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, ["transformer.h.9"])
+
+
+def test_a_model_that_branches_on_a_tensor_value_is_refused_with_what_to_do():
+    with pytest.raises(CaptureError, match="torch.export cannot capture Branchy.*torch.cond"):
+        capture(models.Branchy(), torch.randn(2, 8), ["blocks.1"])
+
+
+def test_a_model_with_no_blocks_and_no_split_points_is_refused():
+    with pytest.raises(CaptureError, match="no repeated blocks.*split_points"):
+        capture(torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+
+def test_the_output_named_by_output_is_what_the_loss_takes():
+    model = fresh(models.gpt2)
+    c = capture(model, {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, ["transformer.h.2"], output="logits")
+    assert c.pieces({"input_ids": torch.ones(2, 4, dtype=torch.long)}).shape == (2, 4, 97)
+    with pytest.raises(KeyError, match="no 'hidden'"):
+        select_output({"logits": torch.zeros(1)}, "hidden")
