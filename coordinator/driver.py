@@ -335,7 +335,9 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
         ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
         assert ck is not None  # no final snapshot: resumed at the last step
-        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)})
+        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)},
+                                  plan.weight_name if plan.captured is not None else None)
+        plan.write_config(out)
         try:
             timeline.write(out, spec.trace_step)
         except SpecError as e:  # no such step logged (a job resumed at its end): the weights are what matter

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
-from gpipe import schedule
+from gpipe import capture, schedule
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream, EvalStream
 from gpipe.coordinator.probe import probe, probe_eval
@@ -43,6 +43,36 @@ class Plan:
     eval_dataset: Dataset[Any] | None = None  # eval.data, when the job evaluates
     eval_collate: Callable[[list[Any]], Any] | None = None
     evaluate_only: bool = False  # the eval verb: one evaluation of the model's weights, before any step
+    captured: capture.Captured | None = None  # a model that is not an nn.Sequential: its pieces are `model`
+    sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
+    original: nn.Module | None = None  # then: the model as the factory returned it
+
+    def capture_args(self) -> dict[str, Any] | None:
+        """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
+        if self.captured is None:
+            return None
+        m = self.spec.model
+        return {"split_points": list(m.split_points or []), "output": m.output, "sample": self.sample}
+
+    def weight_name(self, key: str) -> str:
+        """A weight's name in model.safetensors: the model's own (a captured model's pieces hold them under
+        "piece.name")."""
+        return capture.model_name(key) if self.captured is not None else key
+
+    def write_config(self, out: Path) -> None:
+        """A Hugging Face model's config.json beside model.safetensors, so that from_pretrained(out) loads it."""
+        config = getattr(self.original, "config", None)
+        if config is not None and callable(getattr(config, "to_json_file", None)):
+            from gpipe.files import atomic_write
+
+            atomic_write(out / "config.json", lambda tmp: config.to_json_file(str(tmp)))
+
+    def tied_stages(self) -> list[tuple[list[str], list[int]]]:
+        """Per tied weight: its keys, and the stages holding a copy (StageConfig.tied)."""
+        if self.captured is None:
+            return []
+        return [(keys, sorted({self.stage_of(int(k.split(".", 1)[0])) for k in keys}))
+                for keys in self.captured.tied]
 
     def eval_stream(self) -> EvalStream:
         """The job's evaluation data (coordinator.data); only for a job with an eval section."""
@@ -86,7 +116,7 @@ class Plan:
         """The stage's initial parameters and buffers, under the full model's names."""
         start, end = self.bounds[stage]
         keep = {str(i) for i in range(start, end)}
-        own = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         return {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
 
 
@@ -115,11 +145,11 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
     model = _build_model(spec)
-    if not isinstance(model, nn.Sequential):
-        raise SpecError(f"model.factory: returned {type(model).__name__}, expected torch.nn.Sequential")
-    layers = len(model)
-    if spec.stages > layers:
-        raise SpecError(f"stages: {spec.stages} stages but the model has only {layers} layers")
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"model.factory: returned {type(model).__name__}, expected a torch.nn.Module")
+    if isinstance(model, nn.Sequential) and (spec.model.split_points or spec.model.output):
+        raise SpecError("model.split_points: an nn.Sequential is cut between its layers by balance; "
+                        "leave split_points and output out")
     if spec.replicas > 1 and not spec.deferred_batch_norm:
         _check_batch_norm(model, spec.replicas)
     dataset, _ = _dataset("data", spec.data.factory, spec.data.args)
@@ -134,20 +164,65 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         xs, ys, _ = stream.shards(0)[0]
     except Exception as e:
         raise SpecError(f"data: the first batch: {first_line(e)}") from None
-    skips = probe(model, xs[0], ys[0], loss_fn) if spec.probe else {}
+    original, captured, sample = None, None, None
+    if not isinstance(model, nn.Sequential):
+        original, sample = model, capture.sample_signature(xs[0])
+        try:
+            captured = capture.capture(model, capture.sample_from(sample, _device_of(model)),
+                                       spec.model.split_points or (), spec.model.output)
+        except (capture.CaptureError, ValueError, TypeError) as e:
+            raise SpecError(str(e) if isinstance(e, capture.CaptureError) else f"model: {first_line(e)}") from None
+        model = captured.pieces
+        if spec.init == "per_layer":
+            raise SpecError("init: per_layer initialises an nn.Sequential's layers; a captured model "
+                            "(not an nn.Sequential) starts from init exact")
+    layers = len(model)
+    if spec.stages > layers:
+        what = "layers" if captured is None else f"blocks ({captured.blocks})"
+        raise SpecError(f"stages: {spec.stages} stages but the model has only {layers} {what}")
+    skips = probe(model, xs[0], ys[0], loss_fn) if spec.probe and captured is None else {}
+    if captured is not None and spec.probe:
+        _probe_captured(model, xs[0], ys[0], loss_fn)
     fits = balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers
-    if isinstance(spec.balance, str) and fits:
+    if captured is not None and spec.model.split_points:
+        balance, costs, by = capture.balance_of_cuts(captured.cuts, layers), None, "spec"
+    elif isinstance(spec.balance, str) and fits:
         balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]  # balance_by names the spec's choices, and this one
     else:
         balance, costs = _balance(spec, model, xs[0], torch.device(device), threads)
         by = spec.balance if isinstance(spec.balance, str) else "spec"
-    shared = _shared_parameters(model, balance)
+    shared = _shared_parameters(model, balance) if captured is None else None
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
-    plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips)
+    plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
+                captured=captured, sample=sample, original=original)
     if spec.eval is not None:
         _plan_eval(plan, loss_fn)
     return plan
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((t.device for t in model.parameters()), torch.device("cpu"))
+
+
+def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """The first samples of the first micro-batch through the pieces and the loss, changing nothing: a model
+    whose capture does not run, or whose output the loss cannot take, is refused before any worker starts."""
+    from gpipe import structure
+
+    x, y = (structure.map_tensors(v, lambda t: t[:2]) for v in (x, y))
+    buffers = [(b, b.clone()) for b in pieces.buffers()]
+    try:
+        with torch.random.fork_rng():
+            loss = loss_fn(pieces(x), y)
+            loss.backward()
+    except Exception as e:
+        raise SpecError(f"model: the captured model on the first micro-batch: {first_line(e)}") from None
+    finally:
+        pieces.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
 
 
 def _dataset(field: str, factory: str, args: dict[str, Any]) -> tuple[Dataset[Any], int]:
@@ -194,7 +269,7 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
         probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
-def _check_batch_norm(model: nn.Sequential, replicas: int) -> None:
+def _check_batch_norm(model: nn.Module, replicas: int) -> None:
     """BatchNorm updating its running statistics per micro-batch cannot equal one device across replicas."""
     for name, m in model.named_modules():
         if isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, nn.SyncBatchNorm):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -135,12 +136,35 @@ def _check_collate(v: str | None) -> str | None:
     return v
 
 
+MODULE_NAME_RE = re.compile(r"^[A-Za-z_0-9][\w]*(\.[A-Za-z_0-9][\w]*)*$")
+
+
+def _check_module_name(v: str) -> str:
+    if not MODULE_NAME_RE.match(v):
+        raise ValueError(f"{v!r} is not a submodule's dotted name (transformer.h.2)")
+    return v
+
+
+ModuleName = Annotated[str, Field(min_length=1, max_length=MAX_FACTORY_CHARS), AfterValidator(_check_module_name)]
+
+
 class ModelSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
-        description="'module:function' returning an nn.Sequential, or a registered name (mlp).",
+        description="'module:function' returning the model: an nn.Sequential (cut between its layers), or any "
+        "nn.Module (captured with torch.export and cut at its repeated blocks or its split_points), or a "
+        "registered name (mlp).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
+    split_points: Annotated[list[ModuleName], Field(min_length=1, max_length=MAX_STAGES - 1)] | None = Field(
+        default=None, description="A model that is not an nn.Sequential: cut before each of these submodules "
+        "(transformer.h.2), in order; stages is then their number plus one. None: cut at the model's repeated "
+        "blocks, divided by balance.",
+    )
+    output: ModuleName | None = Field(
+        default=None, description="What of the model's output the loss takes: a key or attribute. None: logits "
+        "when the output has them, else the output if a tensor, else its first tensor.",
+    )
 
     _factory = field_validator("factory")(_check_factory)
 
@@ -281,7 +305,9 @@ class JobSpec(_Spec):
         default=0, description="Seeds the initial weights, shuffling and dropout."
     )
     model: ModelSpec = Field(description="The model, as an nn.Sequential factory.")
-    stages: Annotated[StrictInt, Range(1, MAX_STAGES)] = Field(description="Pipeline stages, one worker each.")
+    stages: Annotated[StrictInt, Range(1, MAX_STAGES)] = Field(
+        description="Pipeline stages, one worker each; may be left out with model.split_points (their number "
+        "plus one).")
     balance: (
         Annotated[list[Annotated[StrictInt, Range(1, MAX_LAYERS_PER_STAGE)]], Field(max_length=MAX_STAGES)]
         | Literal["by_params", "by_time", "by_memory"]
@@ -427,6 +453,16 @@ class JobSpec(_Spec):
 
     @model_validator(mode="before")
     @classmethod
+    def _stages_follow_split_points(cls, data: Any) -> Any:
+        """stages may be left out with model.split_points: one more than they are."""
+        if isinstance(data, dict) and "stages" not in data and isinstance(data.get("model"), dict):
+            points = data["model"].get("split_points")
+            if isinstance(points, list) and points:
+                return {**data, "stages": len(points) + 1}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _probe_follows_init(cls, data: Any) -> Any:
         """probe's default is what init can run: off with per_layer, which never builds the whole model."""
         if isinstance(data, dict) and data.get("init") == "per_layer" and "probe" not in data:
@@ -435,6 +471,12 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        if self.model.split_points is not None:
+            if self.stages != len(self.model.split_points) + 1:
+                raise ValueError(f"stages: {self.stages} stages but model.split_points cuts the model into "
+                                 f"{len(self.model.split_points) + 1}")
+            if isinstance(self.balance, list):
+                raise ValueError("balance: model.split_points cuts the model already; leave balance out")
         if isinstance(self.balance, list) and len(self.balance) != self.stages:
             raise ValueError(
                 f"balance: has {len(self.balance)} entries but stages is {self.stages}"

@@ -125,7 +125,7 @@ def _eval_graph(gm: fx.GraphModule) -> fx.GraphModule | None:
     changed = False
     for n in gm.graph.nodes:
         new = graph.node_copy(n, lambda a: env[a])
-        i = TRAINING_ARG.get(n.target)  # type: ignore[call-overload]  # targets are OpOverloads or callables
+        i = TRAINING_ARG.get(n.target)
         if i is not None and len(new.args) > i and new.args[i] is True:
             new.args = (*new.args[:i], False, *new.args[i + 1:])
             changed = True
@@ -405,6 +405,26 @@ def tied_groups(layers: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
+def to_device(layers: nn.Module, device: torch.device) -> None:
+    """The pieces' graphs captured on the meta device, made to run on `device`: the devices the capture wrote
+    into operations (arange, to, checks of a tensor's device) become `device`."""
+    meta = torch.device("meta")
+
+    def swap(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a == meta else a
+
+    for m in layers.modules():
+        if not isinstance(m, Piece):
+            continue
+        for gm in (m._gp_graph, m._gp_eval):
+            if gm is None:
+                continue
+            for n in gm.graph.nodes:
+                n.args = pytree.tree_map(swap, n.args)
+                n.kwargs = pytree.tree_map(swap, n.kwargs)
+            gm.recompile()
+
+
 def retie(layers: nn.Module, groups: Iterable[Sequence[str]]) -> None:
     """Make each group's parameters one tensor again (the first's), for those of `layers` that hold them:
     a module moved with to_empty() or copied has a tensor per name."""
@@ -417,6 +437,26 @@ def retie(layers: nn.Module, groups: Iterable[Sequence[str]]) -> None:
         for k in held[1:]:
             owner, _, leaf = k.rpartition(".")
             setattr(layers.get_submodule(owner), leaf, first)
+
+
+def sample_signature(sample: Any) -> dict[str, Any]:
+    """A micro-batch's structure, shapes and dtypes (JSON-able): what a stage captures the model with, on the
+    meta device, without the data. The batch dimension is at least 2 (a dynamic dimension of 1 would be
+    specialised)."""
+    from gpipe import structure
+
+    skeleton, tensors = structure.flatten(sample)
+    shapes = [[max(2, d) if i == 0 else d for i, d in enumerate(t.shape)] for t in tensors]
+    return {"skeleton": skeleton, "shapes": shapes, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors]}
+
+
+def sample_from(signature: dict[str, Any], device: torch.device | str = "meta") -> Any:
+    """A micro-batch of zeros of `signature`'s structure, shapes and dtypes."""
+    from gpipe import structure
+
+    tensors = [torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+               for shape, dtype in zip(signature["shapes"], signature["dtypes"], strict=True)]
+    return structure.unflatten(signature["skeleton"], tensors)
 
 
 def balance_of_cuts(cuts: Sequence[int], pieces: int) -> list[int]:

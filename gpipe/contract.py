@@ -73,6 +73,11 @@ class StageConfig:
     eval_every: int | None = None
     eval_batches: int = 0
     steps: int = 0
+    # A model that is not an nn.Sequential (gpipe.capture): what the stage captures it with (split_points,
+    # output, and the first micro-batch's skeleton: gpipe.capture.sample_signature); None for an nn.Sequential.
+    capture: dict[str, Any] | None = None
+    # Tied weights (gpipe.capture.tied_groups): per group, its parameter keys and the stages that hold a copy.
+    tied: list[tuple[list[str], list[int]]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -106,6 +111,7 @@ class StageConfig:
             # Evaluation (gpipe.evaluation.EvalSchedule): spec.eval and spec.steps, as the plan schedules them.
             "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
             "steps": evals.steps if first else 0,
+            "capture": plan.capture_args(), "tied": plan.tied_stages(),
         }
         if unset := {f.name for f in fields(cls)} - set(values):
             raise TypeError(f"StageConfig.{sorted(unset)[0]}: StageConfig.of does not set it")

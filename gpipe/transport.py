@@ -87,6 +87,9 @@ class Transport(Protocol):
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         """A reducer for `params` across the replicas; None with one replica."""
 
+    def sum_among(self, t: torch.Tensor, stages: Sequence[int]) -> None:
+        """Sum `t` in place with the same tensor on `stages` of this replica (a tied weight's holders)."""
+
     def close(self) -> None: ...
 
 
@@ -152,7 +155,7 @@ class Hub:
             self._wait(lambda: bool(self._boxes.get(key, {}).get(mb)), what, timeout)
             return self._boxes[key][mb].popleft()
 
-    def _reduce(self, group: tuple[str, int], members: int, who: int, values: list[torch.Tensor | None],
+    def _reduce(self, group: tuple[Any, ...], members: int, who: int, values: list[torch.Tensor | None],
                 op: Op, what: str) -> list[torch.Tensor | None]:
         """Every member's `values`, reduced element-wise in member order (None: no value from that member;
         None out when no member had one). Blocks until all `members` called."""
@@ -294,6 +297,13 @@ class MemoryTransport:
 
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         return _MemoryGradSum(self, params) if self.hub.replicas > 1 and params else None
+
+    def sum_among(self, t: torch.Tensor, stages: Sequence[int]) -> None:
+        group = ("tied", self.replica, *stages)
+        (out,) = self.hub._reduce(group, len(stages), list(stages).index(self.stage), [t], "sum",
+                                  f"the tied weight's sum of stage {self.stage} with stages {list(stages)}")
+        assert out is not None
+        t.copy_(out)
 
     def close(self) -> None:
         pass

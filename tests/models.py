@@ -485,3 +485,10 @@ class Branchy(nn.Module):
             if x.sum() > 0:
                 x = -x
         return x
+
+
+def token_pairs(n: int = 32, length: int = 12, vocab: int = 97, seed: int = 0) -> TensorDataset:
+    """Next-token pairs of random token ids: (ids[:-1], ids[1:])."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (n, length + 1), generator=g)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])

@@ -7,6 +7,8 @@ over gloo, is tests/test_anymodel_service.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -189,3 +191,66 @@ def test_the_output_named_by_output_is_what_the_loss_takes():
     assert c.pieces({"input_ids": torch.ones(2, 4, dtype=torch.long)}).shape == (2, 4, 97)
     with pytest.raises(KeyError, match="no 'hidden'"):
         select_output({"logits": torch.zeros(1)}, "hidden")
+
+
+# -- the service's path: real processes over gloo ----------------------------------------------------------------
+
+GPT2_JOB = {
+    "name": "t", "seed": 0,
+    "model": {"factory": "tests.models:gpt2", "args": {}, "split_points": ["transformer.h.2"]},
+    "chunks": 4, "schedule": "1f1b", "activation_checkpoint": "except_last",
+    "data": {"factory": "tests.models:token_pairs", "args": {"n": 32}, "batch_size": 8, "shuffle": False},
+    "loss": "cross_entropy", "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "clip_grad_norm": 0.5,
+    "steps": 4, "checkpoint_every": 2,
+}
+
+
+def one_device_job(steps: int) -> dict[str, torch.Tensor]:
+    """GPT2_JOB on one device: the same micro-batches, torch.optim and clip_grad_norm_, the model's own names."""
+    from tests.conftest import torch_threads
+
+    with torch_threads(1):
+        torch.manual_seed(0)
+        model = models.gpt2()
+        data = models.token_pairs(n=32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            x, y = data[step * 8:(step + 1) * 8]
+            for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+                (lm_loss(model(xm).logits, ym) * xm.size(0) / 8).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_with_from_pretrained(cli):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from gpipe.coordinator import checkpoint
+
+    r = cli.run("run", str(cli.write(GPT2_JOB)), "--state-dir", str(cli.tmp / "state"), "--no-progress",
+                timeout=240)
+    assert r.returncode == 0, r.stderr
+    out = cli.tmp / "state" / "t"
+    got = load_file(out / "model.safetensors")
+    want = one_device_job(4)
+    assert "lm_head.weight" not in got and "transformer.wte.weight" in got  # the tied weight once, as HF saves it
+    assert set(got) == set(want) - {"lm_head.weight"}
+    worst = max((got[k] - want[k]).abs().max().item() for k in got)
+    assert worst <= 1e-5, f"weights differ from one device by {worst}"
+
+    # Each stage's copy of the tied weight, in the last checkpoint: bit-identical.
+    held = checkpoint.load(checkpoint.step_dir(out / "checkpoints", 4)).model_state()
+    copies = [v for k, v in held.items() if k.endswith(".transformer.wte.weight")]
+    assert len(copies) == 2 and torch.equal(copies[0], copies[1])
+
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["balance"] == [2, 2]
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.transformer.wte.weight is loaded.lm_head.weight
+    assert torch.equal(loaded.transformer.wte.weight, want["transformer.wte.weight"].to(loaded.dtype)) or \
+        (loaded.transformer.wte.weight - want["transformer.wte.weight"]).abs().max() <= 1e-5

@@ -114,7 +114,7 @@ PLAN_BAD = [
     ({"model__factory": "nosuchmodule:f"}, "model.factory: cannot import module 'nosuchmodule'"),
     ({"model__factory": "gpipe.builtins:nothing"}, "model.factory: module 'gpipe.builtins' has no attribute 'nothing'"),
     ({"model__args": {"widht": 3}}, "model.args: mlp raised TypeError"),
-    ({"model__factory": "tests.models:not_sequential", "model__args": {}}, "model.factory: returned Linear, expected torch.nn.Sequential"),
+    ({"model__factory": "tests.models:not_sequential", "model__args": {}}, "model: Linear has no repeated blocks"),
     ({"data__factory": "tests.models:pid_marker", "data__args": {}}, "data.factory: returned int, expected a map-style Dataset"),
     ({"loss": "nosuchmodule:loss"}, "loss: cannot import module 'nosuchmodule'"),
 ]

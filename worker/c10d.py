@@ -59,6 +59,10 @@ class C10dTransport:
                 if k == cfg.stage:
                     _set_pg_timeout(step, group)
                     self._copies = group
+        # Tied weights: the stages that hold a copy of one sum its gradient (a group per set of stages).
+        self._tied: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for holders in sorted({tuple(stages) for _, stages in cfg.tied if len(stages) > 1}):
+            self._tied[holders] = self._per_replica(list(holders))
         for a, b in sorted({(a, b) for _, a, b in cfg.skip_routes}):
             self._lanes["skip", a, b] = self._per_replica([a, b])
             self._lanes["skip-gradient", a, b] = self._per_replica([a, b])
@@ -93,6 +97,9 @@ class C10dTransport:
     def all_reduce(self, t: torch.Tensor, among: Among, op: Op = "sum") -> None:
         group = {"job": None, "pipeline": self._pipeline, "copies": self._copies}[among]
         dist.all_reduce(t, op=OPS[op], group=group)
+
+    def sum_among(self, t: torch.Tensor, stages: Sequence[int]) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._tied[tuple(stages)])
 
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         if self._copies is None or not params:

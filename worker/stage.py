@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gpipe import batchnorm, evaluation, init, schedule, skip, structure
+from gpipe import batchnorm, capture, evaluation, init, schedule, skip, structure
 from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
@@ -54,7 +54,13 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     hook = resolve(cfg.init_hook) if cfg.init_hook else None
     per_layer = state is None and cfg.init == "per_layer"
 
-    def sliced(model: nn.Sequential) -> nn.Sequential:
+    def sliced(model: nn.Module) -> nn.Sequential:
+        if cfg.capture is not None:  # not an nn.Sequential: the pieces gpipe.capture cuts it into
+            device = next((t.device for t in model.parameters()), torch.device("cpu"))
+            args = cfg.capture
+            model = capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
+                                    args["output"]).pieces
+        assert isinstance(model, nn.Sequential)
         return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
 
     layers = None
@@ -68,6 +74,8 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
                 layers[j] = init.materialise(layers[j], i, cfg.seed, device, hook)
         else:
             layers = layers.to_empty(device=device)
+            capture.retie(layers, [keys for keys, _ in cfg.tied])  # to_empty gave each name its own tensor
+            capture.to_device(layers, device)
     except Exception:
         layers = None
     if layers is None:
@@ -78,7 +86,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         layers = layers.to(device)
     if state is None:
         return layers
-    own = dict(layers.named_parameters()) | dict(layers.named_buffers())
+    own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers())
     if set(own) != set(state):
         raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
     with torch.no_grad():
@@ -160,6 +168,7 @@ class Stage:
         self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = resolve(cfg.loss) if self.last and cfg.loss \
             else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
+        self.tied = self._tied_here()
         self.shared_rng = shared_rng
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
@@ -232,6 +241,7 @@ class Stage:
         self._doing("computing")
         self.run(schedule.build(cfg.schedule, cfg.stage, cfg.stages, len(sizes)), p, t_step)
         self._flush()
+        self._sum_tied()
         reduce_s = self._reduce_replicas()
         t0 = time.perf_counter()
         skipped, grad_norm = self._finish_gradients()
@@ -372,6 +382,26 @@ class Stage:
 
     # -- after the backward ---------------------------------------------------------------------------
 
+    def _tied_here(self) -> list[tuple[torch.Tensor, list[int], bool]]:
+        """Tied weights this stage holds a copy of, with other stages: (parameter, holder stages, whether this
+        stage is the first holder, whose copy the clipping norm counts)."""
+        own = dict(self.layers.named_parameters(remove_duplicate=False))
+        out: list[tuple[torch.Tensor, list[int], bool]] = []
+        for keys, stages in self.cfg.tied:
+            held = [k for k in keys if k in own]
+            if len(stages) > 1 and held:
+                out.append((own[held[0]], stages, stages[0] == self.cfg.stage))
+        return out
+
+    def _sum_tied(self) -> None:
+        """Each tied weight's holders sum its gradient: every copy then has one device's, and takes the same
+        update."""
+        for p, stages, _ in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._doing("waiting", f"the tied weight's gradient of stages {stages}")
+            self.transport.sum_among(p.grad, stages)
+
     def _reduce_replicas(self) -> float:
         """With replicas: wait for the sums of this stage's gradients across replicas (started during the last
         backward), and sum what deferred BatchNorm tracked. Returns the seconds it waited (not busy time)."""
@@ -459,8 +489,9 @@ class Stage:
     def _clip(self, max_norm: float) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
         grads = [p.grad for p in self.params if p.grad is not None]
+        copies = {id(p) for p, _, first in self.tied if not first}  # a tied weight counts once, at its first holder
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
+        for g in (p.grad for p in self.params if p.grad is not None and id(p) not in copies):
             sq += g.detach().double().pow(2).sum()
         self.transport.all_reduce(sq, "pipeline")  # over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
