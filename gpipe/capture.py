@@ -413,12 +413,8 @@ def to_device(layers: nn.Module, device: torch.device) -> None:
     def swap(a: Any) -> Any:
         return device if isinstance(a, torch.device) and a == meta else a
 
-    for m in layers.modules():
-        if not isinstance(m, Piece):
-            continue
-        for gm in (m._gp_graph, m._gp_eval):
-            if gm is None:
-                continue
+    for gm in layers.modules():  # the pieces' graphs, and those nested in them (a no-grad region's)
+        if isinstance(gm, fx.GraphModule):
             for n in gm.graph.nodes:
                 n.args = pytree.tree_map(swap, n.args)
                 n.kwargs = pytree.tree_map(swap, n.kwargs)

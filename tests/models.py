@@ -492,3 +492,23 @@ def token_pairs(n: int = 32, length: int = 12, vocab: int = 97, seed: int = 0) -
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (n, length + 1), generator=g)
     return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class MaskedPairs(torch.utils.data.Dataset):
+    """token_pairs as ({"input_ids", "attention_mask"}, targets): every 3rd sample left-padded (masked out)."""
+
+    def __init__(self, n: int = 32, length: int = 12, vocab: int = 97):
+        self.pairs = token_pairs(n, length, vocab)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int):
+        x, y = self.pairs[i]
+        mask = torch.ones_like(x)
+        mask[: (i % 3 == 0) * 2] = 0
+        return {"input_ids": x, "attention_mask": mask}, y
+
+
+def masked_pairs(n: int = 32) -> MaskedPairs:
+    return MaskedPairs(n)

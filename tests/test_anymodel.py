@@ -254,3 +254,26 @@ def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_
     assert loaded.transformer.wte.weight is loaded.lm_head.weight
     assert torch.equal(loaded.transformer.wte.weight, want["transformer.wte.weight"].to(loaded.dtype)) or \
         (loaded.transformer.wte.weight - want["transformer.wte.weight"]).abs().max() <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_llama_with_a_mask_and_two_replicas_through_the_service_equals_one_device(cli):
+    from safetensors.torch import load_file
+    from torch.utils.data import default_collate
+
+    from tests.conftest import torch_threads
+
+    spec = {**GPT2_JOB, "model": {"factory": "tests.models:llama", "args": {}}, "stages": 2, "replicas": 2,
+            "chunks": 2, "data": {"factory": "tests.models:masked_pairs", "args": {}, "batch_size": 8,
+                                  "shuffle": False}, "steps": 2, "clip_grad_norm": None}
+    r = cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=240)
+    assert r.returncode == 0, r.stderr
+    got = load_file(cli.tmp / "state" / "t" / "model.safetensors")
+    with torch_threads(1):
+        want = fresh(models.llama)
+        pairs = models.masked_pairs()
+        data = [default_collate([pairs[i] for i in range(s * 8, (s + 1) * 8)]) for s in range(2)]
+        one_device(want, data, chunks=2, replicas=2)
+    assert set(got) == set(want.state_dict())
+    worst = max((got[k] - v).abs().max().item() for k, v in want.state_dict().items())
+    assert worst <= 1e-5, f"weights differ from one device by {worst}"
