@@ -28,6 +28,7 @@ sum its gradient and keep the copies equal.
 from __future__ import annotations
 
 import difflib
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,15 +265,14 @@ def capture(model: nn.Module, sample: Any, split_points: Sequence[str] = (), out
                                "others); name the module that contains it or one after it")
         return hits[0]
 
-    starts = sorted({first_node(b) for b in block_names[1:]} | {first_node(p) for p in split_points})
-    starts = [s for s in starts if s > 0]
+    point_starts = {first_node(p) for p in split_points}
+    starts = [s for s in sorted({first_node(b) for b in block_names[1:]} | point_starts) if s > 0]
     where: dict[fx.Node, int] = {}
     piece = 0
     for i, n in enumerate(nodes):
         while piece < len(starts) and i >= starts[piece]:
             piece += 1
         where[n] = piece
-    point_starts = {first_node(p) for p in split_points}
     cuts = sorted({starts.index(s) + 1 for s in point_starts if s in starts})
     if split_points and len(cuts) != len(split_points):
         raise CaptureError("model.split_points: the first one must not be the model's first operation")
@@ -314,7 +314,7 @@ def _pieces(model: nn.Module, split: fx.GraphModule, count: int, ep: torch.expor
             defined[n.name] = -1
         elif n.op == "call_module":
             k = int(n.target.split("_")[1])
-            getitems = [u for u in n.users if u.op == "call_function" and u.target is _getitem()]
+            getitems = [u for u in n.users if u.op == "call_function" and u.target is operator.getitem]
             if getitems and len(getitems) == len(n.users):
                 ordered = sorted(getitems, key=lambda u: u.args[1])
                 outs[k] = [u.name for u in ordered]
@@ -370,12 +370,6 @@ def _state_of(model: nn.Module, split: fx.GraphModule, target: str,
     t = getattr(split.get_submodule(owner_name), leaf)
     assert isinstance(t, torch.Tensor), target
     return f"_gp_constants.{target.replace('.', '_')}", t, "transient"
-
-
-def _getitem() -> Any:
-    import operator
-
-    return operator.getitem
 
 
 def _modules_of(nodes: list[fx.Node], where: dict[fx.Node, int], count: int) -> list[list[str]]:
