@@ -122,6 +122,7 @@ def cli(tmp_path: Path):
     assert not left, f"processes left behind: {left}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     """For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
     processes (a module-scoped fixture of ours: one serve, one finished run) go to one xdist worker, so
