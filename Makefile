@@ -27,11 +27,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# TEST_WORKERS pytest-xdist processes share the tests (most of a test's time is its processes starting
+# and waiting); tests that share a module's serve stay on one (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
+
 test: lint typecheck
-	$(BIN)/pytest -q -m "not gpu"
+	$(BIN)/pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not gpu and not multiprocess"
+	$(BIN)/pytest -q -m "not gpu and not multiprocess" -n $(TEST_WORKERS) --dist loadgroup
 
 # Regenerate gpipe/v1 from protos/ (tests/test_protos.py fails when it is stale).
 protos: setup

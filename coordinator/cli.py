@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--validate-memory-mib", type=int, default=None,
                      help="the memory a submitted spec's validation (building its model and data) may take, "
                           "in MiB (default: a quarter of this machine's)")
+    srv.add_argument("--heartbeat-timeout", type=float, metavar="SECONDS",
+                     default=os.environ.get("GPIPE_HEARTBEAT_TIMEOUT_S"),
+                     help="a worker whose heartbeats stop this long is dropped and its attempt fails "
+                          "(env GPIPE_HEARTBEAT_TIMEOUT_S; default 10)")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -151,6 +155,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 def _serve(args: argparse.Namespace) -> int:
     from gpipe import grpcutil, net, proc
     from gpipe.coordinator.server import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB, serve
+    from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 
     token = grpcutil.read_token(args.auth_token_file)
     worker_token = grpcutil.read_token(args.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
@@ -170,6 +175,10 @@ def _serve(args: argparse.Namespace) -> int:
     mib = args.validate_memory_mib
     if mib is not None and not MIN_VALIDATE_MEMORY_MIB <= mib <= MAX_VALIDATE_MEMORY_MIB:
         raise SpecError(f"--validate-memory-mib: {mib} is outside {MIN_VALIDATE_MEMORY_MIB}..{MAX_VALIDATE_MEMORY_MIB}")
+    heartbeat_timeout = HEARTBEAT_TIMEOUT_S if args.heartbeat_timeout is None else float(args.heartbeat_timeout)
+    if not 2 * HEARTBEAT_INTERVAL_S <= heartbeat_timeout <= 3600:  # nan too
+        raise SpecError(f"--heartbeat-timeout: {args.heartbeat_timeout} is outside {2 * HEARTBEAT_INTERVAL_S:g}..3600 "
+                        "seconds (or env GPIPE_HEARTBEAT_TIMEOUT_S)")
     note = ""
     if token is None and worker_token is None:
         # A spec names code to run: without tokens, only this machine may submit one.
@@ -182,7 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
                             "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
-                      validate_memory_mib=mib))
+                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)

@@ -420,7 +420,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         sup, rank = self.c.sup, request.rank
         old = sup.workers.get(rank)
         if (old is not None and old.id not in self.streaming  # registered, but never took its commands
-                and sup.clock.monotonic() - old.registered > HEARTBEAT_TIMEOUT_S / 2):
+                and sup.clock.monotonic() - old.registered > sup.heartbeat_timeout / 2):
             sup.drop(old, f"{sup.worker_name(old)} registered again before it took its commands")
         try:
             w = sup.register(rank, request.host, request.device, printable(request.hostname, MAX_HOSTNAME),
@@ -586,7 +586,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
 
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
-                validate_memory_mib: int | None = None) -> None:
+                validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> None:
     """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
@@ -601,7 +601,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     if host is not None:
         net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
-    c = Coordinator(state_dir, host, validate_memory_mib=validate_memory_mib)
+    c = Coordinator(state_dir, host, heartbeat_timeout, validate_memory_mib)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
     health = health_aio.HealthServicer()

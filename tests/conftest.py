@@ -120,3 +120,22 @@ def cli(tmp_path: Path):
     yield c
     left = end_leftovers(c)
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
+    processes (a module-scoped fixture of ours: one serve, one finished run) go to one xdist worker, so
+    those processes start once; and the tests that start processes are handed out first, the groups
+    before them, so the long ones do not come last."""
+    def shared(item) -> str | None:
+        for name in item.fixturenames:
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if defs and defs[-1].scope != "function" and defs[-1].baseid:  # ours, not pytest's own
+                return f"{item.module.__name__}:{name}"
+        return None
+
+    for item in items:
+        if (group := shared(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (shared(item) is None, item.get_closest_marker("multiprocess") is None))

@@ -26,12 +26,13 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from gpipe.coordinator.supervisor import COMMIT_GRACE_S, HEARTBEAT_TIMEOUT_S
+from gpipe.coordinator.supervisor import COMMIT_GRACE_S
 from tests import netns, reference
 from tests.conftest import ROOT
 
 WORKERS = 3
 API_PORT = 7000
+HEARTBEAT_TIMEOUT_S = 5  # serve's (env GPIPE_HEARTBEAT_TIMEOUT_S; default 10): a cut link is seen sooner
 # A lost worker is dropped after HEARTBEAT_TIMEOUT_S; its attempt then has up to COMMIT_GRACE_S to commit
 # and exit (a checkpoint it was pulling from the cut stage waits that long) before the job is RESTARTING.
 RESTARTING_WITHIN_S = HEARTBEAT_TIMEOUT_S + COMMIT_GRACE_S + 30
@@ -111,9 +112,11 @@ class Cluster:
         for m in MOUNTS_IN_TMP:
             (root / m.strip("/").replace("/", "-")).mkdir(parents=True, exist_ok=True)
 
-    def run(self, host: int, obj: dict[str, Any], name: str, rank: str = "") -> None:
-        argv, env = pod_command(obj, self.root, {"rank": rank, "tag": self.tag,
-                                                 "coordinator": f"{self.hosts.addr(0)}:{API_PORT}"})
+    def run(self, host: int, obj: dict[str, Any], name: str, rank: str = "", env: dict[str, str] | None = None) -> None:
+        """`obj`'s pod as a process on `host`, with `env` added to the manifest's."""
+        argv, pod_env = pod_command(obj, self.root, {"rank": rank, "tag": self.tag,
+                                                     "coordinator": f"{self.hosts.addr(0)}:{API_PORT}"})
+        env = {**pod_env, **(env or {})}
         self.logs[name] = self.root / f"{name}.log"
         self.hosts.spawn(host, argv, env, self.logs[name], cwd=self.root / "tmp")
 
@@ -155,7 +158,7 @@ def test_four_hosts_from_the_manifests_train_through_cut_links_to_the_one_device
     c = Cluster(hosts, tmp_path, cli.tag)
     spec = job_spec()
     (tmp_path / "job" / "job.yaml").write_text(yaml.safe_dump(spec))
-    c.run(0, c.serve_obj, "serve")
+    c.run(0, c.serve_obj, "serve", env={"GPIPE_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S)})
     c.wait_for(lambda: "coordinator serving on" in c.log("serve"), "serve to start", 60)
     for rank in range(WORKERS):
         c.run(1 + rank, c.worker_obj, f"worker{rank}", rank=str(rank))

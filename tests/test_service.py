@@ -144,13 +144,17 @@ def service(cli):
     s.stop_all()
 
 
+# The shared serve drops a silent worker after this many seconds (serve --heartbeat-timeout; default 10).
+HEARTBEAT_TIMEOUT_S = 5
+
+
 @pytest.fixture(scope="module")
 def serve_once(tmp_path_factory):
     """One serve and two workers for this module's tests but those that kill serve or need its flags."""
     c = Cli(tmp_path_factory.mktemp("shared"))
     s = Service(c)
     try:
-        s.start_serve()
+        s.start_serve("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
         s.start_worker(0)
         s.start_worker(1)
         yield s
@@ -497,7 +501,7 @@ def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_wh
         for pid in frozen:
             with_suppress(lambda pid=pid: os.kill(pid, signal.SIGCONT))
     status = shared.client("status", "partition").stdout
-    assert "stage 1's worker missed its heartbeats for 10s (rank 1)" in status, status
+    assert f"stage 1's worker missed its heartbeats for {HEARTBEAT_TIMEOUT_S}s (rank 1)" in status, status
     # Back on the network, the daemon finds it was forgotten, drops its attempt, registers again; the job resumes.
     r = shared.client("logs", "partition", "--follow", timeout=180)
     assert r.returncode == 0 and "partition: SUCCEEDED" in r.stderr, r.stderr + shared.log("worker1")

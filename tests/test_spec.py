@@ -142,6 +142,7 @@ def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     (["run", "missing.yaml"], "error: missing.yaml: cannot read job file"),
     (["run"], "error: the following arguments are required: job"),
     (["fly", "job.yaml"], "error: argument command: invalid choice"),
+    (["serve", "--heartbeat-timeout", "1"], "error: --heartbeat-timeout: 1.0 is outside 2..3600 seconds"),
 ])
 def test_cli_bad_invocations(cli, args, message):
     r = cli.run(*args, timeout=60)
