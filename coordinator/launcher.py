@@ -20,12 +20,13 @@ from pathlib import Path
 from gpipe.coordinator import report
 from gpipe.coordinator.supervisor import Launch
 from gpipe.proc import child_env, last_error_line
+from gpipe.zygote import Child, Template
 
 REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
 
 
 class AttemptProcess:
-    def __init__(self, proc: asyncio.subprocess.Process, log: Path | None = None):
+    def __init__(self, proc: Child, log: Path | None = None):
         self.proc, self.log = proc, log
 
     def last_words(self) -> str:
@@ -63,8 +64,10 @@ class ProcessLauncher:
     workers: the one they reach it by.
     """
 
-    def __init__(self, state_dir: Path, host: str | None, log_for: Callable[[str], Path], extra: Sequence[str] = ()):
-        self.state_dir, self.host, self.log_for = state_dir, host, log_for
+    def __init__(self, state_dir: Path, host: str | None, log_for: Callable[[str], Path], extra: Sequence[str] = (),
+                 template: Template | None = None):
+        """With `template`, attempt processes are forked from it (gpipe.zygote) instead of started anew."""
+        self.state_dir, self.host, self.log_for, self.template = state_dir, host, log_for, template
         self.extra = list(extra)  # more arguments for every attempt (--evaluate WEIGHTS: the eval verb)
         self.started: list[AttemptProcess] = []  # not yet reaped (see reap)
 
@@ -77,15 +80,19 @@ class ProcessLauncher:
 
     async def __call__(self, launch: Launch) -> AttemptProcess:
         host = self.host_for(launch)
-        cmd = [sys.executable, "-m", "gpipe.coordinator.attempt", "--spec", str(launch.spec_path),
-               "--job-dir", str(launch.job_dir), "--state-dir", str(self.state_dir), "--host", host,
-               "--placement", json.dumps([asdict(p) for p in launch.placement]),
-               "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
-               *(["--resume"] if launch.resume else []), *self.extra]
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
-            env=child_env(dict(os.environ)), limit=REPORT_LINE_LIMIT,
-        )
+        args = ["--spec", str(launch.spec_path), "--job-dir", str(launch.job_dir), "--state-dir", str(self.state_dir),
+                "--host", host, "--placement", json.dumps([asdict(p) for p in launch.placement]),
+                "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
+                *(["--resume"] if launch.resume else []), *self.extra]
+        proc: Child
+        if self.template is not None:
+            proc = await self.template.spawn("gpipe.coordinator.attempt", args, child_env(dict(os.environ)),
+                                             stdout=True, limit=REPORT_LINE_LIMIT)
+        else:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpipe.coordinator.attempt", *args, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, start_new_session=True, env=child_env(dict(os.environ)),
+                limit=REPORT_LINE_LIMIT)
         self.started = [a for a in self.started if not a.reaped()]
         self.started.append(AttemptProcess(proc, self.log_for(launch.job)))
         return self.started[-1]

@@ -17,14 +17,16 @@ from pathlib import Path
 from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, Supervisor
 from gpipe.serde import Join
 from gpipe.worker.agent import Agent
+from gpipe.zygote import Template
 
 
 class LocalWorker:
     def __init__(self, sup: Supervisor, rank: int, host: str, device: str, cores: list[int], threads: int,
-                 log: Path):
-        """A worker for `rank`, pinned to `cores`, its attempts' output going to `log`."""
+                 log: Path, template: Template | None = None):
+        """A worker for `rank`, pinned to `cores`, its attempts' output going to `log`, their processes forked
+        from `template` if given."""
         self.sup, self.rank, self.host, self.device, self.log = sup, rank, host, device, log
-        self.agent = Agent(host, cores, threads, on_change=self.beat)
+        self.agent = Agent(host, cores, threads, on_change=self.beat, template=template)
         self.worker_id = ""
 
     def beat(self) -> None:

@@ -33,6 +33,7 @@ from gpipe.coordinator.supervisor import Supervisor
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
 from gpipe.serde import JobRecord, JobState
 from gpipe.worker.cores import split_cores, threads_for
+from gpipe.zygote import Template
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
 
@@ -76,11 +77,13 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
-    launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra)
+    template = Template(os.environ)  # every attempt process of the job is forked from it (gpipe.zygote)
+    await template.start()
+    launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, template)
     sup = Supervisor(launcher, say=lambda line: None)
     device = "cuda" if spec.device == "cuda" else "cpu"
     threads = min(threads_for(c) for c in core_sets)
-    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k))
+    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template)
                for k, cores in enumerate(core_sets)]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
@@ -105,6 +108,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
             t.cancel()
         await asyncio.gather(*tasks, *sup.tasks, return_exceptions=True)
         await launcher.reap()
+        await template.close()
     return job, evals
 
 

@@ -53,6 +53,7 @@ from gpipe.files import atomic_write_json, naming
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from gpipe.zygote import Template
 
 VALIDATE_TIMEOUT_S = 120.0
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
@@ -166,7 +167,10 @@ class Coordinator:
         self.state_dir = state_dir
         self.validate_memory_mib = validate_memory_mib or default_validate_memory_mib()
         self.table = JobTable(state_dir)
-        self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log"),
+        # Attempt processes fork from a template that imported torch once (gpipe.zygote); it keeps no token.
+        self.template = Template(os.environ, hidden=SECRET_ENV)
+        self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log",
+                                              template=self.template),
                               self.table, heartbeat_timeout=heartbeat_timeout)
         self.table.load(self.sup)
         self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
@@ -631,3 +635,4 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     await server.stop(grace=STOP_GRACE_S)
     for t in tasks:
         t.cancel()
+    await c.template.close()

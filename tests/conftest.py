@@ -31,6 +31,20 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+def process_kind(pid: int) -> str | None:
+    """'coordinator' or 'worker' for an attempt process, by the name a fork of the template takes
+    (gpipe.zygote: gpipe:attempt, gpipe:worker) or, started anew, its `python -m MODULE` command line."""
+    try:
+        comm = (Path("/proc") / str(pid) / "comm").read_text().strip()
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0") + [b"", b""]
+    except OSError:
+        return None
+    if comm.startswith("gpipe:"):
+        return {"gpipe:attempt": "coordinator", "gpipe:worker": "worker"}.get(comm)
+    return {b"gpipe.coordinator.attempt": "coordinator", b"gpipe.worker": "worker"}.get(argv[2]) \
+        if argv[1] == b"-m" else None
+
+
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's intra-op threads in this process set to `n` for a while: a one-device reference computed with

@@ -17,7 +17,7 @@ import pytest
 
 from gpipe import net, serde
 from gpipe.coordinator import report
-from tests.conftest import Cli, tagged_pids, wait_for
+from tests.conftest import Cli, process_kind, tagged_pids, wait_for
 from tests.test_service import Service
 
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 8, "seconds": 0.02}}
@@ -78,9 +78,7 @@ def attempt_ports(tag: str) -> dict[int, tuple[str, set[tuple[str, int]]]]:
     found = {}
     for pid in tagged_pids(tag):
         with contextlib.suppress(OSError):  # it ended meanwhile
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") + [b"", b""]
-            kind = {b"gpipe.coordinator.attempt": "coordinator", b"gpipe.worker": "worker"}.get(argv[2])
-            if argv[1] == b"-m" and kind and (addrs := listening(pid)):
+            if (kind := process_kind(pid)) and (addrs := listening(pid)):
                 found[pid] = (kind, addrs)
     return found
 

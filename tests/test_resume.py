@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from gpipe.coordinator import checkpoint
 from tests import reference
-from tests.conftest import tagged_pids, wait_for
+from tests.conftest import process_kind, tagged_pids, wait_for
 from tests.test_failures import _worker_pid
 
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
@@ -130,8 +130,7 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
         if victim.startswith("stage"):
             pid = _worker_pid(cli.tag, 1)
         else:
-            pid = next(q for q in tagged_pids(cli.tag)
-                       if b"gpipe.coordinator.attempt" in Path(f"/proc/{q}/cmdline").read_bytes())
+            pid = next(q for q in tagged_pids(cli.tag) if process_kind(q) == "coordinator")
         os.kill(pid, signal.SIGKILL)
         p.wait(timeout=180)
         err = lines.text()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpipe.proc import child_env, last_error_line
 from gpipe.serde import Join
+from gpipe.zygote import Child, Template
 
 # A stage allocates activation-sized buffers every micro-batch (received tensors,
 # outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
@@ -39,10 +40,13 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_":
 class Agent:
     """Runs one worker's attempt processes on its cores; `on_change` hears when one ends or is killed."""
 
-    def __init__(self, host: str, cores: list[int], threads: int, on_change: Callable[[], None] = lambda: None):
+    def __init__(self, host: str, cores: list[int], threads: int, on_change: Callable[[], None] = lambda: None,
+                 template: Template | None = None):
+        """With `template`, attempt processes are forked from it (gpipe.zygote) instead of started anew."""
         self.host, self.cores, self.threads, self.on_change = host, cores, threads, on_change
-        self.spare: asyncio.subprocess.Process | None = None
-        self.child: asyncio.subprocess.Process | None = None
+        self.template = template
+        self.spare: Child | None = None
+        self.child: Child | None = None
         self.attempt_id = ""
         self.exit_code: int | None = None  # the child's, once it ended by itself
         self.log: Path | None = None
@@ -58,9 +62,12 @@ class Agent:
     async def prestart(self) -> None:
         """Have a spare attempt process importing torch, ready for the next join."""
         if self.spare is None or self.spare.returncode is not None:
-            self.spare = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
+            if self.template is not None:
+                self.spare = await self.template.spawn("gpipe.worker", [], self._env(), stdin=True)
+            else:
+                self.spare = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
 
     async def join(self, j: Join, log: Path) -> None:
         """Start rank `j.rank` of attempt `j.attempt_id` (ending any attempt this worker was in)."""
@@ -85,7 +92,7 @@ class Agent:
         self.child, self.attempt_id, self.exit_code, self.log = child, j.attempt_id, None, log
         asyncio.ensure_future(self._reap(child))
 
-    async def _reap(self, child: asyncio.subprocess.Process) -> None:
+    async def _reap(self, child: Child) -> None:
         code = await child.wait()
         if child is self.child:
             self.exit_code = code
@@ -112,7 +119,7 @@ class Agent:
         await self._kill(spare)
 
     @staticmethod
-    async def _kill(p: asyncio.subprocess.Process | None) -> None:
+    async def _kill(p: Child | None) -> None:
         if p is not None and p.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)

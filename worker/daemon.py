@@ -34,6 +34,7 @@ from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent
 from gpipe.worker.cores import parse_cores, threads_for
+from gpipe.zygote import Template
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
@@ -42,7 +43,9 @@ STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
 class Daemon:
     def __init__(self, a: argparse.Namespace, token: str | None):
         self.a, self.token = a, token
-        self.agent = Agent(a.host, a.cores, a.threads, on_change=self._changed)
+        # Attempt processes fork from a template that imported torch once (gpipe.zygote); it keeps no token.
+        self.template = Template(os.environ, hidden=(grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV))
+        self.agent = Agent(a.host, a.cores, a.threads, on_change=self._changed, template=self.template)
         self.changed = asyncio.Event()  # the attempt process ended or was killed: heartbeat at once
         self.log_dir = Path(a.log_dir)
         self.failures = 0  # since the last registration: picks the backoff
@@ -51,6 +54,7 @@ class Daemon:
         self.changed.set()
 
     async def run(self) -> None:
+        await self.template.start()
         await self.agent.prestart()
         while True:
             try:
@@ -138,6 +142,7 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
     done, _ = await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     task.cancel()
     await d.agent.close()
+    await d.template.close()
     await server.stop(grace=STOP_GRACE_S)
     if task in done and task.exception():
         raise task.exception()  # type: ignore[misc]  # a done task with an exception: not None

@@ -1,0 +1,351 @@
+"""Attempt processes forked from a template that imported torch once.
+
+Every attempt gets fresh processes (an RPC world or a communicator that saw a
+failure is never reused), and a fresh Python spends about 2 s of CPU importing
+torch and what a stage needs (torch._dynamo among it: building an optimizer
+imports it). A job of W workers paid W + 1 such imports per attempt. Here one
+template process, `python -m gpipe.zygote MODULE...`, imports those modules
+once, and each attempt process is forked from it: it starts in milliseconds
+and shares the imported pages with the template.
+
+The template runs no operator, starts no thread of its own (numpy's BLAS pool
+handles a fork itself) and never touches CUDA, so a fork of it is as clean as
+a fresh interpreter that imported the same modules. A forked process:
+- starts a session of its own (it is killed by process group, as before) and
+  dies with the template, which dies with its owner (gpipe.proc);
+- gets what `python -m MODULE ARGS` would have had: stdin, stdout and stderr,
+  the environment (os.environ; /proc/PID/environ stays the template's, which
+  holds none of the owner's secrets), the working directory and sys.path
+  (PYTHONPATH included), sys.argv;
+- applies first what the environment says at start-up: its cores
+  (gpipe.proc.CORES_ENV), torch's threads (OMP_NUM_THREADS, else the
+  template's default) and glibc's malloc thresholds (MALLOC_*_);
+- runs MODULE as __main__, and exits as that interpreter would.
+Its name (comm: what top and `ps -o comm` show) is "gpipe:" and the module's
+last part; its command line stays the template's.
+
+The owner (an agent or a launcher) talks to the template over a socketpair:
+a request is one datagram of JSON, with the three descriptors of its stdio
+attached. The template answers on its stdout, one JSON line each: `{"ready"}`
+once imported, `{"pid"}` per request in order (or `{"error"}`), and
+`{"exit", "code"}` when a process it forked ends (it is their parent, so it
+reaps them). If the template cannot start or dies, the owner falls back to
+starting the process as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gpipe.proc import CORES_ENV, PARENT_ENV, child_env
+
+READY_TIMEOUT_S = 120.0  # importing torch on a loaded machine
+MAX_REQUEST = 1 << 20  # one request: the module, its arguments, its environment
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's names for MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": _M_TRIM_THRESHOLD, "MALLOC_MMAP_THRESHOLD_": _M_MMAP_THRESHOLD}
+
+# What attempt processes import: the worker's and the coordinator's.
+PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attempt", "gpipe.coordinator.attempt",
+           "gpipe.coordinator.driver")
+
+
+class Forked:
+    """A process forked by the template, as much of asyncio.subprocess.Process as its owners use."""
+
+    def __init__(self, pid: int, stdin: asyncio.StreamWriter | None, stdout: asyncio.StreamReader | None):
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+        self._ended = asyncio.get_running_loop().create_future()
+
+    def _end(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._ended.set_result(code)
+
+    async def wait(self) -> int:
+        return int(await asyncio.shield(self._ended))
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+
+
+Child = asyncio.subprocess.Process | Forked
+
+
+class Template:
+    """One template process and the processes forked from it; `start` it before `spawn`, `close` it after."""
+
+    def __init__(self, env: Mapping[str, str], preload: Iterable[str] = PRELOAD, hidden: Iterable[str] = ()):
+        """`env`: the template's environment, less `hidden` (secrets its forks must not inherit)."""
+        self.env = {k: v for k, v in env.items() if k not in set(hidden) and k not in (PARENT_ENV, CORES_ENV)}
+        self.preload = list(preload)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.sock: socket.socket | None = None
+        self.pending: deque[asyncio.Future[Forked]] = deque()
+        self.children: dict[int, Forked] = {}
+        self.ready: asyncio.Future[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start the template importing (returns at once; `spawn` waits until it is ready)."""
+        if self.proc is not None and self.proc.returncode is None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpipe.zygote", str(theirs.fileno()), *self.preload,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+                pass_fds=(theirs.fileno(),), env=child_env(dict(self.env, PYTHONUNBUFFERED="1")))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.ensure_future(self._read(self.proc, self.ready))
+
+    async def _read(self, proc: asyncio.subprocess.Process, ready: asyncio.Future[None]) -> None:
+        assert proc.stdout is not None
+        try:
+            async for line in proc.stdout:
+                m = json.loads(line)
+                if "ready" in m and not ready.done():
+                    ready.set_result(None)
+                elif "pid" in m or "error" in m:
+                    f = self.pending.popleft()
+                    if "error" in m:
+                        if not f.done():
+                            f.set_exception(OSError(m["error"]))
+                        continue
+                    # Known before anything else is read: its exit may be the very next line.
+                    child = self.children[m["pid"]] = Forked(m["pid"], None, None)
+                    if not f.done():
+                        f.set_result(child)
+                elif "exit" in m and m["exit"] in self.children:
+                    self.children.pop(m["exit"])._end(m["code"])
+        finally:  # the template ended: so did every process it forked (they die with it)
+            if not ready.done():
+                ready.set_exception(OSError("the template process ended before it was ready"))
+            for f in self.pending:
+                if not f.done():
+                    f.set_exception(OSError("the template process ended"))
+            self.pending.clear()
+            for child in self.children.values():
+                child._end(-signal.SIGKILL)
+            self.children.clear()
+            if self.sock is not None and proc is self.proc:
+                self.sock.close()
+                self.sock = None
+
+    async def spawn(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool = False,
+                    stdout: bool = False, limit: int = 1 << 16) -> Child:
+        """`python -m module *args` with `env`: forked from the template when it runs, else started anew.
+        `stdin`, `stdout`: a pipe to write to, from which to read (else /dev/null); stderr is this process's."""
+        try:
+            await self.start()
+            assert self.ready is not None
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await asyncio.shield(self.ready)
+            return await self._fork(module, args, env, stdin, stdout, limit)
+        except (OSError, TimeoutError):
+            pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
+                start_new_session=True, env=dict(env), limit=limit)
+
+    async def _fork(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool, stdout: bool,
+                    limit: int) -> Forked:
+        loop = asyncio.get_running_loop()
+        close, keep = [], []  # the child's ends, sent and closed here; ours
+        try:
+            for wanted, writes in ((stdin, False), (stdout, True)):
+                if wanted:  # a pipe: the child's end reads (stdin) or writes (stdout)
+                    r, w = os.pipe()
+                    close.append(w if writes else r)
+                    keep.append(r if writes else w)
+                else:
+                    close.append(os.open(os.devnull, os.O_WRONLY if writes else os.O_RDONLY))
+            request = json.dumps({"module": module, "args": args, "env": dict(env), "cwd": os.getcwd()}).encode()
+            if len(request) > MAX_REQUEST:
+                raise OSError(f"a request of {len(request)} bytes is over {MAX_REQUEST}")
+            assert self.sock is not None
+            pid_f: asyncio.Future[Forked] = loop.create_future()
+            socket.send_fds(self.sock, [request], [*close, 2])  # a datagram on a local socketpair: never blocks
+            self.pending.append(pid_f)
+        except BaseException:
+            for fd in keep:
+                os.close(fd)
+            raise
+        finally:
+            for fd in close:
+                os.close(fd)
+        try:
+            child = await pid_f
+        except BaseException:
+            for fd in keep:
+                os.close(fd)
+            raise
+        if stdin:
+            transport, protocol = await loop.connect_write_pipe(
+                asyncio.streams.FlowControlMixin, os.fdopen(keep.pop(0), "wb", 0))
+            child.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        if stdout:
+            reader = child.stdout = asyncio.StreamReader(limit=limit, loop=loop)
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                         os.fdopen(keep.pop(0), "rb", 0))
+        return child
+
+    async def close(self) -> None:
+        """End the template, and with it every process it forked."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader, 10)
+
+    def kill_now(self) -> None:
+        """Kill the template without waiting (from a finally that cannot await)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+# The template process.
+
+def _say(m: dict[str, Any]) -> None:
+    os.write(1, json.dumps(m).encode() + b"\n")
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork a process per request until the owner goes away; return (request, fds) in a forked process."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    while True:
+        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            _reap()
+        if sock.fileno() not in ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 3)
+        except OSError:
+            return None
+        if not data:
+            return None  # the owner closed its end
+        try:
+            request = json.loads(data)
+            led_r, led_w = os.pipe()
+            pid = os.fork()
+        except (OSError, ValueError) as e:
+            for fd in fds:
+                os.close(fd)
+            _say({"error": str(e)})
+            continue
+        if pid == 0:
+            os.setsid()  # before its owner hears of it: it is killed by process group
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (wake_r, wake_w, sock.fileno(), led_r, led_w):
+                os.close(fd)
+            return request, fds
+        os.close(led_w)
+        os.read(led_r, 1)  # end of file once the child led its session (or died)
+        os.close(led_r)
+        for fd in fds:
+            os.close(fd)
+        _say({"pid": pid})
+
+
+def _become(request: dict[str, Any], fds: list[int], template: int, threads: int) -> str:
+    """In the forked process: take on the request's process state; return the module to run."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != template:  # the template died before prctl took effect
+        os._exit(1)
+    for i, fd in enumerate(fds):
+        os.dup2(fd, i)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    module: str = request["module"]
+    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"gpipe:{module.rsplit('.', 1)[-1]}"[:15].encode()))
+    env: dict[str, str] = request["env"]
+    env.pop(PARENT_ENV, None)  # it dies with the template, which dies with the owner
+    cores = env.pop(CORES_ENV, "")
+    os.chdir(request["cwd"])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    known = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    sys.path[:1] = [request["cwd"], *(p for p in paths if p not in known)]
+    os.environ.clear()
+    os.environ.update(env)
+    if cores:
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+    for name, param in _MALLOPT.items():
+        if env.get(name, "").isdigit():
+            libc.mallopt(param, int(env[name]))
+    import torch
+
+    n = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(n) if n.isdigit() and int(n) > 0 else threads)
+    sys.argv = [module, *request["args"]]
+    sys.modules.pop(module, None)  # preloaded for its imports: run it afresh, as __main__
+    return module
+
+
+def main() -> None:
+    from gpipe import proc
+
+    proc.adopt()
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    for name in sys.argv[2:]:
+        importlib.import_module(name)
+    import torch
+
+    threads = torch.get_num_threads()
+    template = os.getpid()
+    _say({"ready": True})
+    got = _serve(sock)
+    if got is None:
+        return
+    module = _become(*got, template=template, threads=threads)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
+
