@@ -12,12 +12,13 @@ started.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -525,8 +526,12 @@ class JobSpec(_Spec):
 
 
 def format_validation_error(err: ValidationError) -> str:
-    """One line: the first error's field path and what is wrong with it."""
-    errors = err.errors()
+    """One line: the first error's field path and what is wrong with it.
+
+    An unknown field comes first, with the field of the spec it is closest to: a
+    typo (`batch_sise`) also makes its field missing, and the key the user wrote is what to name.
+    """
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")  # stable otherwise
     e = errors[0]
     # A discriminated union adds the tag to the path (lr_schedule.cosine.min_lr); other unions
     # and validators add their own labels (list[...], literal[...], function-after[...]).
@@ -534,6 +539,8 @@ def format_validation_error(err: ValidationError) -> str:
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg = "unknown field"
+        if isinstance(key := e["loc"][-1], str) and (near := _closest(key, e["loc"][:-1], JobSpec)):
+            msg += f" (did you mean {near}?)"
     if e["type"] == "missing":
         msg = "required item is missing" if isinstance(e["loc"][-1], int) else "required field is missing"
     # Each member of a union that refused the value at the same place: balance: a list or 'by_params'.
@@ -544,6 +551,25 @@ def format_validation_error(err: ValidationError) -> str:
         # A check across fields names its own field at the start of the message.
         return one_line(msg)
     return one_line(f"{loc}: {msg}")  # a message may quote the input: Input tag 'x' ...
+
+
+def _closest(key: str, parent: tuple[str | int, ...], model: type[BaseModel]) -> str | None:
+    """The field at `parent` (a path into `model`) whose name is closest to `key`, if one is close."""
+    models = _models_in(model)
+    for part in parent:
+        inner = [f.annotation for m in models if isinstance(part, str) and (f := m.model_fields.get(part))]
+        if inner:  # a field: the models it holds; an index, a union's label or tag: the same models
+            models = [m for a in inner for m in _models_in(a)]
+    names = sorted({name for m in models for name in m.model_fields})
+    near = difflib.get_close_matches(key.lower(), names, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, or inside Optional, list, a union, Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in get_args(annotation) for m in _models_in(a)]
 
 
 def _loc(loc: tuple[str | int, ...]) -> str:

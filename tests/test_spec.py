@@ -80,6 +80,12 @@ BAD = [
     ({"device": "tpu"}, "device: Input should be 'cpu' or 'cuda'"),
     ({"epochs": 3}, "epochs: unknown field"),
     ({"optimizer__lr_decay": 0.1}, "optimizer.lr_decay: unknown field"),
+    # A typo names the key as written, before the field it left missing, and the field it was meant as.
+    ({"data__batch_sise": 4, "data__batch_size": DELETE}, "data.batch_sise: unknown field (did you mean batch_size?)"),
+    ({"chunk": 4}, "chunk: unknown field (did you mean chunks?)"),
+    ({"stage": 2, "stages": DELETE}, "stage: unknown field (did you mean stages?)"),
+    ({"lr_schedule": {"name": "cosine", "warmup_step": 2}}, "lr_schedule.cosine.warmup_step: unknown field (did you mean warmup_steps?)"),
+    ({"zzz": 1}, "zzz: unknown field"),
 ]
 
 
@@ -90,6 +96,12 @@ def test_bad_spec_names_the_field(changes, message):
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith(message), line
+
+
+def test_an_unknown_field_far_from_every_field_suggests_none():
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(zzz=1))
+    assert str(e.value) == "zzz: unknown field"
 
 
 def test_good_spec_parses():
