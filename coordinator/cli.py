@@ -9,7 +9,8 @@
     gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
     gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
-    gpipe-coordinator status|logs|stop NAME; gpipe-coordinator list
+    gpipe-coordinator logs NAME [--follow] [--json]         # a step a line, checkpoints and restarts between
+    gpipe-coordinator status|stop NAME; gpipe-coordinator list
 
 Exit codes: 0 done, 1 the job failed (the failing stage is named) or the
 coordinator cannot be reached, 2 bad input (spec, flag, file or job name;
@@ -115,16 +116,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="NAME",
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
+    c.add_argument("--no-progress", action="store_true", help="with --follow: no progress bar or progress lines")
     client("status", help="one job's state, progress and history").add_argument("name")
     client("list", help="every job serve knows")
     c = client("logs", help="a job's per-step metrics and events")
     c.add_argument("name")
-    c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    c.add_argument("--follow", action="store_true", help="keep printing until the job ends; exit by its state")
+    c.add_argument("--json", action="store_true", help="the lines of the job's metrics.jsonl, as they are")
     client("stop", help="stop a pending or running job").add_argument("name")
 
     tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
     tl.add_argument("job_dir", help="the job's output directory, <state-dir>/<name>")
-    tl.add_argument("--step", type=int, default=None, help="the step to draw (default: the last logged)")
+    tl.add_argument("--step", type=int, default=None, help="the step to draw, counted from 1 as the progress bar counts (default: the last logged)")
     return p
 
 
@@ -206,14 +209,14 @@ async def _client(args: argparse.Namespace) -> int:
     try:
         if args.command == "submit":
             if args.resume:
-                return await c.resume(args.resume, args.follow)
-            return await c.submit(args.job, args.follow)
+                return await c.resume(args.resume, args.follow, not args.no_progress)
+            return await c.submit(args.job, args.follow, not args.no_progress)
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
             return await c.list()
         if args.command == "logs":
-            return await c.logs(args.name, args.follow)
+            return await c.logs(args.name, args.follow, args.json)
         return await c.stop(args.name)
     finally:
         await c.close()

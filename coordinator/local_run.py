@@ -29,7 +29,7 @@ from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.local import LocalWorker
 from gpipe.coordinator.progress import Follower, Progress
 from gpipe.coordinator.spec import JobSpec
-from gpipe.coordinator.supervisor import Supervisor
+from gpipe.coordinator.supervisor import Supervisor, final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
 from gpipe.serde import JobRecord, JobState
 from gpipe.worker.cores import split_cores, threads_for
@@ -126,7 +126,8 @@ def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = 
     _succeeded(job)
     out = Path(job.output_dir)
     again = f" after {job.restarts} restart(s)" if job.restarts else ""
-    print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s{again}; weights in {out / 'model.safetensors'}",
+    print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s{again}: {final_loss(job)}weights in "
+          f"{out / 'model.safetensors'}",
           file=sys.stderr, flush=True)
     return out
 

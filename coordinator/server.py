@@ -166,7 +166,7 @@ class Coordinator:
         self.state_dir = state_dir
         self.validate_memory_mib = validate_memory_mib or default_validate_memory_mib()
         self.table = JobTable(state_dir)
-        self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log"),
+        self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "logs" / "coordinator.log"),
                               self.table, heartbeat_timeout=heartbeat_timeout)
         self.table.load(self.sup)
         self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
@@ -205,7 +205,7 @@ class Coordinator:
         except OSError as e:
             shutil.rmtree(out, ignore_errors=True)
             raise DiskError(f"cannot take the job: {describe_os_error(e)}") from None
-        self.sup.add(job, spec, out / "job.yaml", out)
+        self.sup.add(job, spec, out / "job.yaml", out, fresh=True)  # a new job: nothing to resume from
         return job
 
     def _unused(self, name: str) -> None:

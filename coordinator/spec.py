@@ -358,8 +358,9 @@ class JobSpec(_Spec):
         default="cpu", description="Where stages run: cpu, or cuda (one GPU per worker)."
     )
     log_every: Steps = Field(default=1, description="Write metrics every this many steps.")
-    trace_step: Annotated[StrictInt, Range(0, MAX_STEPS - 1)] | None = Field(
-        default=None, description="The step drawn in trace.json and timeline.png; none: the last.",
+    trace_step: Annotated[StrictInt, Range(1, MAX_STEPS)] | None = Field(
+        default=None, description="The step drawn in trace.json and timeline.png, counted from 1 as the "
+        "progress bar counts; none: the last.",
     )
     checkpoint_every: Steps | None = Field(
         default=100, description="Checkpoint every this many steps, and after the last; "
@@ -483,9 +484,9 @@ class JobSpec(_Spec):
                 f"balance: has {len(self.balance)} entries but stages is {self.stages}"
             )
         if self.trace_step is not None:
-            if self.trace_step >= self.steps:
-                raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps - 1}")
-            if self.trace_step % self.log_every and self.trace_step != self.steps - 1:
+            if self.trace_step > self.steps:
+                raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps}")
+            if (self.trace_step - 1) % self.log_every and self.trace_step != self.steps:
                 raise ValueError(f"trace_step: step {self.trace_step} is not logged (log_every {self.log_every})")
         if self.init_hook is not None and self.init != "per_layer":
             raise ValueError("init_hook: applies to init per_layer only")

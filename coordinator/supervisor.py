@@ -623,7 +623,8 @@ class Supervisor:
         if attempt.stopped:
             self._set_state(e, JobState.STOPPED, "stopped while running")
         elif done and code == 0:
-            self._set_state(e, JobState.SUCCEEDED, f"weights in {Path(job.output_dir) / 'model.safetensors'}")
+            self._set_state(e, JobState.SUCCEEDED, f"{final_loss(job)}weights in "
+                                                   f"{Path(job.output_dir) / 'model.safetensors'}")
         else:
             self._failed(e, attempt, reported, code)
 
@@ -671,3 +672,8 @@ class Supervisor:
     def _log(self, e: Entry, line: str) -> None:
         self.say(f"job {e.record.name}: {line}")
         self._emit(e, ("log", line))
+
+
+def final_loss(job: JobRecord) -> str:
+    """What a finished job's last line leads with: its steps and its last step's loss, when it logged one."""
+    return f"{job.steps_done}/{job.steps} steps, final loss {job.loss:.4f}; " if job.steps_done else ""

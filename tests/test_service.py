@@ -186,10 +186,13 @@ def shared(serve_once):
 
 @pytest.mark.multiprocess
 def test_submit_follow_trains_the_same_weights_as_one_device(shared):
-    spec = job("svc", chunks=4, schedule="1f1b")
-    r = shared.client("submit", str(shared.cli.write(spec)), "--follow")
+    spec = job("svc", chunks=4, schedule="1f1b", checkpoint_every=2)
+    r = shared.client("submit", str(shared.cli.write(spec)), "--follow", "--no-progress")
     assert r.returncode == 0, r.stderr + shared.log("serve")
-    assert "svc: SUCCEEDED" in r.stderr
+    # The last line names the final loss; a new job says nothing of resuming; --no-progress: no step lines.
+    assert re.match(r"svc: SUCCEEDED: 5/5 steps, final loss \d+\.\d{4}; weights in ", r.stderr.splitlines()[-1])
+    assert "resume" not in r.stderr and "step 1/5" not in r.stderr
+    assert (shared.state / "svc" / "logs" / "coordinator.log").exists()  # where `run` keeps it
     got = load_file(shared.state / "svc" / "model.safetensors")
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
@@ -198,9 +201,22 @@ def test_submit_follow_trains_the_same_weights_as_one_device(shared):
     assert r.returncode == 0 and "state:    SUCCEEDED" in r.stdout and "progress: 5/5 steps" in r.stdout
     r = shared.client("list")
     assert r.returncode == 0 and "svc" in r.stdout and "SUCCEEDED" in r.stdout and "5/5" in r.stdout
+
+    # logs: a line per step, counted as the bar counts, the checkpoints and states between, the end last.
     r = shared.client("logs", "svc")
-    assert r.returncode == 0
-    assert [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    steps = [m for x in lines if (m := re.fullmatch(
+        r"step (\d+)/5  loss (\d+\.\d{4})  lr 0\.05  [\d,]+ samples/s  bubble \d+\.\d%", x))]
+    assert [int(m[1]) for m in steps] == [1, 2, 3, 4, 5], r.stdout
+    at = {x: i for i, x in enumerate(lines)}
+    ckpt = next(i for i, x in enumerate(lines) if x.startswith("checkpoint step-2:"))
+    assert at[steps[0][0]] < ckpt < at[steps[-1][0]]
+    assert lines[0].startswith("PENDING") and lines[-1].startswith("SUCCEEDED: 5/5 steps, final loss ")
+    # --json: metrics.jsonl's lines as they are.
+    r = shared.client("logs", "svc", "--json")
+    on_disk = (shared.state / "svc" / "metrics.jsonl").read_text().splitlines()
+    assert r.returncode == 0 and [json.loads(x) for x in r.stdout.splitlines()] == [json.loads(x) for x in on_disk]
 
 
 @pytest.mark.multiprocess
