@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 DEFAULT_STATE_DIR = "gpipe-state"
+DEFAULT_CODE_MIB = 50  # gpipe.code.DEFAULT_LIMIT_MIB (imported lazily there)
 EXIT_INTERRUPTED = 130
 
 
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("job")
     val.add_argument("--memory-mib", type=int, default=None,
                      help="fail if building the model and data needs more memory than this (MiB)")
+    val.add_argument("--code-dir", default=None,
+                     help="import the job's modules from this folder (default: the spec's working_dir, or the "
+                          "job file's folder)")
     ev = sub.add_parser("eval", help="evaluate a job's weights on its eval data, pipelined across local workers")
     ev.add_argument("job", help="the job spec (YAML), with an eval section")
     ev.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
@@ -100,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                      default=os.environ.get("GPIPE_HEARTBEAT_TIMEOUT_S"),
                      help="a worker whose heartbeats stop this long is dropped and its attempt fails "
                           "(env GPIPE_HEARTBEAT_TIMEOUT_S; default 10)")
+    srv.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
+                     help=f"the largest job code archive a submit may send, in MiB (default {DEFAULT_CODE_MIB})")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -117,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
     c.add_argument("--no-progress", action="store_true", help="with --follow: no progress bar or progress lines")
+    c.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
+                   help="the largest job code archive to send: the folder of the job file, or the spec's working_dir "
+                        f"(default {DEFAULT_CODE_MIB} MiB; serve has its own --max-code-mib)")
     client("status", help="one job's state, progress and history").add_argument("name")
     client("list", help="every job serve knows")
     c = client("logs", help="a job's per-step metrics and events")
@@ -193,8 +202,11 @@ def _serve(args: argparse.Namespace) -> int:
                             "reaches it could submit code to run. Set --auth-token-file and --worker-token-file "
                             "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
+    from gpipe.code import limit_bytes
+
+    max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
-                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout))
+                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)
@@ -210,7 +222,7 @@ async def _client(args: argparse.Namespace) -> int:
         if args.command == "submit":
             if args.resume:
                 return await c.resume(args.resume, args.follow, not args.no_progress)
-            return await c.submit(args.job, args.follow, not args.no_progress)
+            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib)
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{trace}\n{png}")
             return 0
         spec = load_spec(args.job)
-        job_dir = Path(args.job).resolve().parent
+        job_dir = Path(args.code_dir).resolve() if getattr(args, "code_dir", None) else spec.code_dir(args.job)
         if args.command == "eval":
             return _eval(spec, args)
         if args.command == "validate":

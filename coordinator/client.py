@@ -7,6 +7,7 @@ rejected (or a flag or name is wrong); 1 when the coordinator cannot be reached.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -57,15 +58,33 @@ class Client:
 
     # -- verbs -------------------------------------------------------------------------
 
-    async def submit(self, path: str, follow: bool, progress: bool = True) -> int:
-        from gpipe.coordinator.spec import read_spec_text
+    async def submit(self, path: str, follow: bool, progress: bool = True, max_code_mib: int = 50) -> int:
+        """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code)."""
+        from gpipe import code
+        from gpipe.coordinator.spec import parse_spec, read_spec_text
 
         text = read_spec_text(path)  # SpecError: unreadable, not UTF-8, or over the size limit
-        job = serde.job_from_pb(await self.call("SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text), 300))
+        spec = parse_spec(text, source=path)  # what to pack; serve checks the spec again
+        limit = code.limit_bytes(max_code_mib, "--max-code-mib")
+        folder = spec.code_dir(path)
+        archive = await asyncio.to_thread(code.pack, folder, spec.exclude, limit)
+        ref = await self.upload(archive)
+        job = serde.job_from_pb(await self.call(
+            "SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text, code_sha256=ref.sha256), 300))
         print(f"{job.name}: submitted ({job.state.value})", file=sys.stderr, flush=True)
         if not follow:
             return EXIT_OK
         return await self.follow(job.name, job.steps, progress)
+
+    async def upload(self, archive: bytes) -> jobs_pb2.CodeRef:
+        from gpipe.code import CHUNK_BYTES
+
+        pieces = (jobs_pb2.CodeChunk(data=archive[i:i + CHUNK_BYTES]) for i in range(0, len(archive), CHUNK_BYTES))
+        try:
+            ref: jobs_pb2.CodeRef = await self.stub.UploadCode(iter(pieces), timeout=300)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        return ref
 
     async def resume(self, name: str, follow: bool, progress: bool = True) -> int:
         job = serde.job_from_pb(await self.call("ResumeJob", jobs_pb2.ResumeJobRequest(name=name)))
@@ -176,8 +195,6 @@ async def _next(
     stream: grpc.aio.UnaryStreamCall[Any, jobs_pb2.JobEvent], idle: float | None
 ) -> jobs_pb2.JobEvent | None:
     """The stream's next message, or None at its end or once it has been quiet for `idle` seconds (caught up)."""
-    import asyncio
-
     try:
         m = await asyncio.wait_for(stream.read(), idle)
     except TimeoutError:

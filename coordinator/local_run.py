@@ -86,7 +86,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
     job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),
                     attempts=_attempts_logged(out) if resume else 0)
-    sup.add(job, spec, spec_path.resolve(), spec_path.resolve().parent, fresh=not resume)
+    sup.add(job, spec, spec_path.resolve(), spec.code_dir(spec_path), fresh=not resume)
     follower = Follower(spec.name, Progress(spec.steps, enabled=progress))
     evals: list[dict[str, Any]] = []
     try:

@@ -423,6 +423,18 @@ class JobSpec(_Spec):
         default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "
         "without gradients, every `every` steps and after the last (metrics.jsonl: eval_loss).",
     )
+    working_dir: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="The folder of the job's code, relative to the job file's folder: `submit` sends it with "
+        "the job (serve keeps it, and its validation and every attempt on every worker import from it); `run` "
+        "and `validate` import from it. Default: the job file's folder.",
+    )
+    exclude: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=256)] = Field(
+        default_factory=list,
+        description="Patterns (fnmatch: data, *.ckpt, outputs/) of files and folders `submit` leaves out of the "
+        "job's code, matched against each path in the folder and each name. Left out always: .git, "
+        "virtualenvs, gpipe state dirs, __pycache__ and tool caches.",
+    )
     keep_best: bool = Field(
         default=False, description="Keep the weights of the lowest eval loss so far in "
         "<state-dir>/<name>/best/model.safetensors, with best.json (needs eval).",
@@ -515,6 +527,11 @@ class JobSpec(_Spec):
         if self.replicas * self.chunks > self.data.batch_size:
             raise ValueError(f"replicas: {self.replicas} replicas x {self.chunks} micro-batches exceed "
                              f"data.batch_size {self.data.batch_size}")
+
+    def code_dir(self, spec_path: str | Path) -> Path:
+        """The folder of the job's code: working_dir, from the job file's folder; or that folder."""
+        here = Path(spec_path).resolve().parent
+        return (here / self.working_dir).resolve() if self.working_dir else here
 
     @property
     def topology(self) -> Topology:

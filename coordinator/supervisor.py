@@ -581,7 +581,7 @@ class Supervisor:
                         if w is not None and w.attempt_id == attempt.id:
                             # The worker's rank, and the attempt's count of workers.
                             w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.topology.world,
-                                                       spec.start_timeout_s, r.secret))
+                                                       spec.start_timeout_s, r.secret, job.code_sha256))
                 elif isinstance(r, report.Metrics):
                     job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])
                     self._emit(e, ("metrics", r.values))
