@@ -262,8 +262,7 @@ class Store:
             if got != sha256:
                 raise CodeError(f"job code: {path} does not match its hash (it is now {got[:12]}...): damaged")
             self.checked.add(sha256)
-        if not (dest / _DONE).exists():
-            shutil.rmtree(dest, ignore_errors=True)  # a half-unpacked one from a killed process
+        if not (dest / _DONE).exists():  # unpacked whole or not at all: a killed unpack left only a temporary
             unpack(path, dest)
         return dest
 
