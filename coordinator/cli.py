@@ -6,7 +6,7 @@
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
-    gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
+    gpipe-coordinator serve --port 7000 [--state-dir DIR]   # the service (workers: gpipe-worker)
     gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
     gpipe-coordinator logs NAME [--follow] [--json]         # a step a line, checkpoints and restarts between
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-DEFAULT_STATE_DIR = "gpipe-state"
+DEFAULT_STATE_DIR = "gpipe-state"  # run's and eval's
+DEFAULT_SERVE_STATE_DIR = "gpipe-service"  # serve's job table
 DEFAULT_CODE_MIB = 50  # gpipe.code.DEFAULT_LIMIT_MIB (imported lazily there)
 EXIT_INTERRUPTED = 130
 
@@ -88,8 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--insecure", action="store_true",
                      help="allow serving a non-loopback --host without tokens: anyone who reaches it may "
                           "submit code to run")
-    srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
-                     help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
+    srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_SERVE_STATE_DIR),
+                     help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_SERVE_STATE_DIR}, apart "
+                          f"from run's ./{DEFAULT_STATE_DIR}: a job run here and the service's job of the same name "
+                          "never share a folder)")
     srv.add_argument("--auth-token-file",
                      help="the client token: JobService calls (submit, status, stop ...) must carry it "
                           "(or env GPIPE_TOKEN)")

@@ -649,3 +649,13 @@ def read_spec_text(path: str | Path) -> str:
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a job file."""
     return parse_spec(read_spec_text(path), source=str(path))
+
+
+if __name__ == "__main__":  # python -m gpipe.coordinator.spec --markdown > docs/spec.md
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m gpipe.coordinator.spec --markdown > docs/spec.md")
+    from gpipe.coordinator.specdoc import markdown
+
+    sys.stdout.write(markdown())
