@@ -142,3 +142,20 @@ def test_submit_refuses_a_folder_too_large_before_it_calls_anyone(cli):
     assert r.returncode == 2
     line, = r.stderr.strip().splitlines()
     assert line.startswith("error: working_dir:") and "limit is 1 MiB" in line, line
+
+
+def test_validate_imports_from_the_spec_s_working_dir(cli):
+    code_dir, jobs = cli.tmp / "src", cli.tmp / "jobs"
+    code_dir.mkdir()
+    jobs.mkdir()
+    (code_dir / "wd_model.py").write_text("from gpipe.builtins import mlp as build\n")
+    spec = {"name": "wd", "model": {"factory": "wd_model:build", "args": {"width": 4, "depth": 2}}, "stages": 2,
+            "loss": "mse", "steps": 1, "optimizer": {"name": "sgd", "lr": 0.1},
+            "data": {"factory": "random_regression", "args": {"n": 8, "in_features": 4, "out_features": 4},
+                     "batch_size": 2}}
+    (jobs / "job.yaml").write_text(yaml.safe_dump(spec))
+    r = cli.run("validate", str(jobs / "job.yaml"))
+    assert r.returncode == 2 and "cannot import module 'wd_model'" in r.stderr  # not beside the job file
+    (jobs / "job.yaml").write_text(yaml.safe_dump({**spec, "working_dir": "../src", "exclude": ["*.ckpt"]}))
+    r = cli.run("validate", str(jobs / "job.yaml"))
+    assert r.returncode == 0, r.stderr
