@@ -7,7 +7,7 @@
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
     gpipe-coordinator serve --port 7000 [--state-dir DIR]   # the service (workers: gpipe-worker)
-    gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
+    gpipe-coordinator submit job.yaml --follow              # send a job and its folder's code to serve, follow it
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
     gpipe-coordinator logs NAME [--follow] [--json]         # a step a line, checkpoints and restarts between
     gpipe-coordinator status|stop NAME; gpipe-coordinator list
@@ -304,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (logs NAME | head): quietly, as a tool killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
     except Exception as e:  # a bug of ours: one line, and the traceback on request
         if os.environ.get("GPIPE_DEBUG"):
             raise

@@ -124,7 +124,7 @@ class Launch:
     attempt_id: str
     number: int  # the job's attempt count, this one included
     spec_path: Path
-    job_dir: Path  # the job file's folder: its modules are importable
+    job_dir: Path  # the job's code: its working_dir (run), or its archive unpacked (serve): its modules are importable
     placement: list[Placement]
     resume: bool  # from the newest good checkpoint; else a fresh start that drops earlier outputs
 
