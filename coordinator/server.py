@@ -203,7 +203,8 @@ class Coordinator:
             try:
                 await asyncio.to_thread(self.table.code.unpacked, sha)  # unsafe or damaged: refused now
             except code.CodeError:
-                self.table.code.forget_unused(self._code_in_use(), keep=0)
+                if sha not in self._code_in_use():
+                    self.table.code.archive(sha).unlink(missing_ok=True)
                 raise
         finally:
             self.uploads -= 1

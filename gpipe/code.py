@@ -267,7 +267,8 @@ class Store:
         return dest
 
     def forget_unused(self, used: set[str], keep: int) -> None:
-        """Drop all but the `keep` newest archives that no job names (uploads never submitted)."""
+        """Drop all but the `keep` newest archives not in `used`, with their folders: on serve, uploads no job
+        names; on a worker, other jobs' code."""
         with contextlib.suppress(OSError):
             spare = sorted((p for p in self.root.glob("*.zip") if p.stem not in used),
                            key=lambda p: p.stat().st_mtime, reverse=True)

@@ -132,6 +132,14 @@ def test_the_store_checks_the_size_the_hash_and_the_archive(tmp_path):
     with pytest.raises(CodeError, match="not a readable zip archive"):
         store.unpacked(bad)
 
+    # Bounded: all but the newest archives no job names are dropped, with their folders.
+    up = store.upload(limit=1 << 20)
+    up.add(pack(folder, exclude=["pkg"]))
+    newest, _ = up.finish()
+    os.utime(store.archive(newest), (2e9, 2e9))
+    store.forget_unused({sha}, keep=1)
+    assert sorted(p.name for p in store.root.iterdir()) == sorted(["CACHEDIR.TAG", f"{sha}.zip", sha, f"{newest}.zip"])
+
 
 def test_submit_refuses_a_folder_too_large_before_it_calls_anyone(cli):
     (cli.tmp / "big.bin").write_bytes(os.urandom(2 << 20))

@@ -39,6 +39,7 @@ from gpipe.worker.cores import parse_cores, threads_for
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
 CODE_FETCH_TIMEOUT_S = 300.0  # a job's code archive, at most serve's --max-code-mib
+CODE_KEPT = 16  # jobs' code archives kept in --log-dir/code, the newest
 
 
 class Daemon:
@@ -136,6 +137,7 @@ class Daemon:
                 raise CodeError(f"job code: the archive the coordinator sent ({size:,} bytes) does not match "
                                 f"its hash {sha256[:12]}...")
             self._say(f"job code {sha256[:12]}: {size / 2**20:,.2f} MiB fetched")
+            store.forget_unused({sha256}, keep=CODE_KEPT - 1)  # the scratch holds the newest few jobs' code
         return await asyncio.to_thread(store.unpacked, sha256)
 
     async def _heartbeat(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str, interval: float) -> None:
