@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
 from gpipe import serde
-from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
+from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests import reference
 from tests.conftest import ROOT, Cli, end_leftovers
 from tests.test_failures import _worker_pid
@@ -378,10 +378,34 @@ def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
         r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--worker-token-file", str(cli.tmp / "token"))
         assert r.returncode == 1 and "a client token cannot call this" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+        # Only the client token sends code; only the worker token fetches it.
+        upload = asyncio.run(call(s.address, WORKER_TOKEN, "UploadCode", iter([jobs_pb2.CodeChunk(data=b"PK")])))
+        assert upload == grpc.StatusCode.PERMISSION_DENIED
+        assert asyncio.run(call(s.address, None, "UploadCode", iter([]))) == grpc.StatusCode.UNAUTHENTICATED
+        fetch = asyncio.run(call(s.address, TOKEN, "GetCode", workers_pb2.GetCodeRequest(sha256="0" * 64)))
+        assert fetch == grpc.StatusCode.PERMISSION_DENIED
         r = s.client("submit", path, "--follow")
         assert r.returncode == 0, r.stderr
     finally:
         s.stop_all()
+
+
+async def call(address: str, token: str | None, method: str, request) -> grpc.StatusCode:
+    """The status of one call of `method` (JobService's or WorkerService's) with `token`."""
+    from gpipe import grpcutil
+
+    async with grpcutil.channel(address, token, None) as ch:
+        jobs, workers = jobs_pb2_grpc.JobServiceStub(ch), workers_pb2_grpc.WorkerServiceStub(ch)
+        stub = jobs if hasattr(jobs, method) else workers
+        try:
+            answer = getattr(stub, method)(request, timeout=30)
+            if hasattr(answer, "read"):
+                await answer.read()
+            else:
+                await answer
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
 
 
 @pytest.mark.multiprocess
