@@ -53,12 +53,19 @@ def test_a_folder_too_large_is_refused_naming_the_limit_and_how_to_raise_it(tmp_
     assert "\n" not in line and "limit is 1 MiB" in line and "default 50" in line and "--max-code-mib" in line
 
 
-def test_an_unreadable_file_is_named(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root reads every file")
+def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
     (tmp_path / "secret.py").write_text("x")
     (tmp_path / "secret.py").chmod(0)
-    with pytest.raises(CodeError, match="cannot read .*secret.py"):
+    if os.geteuid() == 0:  # root reads every file: its open fails as a user's would
+        real_open = Path.open
+
+        def refusing(self, *a, **kw):
+            if self.name == "secret.py":
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_open(self, *a, **kw)
+
+        monkeypatch.setattr(Path, "open", refusing)
+    with pytest.raises(CodeError, match="cannot read .*secret.py: Permission denied"):
         pack(tmp_path)
 
 
