@@ -149,6 +149,7 @@ def test_the_store_checks_the_size_the_hash_and_the_archive(tmp_path):
 
 
 def test_submit_refuses_a_folder_too_large_before_it_calls_anyone(cli):
+    cli.env.pop("PYTHONPATH")  # the job's folder is its code: nothing set by hand
     (cli.tmp / "big.bin").write_bytes(os.urandom(2 << 20))
     spec = {"name": "big", "model": {"factory": "mlp"}, "stages": 1, "loss": "mse", "steps": 1,
             "data": {"factory": "random_regression", "batch_size": 2}, "optimizer": {"name": "sgd", "lr": 0.1}}
@@ -160,6 +161,7 @@ def test_submit_refuses_a_folder_too_large_before_it_calls_anyone(cli):
 
 
 def test_validate_imports_from_the_spec_s_working_dir(cli):
+    cli.env.pop("PYTHONPATH")
     code_dir, jobs = cli.tmp / "src", cli.tmp / "jobs"
     code_dir.mkdir()
     jobs.mkdir()
