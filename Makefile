@@ -42,4 +42,4 @@ protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
 
 clean:
-	rm -rf $(VENV) gpipe-state .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) gpipe-state gpipe-service gpipe-worker-logs .pytest_cache .ruff_cache .mypy_cache

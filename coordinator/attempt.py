@@ -181,7 +181,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval, spec.keep_best)
     finally:
         log.close()
-    # What this process held at most: with init per_layer, not the model (README: bigger than one machine).
+    # What this process held at most: with init per_layer, not the model (docs/running.md: bigger than one machine).
     tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
 
 

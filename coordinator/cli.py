@@ -6,10 +6,11 @@
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
-    gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
-    gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
+    gpipe-coordinator serve --port 7000 [--state-dir DIR]   # the service (workers: gpipe-worker)
+    gpipe-coordinator submit job.yaml --follow              # send a job and its folder's code to serve, follow it
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
-    gpipe-coordinator status|logs|stop NAME; gpipe-coordinator list
+    gpipe-coordinator logs NAME [--follow] [--json]         # a step a line, checkpoints and restarts between
+    gpipe-coordinator status|stop NAME; gpipe-coordinator list
 
 Exit codes: 0 done, 1 the job failed (the failing stage is named) or the
 coordinator cannot be reached, 2 bad input (spec, flag, file or job name;
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-DEFAULT_STATE_DIR = "gpipe-state"
+DEFAULT_STATE_DIR = "gpipe-state"  # run's and eval's
+DEFAULT_SERVE_STATE_DIR = "gpipe-service"  # serve's job table
+DEFAULT_CODE_MIB = 50  # gpipe.code.DEFAULT_LIMIT_MIB (imported lazily there)
 EXIT_INTERRUPTED = 130
 
 
@@ -67,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("job")
     val.add_argument("--memory-mib", type=int, default=None,
                      help="fail if building the model and data needs more memory than this (MiB)")
+    val.add_argument("--code-dir", default=None,
+                     help="import the job's modules from this folder (default: the spec's working_dir, or the "
+                          "job file's folder)")
     ev = sub.add_parser("eval", help="evaluate a job's weights on its eval data, pipelined across local workers")
     ev.add_argument("job", help="the job spec (YAML), with an eval section")
     ev.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
@@ -83,8 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--insecure", action="store_true",
                      help="allow serving a non-loopback --host without tokens: anyone who reaches it may "
                           "submit code to run")
-    srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
-                     help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
+    srv.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_SERVE_STATE_DIR),
+                     help=f"jobs and their outputs (env GPIPE_STATE_DIR; default ./{DEFAULT_SERVE_STATE_DIR}, apart "
+                          f"from run's ./{DEFAULT_STATE_DIR}: a job run here and the service's job of the same name "
+                          "never share a folder)")
     srv.add_argument("--auth-token-file",
                      help="the client token: JobService calls (submit, status, stop ...) must carry it "
                           "(or env GPIPE_TOKEN)")
@@ -99,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                      default=os.environ.get("GPIPE_HEARTBEAT_TIMEOUT_S"),
                      help="a worker whose heartbeats stop this long is dropped and its attempt fails "
                           "(env GPIPE_HEARTBEAT_TIMEOUT_S; default 10)")
+    srv.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
+                     help=f"the largest job code archive a submit may send, in MiB (default {DEFAULT_CODE_MIB})")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -115,16 +125,21 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="NAME",
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
+    c.add_argument("--no-progress", action="store_true", help="with --follow: no progress bar or progress lines")
+    c.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
+                   help="the largest job code archive to send: the folder of the job file, or the spec's working_dir "
+                        f"(default {DEFAULT_CODE_MIB} MiB; serve has its own --max-code-mib)")
     client("status", help="one job's state, progress and history").add_argument("name")
     client("list", help="every job serve knows")
     c = client("logs", help="a job's per-step metrics and events")
     c.add_argument("name")
-    c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    c.add_argument("--follow", action="store_true", help="keep printing until the job ends; exit by its state")
+    c.add_argument("--json", action="store_true", help="the lines of the job's metrics.jsonl, as they are")
     client("stop", help="stop a pending or running job").add_argument("name")
 
     tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
     tl.add_argument("job_dir", help="the job's output directory, <state-dir>/<name>")
-    tl.add_argument("--step", type=int, default=None, help="the step to draw (default: the last logged)")
+    tl.add_argument("--step", type=int, default=None, help="the step to draw, counted from 1 as the progress bar counts (default: the last logged)")
     return p
 
 
@@ -190,8 +205,11 @@ def _serve(args: argparse.Namespace) -> int:
                             "reaches it could submit code to run. Set --auth-token-file and --worker-token-file "
                             "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
+    from gpipe.code import limit_bytes
+
+    max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
-                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout))
+                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)
@@ -206,14 +224,14 @@ async def _client(args: argparse.Namespace) -> int:
     try:
         if args.command == "submit":
             if args.resume:
-                return await c.resume(args.resume, args.follow)
-            return await c.submit(args.job, args.follow)
+                return await c.resume(args.resume, args.follow, not args.no_progress)
+            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib)
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
             return await c.list()
         if args.command == "logs":
-            return await c.logs(args.name, args.follow)
+            return await c.logs(args.name, args.follow, args.json)
         return await c.stop(args.name)
     finally:
         await c.close()
@@ -268,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{trace}\n{png}")
             return 0
         spec = load_spec(args.job)
-        job_dir = Path(args.job).resolve().parent
+        job_dir = Path(args.code_dir).resolve() if getattr(args, "code_dir", None) else spec.code_dir(args.job)
         if args.command == "eval":
             return _eval(spec, args)
         if args.command == "validate":
@@ -286,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (logs NAME | head): quietly, as a tool killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
     except Exception as e:  # a bug of ours: one line, and the traceback on request
         if os.environ.get("GPIPE_DEBUG"):
             raise

@@ -7,7 +7,7 @@ rejected (or a flag or name is wrong); 1 when the coordinator cannot be reached.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import sys
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -58,27 +58,45 @@ class Client:
 
     # -- verbs -------------------------------------------------------------------------
 
-    async def submit(self, path: str, follow: bool) -> int:
-        from gpipe.coordinator.spec import read_spec_text
+    async def submit(self, path: str, follow: bool, progress: bool = True, max_code_mib: int = 50) -> int:
+        """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code)."""
+        from gpipe import code
+        from gpipe.coordinator.spec import parse_spec, read_spec_text
 
         text = read_spec_text(path)  # SpecError: unreadable, not UTF-8, or over the size limit
-        job = serde.job_from_pb(await self.call("SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text), 300))
+        spec = parse_spec(text, source=path)  # what to pack; serve checks the spec again
+        limit = code.limit_bytes(max_code_mib, "--max-code-mib")
+        folder = spec.code_dir(path)
+        archive = await asyncio.to_thread(code.pack, folder, spec.exclude, limit)
+        ref = await self.upload(archive)
+        job = serde.job_from_pb(await self.call(
+            "SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text, code_sha256=ref.sha256), 300))
         print(f"{job.name}: submitted ({job.state.value})", file=sys.stderr, flush=True)
         if not follow:
             return EXIT_OK
-        return await self.follow(job.name, job.steps, progress=True)
+        return await self.follow(job.name, job.steps, progress)
 
-    async def resume(self, name: str, follow: bool) -> int:
+    async def upload(self, archive: bytes) -> jobs_pb2.CodeRef:
+        from gpipe.code import CHUNK_BYTES
+
+        pieces = (jobs_pb2.CodeChunk(data=archive[i:i + CHUNK_BYTES]) for i in range(0, len(archive), CHUNK_BYTES))
+        try:
+            ref: jobs_pb2.CodeRef = await self.stub.UploadCode(iter(pieces), timeout=300)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        return ref
+
+    async def resume(self, name: str, follow: bool, progress: bool = True) -> int:
         job = serde.job_from_pb(await self.call("ResumeJob", jobs_pb2.ResumeJobRequest(name=name)))
         print(f"{job.name}: {job.state.value}: {job.history[-1].message}", file=sys.stderr, flush=True)
         if not follow:
             return EXIT_OK
-        return await self.follow(job.name, job.steps, progress=True, since=len(job.history) - 1)
+        return await self.follow(job.name, job.steps, progress, since=len(job.history) - 1)
 
     async def follow(self, name: str, steps: int, progress: bool, since: int = 0,
                      final_after: int | None = None) -> int:
         """Show the job's events until it ends; the exit code follows its final state."""
-        follower = Follower(name, Progress(steps) if progress else None, since, final_after)
+        follower = Follower(name, Progress(steps, enabled=progress), since, final_after)
         final = None
         try:
             async for m in self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name)):
@@ -131,31 +149,32 @@ class Client:
             print(f"{j.name:24} {j.state.value:9} {f'{j.steps_done}/{j.steps}':>11} {loss}  {since}")
         return EXIT_OK
 
-    async def logs(self, name: str, follow: bool) -> int:
+    async def logs(self, name: str, follow: bool, as_json: bool = False) -> int:
+        """The job's log so far (coordinator.logview), on stdout; with `follow`, live until the job ends,
+        and the exit code follows its final state."""
+        from gpipe.coordinator import logview
+
         job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
-        if follow or job.state.ended:
-            # The end to wait for: the last state of an ended job, else the next end (not a past run's).
-            ends = len(job.history) - 1 if job.state.ended else len(job.history)
-            code = await self.follow(name, job.steps, progress=False, final_after=ends)
-            return EXIT_OK if not follow else code
-        # Not following a running job: what happened so far, then return.
+        # serve ends the stream once the job has ended; a running job's, only with --follow.
+        idle = None if follow or job.state.ended else 1.0
         events = self.stub.WatchJob(jobs_pb2.WatchJobRequest(name=name))
+        final = None
         try:
-            while True:
-                m = await _next(events, 1.0)
-                if m is None:
-                    break
-                kind, value = serde.event_from_pb(m)
-                if kind in ("metrics", "eval"):
-                    print(json.dumps(value), flush=True)
-                elif kind == "state":
-                    print(f"{name}: {value.state.value}" + (f": {value.message}" if value.message else ""),
-                          file=sys.stderr, flush=True)
+            while (m := await _next(events, idle)) is not None:
+                event = serde.event_from_pb(m)
+                if (text := logview.line(event, job.steps, as_json)) is not None:
+                    print(text, flush=True)
+                if event[0] == "state":
+                    final = event[1].state
         except grpc.RpcError as e:
             raise self._error(e) from None
         finally:
             events.cancel()
-        return EXIT_OK
+        if not follow:
+            return EXIT_OK
+        if final is None or not final.ended:
+            raise ClientError(f"{name}: the coordinator ended the stream before the job ended", EXIT_FAILED)
+        return EXIT_BY_STATE[final]
 
     async def stop(self, name: str) -> int:
         job = serde.job_from_pb(await self.call("StopJob", jobs_pb2.StopJobRequest(name=name), 120))
@@ -173,11 +192,9 @@ def _spec(spec_yaml: str) -> JobSpec | None:
 
 
 async def _next(
-    stream: grpc.aio.UnaryStreamCall[Any, jobs_pb2.JobEvent], idle: float
+    stream: grpc.aio.UnaryStreamCall[Any, jobs_pb2.JobEvent], idle: float | None
 ) -> jobs_pb2.JobEvent | None:
-    """The stream's next message, or None once it has been quiet for `idle` seconds (caught up)."""
-    import asyncio
-
+    """The stream's next message, or None at its end or once it has been quiet for `idle` seconds (caught up)."""
     try:
         m = await asyncio.wait_for(stream.read(), idle)
     except TimeoutError:

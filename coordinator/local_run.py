@@ -29,7 +29,7 @@ from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.local import LocalWorker
 from gpipe.coordinator.progress import Follower, Progress
 from gpipe.coordinator.spec import JobSpec
-from gpipe.coordinator.supervisor import Supervisor
+from gpipe.coordinator.supervisor import Supervisor, final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
 from gpipe.serde import JobRecord, JobState
 from gpipe.worker.cores import split_cores, threads_for
@@ -89,7 +89,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
     job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),
                     attempts=_attempts_logged(out) if resume else 0)
-    sup.add(job, spec, spec_path.resolve(), spec_path.resolve().parent, fresh=not resume)
+    sup.add(job, spec, spec_path.resolve(), spec.code_dir(spec_path), fresh=not resume)
     follower = Follower(spec.name, Progress(spec.steps, enabled=progress))
     evals: list[dict[str, Any]] = []
     try:
@@ -130,7 +130,8 @@ def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = 
     _succeeded(job)
     out = Path(job.output_dir)
     again = f" after {job.restarts} restart(s)" if job.restarts else ""
-    print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s{again}; weights in {out / 'model.safetensors'}",
+    print(f"{spec.name}: done in {time.monotonic() - t0:.1f}s{again}: {final_loss(job)}weights in "
+          f"{out / 'model.safetensors'}",
           file=sys.stderr, flush=True)
     return out
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
@@ -69,7 +68,7 @@ class Progress:
 
 
 class Follower:
-    """Shows a job's events as they come: steps on `bar` (or as JSON lines without one), states and log lines.
+    """Shows a job's events as they come: steps on `bar`, states and log lines.
 
     `since` skips that many state changes already shown (a resumed job's
     stream starts with its past). `show` returns the final state once the job ended:
@@ -77,7 +76,7 @@ class Follower:
     job's past holds the ends of its earlier runs.
     """
 
-    def __init__(self, name: str, bar: Progress | None, since: int = 0, final_after: int | None = None):
+    def __init__(self, name: str, bar: Progress, since: int = 0, final_after: int | None = None):
         self.name, self.since, self.bar = name, since, bar
         self.final_after = since if final_after is None else final_after
         self.states = 0
@@ -85,9 +84,6 @@ class Follower:
 
     def show(self, kind: str, value: Any) -> JobState | None:
         if kind == "metrics":
-            if self.bar is None:
-                print(json.dumps(value), flush=True)
-                return None
             if value["step"] <= self.last_step:
                 self.bar.restart(value["step"])
             self.last_step = value["step"]
@@ -95,10 +91,7 @@ class Follower:
                             value.get("skipped"), [r["step_time_s"] for r in value.get("replicas", [])])
             return None
         if kind == "eval":
-            if self.bar is None:
-                print(json.dumps(value), flush=True)
-            else:
-                self.bar.evaluated(value["step"], value["eval_loss"], value["eval_samples"])
+            self.bar.evaluated(value["step"], value["eval_loss"], value["eval_samples"])
             return None
         if kind == "state":
             self.states += 1
@@ -110,11 +103,7 @@ class Follower:
         return None
 
     def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        self.bar.write(line)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import grpcutil, serde
+from gpipe import code, grpcutil, serde
 from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.outputs import prepare_output
 from gpipe.coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
@@ -50,7 +50,7 @@ from gpipe.coordinator.supervisor import (
 )
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.files import atomic_write_json, naming
-from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
+from gpipe.serde import SHA256_RE, Abort, JobRecord, JobState, Join, StateChange
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from gpipe.zygote import Template
@@ -66,6 +66,9 @@ def default_validate_memory_mib() -> int:
     return max(MIN_VALIDATE_MEMORY_MIB, min(MAX_VALIDATE_MEMORY_MIB, total // 4))
 MAX_MESSAGE_BYTES = 2 << 20  # gRPC itself refuses a bigger request (RESOURCE_EXHAUSTED)
 VALIDATIONS_RUNNING, VALIDATIONS_WAITING = 2, 8  # past both, a submission is RESOURCE_EXHAUSTED
+CODE_DIR = ".code"  # <state-dir>/.code/: job code archives by SHA-256 (no job name starts with a dot)
+UPLOADS_AT_ONCE = 4  # code archives being received; past it, RESOURCE_EXHAUSTED
+SPARE_ARCHIVES = 8  # archives kept that no job names (uploaded, not yet submitted); older ones are dropped
 SECRET_ENV = (grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV)  # never handed to a validation process
 STOP_GRACE_S = 0.5  # on SIGTERM, how long calls in flight may finish (streams never do)
 ERROR_TAIL_BYTES = 64 << 10  # what is read of a failed validation's stderr
@@ -85,6 +88,12 @@ class JobTable:
 
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
+        self.code = code.Store(state_dir / CODE_DIR)
+
+    def code_dir(self, job: JobRecord) -> Path:
+        """Where the job's modules are imported from: its code archive, unpacked (CodeError if it is broken);
+        a job that sent none, its output folder (with its job.yaml)."""
+        return self.code.unpacked(job.code_sha256) if job.code_sha256 else Path(job.output_dir)
 
     def save(self, job: JobRecord) -> None:
         out = Path(job.output_dir)
@@ -107,9 +116,10 @@ class JobTable:
                 job = JobRecord.from_json(json.loads(path.read_text()))
                 if job.name != d.name:
                     raise ValueError(f"it names job {job.name!r}, not {d.name!r}")
-                records.append((job, parse_spec(job.spec_yaml)))
+                records.append((job, parse_spec(job.spec_yaml), self.code_dir(job)))
             except (OSError, ValueError, KeyError, TypeError, RecursionError, SpecError) as e:
-                why = f"unreadable job record {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                what = "broken job code of" if isinstance(e, code.CodeError) else "unreadable job record"
+                why = f"{what} {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 print(f"gpipe: skipping {why}", file=sys.stderr, flush=True)
                 if not NAME_RE.fullmatch(d.name):
                     continue  # not a job's folder (lost+found, say): said, and left alone
@@ -119,10 +129,10 @@ class JobTable:
                 broken.append(JobRecord(name=d.name, spec_yaml="", steps=0, state=JobState.FAILED, history=[
                     StateChange(JobState.FAILED, when, why)], error=why, output_dir=str(d),
                     exit_code=EXIT_BAD_INPUT))
-        for job, spec in sorted(records, key=lambda r: r[0].history[0].time_unix if r[0].history else 0.0):
+        for job, spec, code_dir in sorted(records, key=lambda r: r[0].history[0].time_unix if r[0].history else 0.0):
             out = Path(job.output_dir)
             events, older = _replay(job)
-            sup.add(job, spec, out / "job.yaml", out, events=events, older=older)
+            sup.add(job, spec, out / "job.yaml", code_dir, events=events, older=older)
         for job in broken:
             sup.add(job, None, Path(job.output_dir) / "job.yaml", Path(job.output_dir), events=[
                 ("state", job.history[0])])
@@ -163,13 +173,16 @@ class Coordinator:
     """serve's side of the supervisor: submissions, validated in a throwaway process, into the job table."""
 
     def __init__(self, state_dir: Path, host: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                 validate_memory_mib: int | None = None):
+                 validate_memory_mib: int | None = None, max_code_bytes: int = code.DEFAULT_LIMIT_MIB << 20):
         self.state_dir = state_dir
+        self.max_code_bytes = max_code_bytes
+        self.uploads = 0  # code archives being received
         self.validate_memory_mib = validate_memory_mib or default_validate_memory_mib()
         self.table = JobTable(state_dir)
         # Attempt processes fork from a template that imported torch once (gpipe.zygote); it keeps no token.
         self.template = Template(os.environ, hidden=SECRET_ENV)
-        self.sup = Supervisor(ProcessLauncher(state_dir, host, lambda name: state_dir / name / "coordinator.log",
+        self.sup = Supervisor(ProcessLauncher(state_dir, host,
+                                              lambda name: state_dir / name / "logs" / "coordinator.log",
                                               template=self.template),
                               self.table, heartbeat_timeout=heartbeat_timeout)
         self.table.load(self.sup)
@@ -177,14 +190,47 @@ class Coordinator:
         self.admitted = 0  # submissions being parsed, validated or waiting to be
         self.stopping = asyncio.Event()  # set on SIGTERM: calls in flight end UNAVAILABLE
 
-    async def submit(self, spec_yaml: str) -> JobRecord:
-        """Parse a spec off the event loop, validate it (a few at a time) and queue it.
+    async def upload(self, pieces: AsyncIterator[bytes]) -> tuple[str, int]:
+        """Keep a job's code archive, checked to unpack safely: (its SHA-256, its size). CodeError or Busy."""
+        if self.uploads >= UPLOADS_AT_ONCE:
+            raise Busy(f"{self.uploads} code archives are being sent (at most {UPLOADS_AT_ONCE} at once): "
+                       "try again later")
+        self.uploads += 1
+        try:
+            upload = self.table.code.upload(self.max_code_bytes)
+            try:
+                async for piece in pieces:
+                    upload.add(piece)
+            except BaseException:
+                upload.abort()
+                raise
+            sha, size = upload.finish()
+            try:
+                await asyncio.to_thread(self.table.code.unpacked, sha)  # unsafe or damaged: refused now
+            except code.CodeError:
+                if sha not in self._code_in_use():
+                    self.table.code.archive(sha).unlink(missing_ok=True)
+                raise
+        finally:
+            self.uploads -= 1
+        self.table.code.forget_unused(self._code_in_use() | {sha}, keep=SPARE_ARCHIVES)
+        return sha, size
+
+    def _code_in_use(self) -> set[str]:
+        return {e.record.code_sha256 for e in self.sup.jobs.values() if e.record.code_sha256}
+
+    async def submit(self, spec_yaml: str, code_sha256: str = "") -> JobRecord:
+        """Parse a spec off the event loop, validate it (a few at a time, importing from its code archive
+        when it names one) and queue it.
 
         SpecError, FileExistsError or Busy say why not.
         """
         size = len(spec_yaml.encode())
         if size > MAX_SPEC_BYTES:
             raise SpecError(f"spec_yaml: {size:,} bytes is over the limit of {MAX_SPEC_BYTES:,} (1 MiB)")
+        if code_sha256 and not (SHA256_RE.fullmatch(code_sha256) and self.table.code.has(code_sha256)):
+            raise SpecError(f"code_sha256: '{printable(code_sha256, 80)}' names no code archive this coordinator "
+                            "holds (UploadCode first)")
         if self.admitted >= VALIDATIONS_RUNNING + VALIDATIONS_WAITING:
             raise Busy(f"{self.admitted} submissions are being validated or waiting (at most "
                        f"{VALIDATIONS_RUNNING} at once, {VALIDATIONS_WAITING} waiting): try again later")
@@ -195,12 +241,14 @@ class Coordinator:
             async with self.validations:
                 if self.stopping.is_set():
                     raise Stopping("the coordinator is stopping")
-                await self._validate(spec_yaml)
+                code_dir = await asyncio.to_thread(self.table.code.unpacked, code_sha256) if code_sha256 else None
+                await self._validate(spec_yaml, code_dir)
         finally:
             self.admitted -= 1
         self._unused(spec.name)  # submitted twice while validating
         out = self.state_dir / spec.name
-        job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out))
+        job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out),
+                        code_sha256=code_sha256)
         try:
             with naming(out / "job.yaml"):
                 prepare_output(spec.name, self.state_dir, fresh=True)  # the directory holds nothing of ours
@@ -209,7 +257,7 @@ class Coordinator:
         except OSError as e:
             shutil.rmtree(out, ignore_errors=True)
             raise DiskError(f"cannot take the job: {describe_os_error(e)}") from None
-        self.sup.add(job, spec, out / "job.yaml", out)
+        self.sup.add(job, spec, out / "job.yaml", code_dir or out, fresh=True)  # a new job: nothing to resume from
         return job
 
     def _unused(self, name: str) -> None:
@@ -219,7 +267,7 @@ class Coordinator:
         if d.is_dir() and any(d.iterdir()):  # files of a job serve does not know (its job.json is gone)
             raise FileExistsError(f"{d} holds the files of another job: move them away, or pick another name")
 
-    async def _validate(self, spec_yaml: str) -> None:
+    async def _validate(self, spec_yaml: str, code_dir: Path | None) -> None:
         """The checks that need the model and the data, in a throwaway process: user code stays out of here.
 
         It gets none of serve's secrets: no token in its environment, no file or socket of serve's open;
@@ -232,7 +280,7 @@ class Coordinator:
             with err_path.open("wb") as err:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
-                    "--memory-mib", str(self.validate_memory_mib),
+                    "--memory-mib", str(self.validate_memory_mib), *(["--code-dir", str(code_dir)] if code_dir else []),
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err,
                     env=env, close_fds=True,
                 )
@@ -323,9 +371,28 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {name!r}")
         return self.c.sup.record(name)
 
+    async def UploadCode(self, requests: AsyncIterator[jobs_pb2.CodeChunk], context: Context) -> jobs_pb2.CodeRef:
+        async def pieces() -> AsyncIterator[bytes]:
+            async for r in _until_stopping(self.c.stopping, requests):
+                if len(r.data) > code.CHUNK_BYTES:
+                    raise code.CodeError(f"data: a piece of {len(r.data):,} bytes is over {code.CHUNK_BYTES:,}")
+                yield r.data
+
+        try:
+            sha, size = await self.c.upload(pieces())
+        except SpecError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, printable(str(e), 1024))
+        except Busy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Stopping as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot keep the code: {describe_os_error(e)}")
+        return jobs_pb2.CodeRef(sha256=sha, size=size)
+
     async def SubmitJob(self, request: jobs_pb2.SubmitJobRequest, context: Context) -> jobs_pb2.Job:
         try:
-            return serde.job_to_pb(await self.c.submit(request.spec_yaml))
+            return serde.job_to_pb(await self.c.submit(request.spec_yaml, request.code_sha256))
         except SpecError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, printable(str(e), 1024))
         except FileExistsError as e:
@@ -466,6 +533,20 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             self.streaming.discard(w.id)
 
 
+    async def GetCode(self, request: workers_pb2.GetCodeRequest, context: Context) -> AsyncIterator[workers_pb2.CodePiece]:
+        if (why := _bad_id("worker_id", request.worker_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        if self.c.sup.worker(request.worker_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "worker_id: unknown worker: register again")
+        store = self.c.table.code
+        if not SHA256_RE.fullmatch(request.sha256) or not store.has(request.sha256):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"sha256: '{printable(request.sha256, 80)}' names no code archive this coordinator holds")
+        with store.archive(request.sha256).open("rb") as f:
+            while piece := await asyncio.to_thread(f.read, code.CHUNK_BYTES):
+                yield workers_pb2.CodePiece(data=piece)
+
+
 async def _commands(w: Worker) -> AsyncIterator[Join | Abort]:
     """A worker's commands, until it is dropped."""
     while (cmd := await w.commands.get()) is not None:
@@ -537,6 +618,7 @@ def _deny(handler: Any, code: grpc.StatusCode, message: str) -> Any:
         await context.abort(code, message)
 
     make: Callable[..., Any] = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                                else grpc.stream_unary_rpc_method_handler if handler.stream_unary
                                 else grpc.unary_unary_rpc_method_handler)
     return make(deny, handler.request_deserializer, handler.response_serializer)
 
@@ -579,6 +661,18 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
                     yield m
 
             return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
+        if handler.stream_unary:
+            inner_upload = handler.stream_unary
+
+            async def upload(requests: AsyncIterator[Any], context: Context) -> Any:
+                async def checked() -> AsyncIterator[Any]:
+                    async for r in requests:
+                        await check(r, context)
+                        yield r
+
+                return await inner_upload(checked(), context)
+
+            return grpc.stream_unary_rpc_method_handler(upload, lenient, handler.response_serializer)
         inner = handler.unary_unary
 
         async def unary(request: Any, context: Context) -> Any:
@@ -590,7 +684,8 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
 
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
-                validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> None:
+                validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
+                max_code_mib: int = code.DEFAULT_LIMIT_MIB) -> None:
     """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
     from gpipe import net
 
@@ -605,7 +700,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     if host is not None:
         net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
-    c = Coordinator(state_dir, host, heartbeat_timeout, validate_memory_mib)
+    c = Coordinator(state_dir, host, heartbeat_timeout, validate_memory_mib, max_code_mib << 20)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
     health = health_aio.HealthServicer()

@@ -12,12 +12,13 @@ started.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -357,8 +358,9 @@ class JobSpec(_Spec):
         default="cpu", description="Where stages run: cpu, or cuda (one GPU per worker)."
     )
     log_every: Steps = Field(default=1, description="Write metrics every this many steps.")
-    trace_step: Annotated[StrictInt, Range(0, MAX_STEPS - 1)] | None = Field(
-        default=None, description="The step drawn in trace.json and timeline.png; none: the last.",
+    trace_step: Annotated[StrictInt, Range(1, MAX_STEPS)] | None = Field(
+        default=None, description="The step drawn in trace.json and timeline.png, counted from 1 as the "
+        "progress bar counts; none: the last.",
     )
     checkpoint_every: Steps | None = Field(
         default=100, description="Checkpoint every this many steps, and after the last; "
@@ -421,6 +423,18 @@ class JobSpec(_Spec):
         default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "
         "without gradients, every `every` steps and after the last (metrics.jsonl: eval_loss).",
     )
+    working_dir: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="The folder of the job's code, relative to the job file's folder: `submit` sends it with "
+        "the job (serve keeps it, and its validation and every attempt on every worker import from it); `run` "
+        "and `validate` import from it. Default: the job file's folder.",
+    )
+    exclude: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=256)] = Field(
+        default_factory=list,
+        description="Patterns (fnmatch: data, *.ckpt, outputs/) of files and folders `submit` leaves out of the "
+        "job's code, matched against each path in the folder and each name. Left out always: .git, "
+        "virtualenvs, gpipe state dirs, __pycache__ and tool caches.",
+    )
     keep_best: bool = Field(
         default=False, description="Keep the weights of the lowest eval loss so far in "
         "<state-dir>/<name>/best/model.safetensors, with best.json (needs eval).",
@@ -482,9 +496,9 @@ class JobSpec(_Spec):
                 f"balance: has {len(self.balance)} entries but stages is {self.stages}"
             )
         if self.trace_step is not None:
-            if self.trace_step >= self.steps:
-                raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps - 1}")
-            if self.trace_step % self.log_every and self.trace_step != self.steps - 1:
+            if self.trace_step > self.steps:
+                raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps}")
+            if (self.trace_step - 1) % self.log_every and self.trace_step != self.steps:
                 raise ValueError(f"trace_step: step {self.trace_step} is not logged (log_every {self.log_every})")
         if self.init_hook is not None and self.init != "per_layer":
             raise ValueError("init_hook: applies to init per_layer only")
@@ -514,6 +528,11 @@ class JobSpec(_Spec):
             raise ValueError(f"replicas: {self.replicas} replicas x {self.chunks} micro-batches exceed "
                              f"data.batch_size {self.data.batch_size}")
 
+    def code_dir(self, spec_path: str | Path) -> Path:
+        """The folder of the job's code: working_dir, from the job file's folder; or that folder."""
+        here = Path(spec_path).resolve().parent
+        return (here / self.working_dir).resolve() if self.working_dir else here
+
     @property
     def topology(self) -> Topology:
         """Which worker rank serves which stage of which replica (gpipe.topology)."""
@@ -525,8 +544,12 @@ class JobSpec(_Spec):
 
 
 def format_validation_error(err: ValidationError) -> str:
-    """One line: the first error's field path and what is wrong with it."""
-    errors = err.errors()
+    """One line: the first error's field path and what is wrong with it.
+
+    An unknown field comes first, with the field of the spec it is closest to: a
+    typo (`batch_sise`) also makes its field missing, and the key the user wrote is what to name.
+    """
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")  # stable otherwise
     e = errors[0]
     # A discriminated union adds the tag to the path (lr_schedule.cosine.min_lr); other unions
     # and validators add their own labels (list[...], literal[...], function-after[...]).
@@ -534,6 +557,8 @@ def format_validation_error(err: ValidationError) -> str:
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg = "unknown field"
+        if isinstance(key := e["loc"][-1], str) and (near := _closest(key, e["loc"][:-1], JobSpec)):
+            msg += f" (did you mean {near}?)"
     if e["type"] == "missing":
         msg = "required item is missing" if isinstance(e["loc"][-1], int) else "required field is missing"
     # Each member of a union that refused the value at the same place: balance: a list or 'by_params'.
@@ -544,6 +569,25 @@ def format_validation_error(err: ValidationError) -> str:
         # A check across fields names its own field at the start of the message.
         return one_line(msg)
     return one_line(f"{loc}: {msg}")  # a message may quote the input: Input tag 'x' ...
+
+
+def _closest(key: str, parent: tuple[str | int, ...], model: type[BaseModel]) -> str | None:
+    """The field at `parent` (a path into `model`) whose name is closest to `key`, if one is close."""
+    models = _models_in(model)
+    for part in parent:
+        inner = [f.annotation for m in models if isinstance(part, str) and (f := m.model_fields.get(part))]
+        if inner:  # a field: the models it holds; an index, a union's label or tag: the same models
+            models = [m for a in inner for m in _models_in(a)]
+    names = sorted({name for m in models for name in m.model_fields})
+    near = difflib.get_close_matches(key.lower(), names, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, or inside Optional, list, a union, Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in get_args(annotation) for m in _models_in(a)]
 
 
 def _loc(loc: tuple[str | int, ...]) -> str:
@@ -605,3 +649,13 @@ def read_spec_text(path: str | Path) -> str:
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a job file."""
     return parse_spec(read_spec_text(path), source=str(path))
+
+
+if __name__ == "__main__":  # python -m gpipe.coordinator.spec --markdown > docs/spec.md
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m gpipe.coordinator.spec --markdown > docs/spec.md")
+    from gpipe.coordinator.specdoc import markdown
+
+    sys.stdout.write(markdown())

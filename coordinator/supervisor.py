@@ -124,7 +124,7 @@ class Launch:
     attempt_id: str
     number: int  # the job's attempt count, this one included
     spec_path: Path
-    job_dir: Path  # the job file's folder: its modules are importable
+    job_dir: Path  # the job's code: its working_dir (run), or its archive unpacked (serve): its modules are importable
     placement: list[Placement]
     resume: bool  # from the newest good checkpoint; else a fresh start that drops earlier outputs
 
@@ -581,7 +581,7 @@ class Supervisor:
                         if w is not None and w.attempt_id == attempt.id:
                             # The worker's rank, and the attempt's count of workers.
                             w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.topology.world,
-                                                       spec.start_timeout_s, r.secret))
+                                                       spec.start_timeout_s, r.secret, job.code_sha256))
                 elif isinstance(r, report.Metrics):
                     job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])
                     self._emit(e, ("metrics", r.values))
@@ -623,7 +623,8 @@ class Supervisor:
         if attempt.stopped:
             self._set_state(e, JobState.STOPPED, "stopped while running")
         elif done and code == 0:
-            self._set_state(e, JobState.SUCCEEDED, f"weights in {Path(job.output_dir) / 'model.safetensors'}")
+            self._set_state(e, JobState.SUCCEEDED, f"{final_loss(job)}weights in "
+                                                   f"{Path(job.output_dir) / 'model.safetensors'}")
         else:
             self._failed(e, attempt, reported, code)
 
@@ -671,3 +672,8 @@ class Supervisor:
     def _log(self, e: Entry, line: str) -> None:
         self.say(f"job {e.record.name}: {line}")
         self._emit(e, ("log", line))
+
+
+def final_loss(job: JobRecord) -> str:
+    """What a finished job's last line leads with: its steps and its last step's loss, when it logged one."""
+    return f"{job.steps_done}/{job.steps} steps, final loss {job.loss:.4f}; " if job.steps_done else ""

@@ -2,7 +2,8 @@
 
 Both are drawn from one line of metrics.jsonl, where each stage reports when
 each of its forwards and backwards ran, so any logged step can be drawn after
-the fact: `gpipe-coordinator timeline gpipe-state/NAME --step S`.
+the fact: `gpipe-coordinator timeline gpipe-state/NAME --step N` (N counted from 1, as
+the progress bar counts).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _labels(step: dict[str, Any]) -> list[str]:
 def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
     """The Trace Event Format: one process, one thread per stage, a slice per action."""
     events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"step {step['step']}"}}
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"step {step['step'] + 1}"}}
     ]
     for row, label in enumerate(_labels(step)):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": row, "args": {"name": label}})
@@ -69,7 +70,7 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, end * 1e3)
     ax.set_xlabel("ms since the step started")
-    ax.set_title(f"step {step['step']}: bubble {step['bubble_fraction']:.1%} "
+    ax.set_title(f"step {step['step'] + 1}: bubble {step['bubble_fraction']:.1%} "
                  f"(blue forward, orange backward, white idle)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -77,7 +78,8 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
 
 
 def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
-    """The metrics line of `step` (None: the last one logged)."""
+    """The metrics line of step number `step`, counted from 1 as the progress bar counts (None: the last
+    logged); metrics.jsonl's `step` field is the step's index, one less."""
     try:
         text = metrics.read_text()
     except OSError as e:
@@ -96,9 +98,9 @@ def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
         return lines[-1]
     line: dict[str, Any]  # reversed() of a list of Any-valued dicts is Any to mypy
     for line in reversed(lines):  # a resumed job ran some steps again: the latest attempt's
-        if line["step"] == step:
+        if line["step"] + 1 == step:
             return line
-    logged = f"{lines[0]['step']}..{lines[-1]['step']}"
+    logged = f"{lines[0]['step'] + 1}..{lines[-1]['step'] + 1}"
     raise SpecError(f"--step: step {step} is not in {metrics} (logged: {logged})")
 
 

@@ -16,8 +16,21 @@ REGISTRY: dict[str, str] = {
 }
 
 
+_own_code: list[str] = []  # this process's copy of the job's code (gpipe.code), when the job sent it
+
+
+def use_job_code(folder: str) -> None:
+    """Import the job's modules from `folder`, this process's own copy of the job's code, and from no folder
+    a stage config names (the coordinator's copy: on another machine, or none at all)."""
+    _own_code[:] = [folder]
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 def add_import_paths(paths: Sequence[str]) -> None:
     """Let user modules next to the job file be imported, as Python does for a script."""
+    if _own_code:
+        return
     for p in reversed(paths):
         if p not in sys.path:
             sys.path.insert(0, p)

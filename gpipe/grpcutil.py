@@ -85,7 +85,7 @@ def channel(address: str, token: str | None, tls_ca: str | None) -> grpc.aio.Cha
             creds = grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(token))
         return grpc.aio.secure_channel(address, creds, options=CLIENT_KEEPALIVE)
-    interceptors = [_UnaryToken(token), _StreamToken(token)] if token else None
+    interceptors = [_UnaryToken(token), _StreamToken(token), _UploadToken(token)] if token else None
     return grpc.aio.insecure_channel(address, interceptors=interceptors, options=CLIENT_KEEPALIVE)
 
 
@@ -96,7 +96,7 @@ def _with_token(d: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCal
         d.method, d.timeout, cast(grpc.aio.Metadata, md), d.credentials, d.wait_for_ready)
 
 
-# Two classes: grpc's aio channel files an interceptor under the first kind it is an instance of.
+# A class per kind of call: grpc's aio channel files an interceptor under the first kind it is an instance of.
 class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
     """Adds `authorization: Bearer <token>` (call credentials are only sent over TLS)."""
 
@@ -125,6 +125,20 @@ class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
         request: Any,
     ) -> grpc.aio.UnaryStreamCall[Any, Any]:
         return await continuation(_with_token(details, self.token), request)
+
+
+class _UploadToken(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
+
+    async def intercept_stream_unary(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, Any], Awaitable[grpc.aio.StreamUnaryCall[Any, Any]]],
+        details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> grpc.aio.StreamUnaryCall[Any, Any]:
+        return await continuation(_with_token(details, self.token), request_iterator)
 
 
 def describe(e: grpc.RpcError, address: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -52,6 +53,7 @@ class JobRecord:
     exit_code: int = 0  # once ended: 0 succeeded, 1 failed, 2 bad input (no restart could help)
     eval_loss: float = 0.0  # the latest evaluation's loss
     eval_step: int = -1  # the step it followed; -1: none yet
+    code_sha256: str = ""  # the job's code archive in serve's store (gpipe.code); "": none was sent
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -72,6 +74,7 @@ class JobRecord:
         return cls(**_fields_from_json(d, _RECORD_FIELDS, "job record"))
 
 
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -126,6 +129,12 @@ _CHANGE_FIELDS: dict[str, tuple[_Check, bool]] = {  # name: (check, required)
 }
 # Every field of JobRecord (a test checks). The proto's integer types bound the counters, so that
 # ListJobs can always send a record.
+def _sha256(name: str, v: object) -> str:
+    if not isinstance(v, str) or (v and not SHA256_RE.fullmatch(v)):
+        raise ValueError(f"{name}: must be a SHA-256 in hex, got {short(v)}")
+    return v
+
+
 _RECORD_FIELDS: dict[str, tuple[_Check, bool]] = {
     "name": (_text, True), "spec_yaml": (_text, True), "steps": (_int(0, INT64[1]), True),
     "state": (_state, True), "history": (_history, False), "steps_done": (_int(0, INT64[1]), False),
@@ -134,6 +143,7 @@ _RECORD_FIELDS: dict[str, tuple[_Check, bool]] = {
     "restarts": (_int(0, INT32[1]), False), "attempts": (_int(0, INT32[1]), False),
     "checkpoint_step": (_int(0, INT64[1]), False), "exit_code": (_int(0, 255), False),
     "eval_loss": (_float(finite=False), False), "eval_step": (_int(-1, INT64[1]), False),
+    "code_sha256": (_sha256, False),
 }
 
 
@@ -161,6 +171,7 @@ class Join:
     world: int  # the attempt's workers: replicas x stages
     start_timeout_s: float
     secret: str = field(repr=False)  # the attempt's: its store keys live under it (gpipe.net)
+    code_sha256: str = ""  # the job's code archive (WorkerService.GetCode); "": none
 
 
 @dataclass
@@ -191,7 +202,7 @@ def job_to_pb(j: JobRecord) -> jpb.Job:
         history=[state_to_pb(h) for h in j.history], steps=j.steps, steps_done=j.steps_done,
         loss=j.loss, failed_rank=j.failed_rank, error=j.error, output_dir=j.output_dir,
         restarts=j.restarts, attempts=j.attempts, checkpoint_step=j.checkpoint_step,
-        eval_loss=j.eval_loss, eval_step=j.eval_step,
+        eval_loss=j.eval_loss, eval_step=j.eval_step, code_sha256=j.code_sha256,
     )
 
 
@@ -201,13 +212,16 @@ def job_from_pb(m: jpb.Job) -> JobRecord:
         history=[state_from_pb(h) for h in m.history], steps_done=m.steps_done, loss=m.loss,
         failed_rank=m.failed_rank, error=m.error, output_dir=m.output_dir,
         restarts=m.restarts, attempts=m.attempts, checkpoint_step=m.checkpoint_step,
-        eval_loss=m.eval_loss, eval_step=m.eval_step,
+        eval_loss=m.eval_loss, eval_step=m.eval_step, code_sha256=m.code_sha256,
     )
 
 
 _METRIC_FIELDS = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "attempt")
+# A step's fields in metrics.jsonl's order (coordinator.metrics.StepMetrics): `logs --json` prints its lines as they are.
+_METRIC_ORDER = ("step", "loss", "lr", "step_time_s", "samples_per_s", "grad_norm", "bubble_fraction", "attempt",
+                 "loss_scale", "skipped", "stages", "replicas")
 _EVAL_FIELDS = ("eval_loss", "eval_samples", "eval_time_s", "attempt")
-_OPTIONAL_METRICS = ("loss_scale", "skipped")  # fp16 only: unset (None) otherwise, and in older lines
+_OPTIONAL_METRICS = ("grad_norm", "loss_scale", "skipped")  # unset (None) when not measured, and in older lines
 
 
 def event_to_pb(e: Event) -> jpb.JobEvent:
@@ -235,7 +249,7 @@ def event_from_pb(m: jpb.JobEvent) -> Event:
         d.update({k: getattr(m.metrics, k) if m.metrics.HasField(k) else None for k in _OPTIONAL_METRICS})
         d["stages"] = json.loads(m.metrics.stages_json or "[]")
         d["replicas"] = json.loads(m.metrics.replicas_json or "[]")
-        return "metrics", d
+        return "metrics", {k: d[k] for k in _METRIC_ORDER}
     if which == "eval":
         d = {k: getattr(m.eval, k) for k in _EVAL_FIELDS}
         return "eval", {"step": None if m.eval.step < 0 else m.eval.step, **d}
@@ -251,5 +265,5 @@ def command_to_pb(c: Join | Abort) -> wpb.WorkerCommand:
 def command_from_pb(m: wpb.WorkerCommand) -> Join | Abort:
     if m.WhichOneof("command") == "join":
         j = m.join
-        return Join(j.attempt_id, j.master, j.rank, j.world, j.start_timeout_s, j.secret)
+        return Join(j.attempt_id, j.master, j.rank, j.world, j.start_timeout_s, j.secret, j.code_sha256)
     return Abort(m.abort.attempt_id)

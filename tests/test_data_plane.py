@@ -131,7 +131,7 @@ def test_every_key_lives_under_the_secret_and_a_strangers_keys_are_not_ours():
     with pytest.raises(dist.DistStoreError):
         stranger.get("ours")
     # TCPStore has no authentication, and lists its keys to anyone: the secret hides nothing from a stranger
-    # on the network. That is why the ports must stay on the cluster network (README: the trust boundary).
+    # on the network. That is why the ports must stay on the cluster network (docs/security.md: the trust boundary).
     assert sorted(stranger.list_keys()) == sorted([f"{secret}/ours", "theirs"])
 
 

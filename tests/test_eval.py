@@ -266,7 +266,7 @@ def test_serve_shows_and_streams_the_eval_loss_and_keeps_it_across_a_restart(cli
                 s.start_serve()
             r = s.client("status", "ev")
             assert r.returncode == 0 and f"eval:     loss {evals[-1]['eval_loss']:.4f} after step 5" in r.stdout
-            r = s.client("logs", "ev")
+            r = s.client("logs", "ev", "--json")
             assert r.returncode == 0
             streamed = [json.loads(x) for x in r.stdout.splitlines()]
             assert [(m["step"], m["eval_loss"]) for m in streamed if "eval_loss" in m] == \

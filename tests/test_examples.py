@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -64,3 +65,6 @@ def test_the_demo_runs_on_one_core_with_one_warning_line(cli):
     warned = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     assert len(warned) == 1 and "2 workers" in warned[0] and "1 CPU core" in warned[0], r.stderr
     assert "Traceback" not in r.stderr and (cli.tmp / "state" / "charlm" / "model.safetensors").exists()
+    # The last line gives the final loss; a fresh run says nothing of resuming.
+    assert re.match(r"charlm: done in [\d.]+s: 2/2 steps, final loss \d+\.\d{4}; weights in ", r.stderr.splitlines()[-1])
+    assert "resum" not in r.stderr

@@ -208,7 +208,7 @@ def test_serve_waits_for_every_rank_of_every_replica_then_equals_one_device(cli)
         wait_for(lambda: "SUCCEEDED" in s.client("status", "dp").stdout, 30, "the job to succeed")
         diff = worst(load_file(s.state / "dp" / "model.safetensors"), reference.train(spec))
         assert diff <= 1e-5, diff
-        r = s.client("logs", "dp")
+        r = s.client("logs", "dp", "--json")
         lines = [json.loads(x) for x in r.stdout.splitlines()]
         assert [m["step"] for m in lines] == [0, 1, 2]
         assert all([x["replica"] for x in m["replicas"]] == [0, 1] for m in lines)

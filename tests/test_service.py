@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import grpc
@@ -20,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
 from gpipe import serde
-from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
+from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests import reference
 from tests.conftest import ROOT, Cli, end_leftovers
 from tests.test_failures import _worker_pid
@@ -49,6 +52,41 @@ def job(name: str, **kw) -> dict:
 
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
 
+# A model module that lives next to its job.yaml and nowhere else: tests.models:slow_mlp's layers.
+ELSEWHERE = '''"""The job's own model."""
+import time
+
+from torch import nn
+
+
+class Slow(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
+
+
+def build(width=16, seconds=0.02):
+    return nn.Sequential(nn.Linear(width, width), Slow(seconds), nn.Linear(width, width), Slow(seconds))
+'''
+
+
+def job_elsewhere(s: Service, name: str, **kw) -> tuple[Path, dict, str]:
+    """A job in a folder of its own, its model module beside its job.yaml (a name no other folder has): the
+    job file, the same job with tests.models' model (the one-device reference's), and the module's name."""
+    folder = s.tmp / "elsewhere" / name
+    (folder / ".git").mkdir(parents=True)
+    (folder / ".git" / "objects").write_bytes(b"not code")
+    module = f"own_model_{name}_{os.getpid()}"
+    (folder / f"{module}.py").write_text(ELSEWHERE)
+    model = {"width": 16, "seconds": 0.02}
+    spec = job(name, model={"factory": f"{module}:build", "args": model}, **kw)
+    (folder / "job.yaml").write_text(yaml.safe_dump(spec))
+    return folder / "job.yaml", {**spec, "model": {"factory": "tests.models:slow_mlp", "args": model}}, module
+
 
 class Service:
     """serve and its workers as real processes, each in its own process group."""
@@ -59,7 +97,7 @@ class Service:
         self.address = f"127.0.0.1:{self.port}"
         self.state = self.tmp / "state"
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = dict(cli.env)
+        self.env = {k: v for k, v in cli.env.items() if k != "PYTHONPATH"}  # a job's code travels with it
         self.tls: list[str] = []  # --tls-ca CERT, for clients and workers of a TLS serve
         if token:
             (self.tmp / "token").write_text(token + "\n")
@@ -186,10 +224,13 @@ def shared(serve_once):
 
 @pytest.mark.multiprocess
 def test_submit_follow_trains_the_same_weights_as_one_device(shared):
-    spec = job("svc", chunks=4, schedule="1f1b")
-    r = shared.client("submit", str(shared.cli.write(spec)), "--follow")
+    spec = job("svc", chunks=4, schedule="1f1b", checkpoint_every=2)
+    r = shared.client("submit", str(shared.cli.write(spec)), "--follow", "--no-progress")
     assert r.returncode == 0, r.stderr + shared.log("serve")
-    assert "svc: SUCCEEDED" in r.stderr
+    # The last line names the final loss; a new job says nothing of resuming; --no-progress: no step lines.
+    assert re.match(r"svc: SUCCEEDED: 5/5 steps, final loss \d+\.\d{4}; weights in ", r.stderr.splitlines()[-1])
+    assert "resume" not in r.stderr and "step 1/5" not in r.stderr
+    assert (shared.state / "svc" / "logs" / "coordinator.log").exists()  # where `run` keeps it
     got = load_file(shared.state / "svc" / "model.safetensors")
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
@@ -198,9 +239,49 @@ def test_submit_follow_trains_the_same_weights_as_one_device(shared):
     assert r.returncode == 0 and "state:    SUCCEEDED" in r.stdout and "progress: 5/5 steps" in r.stdout
     r = shared.client("list")
     assert r.returncode == 0 and "svc" in r.stdout and "SUCCEEDED" in r.stdout and "5/5" in r.stdout
+
+    # logs: a line per step, counted as the bar counts, the checkpoints and states between, the end last.
     r = shared.client("logs", "svc")
-    assert r.returncode == 0
-    assert [yaml.safe_load(x)["step"] for x in r.stdout.splitlines()] == [0, 1, 2, 3, 4]
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    steps = [m for x in lines if (m := re.fullmatch(
+        r"step (\d+)/5  loss (\d+\.\d{4})  lr 0\.05  [\d,]+ samples/s  bubble \d+\.\d%", x))]
+    assert [int(m[1]) for m in steps] == [1, 2, 3, 4, 5], r.stdout
+    at = {x: i for i, x in enumerate(lines)}
+    ckpt = next(i for i, x in enumerate(lines) if x.startswith("checkpoint step-2:"))
+    assert at[steps[0][0]] < ckpt < at[steps[-1][0]]
+    assert lines[0].startswith("PENDING") and lines[-1].startswith("SUCCEEDED: 5/5 steps, final loss ")
+    # --json: metrics.jsonl's lines as they are.
+    r = shared.client("logs", "svc", "--json")
+    on_disk = (shared.state / "svc" / "metrics.jsonl").read_text().splitlines()
+    assert r.returncode == 0 and [json.loads(x) for x in r.stdout.splitlines()] == [json.loads(x) for x in on_disk]
+
+
+@pytest.mark.multiprocess
+def test_a_job_s_code_travels_with_it_to_the_validation_and_every_worker(shared):
+    path, reference_spec, module = job_elsewhere(shared, "travel")
+    r = shared.client("submit", str(path), "--follow", "--no-progress")
+    assert r.returncode == 0, r.stderr + shared.log("serve")
+    got = load_file(shared.state / "travel" / "model.safetensors")
+    want = reference.train(reference_spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    # Kept by serve under its hash, without what is not code; each worker imported from its own copy.
+    sha = json.loads((shared.state / "travel" / "job.json").read_text())["code_sha256"]
+    assert sorted(zipfile.ZipFile(shared.state / ".code" / f"{sha}.zip").namelist()) == ["job.yaml", f"{module}.py"]
+    for rank in (0, 1):
+        assert (shared.tmp / f"worker{rank}-attempts" / "code" / sha / f"{module}.py").exists()
+    # A spec that names a code archive serve does not hold is refused, naming the field.
+    async def submit_unknown_code() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(shared.address) as ch:
+            try:
+                await jobs_pb2_grpc.JobServiceStub(ch).SubmitJob(jobs_pb2.SubmitJobRequest(
+                    spec_yaml=path.read_text().replace("travel", "travel2"), code_sha256="0" * 64), timeout=30)
+            except grpc.aio.AioRpcError as e:
+                assert e.details().startswith("code_sha256:"), e.details()
+                return e.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(submit_unknown_code()) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.mark.multiprocess
@@ -297,10 +378,34 @@ def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
         r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--worker-token-file", str(cli.tmp / "token"))
         assert r.returncode == 1 and "a client token cannot call this" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+        # Only the client token sends code; only the worker token fetches it.
+        upload = asyncio.run(call(s.address, WORKER_TOKEN, "UploadCode", iter([jobs_pb2.CodeChunk(data=b"PK")])))
+        assert upload == grpc.StatusCode.PERMISSION_DENIED
+        assert asyncio.run(call(s.address, None, "UploadCode", iter([]))) == grpc.StatusCode.UNAUTHENTICATED
+        fetch = asyncio.run(call(s.address, TOKEN, "GetCode", workers_pb2.GetCodeRequest(sha256="0" * 64)))
+        assert fetch == grpc.StatusCode.PERMISSION_DENIED
         r = s.client("submit", path, "--follow")
         assert r.returncode == 0, r.stderr
     finally:
         s.stop_all()
+
+
+async def call(address: str, token: str | None, method: str, request) -> grpc.StatusCode:
+    """The status of one call of `method` (JobService's or WorkerService's) with `token`."""
+    from gpipe import grpcutil
+
+    async with grpcutil.channel(address, token, None) as ch:
+        jobs, workers = jobs_pb2_grpc.JobServiceStub(ch), workers_pb2_grpc.WorkerServiceStub(ch)
+        stub = jobs if hasattr(jobs, method) else workers
+        try:
+            answer = getattr(stub, method)(request, timeout=30)
+            if hasattr(answer, "read"):
+                await answer.read()
+            else:
+                await answer
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
 
 
 @pytest.mark.multiprocess
@@ -400,19 +505,28 @@ def submit_running(s: Service, name: str, after: int, **kw) -> Path:
 @pytest.mark.multiprocess
 def test_a_coordinator_killed_mid_run_lists_past_jobs_and_resumes_from_its_checkpoint(service):
     assert service.client("submit", str(service.cli.write(job("before"), "before.yaml")), "--follow").returncode == 0
-    spec = job("survivor", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               steps=40, checkpoint_every=5, optimizer={"name": "adam", "lr": 0.01})
-    assert service.client("submit", str(service.cli.write(spec))).returncode == 0
+    damaged, _, _ = job_elsewhere(service, "damaged")
+    assert service.client("submit", str(damaged), "--follow").returncode == 0
+    # The job's code comes from its folder, which goes away once it is sent: serve's copy is the only one.
+    path, spec, _ = job_elsewhere(service, "survivor", steps=40, checkpoint_every=5,
+                                  optimizer={"name": "adam", "lr": 0.01})
+    assert service.client("submit", str(path)).returncode == 0
+    shutil.rmtree(path.parent)
     out = service.state / "survivor"
     service.wait_for(lambda: (out / "checkpoints" / "step-10" / "MANIFEST.json").exists(), "checkpoint step-10", 90)
     service.kill("serve")  # SIGKILL: its attempt process dies with it, the workers lose their stream
+    sha = json.loads((service.state / "damaged" / "job.json").read_text())["code_sha256"]
+    archive = service.state / ".code" / f"{sha}.zip"
+    archive.write_bytes(archive.read_bytes()[:-1] + b"!")
     service.start_serve()
     r = service.client("list")
     assert r.returncode == 0 and re.search(r"before +SUCCEEDED +5/5", r.stdout), r.stdout  # as it was
+    assert re.search(r"damaged +FAILED", r.stdout), r.stdout  # its code no longer matches its hash: never run
+    assert "does not match its hash" in service.client("status", "damaged").stdout
     r = service.client("logs", "survivor", "--follow", timeout=180)
     assert r.returncode == 0, r.stderr
-    assert "survivor: SUCCEEDED" in r.stderr
-    resumed = int(re.search(r"the coordinator restarted; resuming from checkpoint step-(\d+)", r.stderr).group(1))
+    assert r.stdout.splitlines()[-1].startswith("SUCCEEDED: 40/40 steps, final loss "), r.stdout
+    resumed = int(re.search(r"the coordinator restarted; resuming from checkpoint step-(\d+)", r.stdout).group(1))
     assert resumed >= 10
     # The first attempt's steps, then the second's from the checkpoint on: nothing before it ran twice.
     steps = steps_of(out)
@@ -442,8 +556,8 @@ def test_a_lost_worker_that_comes_back_resumes_the_job_to_the_same_weights(share
     assert f"(rank {rank})" in status and "restarts 1 of 3" in status, status
     shared.start_worker(rank)  # as Kubernetes would restart it
     r = shared.client("logs", "comeback", "--follow", timeout=180)
-    assert r.returncode == 0 and "comeback: SUCCEEDED" in r.stderr, r.stderr
-    assert f"stage {rank}'s worker" in r.stderr and "restart 1 of 3: resuming from" in r.stderr
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
+    assert f"stage {rank}'s worker" in r.stdout and "restart 1 of 3: resuming from" in r.stdout
     second = [s for a, s in steps_of(out) if a == 2]
     assert second == list(range(second[0], 30)) and second[0] % 4 == 0
     status = shared.client("status", "comeback").stdout
@@ -504,7 +618,7 @@ def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_wh
     assert f"stage 1's worker missed its heartbeats for {HEARTBEAT_TIMEOUT_S}s (rank 1)" in status, status
     # Back on the network, the daemon finds it was forgotten, drops its attempt, registers again; the job resumes.
     r = shared.client("logs", "partition", "--follow", timeout=180)
-    assert r.returncode == 0 and "partition: SUCCEEDED" in r.stderr, r.stderr + shared.log("worker1")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stderr + shared.log("worker1")
     got = load_file(out / "model.safetensors")
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
@@ -574,7 +688,7 @@ def sigterm(s: Service, key: str) -> tuple[int, float]:
 def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     out = submit_running(service, "term", 3, steps=400, checkpoint_every=5)
     with service.cli.running("logs", "term", "--follow", "--coordinator", service.address) as follower:
-        assert follower.stdout.readline().startswith("{")  # a step: it follows (the job's steps so far come first)
+        assert follower.stdout.readline().startswith("PENDING")  # it follows (the job's past comes first)
         code, took = sigterm(service, "serve")
         _, err = follower.communicate(timeout=30)
     assert code == 0 and "Traceback" not in service.log("serve"), service.log("serve")[-2000:]
@@ -604,7 +718,7 @@ def test_a_rogue_registration_for_a_live_rank_is_refused_and_the_job_runs_on(sha
     shared.wait_for(lambda: shared.log("rogue").count("registration refused: rank 0 is held by a live worker") >= 2,
                     "the rogue to be refused twice")
     r = shared.client("logs", "guarded", "--follow", timeout=180)
-    assert r.returncode == 0 and "guarded: SUCCEEDED" in r.stderr, r.stderr
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
     status = shared.client("status", "guarded").stdout
     assert "attempts: 1, restarts 0 of 3" in status, status  # never disturbed
     assert [s for a, s in steps_of(out)] == list(range(30))

@@ -57,7 +57,7 @@ BAD = [
     ({"balance": [0, 4]}, "balance.0: must be an integer between 1 and 1000000, got 0"),
     ({"balance": "by_magic"}, "balance: Input should be a valid list or 'by_params', 'by_time' or 'by_memory'"),
     ({"balance": [1] * 65}, "balance: List should have at most 64 items"),
-    ({"trace_step": 2}, "trace_step: step 2 is past the last step 1"),
+    ({"trace_step": 3}, "trace_step: step 3 is past the last step 2"),
     ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe' or '1f1b'"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
     ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),
@@ -80,6 +80,12 @@ BAD = [
     ({"device": "tpu"}, "device: Input should be 'cpu' or 'cuda'"),
     ({"epochs": 3}, "epochs: unknown field"),
     ({"optimizer__lr_decay": 0.1}, "optimizer.lr_decay: unknown field"),
+    # A typo names the key as written, before the field it left missing, and the field it was meant as.
+    ({"data__batch_sise": 4, "data__batch_size": DELETE}, "data.batch_sise: unknown field (did you mean batch_size?)"),
+    ({"chunk": 4}, "chunk: unknown field (did you mean chunks?)"),
+    ({"stage": 2, "stages": DELETE}, "stage: unknown field (did you mean stages?)"),
+    ({"lr_schedule": {"name": "cosine", "warmup_step": 2}}, "lr_schedule.cosine.warmup_step: unknown field (did you mean warmup_steps?)"),
+    ({"zzz": 1}, "zzz: unknown field"),
 ]
 
 
@@ -90,6 +96,12 @@ def test_bad_spec_names_the_field(changes, message):
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith(message), line
+
+
+def test_an_unknown_field_far_from_every_field_suggests_none():
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(zzz=1))
+    assert str(e.value) == "zzz: unknown field"
 
 
 def test_good_spec_parses():
@@ -224,7 +236,7 @@ RANGES = [
     ("data.batch_size", "data__batch_size", {"chunks": 1}, [1, 2**20], [0, 2**20 + 1], "an integer between 1 and 1048576"),
     ("log_every", "log_every", {}, [1, 10**9], [0, 10**9 + 1], "an integer between 1 and 1000000000"),
     ("checkpoint_every", "checkpoint_every", {}, [1, 10**9, None], [0, 10**9 + 1], "an integer between 1 and 1000000000"),
-    ("trace_step", "trace_step", {"steps": 10**9}, [0, 10**9 - 1, None], [-1, 10**9], "an integer between 0 and 999999999"),
+    ("trace_step", "trace_step", {"steps": 10**9}, [1, 10**9, None], [0, 10**9 + 1], "an integer between 1 and 1000000000"),
     ("keep_checkpoints", "keep_checkpoints", {}, [2, 1000], [1, 1001], "an integer between 2 and 1000"),
     ("max_restarts", "max_restarts", {}, [0, 100], [-1, 101], "an integer between 0 and 100"),
     ("restart_timeout_s", "restart_timeout_s", {}, [1e-3, 604800], [0, 604800.5], "greater than 0 and at most 604800"),

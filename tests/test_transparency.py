@@ -73,7 +73,7 @@ def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
     torch.manual_seed(0)
     resolve(spec["model"]["factory"])(**spec["model"]["args"]).load_state_dict(got)
 
-    check_timeline(out, spec["stages"], spec["chunks"], spec["steps"] - 1)
+    check_timeline(out, spec["stages"], spec["chunks"], spec["steps"])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(spec["steps"]))
     for m in lines:
@@ -85,7 +85,8 @@ def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
 
 
 def check_timeline(out, stages: int, chunks: int, step: int) -> None:
-    """trace.json holds each stage's forwards and backwards of the step; timeline.png is a PNG."""
+    """trace.json holds each stage's forwards and backwards of step number `step` (counted from 1, as the
+    progress bar counts); timeline.png is a PNG."""
     trace = json.loads((out / "trace.json").read_text())
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert trace["traceEvents"][0]["args"]["name"] == f"step {step}"

@@ -69,13 +69,15 @@ class Agent:
                     sys.executable, "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
 
-    async def join(self, j: Join, log: Path) -> None:
-        """Start rank `j.rank` of attempt `j.attempt_id` (ending any attempt this worker was in)."""
+    async def join(self, j: Join, log: Path, code_dir: Path | None = None) -> None:
+        """Start rank `j.rank` of attempt `j.attempt_id` (ending any attempt this worker was in); its stage
+        imports the job's modules from `code_dir` when the job sent its code."""
         await self._kill(self.child)
         log.parent.mkdir(parents=True, exist_ok=True)
         # Over the child's stdin: the secret never goes on a command line.
         line = json.dumps({"rank": j.rank, "world": j.world, "master": j.master, "host": self.host,
-                           "start_timeout_s": j.start_timeout_s, "log": str(log), "secret": j.secret}) + "\n"
+                           "start_timeout_s": j.start_timeout_s, "log": str(log), "secret": j.secret,
+                           "code_dir": str(code_dir or "")}) + "\n"
         child = None
         for _ in range(2):  # a spare that died meanwhile is replaced once
             await self.prestart()
@@ -91,6 +93,16 @@ class Agent:
         assert child is not None
         self.child, self.attempt_id, self.exit_code, self.log = child, j.attempt_id, None, log
         asyncio.ensure_future(self._reap(child))
+
+    async def fail(self, j: Join, log: Path, error: str) -> None:
+        """Attempt `j.attempt_id` cannot start here (its code could not be had): it ended, exit 2, `error` its
+        last words, as the heartbeat tells the coordinator."""
+        await self._kill(self.child)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(f"error: {error}\n")
+        self.child, self.attempt_id, self.exit_code, self.log = None, j.attempt_id, 2, log
+        self.on_change()
 
     async def _reap(self, child: Child) -> None:
         code = await child.wait()

@@ -29,7 +29,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import grpcutil, proc, serde
+from gpipe import code, grpcutil, proc, serde
+from gpipe.code import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent
@@ -38,6 +39,8 @@ from gpipe.zygote import Template
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
+CODE_FETCH_TIMEOUT_S = 300.0  # a job's code archive, at most serve's --max-code-mib
+CODE_KEPT = 16  # jobs' code archives kept in --log-dir/code, the newest
 
 
 class Daemon:
@@ -101,11 +104,45 @@ class Daemon:
         async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=worker_id)):
             cmd = serde.command_from_pb(m)
             if isinstance(cmd, serde.Join):
-                await self.agent.join(cmd, self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.rank}.log")
+                log = self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.rank}.log"
+                try:
+                    code_dir = await self._code(stub, worker_id, cmd.code_sha256) if cmd.code_sha256 else None
+                except (CodeError, TimeoutError) as e:
+                    why = str(e) if isinstance(e, CodeError) else f"job code: no archive in {CODE_FETCH_TIMEOUT_S:.0f}s"
+                    self._say(f"attempt {cmd.attempt_id}: {why}")
+                    await self.agent.fail(cmd, log, why)
+                    continue
+                await self.agent.join(cmd, log, code_dir)
                 self._say(f"joined attempt {cmd.attempt_id} as rank {cmd.rank} of {cmd.world}")
             else:
                 await self.agent.abort(cmd.attempt_id)
         raise ConnectionError("the coordinator ended this worker's command stream")
+
+    async def _code(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str, sha256: str) -> Path:
+        """The job's code, unpacked in this worker's scratch: fetched from the coordinator once, its hash checked."""
+        store = code.Store(self.log_dir / "code")
+        if not store.has(sha256):
+            upload = store.upload(code.MAX_LIMIT_MIB << 20)
+            try:
+                async with asyncio.timeout(CODE_FETCH_TIMEOUT_S):
+                    async for piece in stub.GetCode(workers_pb2.GetCodeRequest(worker_id=worker_id, sha256=sha256)):
+                        upload.add(piece.data)
+                got, size = upload.finish()
+            except grpc.RpcError as e:
+                upload.abort()
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    raise CodeError(f"job code: {e.details()}") from None
+                raise
+            except BaseException:
+                upload.abort()
+                raise
+            if got != sha256:
+                store.archive(got).unlink(missing_ok=True)
+                raise CodeError(f"job code: the archive the coordinator sent ({size:,} bytes) does not match "
+                                f"its hash {sha256[:12]}...")
+            self._say(f"job code {sha256[:12]}: {size / 2**20:,.2f} MiB fetched")
+            store.forget_unused({sha256}, keep=CODE_KEPT - 1)  # the scratch holds the newest few jobs' code
+        return await asyncio.to_thread(store.unpacked, sha256)
 
     async def _heartbeat(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str, interval: float) -> None:
         while True:
@@ -163,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-port", type=int, default=None, help="serve grpc.health.v1 on this port")
     p.add_argument("--health-host", default="0.0.0.0", help="where the health port listens")
     p.add_argument("--log-dir", default=os.environ.get("GPIPE_WORKER_LOG_DIR", "gpipe-worker-logs"),
-                   help="attempt logs (scratch: nothing here is needed after a restart)")
+                   help="attempt logs, and the code of the jobs it ran (scratch: nothing here is needed after a "
+                        "restart)")
     p.add_argument("--worker-token-file", "--auth-token-file", default=None,
                    help="the worker token, serve's --worker-token-file (default: env GPIPE_WORKER_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA certificate of the coordinator's TLS")

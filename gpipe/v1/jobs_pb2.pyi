@@ -35,7 +35,7 @@ class StateChange(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., time_unix: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step", "eval_loss", "eval_step")
+    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step", "eval_loss", "eval_step", "code_sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Job(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: JobState
     spec_yaml: str
@@ -66,10 +67,11 @@ class Job(_message.Message):
     checkpoint_step: int
     eval_loss: float
     eval_step: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ...) -> None: ...
+    code_sha256: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., code_sha256: _Optional[str] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt", "replicas_json", "loss_scale", "skipped")
+    __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt", "replicas_json", "loss_scale", "skipped", "grad_norm")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class StepMetrics(_message.Message):
     REPLICAS_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     lr: float
@@ -92,7 +95,8 @@ class StepMetrics(_message.Message):
     replicas_json: str
     loss_scale: float
     skipped: bool
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ..., attempt: _Optional[int] = ..., replicas_json: _Optional[str] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    grad_norm: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., step_time_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., stages_json: _Optional[str] = ..., attempt: _Optional[int] = ..., replicas_json: _Optional[str] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class EvalMetrics(_message.Message):
     __slots__ = ("step", "eval_loss", "eval_samples", "eval_time_s", "attempt")
@@ -121,10 +125,26 @@ class JobEvent(_message.Message):
     def __init__(self, state: _Optional[_Union[StateChange, _Mapping]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., log: _Optional[str] = ..., eval: _Optional[_Union[EvalMetrics, _Mapping]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec_yaml",)
+    __slots__ = ("spec_yaml", "code_sha256")
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
     spec_yaml: str
-    def __init__(self, spec_yaml: _Optional[str] = ...) -> None: ...
+    code_sha256: str
+    def __init__(self, spec_yaml: _Optional[str] = ..., code_sha256: _Optional[str] = ...) -> None: ...
+
+class CodeChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class CodeRef(_message.Message):
+    __slots__ = ("sha256", "size")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size: int
+    def __init__(self, sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("name",)

@@ -39,6 +39,11 @@ class JobServiceStub:
                 request_serializer=gpipe_dot_v1_dot_jobs__pb2.SubmitJobRequest.SerializeToString,
                 response_deserializer=gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
                 _registered_method=True)
+        self.UploadCode = channel.stream_unary(
+                '/gpipe.v1.JobService/UploadCode',
+                request_serializer=gpipe_dot_v1_dot_jobs__pb2.CodeChunk.SerializeToString,
+                response_deserializer=gpipe_dot_v1_dot_jobs__pb2.CodeRef.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/gpipe.v1.JobService/GetJob',
                 request_serializer=gpipe_dot_v1_dot_jobs__pb2.GetJobRequest.SerializeToString,
@@ -73,6 +78,18 @@ class JobServiceServicer:
         """Validate a job spec (YAML text) and queue it. A bad spec is INVALID_ARGUMENT
         naming the field; a name already in use is ALREADY_EXISTS. Nothing starts
         until a worker is registered for every rank (every stage of every replica).
+        With code_sha256, the job's code is that archive (UploadCode first): the
+        validation and every attempt on every worker import from it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadCode(self, request_iterator, context):
+        """Store a job's code: a zip archive of its folder, in pieces of at most
+        1 MiB, bounded in size (serve --max-code-mib); RESOURCE_EXHAUSTED past it,
+        INVALID_ARGUMENT if it is not a safe archive (a path out of its folder, a
+        link, too many members or too many bytes unpacked). Kept by its SHA-256.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +145,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     request_deserializer=gpipe_dot_v1_dot_jobs__pb2.SubmitJobRequest.FromString,
                     response_serializer=gpipe_dot_v1_dot_jobs__pb2.Job.SerializeToString,
             ),
+            'UploadCode': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadCode,
+                    request_deserializer=gpipe_dot_v1_dot_jobs__pb2.CodeChunk.FromString,
+                    response_serializer=gpipe_dot_v1_dot_jobs__pb2.CodeRef.SerializeToString,
+            ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
                     request_deserializer=gpipe_dot_v1_dot_jobs__pb2.GetJobRequest.FromString,
@@ -181,6 +203,33 @@ class JobService:
             '/gpipe.v1.JobService/SubmitJob',
             gpipe_dot_v1_dot_jobs__pb2.SubmitJobRequest.SerializeToString,
             gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadCode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gpipe.v1.JobService/UploadCode',
+            gpipe_dot_v1_dot_jobs__pb2.CodeChunk.SerializeToString,
+            gpipe_dot_v1_dot_jobs__pb2.CodeRef.FromString,
             options,
             channel_credentials,
             insecure,

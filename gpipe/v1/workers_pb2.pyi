@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetCodeRequest(_message.Message):
+    __slots__ = ("worker_id", "sha256")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    sha256: str
+    def __init__(self, worker_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CodePiece(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "host", "device", "hostname", "cores", "threads")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -57,20 +71,22 @@ class CommandsRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class JoinAttempt(_message.Message):
-    __slots__ = ("attempt_id", "master", "rank", "world", "start_timeout_s", "secret")
+    __slots__ = ("attempt_id", "master", "rank", "world", "start_timeout_s", "secret", "code_sha256")
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     START_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
     attempt_id: str
     master: str
     rank: int
     world: int
     start_timeout_s: float
     secret: str
-    def __init__(self, attempt_id: _Optional[str] = ..., master: _Optional[str] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., start_timeout_s: _Optional[float] = ..., secret: _Optional[str] = ...) -> None: ...
+    code_sha256: str
+    def __init__(self, attempt_id: _Optional[str] = ..., master: _Optional[str] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., start_timeout_s: _Optional[float] = ..., secret: _Optional[str] = ..., code_sha256: _Optional[str] = ...) -> None: ...
 
 class AbortAttempt(_message.Message):
     __slots__ = ("attempt_id",)

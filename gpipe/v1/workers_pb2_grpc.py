@@ -49,6 +49,11 @@ class WorkerServiceStub:
                 request_serializer=gpipe_dot_v1_dot_workers__pb2.CommandsRequest.SerializeToString,
                 response_deserializer=gpipe_dot_v1_dot_workers__pb2.WorkerCommand.FromString,
                 _registered_method=True)
+        self.GetCode = channel.unary_stream(
+                '/gpipe.v1.WorkerService/GetCode',
+                request_serializer=gpipe_dot_v1_dot_workers__pb2.GetCodeRequest.SerializeToString,
+                response_deserializer=gpipe_dot_v1_dot_workers__pb2.CodePiece.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -80,6 +85,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCode(self, request, context):
+        """A job's code archive, named by a JoinAttempt's code_sha256, in pieces of
+        at most 1 MiB; the worker checks its hash. NOT_FOUND if serve has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +110,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Commands,
                     request_deserializer=gpipe_dot_v1_dot_workers__pb2.CommandsRequest.FromString,
                     response_serializer=gpipe_dot_v1_dot_workers__pb2.WorkerCommand.SerializeToString,
+            ),
+            'GetCode': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetCode,
+                    request_deserializer=gpipe_dot_v1_dot_workers__pb2.GetCodeRequest.FromString,
+                    response_serializer=gpipe_dot_v1_dot_workers__pb2.CodePiece.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class WorkerService:
             '/gpipe.v1.WorkerService/Commands',
             gpipe_dot_v1_dot_workers__pb2.CommandsRequest.SerializeToString,
             gpipe_dot_v1_dot_workers__pb2.WorkerCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpipe.v1.WorkerService/GetCode',
+            gpipe_dot_v1_dot_workers__pb2.GetCodeRequest.SerializeToString,
+            gpipe_dot_v1_dot_workers__pb2.CodePiece.FromString,
             options,
             channel_credentials,
             insecure,

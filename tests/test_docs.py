@@ -1,0 +1,98 @@
+"""The README and docs/ say what is true: the spec reference is the schema's, the links lead somewhere, and
+the README's job and service walkthrough work as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.specdoc import markdown
+from tests.conftest import ROOT
+from tests.test_service import free_port
+
+README = ROOT / "README.md"
+
+
+def blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def test_docs_spec_md_is_the_schema_s():
+    assert (ROOT / "docs" / "spec.md").read_text() == markdown(), (
+        "docs/spec.md is stale: python -m gpipe.coordinator.spec --markdown > docs/spec.md")
+
+
+def test_the_readme_is_a_front_door_whose_links_lead_somewhere():
+    text = README.read_text()
+    assert len(text.encode()) <= 10 * 1024
+    assert "PYTHONPATH" not in text and "make demo" in text and "make test" in text
+    for page in (ROOT / "docs").glob("*.md"):
+        assert "PYTHONPATH" not in page.read_text(), page
+    pages = [README, *(ROOT / "docs").glob("*.md")]
+    for page in pages:
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / link).exists(), f"{page.name}: {link} does not exist"
+
+
+def test_the_readme_s_job_is_a_valid_spec():
+    job, = blocks(README.read_text(), "yaml")
+    assert len(job.strip().splitlines()) <= 10
+    spec = parse_spec(job)
+    assert (spec.stages, spec.chunks, spec.schedule) == (2, 4, "1f1b")
+
+
+@pytest.mark.multiprocess
+def test_the_readme_s_service_walkthrough_works_as_written_after_make_demo(cli):
+    """The README's service block, each line as written (its port substituted), in a folder like a checkout
+    after `make demo`: this checkout's .venv, examples/ and the demo's gpipe-state/charlm. To keep the test
+    short, the copy of examples/charlm.yaml trains 20 steps, not 200, and checkpoints every 10."""
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("the walkthrough pins its workers to cores 0 and 1")
+    block, = (b for b in blocks(README.read_text(), "sh") if "gpipe-coordinator serve" in b)
+    port = str(free_port())
+    lines = [x.replace("7000", port) for x in block.splitlines() if x.strip() and not x.startswith("#")]
+    here = cli.tmp / "checkout"
+    here.mkdir()
+    (here / ".venv").symlink_to(ROOT / ".venv")
+    shutil.copytree(ROOT / "examples", here / "examples")
+    charlm = here / "examples" / "charlm.yaml"
+    text = charlm.read_text()
+    assert "\nsteps: 200\n" in text and "\ncheckpoint_every: 50 " in text
+    charlm.write_text(text.replace("\nsteps: 200\n", "\nsteps: 20\n").replace("\ncheckpoint_every: 50 ", "\ncheckpoint_every: 10 "))
+    demo = here / "gpipe-state" / "charlm"
+    demo.mkdir(parents=True)
+    (demo / "metrics.jsonl").write_text('{"step": 0}\n')  # what make demo left
+    env = {k: v for k, v in cli.env.items() if k != "PYTHONPATH"}
+    background = [x for x in lines if " serve " in x or "gpipe-worker" in x]
+    terminal4 = [x for x in lines if x not in background]
+    procs = []
+    try:
+        for line in background:
+            log = open(cli.tmp / f"bg{len(procs)}.log", "wb")
+            procs.append(subprocess.Popen(["bash", "-c", line], cwd=here, env=env, stdout=log, stderr=log,
+                                          start_new_session=True))
+            if " serve " in line:
+                deadline = time.monotonic() + 60
+                while "coordinator serving on" not in (cli.tmp / "bg0.log").read_text():
+                    assert time.monotonic() < deadline, "timed out waiting for serve to start"
+                    time.sleep(0.1)
+        r = subprocess.run(["bash", "-ec", "\n".join(terminal4)], cwd=here, env=env, capture_output=True,
+                           text=True, timeout=300)
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
+    assert r.returncode == 0, r.stderr[-3000:] + (cli.tmp / "bg0.log").read_text()[-3000:]
+    assert re.search(r"charlm: SUCCEEDED: 20/20 steps, final loss \d+\.\d{4}; weights in ", r.stderr), r.stderr
+    steps = re.findall(r"^step (\d+)/20  loss ", r.stdout, re.M)
+    assert steps == [str(n) for n in range(1, 21)], r.stdout[-2000:]
+    assert re.search(r"^checkpoint step-10: ", r.stdout, re.M) and r.stdout.splitlines()[-1].startswith("SUCCEEDED")
+    assert (here / "gpipe-service" / "charlm" / "model.safetensors").exists()
+    assert (demo / "metrics.jsonl").read_text() == '{"step": 0}\n'  # the demo's outputs untouched
