@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from gpipe import capture, schedule
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream, EvalStream
+from gpipe.coordinator.pretrained import Pretrained, match, open_weights
 from gpipe.coordinator.probe import probe, probe_eval
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
@@ -46,6 +47,8 @@ class Plan:
     captured: capture.Captured | None = None  # a model that is not an nn.Sequential: its pieces are `model`
     sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
     original: nn.Module | None = None  # then: the model as the factory returned it
+    weights: Pretrained | None = None  # model.weights: the pretrained checkpoint the stages start from
+    weights_at: dict[str, tuple[int, str]] = field(default_factory=dict)  # model name -> (its file, name there)
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -142,6 +145,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     """
     if why := unsupported(spec.precision, spec.device):
         raise SpecError(f"precision: {why}")
+    pretrained = _open_weights(spec, job_dir)  # a file that cannot be read is refused before the model is built
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
     model = _build_model(spec)
@@ -196,9 +200,32 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
                 captured=captured, sample=sample, original=original)
+    if pretrained is not None:
+        _match_weights(plan, pretrained)
     if spec.eval is not None:
         _plan_eval(plan, loss_fn)
     return plan
+
+
+def _open_weights(spec: JobSpec, job_dir: Path) -> Pretrained | None:
+    """model.weights, its files' headers read (relative to the job file's folder); None without it."""
+    if spec.model.weights is None:
+        return None
+    path = Path(spec.model.weights).expanduser()
+    return open_weights(path if path.is_absolute() else job_dir / path)
+
+
+def _match_weights(plan: Plan, pretrained: Pretrained) -> None:
+    """Find each of the model's tensors in model.weights, by the model's names."""
+    plan.weights = pretrained
+    want = {plan.weight_name(k): t for k, t in plan.model.state_dict(keep_vars=True).items()}
+    aliases: dict[str, list[str]] = {}
+    if plan.original is not None:  # a tied weight's other names: the file may hold it under any one
+        by_id: dict[int, list[str]] = {}
+        for name, p in plan.original.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        aliases = {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
+    plan.weights_at = match(pretrained, want, aliases)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -103,3 +103,19 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
         part.json_state = {"param_groups": groups, "optimizer_state": scalars, **extra}
         slices.append(part)
     return slices
+
+
+def weight_parts(plan: Plan) -> list[streaming.StageSlice]:
+    """Per stage: where its tensors are in model.weights (found by the model's names: Plan.weight_name), and what
+    the file does not hold (non-persistent buffers: the plan's own). A tied weight's holders read the same one."""
+    slices = []
+    for k in range(plan.spec.stages):
+        part = streaming.StageSlice(json_state=None)
+        for key, initial in plan.stage_state(k).items():
+            name = plan.weight_name(key)
+            if name in plan.weights_at:
+                part.from_disk[model_key(key)] = plan.weights_at[name]
+            else:
+                part.in_memory[model_key(key)] = initial
+        slices.append(part)
+    return slices

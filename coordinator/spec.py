@@ -60,6 +60,7 @@ MAX_KEEP_CHECKPOINTS = 1000
 MAX_RESTARTS = 100
 MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_FACTORY_CHARS = 256
+MAX_PATH_CHARS = 4096
 MAX_LR = 1000  # lr, min_lr and weight_decay: finite, and a bound no training comes near
 MAX_CLIP_GRAD_NORM = 10**6
 MAX_LOSS_SCALE = 2.0**24
@@ -164,6 +165,15 @@ class ModelSpec(_Spec):
     output: ModuleName | None = Field(
         default=None, description="What of the model's output the loss takes: a key or attribute. None: logits "
         "when the output has them, else the output if a tensor, else its first tensor.",
+    )
+    weights: str | None = Field(
+        default=None, min_length=1, max_length=MAX_PATH_CHARS,
+        description="Start from pretrained weights: a safetensors file, or a folder holding model.safetensors "
+        "or a sharded model.safetensors.index.json (save_pretrained's, or a finished job's output folder), "
+        "relative to the job file's folder. Names are the model's own (an nn.Sequential's: its state_dict "
+        "names); a tied weight is read once. Each stage is sent its own tensors only. A tensor missing, one "
+        "more, or one of another shape or dtype is refused, naming it. A resumed job starts from its "
+        "checkpoint instead.",
     )
 
     _factory = field_validator("factory")(_check_factory)

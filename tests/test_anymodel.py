@@ -204,13 +204,15 @@ GPT2_JOB = {
 }
 
 
-def one_device_job(steps: int) -> dict[str, torch.Tensor]:
-    """GPT2_JOB on one device: the same micro-batches, torch.optim and clip_grad_norm_, the model's own names."""
+def one_device_job(steps: int, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """GPT2_JOB on one device: the same micro-batches, torch.optim and clip_grad_norm_, the model's own names.
+    `model`: the initial model (default: the job's, seeded)."""
     from tests.conftest import torch_threads
 
     with torch_threads(1):
-        torch.manual_seed(0)
-        model = models.gpt2()
+        if model is None:
+            torch.manual_seed(0)
+            model = models.gpt2()
         data = models.token_pairs(n=32)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for step in range(steps):
