@@ -105,8 +105,9 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     from gpipe.coordinator.evaluation import load_weights
     from gpipe.coordinator.plan import make_plan
 
-    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads)
-    plan.evaluate_only = True
+    # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
+    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads, meta=False)
+    plan.evaluate_only, plan.weights = True, None
     weights, step = load_weights(Path(a.evaluate), plan.model.state_dict())
     plan.model.load_state_dict(weights)
     port, secret = _rendezvous(a, spec)

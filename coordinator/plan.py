@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
-from gpipe import capture, schedule
+from gpipe import capture, init, schedule, skeleton
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream, EvalStream
 from gpipe.coordinator.pretrained import Pretrained, match, open_weights
@@ -49,6 +49,10 @@ class Plan:
     original: nn.Module | None = None  # then: the model as the factory returned it
     weights: Pretrained | None = None  # model.weights: the pretrained checkpoint the stages start from
     weights_at: dict[str, tuple[int, str]] = field(default_factory=dict)  # model name -> (its file, name there)
+    # Built on the meta device (model.weights, init per_layer: gpipe.skeleton): its buffers' values, by the
+    # model's names; empty when the model was built whole.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    on_meta: bool = False  # whether `model` was built on the meta device (it then holds no weights)
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -120,7 +124,10 @@ class Plan:
         start, end = self.bounds[stage]
         keep = {str(i) for i in range(start, end)}
         own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
-        return {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
+        out = {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
+        if self.buffers:  # built on the meta device: the buffers as the model built them
+            out |= {k: self.buffers[n] for k in out if (n := self.weight_name(k)) in self.buffers}
+        return out
 
 
 def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
@@ -135,20 +142,26 @@ def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
 
 
 def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1,
-              balance_of: list[int] | None = None) -> Plan:
+              balance_of: list[int] | None = None, meta: bool | None = None) -> Plan:
     """Build the model and the data, check them against the spec, and choose the balance.
 
     `device` and `threads` are those of the stages: by_time measures layers there.
     `balance_of` is a balance chosen before (a resumed job's checkpoint's): a
     computed balance keeps it when it still fits (the same stages and layers),
     so a resumed job is cut as before; a balance given in the spec wins.
+
+    With model.weights or init per_layer, the model is built and captured on the meta device (`meta`: None);
+    no weights are made here. A model that needs what that cannot give (an nn.Sequential the probe runs, a
+    captured forward that makes a tensor constant) is built whole instead, with model.weights (meta false).
     """
     if why := unsupported(spec.precision, spec.device):
         raise SpecError(f"precision: {why}")
     pretrained = _open_weights(spec, job_dir)  # a file that cannot be read is refused before the model is built
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
-    model = _build_model(spec)
+    model, buffers = _build_model(spec, meta)
+    if isinstance(model, nn.Sequential) and buffers is not None and spec.probe and spec.init == "exact":
+        model, buffers = _build_model(spec, meta=False)  # the probe runs an nn.Sequential for real
     if not isinstance(model, nn.Module):
         raise SpecError(f"model.factory: returned {type(model).__name__}, expected a torch.nn.Module")
     if isinstance(model, nn.Sequential) and (spec.model.split_points or spec.model.output):
@@ -177,9 +190,14 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         except (capture.CaptureError, ValueError, TypeError) as e:
             raise SpecError(str(e) if isinstance(e, capture.CaptureError) else f"model: {first_line(e)}") from None
         model = captured.pieces
-        if spec.init == "per_layer":
-            raise SpecError("init: per_layer initialises an nn.Sequential's layers; a captured model "
-                            "(not an nn.Sequential) starts from init exact")
+        if spec.init == "per_layer" and spec.init_hook is None:
+            if (what := init.unresettable(original, captured.pieces)) is not None:
+                raise SpecError(f"init: {what} has parameters but no reset_parameters(); give init_hook")
+        if buffers is not None and (gap := _unknown_constant(model, buffers)) is not None:
+            if spec.init == "per_layer":
+                raise SpecError(f"init: per_layer: the captured forward makes a tensor constant ({gap}) that a "
+                                "model built on the meta device does not hold; use init exact")
+            return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
     layers = len(model)
     if spec.stages > layers:
         what = "layers" if captured is None else f"blocks ({captured.blocks})"
@@ -199,7 +217,8 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
-                captured=captured, sample=sample, original=original)
+                captured=captured, sample=sample, original=original, buffers=buffers or {},
+                on_meta=buffers is not None)
     if pretrained is not None:
         _match_weights(plan, pretrained)
     if spec.eval is not None:
@@ -237,7 +256,8 @@ def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[An
     whose capture does not run, or whose output the loss cannot take, is refused before any worker starts."""
     from gpipe import structure
 
-    x, y = (structure.map_tensors(v, lambda t: t[:2]) for v in (x, y))
+    meta = any(t.is_meta for t in pieces.parameters())  # built on the meta device: the probe runs there too
+    x, y = (structure.map_tensors(v, lambda t: t[:2].to("meta") if meta else t[:2]) for v in (x, y))
     buffers = [(b, b.clone()) for b in pieces.buffers()]
     try:
         with torch.random.fork_rng():
@@ -293,6 +313,10 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
     except Exception as ex:
         raise SpecError(f"eval.data: the first batch: {first_line(ex)}") from None
     if plan.spec.probe:
+        if plan.on_meta:  # built on the meta device: the shapes alone, there
+            from gpipe import structure
+
+            xs[0], ys[0] = (structure.map_tensors(v, lambda t: t.to("meta")) for v in (xs[0], ys[0]))
         probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
@@ -305,24 +329,40 @@ def _check_batch_norm(model: nn.Module, replicas: int) -> None:
                             "replica")
 
 
-def _build_model(spec: JobSpec) -> Any:
-    """exact: the whole model, seeded; per_layer: the model on the meta device, its layers checked for an init."""
-    if spec.init == "exact":
+def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str, torch.Tensor] | None]:
+    """The model, and its buffers' values when it is built on the meta device (gpipe.skeleton): with init
+    per_layer, its layers checked for an init; with model.weights unless `meta` is false. Else the whole
+    model, seeded (init exact), and None."""
+    if meta is None:
+        meta = spec.init == "per_layer" or (spec.model.weights is not None and spec.balance not in BY_RUNNING)
+    if spec.init == "exact" and not meta:
         torch.manual_seed(spec.seed)
-        return _call("model", spec.model.factory, spec.model.args)
+        return _call("model", spec.model.factory, spec.model.args), None
     if spec.init_hook is not None:
         try:
             resolve(spec.init_hook)
         except LookupError as e:
             raise SpecError(f"init_hook: {e}") from None
-    with torch.device("meta"):
-        model = _call("model", spec.model.factory, spec.model.args)
-    if isinstance(model, nn.Sequential) and spec.init_hook is None:
+    model, buffers = skeleton.skeleton(lambda: _call("model", spec.model.factory, spec.model.args))
+    if spec.init == "per_layer" and isinstance(model, nn.Sequential) and spec.init_hook is None:
         for i, layer in enumerate(model):
             if (what := uninitialisable(layer)) is not None:
                 raise SpecError(f"init: layer {i}: {what} has parameters or buffers but no reset_parameters(); "
                                 "give init_hook")
-    return model
+    return model, buffers
+
+
+BY_RUNNING = ("by_time", "by_memory")  # balances that run the whole model: it is then built whole
+
+
+def _unknown_constant(pieces: nn.Module, buffers: dict[str, torch.Tensor]) -> str | None:
+    """A tensor of the pieces that is neither saved (a weight) nor a buffer the model built: a constant the
+    captured forward makes, which only a model built whole is sure to hold."""
+    saved = set(pieces.state_dict())
+    for key, _ in pieces.named_buffers():
+        if key not in saved and capture.model_name(key) not in buffers:
+            return capture.model_name(key)
+    return None
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

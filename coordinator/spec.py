@@ -419,13 +419,16 @@ class JobSpec(_Spec):
         "fits its memory), streamed to the stages a piece at a time. per_layer: no process builds the "
         "whole model; each stage builds its own layers and initialises layer i from a generator seeded by "
         "(seed, i), calling each submodule's reset_parameters() or init_hook (gpipe.init.per_layer gives "
-        "the same weights on one device). per_layer turns the probe off (probe: true is refused) and "
+        "the same weights on one device); a model that is not an nn.Sequential: each submodule owning parameters "
+        "from a generator seeded by (seed, its name), its reset_parameters() or init_hook (gpipe.init.per_module "
+        "gives the same weights on one device). per_layer turns the probe off (probe: true is refused) and "
         "needs balance by_params or a list.",
     )
     init_hook: str | None = Field(
         default=None, max_length=MAX_FACTORY_CHARS,
         description="init per_layer: 'module:function' called with (layer index, layer) under the layer's "
-        "seeded generator, instead of reset_parameters().",
+        "seeded generator, instead of reset_parameters(); for a model that is not an nn.Sequential, with "
+        "(module name, module) for each module owning parameters, which it sets.",
     )
     eval: EvalSpec | None = Field(
         default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "

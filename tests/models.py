@@ -512,3 +512,15 @@ class MaskedPairs(torch.utils.data.Dataset):
 
 def masked_pairs(n: int = 32) -> MaskedPairs:
     return MaskedPairs(n)
+
+
+def hf_init(name: str, module: nn.Module) -> None:
+    """init_hook for a captured Hugging Face model (init per_layer): GPT-2's Conv1D has no reset_parameters().
+    Its own parameters: biases 0, norms' weights 1, the others normal with std 0.02, as GPT-2's _init_weights."""
+    for leaf, p in module.named_parameters(recurse=False):
+        if leaf == "bias":
+            nn.init.zeros_(p)
+        elif p.dim() == 1:
+            nn.init.ones_(p)
+        else:
+            nn.init.normal_(p, std=0.02)

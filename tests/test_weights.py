@@ -41,7 +41,9 @@ def test_gpt2_from_sharded_pretrained_weights_equals_one_device_from_them(tmp_pa
     assert len(set(weight_map.values())) > 1 and "lm_head.weight" not in weight_map  # sharded; the tied weight once
     spec = {**GPT2_JOB, "model": {**GPT2_JOB["model"], "weights": str(tmp_path / "pre")}, "steps": 2,
             "checkpoint_every": None}
-    drive(plan_of(spec), tmp_path / "out")
+    plan = plan_of(spec)
+    assert plan.on_meta and all(p.is_meta for p in plan.model.parameters())  # no weights made but the file's
+    drive(plan, tmp_path / "out")
     got = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "out"), 2)).model_state()
 
     want = one_device_job(2, AutoModelForCausalLM.from_pretrained(tmp_path / "pre"))

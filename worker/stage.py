@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gpipe import batchnorm, capture, evaluation, init, schedule, skip, structure
+from gpipe import batchnorm, capture, evaluation, init, schedule, skeleton, skip, structure
 from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
@@ -43,11 +43,13 @@ from gpipe.worker.skips import Routed, SkipLinks
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
     """The stage's slice of the model, holding `state` (the coordinator's weights) when given.
 
-    The factory runs on the meta device, so no full model is materialised here;
-    a model that cannot be built there (or keeps plain tensors that are no
-    parameters or buffers) is built on the CPU instead. With no `state`, the
-    layers are initialised here (init per_layer), or left empty for weights
-    sent in pieces (worker.streaming).
+    The factory runs on the meta device, so no full model is materialised here
+    (a captured model's buffers keep the values it builds them with:
+    gpipe.skeleton); a model that cannot be built there (or keeps plain tensors
+    that are no parameters or buffers) is built on the CPU instead. With no
+    `state`, the layers are initialised here (init per_layer: a layer at a time,
+    or a captured model's a module at a time, gpipe.init), or left empty for
+    weights sent in pieces (worker.streaming).
     """
     add_import_paths(cfg.import_paths)  # the job's folder: its model's module lives there
     factory = resolve(cfg.model_factory)
@@ -65,10 +67,21 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
 
     layers = None
     try:
-        with torch.device("meta"):
-            layers = sliced(factory(**cfg.model_args))
+        if cfg.capture is not None:  # its buffers' values kept aside (gpipe.skeleton)
+            model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
+            layers = sliced(model)
+        else:
+            with torch.device("meta"):
+                layers = sliced(factory(**cfg.model_args))
         if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
             layers = None
+        elif per_layer and cfg.capture is not None:  # a module at a time, on the CPU (gpipe.init.per_module)
+            layers = layers.to_empty(device="cpu")
+            capture.retie(layers, [keys for keys, _ in cfg.tied])
+            skeleton.fill_buffers(layers, buffers, capture.model_name)
+            init.init_pieces(layers, model, cfg.seed, hook)
+            layers = layers.to(device)
+            capture.to_device(layers, device)
         elif per_layer:  # a layer at a time: on the CPU, initialised, then to the device
             for j, i in enumerate(range(cfg.start, cfg.end)):
                 layers[j] = init.materialise(layers[j], i, cfg.seed, device, hook)
@@ -79,8 +92,11 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     except Exception:
         layers = None
     if layers is None:
-        layers = sliced(factory(**cfg.model_args))
-        if per_layer:
+        whole = factory(**cfg.model_args)
+        layers = sliced(whole)
+        if per_layer and cfg.capture is not None:
+            init.init_pieces(layers, whole, cfg.seed, hook)
+        elif per_layer:
             for j, i in enumerate(range(cfg.start, cfg.end)):
                 init.init_layer(layers[j], i, cfg.seed, hook)
         layers = layers.to(device)
