@@ -74,6 +74,30 @@ class Plan:
 
             atomic_write(out / "config.json", lambda tmp: config.to_json_file(str(tmp)))
 
+    def cut_lines(self) -> list[str]:
+        """What crosses each cut between stages, as the sample gave it (a captured model's; none for an
+        nn.Sequential, whose probe checks each cut): "cut 1 (before transformer.h.2): [B, T, 64] float32 ..."."""
+        c = self.captured
+        if c is None:
+            return []
+        out = []
+        for k, (start, _) in enumerate(self.bounds[1:], 1):
+            first = c.modules[start][0] if c.modules[start] else f"piece {start}"
+            out.append(f"cut {k} (before {first}): {'; '.join(c.shapes[start - 1])}")
+        return out
+
+    def stage_modules(self, stage: int) -> list[str]:
+        """The model's modules stage `stage` runs, the outermost of them (an nn.Sequential's: its layers)."""
+        start, end = self.bounds[stage]
+        if self.captured is None:
+            return [f"{i} ({type(self.model[i]).__name__})" for i in range(start, end)]
+        return [m for i in range(start, end) for m in self.captured.modules[i]]
+
+    def stage_parameters(self, stage: int) -> int:
+        """The parameters stage `stage` holds (a tied weight counted on each stage that holds a copy)."""
+        start, end = self.bounds[stage]
+        return sum(p.numel() for p in nn.ModuleList(self.model[i] for i in range(start, end)).parameters())
+
     def tied_stages(self) -> list[tuple[list[str], list[int]]]:
         """Per tied weight: its keys, and the stages holding a copy (StageConfig.tied)."""
         if self.captured is None:

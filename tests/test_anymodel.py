@@ -192,6 +192,23 @@ def test_the_output_named_by_output_is_what_the_loss_takes():
         select_output({"logits": torch.zeros(1)}, "hidden")
 
 
+def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(tmp_path):
+    from gpipe.coordinator.metrics import write_plan
+    from tests.test_driver import plan_of
+
+    plan = plan_of({**GPT2_JOB, "model": {"factory": "tests.models:llama", "split_points": ["model.layers.2"]},
+                    "data": {**GPT2_JOB["data"], "factory": "tests.models:masked_pairs", "args": {}}})
+    (cut,) = plan.cut_lines()
+    assert cut.startswith("cut 1 (before model.layers.2): [B, T, 32] float32 from model.layers.1")
+    assert "[B, 1, T, T] bool" in cut  # the attention mask, made once before the first block
+    write_plan(tmp_path, plan, [{}] * 2)
+    stages = json.loads((tmp_path / "plan.json").read_text())["stages"]
+    assert stages[0]["modules"][:2] == ["model.embed_tokens", "model.rotary_emb"]
+    assert stages[1]["modules"][-2:] == ["model.norm", "lm_head"] and stages[1]["receives"] == [cut]
+    model = models.llama()
+    assert sum(s["parameters"] for s in stages) == sum(p.numel() for p in model.parameters())
+
+
 # -- the service's path: real processes over gloo ----------------------------------------------------------------
 
 GPT2_JOB = {
