@@ -341,8 +341,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
         ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
         assert ck is not None  # no final snapshot: resumed at the last step
-        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)},
-                                  plan.weight_name if plan.captured is not None else None)
+        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)})
         plan.write_config(out)
         try:
             timeline.write(out, spec.trace_step)

@@ -62,8 +62,8 @@ class Plan:
         return {"split_points": list(m.split_points or []), "output": m.output, "sample": self.sample}
 
     def weight_name(self, key: str) -> str:
-        """A weight's name in model.safetensors: the model's own (a captured model's pieces hold them under
-        "piece.name")."""
+        """A weight's name in checkpoints and model.safetensors: the model's own (a captured model's pieces
+        hold them under "piece.name")."""
         return capture.model_name(key) if self.captured is not None else key
 
     def write_config(self, out: Path) -> None:

@@ -209,6 +209,37 @@ def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(t
     assert sum(s["parameters"] for s in stages) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("then", [
+    {"split_points": ["transformer.h.1", "transformer.h.3"]},  # another split, 3 stages
+    {"stages": 2, "balance": [1, 3]},  # cut at the blocks instead, another balance
+])
+def test_a_resume_with_another_split_gives_the_one_device_weights(tmp_path, then):
+    from gpipe.coordinator import checkpoint
+    from gpipe.worker.stage_server import StageServer
+    from tests.test_driver import drive, plan_of, worst
+
+    first = {**GPT2_JOB, "checkpoint_every": 2}
+    try:
+        drive(plan_of({**first, "steps": 2}), tmp_path)
+    finally:
+        StageServer.close_all()
+    ck = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path), 2))
+    held = ck.model_state()
+    assert "transformer.h.2.attn.c_attn.weight" in held and "lm_head.weight" not in held  # the model's names
+    holders = [j for j, sh in enumerate(ck.shards) for k in sh.entries if k == "optim/transformer.wte.weight/momentum_buffer"]
+    assert holders == [0]  # the tied weight's optimizer state once too, by its first holder
+    model = {k: v for k, v in first["model"].items() if k != "split_points"} | \
+        {k: v for k, v in then.items() if k == "split_points"}
+    second = {**first, "model": model, **{k: v for k, v in then.items() if k != "split_points"}}
+    try:
+        drive(plan_of(second), tmp_path, resume=ck)
+    finally:
+        StageServer.close_all()
+    got = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path), 4)).model_state()
+    want = one_device_job(4)
+    assert worst(got, {k: v for k, v in want.items() if k != "lm_head.weight"}) <= 1e-5
+
+
 # -- the service's path: real processes over gloo ----------------------------------------------------------------
 
 GPT2_JOB = {
@@ -260,10 +291,9 @@ def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
     assert worst <= 1e-5, f"weights differ from one device by {worst}"
 
-    # Each stage's copy of the tied weight, in the last checkpoint: bit-identical.
+    # The last checkpoint holds the weights under the model's names, the tied weight once (its first holder's).
     held = checkpoint.load(checkpoint.step_dir(out / "checkpoints", 4)).model_state()
-    copies = [v for k, v in held.items() if k.endswith(".transformer.wte.weight")]
-    assert len(copies) == 2 and torch.equal(copies[0], copies[1])
+    assert set(held) == set(got) and all(torch.equal(held[k], got[k]) for k in got)
 
     plan = json.loads((out / "plan.json").read_text())
     assert plan["balance"] == [2, 2]

@@ -185,6 +185,8 @@ class Stage:
             else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
         self.tied = self._tied_here()
+        # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
+        self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.stage for k in keys}
         self.shared_rng = shared_rng
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
@@ -485,9 +487,18 @@ class Stage:
                           samples=sum(sizes), eval_s=time.perf_counter() - t0,
                           outputs=[p.outputs[mb] for mb in range(chunks)] if self.last and targets is None else None)
 
+    def saved_name(self, name: str) -> str | None:
+        """The name a parameter or buffer of the stage is saved under: the un-partitioned model's (a captured
+        model's own names, so that a checkpoint fits any split: gpipe.capture.model_name); None for a tied
+        weight's copy that another stage saves."""
+        if self.cfg.capture is None:
+            return name
+        return None if name in self.copies else capture.model_name(name)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's state dict on the CPU, under the un-partitioned model's names."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
+        return {saved: t.detach().to("cpu", copy=True) for name, t in self.layers.state_dict().items()
+                if (saved := self.saved_name(name)) is not None}
 
     def _unscale(self) -> bool:
         """fp16: divide the loss scale out of this stage's gradients; True, on every stage, when any stage's
@@ -525,8 +536,9 @@ class Stage:
     def snapshot(self, copy: bool = True) -> StageState:
         """A copy of everything a resumed stage needs, in the checkpoint layout (gpipe.state).
 
-        Weights, the optimizer's tensors by parameter name (so a checkpoint fits
-        any balance) and the generator states on the CPU; the optimizer's
+        Weights, the optimizer's tensors by parameter name (the un-partitioned
+        model's: saved_name, so a checkpoint fits any balance and any split)
+        and the generator states on the CPU; the optimizer's
         hyper-parameters and non-tensor state as JSON. With `copy` false, the
         weights and optimizer tensors are the live ones, where they live (to be
         written out before the next step changes them: worker.streaming).
@@ -536,16 +548,19 @@ class Stage:
 
         tensors: dict[str, torch.Tensor] = {}
         for name, t in self.layers.state_dict().items():  # non-persistent buffers are rebuilt, not saved
-            tensors[layout.model_key(name)] = out(t)
+            if (saved := self.saved_name(name)) is not None:
+                tensors[layout.model_key(saved)] = out(t)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         if self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
+                if (saved := self.saved_name(name)) is None:
+                    continue
                 for key, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        tensors[layout.optim_key(name, key)] = out(v)
+                        tensors[layout.optim_key(saved, key)] = out(v)
                     else:
-                        scalars.setdefault(name, {})[key] = v
+                        scalars.setdefault(saved, {})[key] = v
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         tensors[layout.RNG_CPU] = torch.get_rng_state()
         if self.device.type == "cuda":
