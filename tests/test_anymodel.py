@@ -169,6 +169,19 @@ def test_evaluation_is_the_models_eval_mode_output_dropout_off():
     assert torch.equal(out, model(input_ids=x).logits)
 
 
+def test_a_copy_of_the_pieces_runs_as_they_do_and_warns_of_nothing():
+    import copy
+    import warnings
+
+    c = capture(fresh(models.gpt2), {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, ["transformer.h.2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # copying a TreeSpec warned (FutureWarning) at every validate and run
+        twin = copy.deepcopy(c.pieces)
+    x = {"input_ids": torch.randint(0, 97, (3, 6))}
+    assert torch.equal(twin(x), c.pieces(x))
+    assert twin[0].transformer.wte.weight is not c.pieces[0].transformer.wte.weight
+
+
 def test_a_split_point_that_names_no_submodule_lists_the_nearest_names():
     with pytest.raises(CaptureError, match=r"'transformer\.h\.9' names no submodule.*nearest: transformer\.h\.\d"):
         capture(fresh(models.gpt2), {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, ["transformer.h.9"])

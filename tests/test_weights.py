@@ -40,10 +40,13 @@ def test_gpt2_from_sharded_pretrained_weights_equals_one_device_from_them(tmp_pa
     weight_map = json.loads((tmp_path / "pre" / INDEX).read_text())["weight_map"]
     assert len(set(weight_map.values())) > 1 and "lm_head.weight" not in weight_map  # sharded; the tied weight once
     spec = {**GPT2_JOB, "model": {**GPT2_JOB["model"], "weights": str(tmp_path / "pre")}, "steps": 2,
-            "checkpoint_every": None}
-    plan = plan_of(spec)
+            "checkpoint_every": None,
+            "eval": {"data": {"factory": "tests.models:token_pairs", "args": {"n": 8, "seed": 3}, "batch_size": 8},
+                     "every": 2}}
+    plan = plan_of(spec)  # its probes (training's, evaluation's) run on the meta device
     assert plan.on_meta and all(p.is_meta for p in plan.model.parameters())  # no weights made but the file's
-    drive(plan, tmp_path / "out")
+    _, evals = drive(plan, tmp_path / "out")
+    assert len(evals) == 1 and evals[0].eval_loss > 0
     got = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "out"), 2)).model_state()
 
     want = one_device_job(2, AutoModelForCausalLM.from_pretrained(tmp_path / "pre"))
