@@ -259,16 +259,27 @@ def _open_weights(spec: JobSpec, job_dir: Path) -> Pretrained | None:
 
 
 def _match_weights(plan: Plan, pretrained: Pretrained) -> None:
-    """Find each of the model's tensors in model.weights, by the model's names."""
+    """Find each of the model's tensors in model.weights, by the model's names. A Hugging Face model's are also
+    found as its own checkpoints may name them: without its base model's prefix (`transformer.` of GPT-2's head
+    model), and the names it ignores on loading (`_keys_to_ignore_on_load_unexpected`: an old GPT-2's
+    attn.bias masks) are let be."""
     plan.weights = pretrained
     want = {plan.weight_name(k): t for k, t in plan.model.state_dict(keep_vars=True).items()}
     aliases: dict[str, list[str]] = {}
+    ignore: list[str] = []
     if plan.original is not None:  # a tied weight's other names: the file may hold it under any one
         by_id: dict[int, list[str]] = {}
         for name, p in plan.original.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(p), []).append(name)
         aliases = {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
-    plan.weights_at = match(pretrained, want, aliases)
+        prefix = getattr(plan.original, "base_model_prefix", None)
+        if isinstance(prefix, str) and prefix:
+            for name in want:
+                if name.startswith(prefix + "."):
+                    aliases.setdefault(name, []).append(name.removeprefix(prefix + "."))
+        patterns = getattr(plan.original, "_keys_to_ignore_on_load_unexpected", None)
+        ignore = [p for p in patterns or [] if isinstance(p, str)]
+    plan.weights_at = match(pretrained, want, aliases, ignore=ignore)
 
 
 def _device_of(model: nn.Module) -> torch.device:

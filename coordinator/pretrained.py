@@ -15,6 +15,7 @@ that cannot be read is a SpecError naming the file and the tensor: the job is re
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -113,10 +114,11 @@ def _open_file(path: Path, field: str) -> Shard:
 
 
 def match(weights: Pretrained, want: Mapping[str, torch.Tensor], aliases: Mapping[str, Sequence[str]] = {},
-          field: str = "model.weights") -> dict[str, tuple[int, str]]:
+          field: str = "model.weights", ignore: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
     """Where each of the model's tensors `want` (name -> tensor or meta tensor) is in `weights`; a tensor
     missing, one the model has no place for, or one of another shape or dtype is a SpecError naming it.
-    `aliases`: a tied weight's other names (name -> them), any one of which the file may hold it under."""
+    `aliases`: other names (name -> them) the file may hold a tensor under (a tied weight's); `ignore`: regular
+    expressions of names the file may hold that the model has no place for (re.search, as Hugging Face's)."""
     out: dict[str, tuple[int, str]] = {}
     used: set[str] = set()
     for name, t in want.items():
@@ -129,7 +131,7 @@ def match(weights: Pretrained, want: Mapping[str, torch.Tensor], aliases: Mappin
                             f"{_describe(t)}")
         out[name] = weights.where[have]
         used.update([name, *aliases.get(name, ())])
-    if extra := sorted(set(weights.where) - used):
+    if extra := sorted(n for n in set(weights.where) - used if not any(re.search(p, n) for p in ignore)):
         raise SpecError(f"{field}: {weights.file_of(extra[0])}: {extra[0]} is not a tensor of the model"
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     return out

@@ -68,6 +68,17 @@ def test_an_nn_sequential_starts_from_its_state_dicts_names(tmp_path):
     assert worst(got, seeded) > 1e-3  # the file's weights, not the seed's
 
 
+def test_a_hugging_face_checkpoint_without_the_base_models_prefix_and_with_ignored_names_fits(tmp_path):
+    pretrained_gpt2(tmp_path / "pre")
+    own = load_file(tmp_path / "pre" / "model.safetensors")
+    old = {k.removeprefix("transformer."): v for k, v in own.items()}  # as openai-community/gpt2 names them
+    old["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)  # a causal mask old checkpoints hold, which GPT-2 ignores
+    save_file(old, tmp_path / "old.safetensors")
+    plan = plan_of({**GPT2_JOB, "model": {**GPT2_JOB["model"], "weights": str(tmp_path / "old.safetensors")}})
+    assert plan.weights_at["transformer.h.1.mlp.c_fc.weight"] == (0, "h.1.mlp.c_fc.weight")
+    assert plan.weights_at["transformer.wte.weight"] == (0, "wte.weight")
+
+
 def _edit(src: Path, dst: Path, change) -> Path:
     tensors = load_file(src)
     change(tensors)
