@@ -21,23 +21,26 @@ import torch
 from torch import nn
 
 _lock = threading.Lock()  # the patch below is process-wide: one build at a time
+_building = threading.local()  # and it acts in the thread that builds: another thread's modules are its own
 
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """While inside: every parameter registered on a module is moved to the meta device first."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
+    """While inside: every parameter this thread registers on a module is moved to the meta device first."""
     with _lock:
+        register = nn.Module.register_parameter  # under the lock: the original, never another build's patch
+
+        def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if param is not None and not param.is_meta and getattr(_building, "active", False):
+                param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            register(self, name, param)
+
         nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # restored below
+        _building.active = True
         try:
             yield
         finally:
+            _building.active = False
             nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 

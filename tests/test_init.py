@@ -1,6 +1,7 @@
 """init: per_layer for a model that is not an nn.Sequential (gpipe.init.per_module): each stage sets its own
 pieces' parameters a module at a time, and nothing builds the whole model; against one device given
-per_module's weights, on the same micro-batches."""
+per_module's weights, on the same micro-batches. And the skeleton (gpipe.skeleton) every process builds such a
+model as: no weights, its buffers' values kept."""
 
 from __future__ import annotations
 
@@ -55,3 +56,26 @@ def test_per_layer_without_a_hook_names_the_module_with_no_reset_parameters():
     with pytest.raises(SpecError, match=r"^init: transformer\.h\.0\.attn\.c_attn \(Conv1D\) has parameters but no "
                                         r"reset_parameters\(\); give init_hook"):
         plan_of(spec)
+
+
+def test_a_skeleton_holds_no_weights_and_keeps_its_buffers_values_and_other_threads_build_as_usual():
+    import threading
+
+    seen: list[bool] = []
+    built = threading.Event()
+
+    def factory() -> torch.nn.Module:
+        def other() -> None:  # a thread building its own model meanwhile: its parameters stay real
+            seen.append(torch.nn.Linear(2, 2).weight.is_meta)
+            built.set()
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return models.llama()
+
+    model, buffers = skeleton.skeleton(factory)
+    assert built.is_set() and seen == [False]
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    want = models.llama().model.rotary_emb.inv_freq
+    assert torch.equal(buffers["model.rotary_emb.inv_freq"], want)  # as the model builds it
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # nothing left patched
