@@ -287,7 +287,7 @@ def one_device_job(steps: int, model: torch.nn.Module | None = None) -> dict[str
 
 
 @pytest.mark.multiprocess
-def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_with_from_pretrained(cli):
+def test_gpt2_through_the_service_equals_one_device_loads_with_from_pretrained_and_fine_tunes_from_it(cli):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -315,6 +315,17 @@ def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_
     assert loaded.transformer.wte.weight is loaded.lm_head.weight
     assert torch.equal(loaded.transformer.wte.weight, want["transformer.wte.weight"].to(loaded.dtype)) or \
         (loaded.transformer.wte.weight - want["transformer.wte.weight"]).abs().max() <= 1e-5
+
+    # Fine-tuning: another job starts from this one's output folder (model.weights), split elsewhere.
+    tuned = {**GPT2_JOB, "name": "tuned", "steps": 2, "model": {**GPT2_JOB["model"], "weights": str(out),
+                                                                "split_points": ["transformer.h.1"]}}
+    r = cli.run("run", str(cli.write(tuned, "tuned.yaml")), "--state-dir", str(cli.tmp / "state"), "--no-progress",
+                timeout=240)
+    assert r.returncode == 0, r.stderr
+    got = load_file(cli.tmp / "state" / "tuned" / "model.safetensors")
+    want = one_device_job(2, AutoModelForCausalLM.from_pretrained(out))
+    worst = max((got[k] - want[k]).abs().max().item() for k in got)
+    assert worst <= 1e-5, f"weights trained from model.weights differ from one device by {worst}"
 
 
 @pytest.mark.multiprocess
