@@ -147,7 +147,7 @@ class Plan:
         """The stage's initial parameters and buffers, under the full model's names."""
         start, end = self.bounds[stage]
         keep = {str(i) for i in range(start, end)}
-        own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+        own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers(remove_duplicate=False))
         out = {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
         if self.buffers:  # built on the meta device: the buffers as the model built them
             out |= {k: self.buffers[n] for k in out if (n := self.weight_name(k)) in self.buffers}
@@ -212,6 +212,8 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             captured = capture.capture(model, capture.sample_from(sample, _device_of(model)),
                                        spec.model.split_points or (), spec.model.output)
         except (capture.CaptureError, ValueError, TypeError) as e:
+            if buffers is not None:  # on the meta device (a plain tensor the model keeps): as the stages do, whole
+                return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
             raise SpecError(str(e) if isinstance(e, capture.CaptureError) else f"model: {first_line(e)}") from None
         model = captured.pieces
         if spec.init == "per_layer" and spec.init_hook is None:
@@ -221,7 +223,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             if spec.init == "per_layer":
                 raise SpecError(f"init: per_layer: the captured forward makes a tensor constant ({gap}) that a "
                                 "model built on the meta device does not hold; use init exact")
-            return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
+            return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
     layers = len(model)
     if spec.stages > layers:
         what = "layers" if captured is None else f"blocks ({captured.blocks})"
@@ -370,7 +372,7 @@ def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str
     model, seeded (init exact), and None."""
     if meta is None:
         meta = spec.init == "per_layer" or (spec.model.weights is not None and spec.balance not in BY_RUNNING)
-    if spec.init == "exact" and not meta:
+    if not meta:
         torch.manual_seed(spec.seed)
         return _call("model", spec.model.factory, spec.model.args), None
     if spec.init_hook is not None:

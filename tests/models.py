@@ -524,3 +524,21 @@ def hf_init(name: str, module: nn.Module) -> None:
             nn.init.ones_(p)
         else:
             nn.init.normal_(p, std=0.02)
+
+
+class ScaledBlocks(nn.Module):
+    """Keeps a plain tensor (no parameter, no buffer), which a model built on the meta device cannot capture with."""
+
+    def __init__(self, width: int = 16, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.scale = torch.linspace(0.5, 1.5, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x)) * self.scale
+        return x
+
+
+def scaled_blocks(width: int = 16, blocks: int = 3) -> nn.Module:
+    return ScaledBlocks(width, blocks)

@@ -79,6 +79,28 @@ def test_a_hugging_face_checkpoint_without_the_base_models_prefix_and_with_ignor
     assert plan.weights_at["transformer.wte.weight"] == (0, "wte.weight")
 
 
+def test_a_model_the_meta_device_cannot_capture_is_built_whole_and_still_starts_from_the_file(tmp_path):
+    torch.manual_seed(7)
+    start = models.scaled_blocks()
+    save_file(start.state_dict(), tmp_path / "w.safetensors")
+    spec = job(model={"factory": "tests.models:scaled_blocks", "weights": str(tmp_path / "w.safetensors")},
+               stages=3, balance=[1, 1, 1], optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None,
+               activation_checkpoint="never")
+    plan = plan_of(spec)
+    assert not plan.on_meta  # its plain tensor cannot meet meta weights in the capture: built whole, once
+    drive(plan, tmp_path / "out")
+    got = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "out"), 4)).model_state()
+    data = reference.resolve(spec["data"]["factory"])(**spec["data"]["args"])
+    opt = torch.optim.SGD(start.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = data[step * 9:(step + 1) * 9]
+        for xm, ym in zip(x.chunk(3), y.chunk(3), strict=True):
+            (torch.nn.functional.mse_loss(start(xm), ym) * xm.size(0) / 9).backward()
+        opt.step()
+        opt.zero_grad()
+    assert worst(got, start.state_dict()) <= 1e-5
+
+
 def _edit(src: Path, dst: Path, change) -> Path:
     tensors = load_file(src)
     change(tensors)

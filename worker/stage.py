@@ -102,7 +102,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         layers = layers.to(device)
     if state is None:
         return layers
-    own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers())
+    own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
     if set(own) != set(state):
         raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
     with torch.no_grad():
