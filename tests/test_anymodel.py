@@ -317,15 +317,28 @@ def test_gpt2_through_the_service_equals_one_device_loads_with_from_pretrained_a
         (loaded.transformer.wte.weight - want["transformer.wte.weight"]).abs().max() <= 1e-5
 
     # Fine-tuning: another job starts from this one's output folder (model.weights), split elsewhere.
+    held_out = {"factory": "tests.models:token_pairs", "args": {"n": 8, "seed": 3}, "batch_size": 8}
     tuned = {**GPT2_JOB, "name": "tuned", "steps": 2, "model": {**GPT2_JOB["model"], "weights": str(out),
-                                                                "split_points": ["transformer.h.1"]}}
+                                                                "split_points": ["transformer.h.1"]},
+             "eval": {"data": held_out, "every": 2}}
     r = cli.run("run", str(cli.write(tuned, "tuned.yaml")), "--state-dir", str(cli.tmp / "state"), "--no-progress",
                 timeout=240)
     assert r.returncode == 0, r.stderr
     got = load_file(cli.tmp / "state" / "tuned" / "model.safetensors")
-    want = one_device_job(2, AutoModelForCausalLM.from_pretrained(out))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    want = one_device_job(2, model)
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
     assert worst <= 1e-5, f"weights trained from model.weights differ from one device by {worst}"
+
+    # The eval verb on the fine-tuned model.safetensors (the model's names, the tied weight once).
+    r = cli.run("eval", str(cli.tmp / "tuned.yaml"), "--state-dir", str(cli.tmp / "state"), "--json", timeout=240)
+    assert r.returncode == 0, r.stderr
+    x, y = models.token_pairs(n=8, seed=3)[:]
+    with torch.no_grad():
+        model.eval()
+        loss = sum(lm_loss(model(xm).logits, ym).item() * xm.size(0) for xm, ym in
+                   zip(x.chunk(4), y.chunk(4), strict=True)) / 8
+    assert json.loads(r.stdout)["loss"] == pytest.approx(loss, abs=1e-5)
 
 
 @pytest.mark.multiprocess
