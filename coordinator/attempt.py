@@ -105,10 +105,12 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     from gpipe.coordinator.evaluation import load_weights
     from gpipe.coordinator.plan import make_plan
 
-    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads)
-    plan.evaluate_only = True
-    weights, step = load_weights(Path(a.evaluate), plan.model.state_dict())
-    plan.model.load_state_dict(weights)
+    # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
+    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads, meta=False)
+    plan.evaluate_only, plan.weights = True, None
+    own = plan.model.state_dict()  # a captured model's pieces hold the weights the file names by the model's names
+    weights, step = load_weights(Path(a.evaluate), {plan.weight_name(k): t for k, t in own.items()})
+    plan.model.load_state_dict({k: weights[plan.weight_name(k)] for k in own})
     port, secret = _rendezvous(a, spec)
     if a.log:
         _redirect_stderr(a.log)

@@ -458,19 +458,11 @@ def open_committed(d: Path, manifest: dict[str, Any] | None = None) -> Loaded:
     return Loaded(manifest["step"], d, meta, shards)
 
 
-def export_weights(ck: Loaded, path: Path, metadata: dict[str, str] | None = None,
-                   rename: Callable[[str], str] | None = None) -> None:
+def export_weights(ck: Loaded, path: Path, metadata: dict[str, str] | None = None) -> None:
     """Write the checkpoint's weights as one safetensors file (model.safetensors), atomically, a piece at a time,
-    with `metadata` in its header. `rename` gives each weight its name there; weights it gives one name (a tied
-    weight's copies, which are equal) are written once."""
+    with `metadata` in its header, under the names the checkpoint holds them by (the model's own; a tied
+    weight once)."""
     where, shapes = ck.model_entries(), ck.model_shapes()
-    if rename is not None:
-        renamed: dict[str, tuple[int, str]] = {}
-        for name in sorted(where, key=_layer_order):
-            renamed.setdefault(rename(name), where[name])
-        shapes = {new: shapes[old] for old in sorted(where, key=_layer_order)
-                  for new in [rename(old)] if renamed[new] == where[old]}
-        where = renamed
     head, total = stream.header(shapes, metadata)
 
     def pieces() -> Iterator[torch.Tensor]:
@@ -483,11 +475,6 @@ def export_weights(ck: Loaded, path: Path, metadata: dict[str, str] | None = Non
         write_stream(StageStream(head, total, {}, pieces), tmp)
 
     atomic_write(path, write)
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    first, _, rest = name.partition(".")
-    return (int(first), rest) if first.isdigit() else (-1, name)
 
 
 def latest(root: Path, say: Callable[[str], None]) -> Loaded | None:

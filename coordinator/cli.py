@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
 
             plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
+            for k in range(len(plan.balance)):
+                print(f"  stage {k}: {plan.stage_parameters(k):,} parameters: {', '.join(plan.stage_modules(k))}")
+            for line in plan.cut_lines():
+                print(f"  {line}")
             return 0
         run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume,
                   oversubscribe=args.oversubscribe)

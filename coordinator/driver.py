@@ -20,7 +20,7 @@ import queue
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ from gpipe.coordinator.handle import Future, StageHandle
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.metrics import EvalMetrics, OnEval, StepMetrics, step_metrics, step_span
 from gpipe.coordinator.plan import Plan
-from gpipe.coordinator.resume import checkpoint_meta, resume_parts
+from gpipe.coordinator.resume import checkpoint_meta, resume_parts, weight_parts
 from gpipe.coordinator.rpcworld import RpcWorld
 from gpipe.coordinator.watch import Watch
 from gpipe.errors import JobFailed, SpecError, describe_os_error
@@ -129,18 +129,24 @@ class Run:
         """
         spec, top = self.spec, self.topology
         self.stages = stages
-        slices = resume_parts(self.plan, resume) if resume is not None else None
+        slices, files = None, None
+        if resume is not None:
+            slices, files = resume_parts(self.plan, resume), resume.shards
+        elif self.plan.weights is not None:  # model.weights: each stage its own tensors, read from the files
+            slices, files = weight_parts(self.plan), self.plan.weights.shards
         for rank in top.ranks():  # each replica's copy of stage k gets stage k's state
-            self._send_state(rank, slices[top.stage_of(rank)] if slices is not None else None, resume)
-        exact = spec.init == "exact"
+            self._send_state(rank, slices[top.stage_of(rank)] if slices is not None else None, files)
+        sent = spec.init == "exact" or (resume is None and self.plan.weights is not None)
         futs = {rank: self.stages[rank].start(slices[top.stage_of(rank)].json_state if slices is not None else None,
-                                              exact)
+                                              sent)
                 for rank in top.ranks()}
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage", dict)
 
-    def _send_state(self, rank: int, part: streaming.StageSlice | None, resume: checkpoint.Loaded | None) -> None:
-        """Worker `rank`'s initial tensors, a piece at a time: its stage's weights from the plan (init exact), a
-        checkpoint's slice, or nothing (init per_layer: the stage made its own)."""
+    def _send_state(self, rank: int, part: streaming.StageSlice | None,
+                    files: Sequence[checkpoint.Shard] | None) -> None:
+        """Worker `rank`'s initial tensors, a piece at a time: its stage's weights from the plan (init exact), its
+        slice of a checkpoint or of model.weights (from `files`), or nothing (init per_layer: the stage made its
+        own)."""
         stage = self.stages[rank]
 
         def check(fut: Future) -> None:
@@ -151,9 +157,9 @@ class Run:
                 weights = {model_key(n): t for n, t in self.plan.stage_state(self.topology.stage_of(rank)).items()}
                 streaming.send_pieces(stage, stream.pieces(weights), check)
             return
-        assert resume is not None  # a slice is of a checkpoint
+        assert files is not None  # a slice is of files
         check(stage.expect(part.declared))
-        streaming.send_pieces(stage, part.pieces(resume), check)
+        streaming.send_pieces(stage, part.pieces(files), check)
 
     # -- training --------------------------------------------------------------------------------------
 
@@ -335,8 +341,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
         ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
         assert ck is not None  # no final snapshot: resumed at the last step
-        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)},
-                                  plan.weight_name if plan.captured is not None else None)
+        checkpoint.export_weights(ck, out / "model.safetensors", {"step": str(spec.steps - 1)})
         plan.write_config(out)
         try:
             timeline.write(out, spec.trace_step)

@@ -103,6 +103,8 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
         "replicas": spec.replicas,
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
+             "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),
+             **({"receives": cut} if (cut := plan.cut_lines()[k - 1:k] if k else []) else {}),
              **placement[k]}
             for k, b in enumerate(plan.bounds)
         ],

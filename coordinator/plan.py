@@ -16,9 +16,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
-from gpipe import capture, schedule
+from gpipe import capture, init, schedule, skeleton
 from gpipe.coordinator import balance
 from gpipe.coordinator.data import DataStream, EvalStream
+from gpipe.coordinator.pretrained import Pretrained, match, open_weights
 from gpipe.coordinator.probe import probe, probe_eval
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
@@ -46,6 +47,12 @@ class Plan:
     captured: capture.Captured | None = None  # a model that is not an nn.Sequential: its pieces are `model`
     sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
     original: nn.Module | None = None  # then: the model as the factory returned it
+    weights: Pretrained | None = None  # model.weights: the pretrained checkpoint the stages start from
+    weights_at: dict[str, tuple[int, str]] = field(default_factory=dict)  # model name -> (its file, name there)
+    # Built on the meta device (model.weights, init per_layer: gpipe.skeleton): its buffers' values, by the
+    # model's names; empty when the model was built whole.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    on_meta: bool = False  # whether `model` was built on the meta device (it then holds no weights)
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -55,8 +62,8 @@ class Plan:
         return {"split_points": list(m.split_points or []), "output": m.output, "sample": self.sample}
 
     def weight_name(self, key: str) -> str:
-        """A weight's name in model.safetensors: the model's own (a captured model's pieces hold them under
-        "piece.name")."""
+        """A weight's name in checkpoints and model.safetensors: the model's own (a captured model's pieces
+        hold them under "piece.name")."""
         return capture.model_name(key) if self.captured is not None else key
 
     def write_config(self, out: Path) -> None:
@@ -66,6 +73,30 @@ class Plan:
             from gpipe.files import atomic_write
 
             atomic_write(out / "config.json", lambda tmp: config.to_json_file(str(tmp)))
+
+    def cut_lines(self) -> list[str]:
+        """What crosses each cut between stages, as the sample gave it (a captured model's; none for an
+        nn.Sequential, whose probe checks each cut): "cut 1 (before transformer.h.2): [B, T, 64] float32 ..."."""
+        c = self.captured
+        if c is None:
+            return []
+        out = []
+        for k, (start, _) in enumerate(self.bounds[1:], 1):
+            first = c.modules[start][0] if c.modules[start] else f"piece {start}"
+            out.append(f"cut {k} (before {first}): {'; '.join(c.shapes[start - 1])}")
+        return out
+
+    def stage_modules(self, stage: int) -> list[str]:
+        """The model's modules stage `stage` runs, the outermost of them (an nn.Sequential's: its layers)."""
+        start, end = self.bounds[stage]
+        if self.captured is None:
+            return [f"{i} ({type(self.model[i]).__name__})" for i in range(start, end)]
+        return [m for i in range(start, end) for m in self.captured.modules[i]]
+
+    def stage_parameters(self, stage: int) -> int:
+        """The parameters stage `stage` holds (a tied weight counted on each stage that holds a copy)."""
+        start, end = self.bounds[stage]
+        return sum(p.numel() for p in nn.ModuleList(self.model[i] for i in range(start, end)).parameters())
 
     def tied_stages(self) -> list[tuple[list[str], list[int]]]:
         """Per tied weight: its keys, and the stages holding a copy (StageConfig.tied)."""
@@ -116,8 +147,11 @@ class Plan:
         """The stage's initial parameters and buffers, under the full model's names."""
         start, end = self.bounds[stage]
         keep = {str(i) for i in range(start, end)}
-        own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
-        return {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
+        own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers(remove_duplicate=False))
+        out = {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
+        if self.buffers:  # built on the meta device: the buffers as the model built them
+            out |= {k: self.buffers[n] for k in out if (n := self.weight_name(k)) in self.buffers}
+        return out
 
 
 def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
@@ -132,19 +166,26 @@ def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
 
 
 def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1,
-              balance_of: list[int] | None = None) -> Plan:
+              balance_of: list[int] | None = None, meta: bool | None = None) -> Plan:
     """Build the model and the data, check them against the spec, and choose the balance.
 
     `device` and `threads` are those of the stages: by_time measures layers there.
     `balance_of` is a balance chosen before (a resumed job's checkpoint's): a
     computed balance keeps it when it still fits (the same stages and layers),
     so a resumed job is cut as before; a balance given in the spec wins.
+
+    With model.weights or init per_layer, the model is built and captured on the meta device (`meta`: None);
+    no weights are made here. A model that needs what that cannot give (an nn.Sequential the probe runs, a
+    captured forward that makes a tensor constant) is built whole instead, with model.weights (meta false).
     """
     if why := unsupported(spec.precision, spec.device):
         raise SpecError(f"precision: {why}")
+    pretrained = _open_weights(spec, job_dir)  # a file that cannot be read is refused before the model is built
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
-    model = _build_model(spec)
+    model, buffers = _build_model(spec, meta)
+    if isinstance(model, nn.Sequential) and buffers is not None and spec.probe and spec.init == "exact":
+        model, buffers = _build_model(spec, meta=False)  # the probe runs an nn.Sequential for real
     if not isinstance(model, nn.Module):
         raise SpecError(f"model.factory: returned {type(model).__name__}, expected a torch.nn.Module")
     if isinstance(model, nn.Sequential) and (spec.model.split_points or spec.model.output):
@@ -171,11 +212,18 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             captured = capture.capture(model, capture.sample_from(sample, _device_of(model)),
                                        spec.model.split_points or (), spec.model.output)
         except (capture.CaptureError, ValueError, TypeError) as e:
+            if buffers is not None:  # on the meta device (a plain tensor the model keeps): as the stages do, whole
+                return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
             raise SpecError(str(e) if isinstance(e, capture.CaptureError) else f"model: {first_line(e)}") from None
         model = captured.pieces
-        if spec.init == "per_layer":
-            raise SpecError("init: per_layer initialises an nn.Sequential's layers; a captured model "
-                            "(not an nn.Sequential) starts from init exact")
+        if spec.init == "per_layer" and spec.init_hook is None:
+            if (what := init.unresettable(original, captured.pieces)) is not None:
+                raise SpecError(f"init: {what} has parameters but no reset_parameters(); give init_hook")
+        if buffers is not None and (gap := _unknown_constant(model, buffers)) is not None:
+            if spec.init == "per_layer":
+                raise SpecError(f"init: per_layer: the captured forward makes a tensor constant ({gap}) that a "
+                                "model built on the meta device does not hold; use init exact")
+            return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
     layers = len(model)
     if spec.stages > layers:
         what = "layers" if captured is None else f"blocks ({captured.blocks})"
@@ -195,10 +243,45 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
-                captured=captured, sample=sample, original=original)
+                captured=captured, sample=sample, original=original, buffers=buffers or {},
+                on_meta=buffers is not None)
+    if pretrained is not None:
+        _match_weights(plan, pretrained)
     if spec.eval is not None:
         _plan_eval(plan, loss_fn)
     return plan
+
+
+def _open_weights(spec: JobSpec, job_dir: Path) -> Pretrained | None:
+    """model.weights, its files' headers read (relative to the job file's folder); None without it."""
+    if spec.model.weights is None:
+        return None
+    path = Path(spec.model.weights).expanduser()
+    return open_weights(path if path.is_absolute() else job_dir / path)
+
+
+def _match_weights(plan: Plan, pretrained: Pretrained) -> None:
+    """Find each of the model's tensors in model.weights, by the model's names. A Hugging Face model's are also
+    found as its own checkpoints may name them: without its base model's prefix (`transformer.` of GPT-2's head
+    model), and the names it ignores on loading (`_keys_to_ignore_on_load_unexpected`: an old GPT-2's
+    attn.bias masks) are let be."""
+    plan.weights = pretrained
+    want = {plan.weight_name(k): t for k, t in plan.model.state_dict(keep_vars=True).items()}
+    aliases: dict[str, list[str]] = {}
+    ignore: list[str] = []
+    if plan.original is not None:  # a tied weight's other names: the file may hold it under any one
+        by_id: dict[int, list[str]] = {}
+        for name, p in plan.original.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        aliases = {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
+        prefix = getattr(plan.original, "base_model_prefix", None)
+        if isinstance(prefix, str) and prefix:
+            for name in want:
+                if name.startswith(prefix + "."):
+                    aliases.setdefault(name, []).append(name.removeprefix(prefix + "."))
+        patterns = getattr(plan.original, "_keys_to_ignore_on_load_unexpected", None)
+        ignore = [p for p in patterns or [] if isinstance(p, str)]
+    plan.weights_at = match(pretrained, want, aliases, ignore=ignore)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -210,7 +293,8 @@ def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[An
     whose capture does not run, or whose output the loss cannot take, is refused before any worker starts."""
     from gpipe import structure
 
-    x, y = (structure.map_tensors(v, lambda t: t[:2]) for v in (x, y))
+    meta = any(t.is_meta for t in pieces.parameters())  # built on the meta device: the probe runs there too
+    x, y = (structure.map_tensors(v, lambda t: t[:2].to("meta") if meta else t[:2]) for v in (x, y))
     buffers = [(b, b.clone()) for b in pieces.buffers()]
     try:
         with torch.random.fork_rng():
@@ -266,6 +350,10 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
     except Exception as ex:
         raise SpecError(f"eval.data: the first batch: {first_line(ex)}") from None
     if plan.spec.probe:
+        if plan.on_meta:  # built on the meta device: the shapes alone, there
+            from gpipe import structure
+
+            xs[0], ys[0] = (structure.map_tensors(v, lambda t: t.to("meta")) for v in (xs[0], ys[0]))
         probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
@@ -278,24 +366,40 @@ def _check_batch_norm(model: nn.Module, replicas: int) -> None:
                             "replica")
 
 
-def _build_model(spec: JobSpec) -> Any:
-    """exact: the whole model, seeded; per_layer: the model on the meta device, its layers checked for an init."""
-    if spec.init == "exact":
+def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str, torch.Tensor] | None]:
+    """The model, and its buffers' values when it is built on the meta device (gpipe.skeleton): with init
+    per_layer, its layers checked for an init; with model.weights unless `meta` is false. Else the whole
+    model, seeded (init exact), and None."""
+    if meta is None:
+        meta = spec.init == "per_layer" or (spec.model.weights is not None and spec.balance not in BY_RUNNING)
+    if not meta:
         torch.manual_seed(spec.seed)
-        return _call("model", spec.model.factory, spec.model.args)
+        return _call("model", spec.model.factory, spec.model.args), None
     if spec.init_hook is not None:
         try:
             resolve(spec.init_hook)
         except LookupError as e:
             raise SpecError(f"init_hook: {e}") from None
-    with torch.device("meta"):
-        model = _call("model", spec.model.factory, spec.model.args)
-    if isinstance(model, nn.Sequential) and spec.init_hook is None:
+    model, buffers = skeleton.skeleton(lambda: _call("model", spec.model.factory, spec.model.args))
+    if spec.init == "per_layer" and isinstance(model, nn.Sequential) and spec.init_hook is None:
         for i, layer in enumerate(model):
             if (what := uninitialisable(layer)) is not None:
                 raise SpecError(f"init: layer {i}: {what} has parameters or buffers but no reset_parameters(); "
                                 "give init_hook")
-    return model
+    return model, buffers
+
+
+BY_RUNNING = ("by_time", "by_memory")  # balances that run the whole model: it is then built whole
+
+
+def _unknown_constant(pieces: nn.Module, buffers: dict[str, torch.Tensor]) -> str | None:
+    """A tensor of the pieces that is neither saved (a weight) nor a buffer the model built: a constant the
+    captured forward makes, which only a model built whole is sure to hold."""
+    saved = set(pieces.state_dict())
+    for key, _ in pieces.named_buffers():
+        if key not in saved and capture.model_name(key) not in buffers:
+            return capture.model_name(key)
+    return None
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

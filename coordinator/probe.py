@@ -102,7 +102,9 @@ def probe_eval(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn) -> No
     """Run the first samples of eval micro-batch (x, target) through `model` and the loss, in eval mode and
     without gradients, as an evaluation would; SpecError naming eval.data when they do not fit."""
     x, target = _first_samples(x, target)
-    model = copy.deepcopy(model).cpu().eval()
+    model = copy.deepcopy(model).eval()
+    if not any(t.is_meta for t in model.parameters()):  # on the meta device (gpipe.skeleton): shapes only
+        model = model.cpu()
     try:
         with torch.no_grad(), torch.random.fork_rng():
             loss_fn(model(x), target)

@@ -17,7 +17,7 @@ from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler
-from gpipe.state import LOSS_SCALE, OPTIM, RNG, layer_of, model_key
+from gpipe.state import LOSS_SCALE, OPTIM, RNG, model_key, optim_key
 
 
 def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
@@ -58,8 +58,10 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
     """Per stage: where its weights, optimizer and RNG state are in checkpoint `ck`, cut by the plan's balance.
 
     Only the checkpoint's headers are read here; the tensors go from disk to the
-    stages (Run.build). The checkpoint names every tensor by the
-    un-partitioned model, so it fits any balance; the RNG states are restored
+    stages (Run.build). The checkpoint names every tensor by the un-partitioned
+    model (a captured model's own names: Plan.weight_name; a tied weight once),
+    so it fits any balance and any split; each stage is sent its tensors under
+    its own names. The RNG states are restored
     only when the stage count is the same. A checkpoint that does not fit the
     job (another model or data set) is bad input: SpecError, and no restart would help.
     """
@@ -71,10 +73,15 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
     if ck.step > plan.spec.steps:
         raise SpecError(f"{where} is past the job's last step ({plan.spec.steps})")
     weights = ck.model_entries()
-    check_fits(ck.model_shapes(), plan.model.state_dict(), where)
+    check_fits(ck.model_shapes(), {plan.weight_name(k): t for k, t in plan.model.state_dict().items()}, where)
     scalars: dict[str, Any] = {}
-    for sh in ck.shards:
+    optim: dict[str, list[tuple[int, str, str]]] = {}  # parameter -> (shard, key there, the optimizer's key)
+    for j, sh in enumerate(ck.shards):
         scalars.update(sh.json_state.get("optimizer_state", {}))
+        for key in sh.entries:
+            if key.startswith(OPTIM):
+                param, _, what = key.removeprefix(OPTIM).rpartition("/")
+                optim.setdefault(param, []).append((j, key, what))
     same = len(ck.shards) == plan.spec.stages
     extra = {}
     if plan.spec.precision == "fp16" and (saved := ck.shards[0].json_state.get(LOSS_SCALE)) is not None:
@@ -85,21 +92,42 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
     slices = []
     for k in range(plan.spec.stages):
         part = streaming.StageSlice()
-        layers = set()
+        mine: dict[str, Any] = {}
         for name, initial in plan.stage_state(k).items():
-            layers.add(layer_of(name))
-            if name in weights:
-                part.from_disk[model_key(name)] = weights[name]
+            saved_as = plan.weight_name(name)
+            if saved_as in weights:
+                part.from_disk[model_key(name)] = weights[saved_as]
             elif plan.spec.init == "exact":  # non-persistent buffers are not in a state dict: the model's own
                 part.in_memory[model_key(name)] = initial
-        for j, sh in enumerate(ck.shards):
-            for key in sh.entries:
-                optim = key.startswith(OPTIM) and layer_of(key.removeprefix(OPTIM)) in layers
-                if optim or (same and j == k and key.startswith(RNG)):
-                    part.from_disk[key] = (j, key)
-                    dtype, shape, _, _ = sh.entries[key]
+            for j, key, what in optim.get(saved_as, []):
+                part.from_disk[optim_key(name, what)] = (j, key)
+                dtype, shape, _, _ = ck.shards[j].entries[key]
+                part.declared[optim_key(name, what)] = (stream.DTYPES[dtype], shape)
+            if saved_as in scalars:
+                mine[name] = scalars[saved_as]
+        if same:
+            for key in ck.shards[k].entries:
+                if key.startswith(RNG):
+                    part.from_disk[key] = (k, key)
+                    dtype, shape, _, _ = ck.shards[k].entries[key]
                     part.declared[key] = (stream.DTYPES[dtype], shape)
         groups = ck.shards[k if same else 0].json_state.get("param_groups", [])
-        part.json_state = {"param_groups": groups, "optimizer_state": scalars, **extra}
+        part.json_state = {"param_groups": groups, "optimizer_state": mine, **extra}
+        slices.append(part)
+    return slices
+
+
+def weight_parts(plan: Plan) -> list[streaming.StageSlice]:
+    """Per stage: where its tensors are in model.weights (found by the model's names: Plan.weight_name), and what
+    the file does not hold (non-persistent buffers: the plan's own). A tied weight's holders read the same one."""
+    slices = []
+    for k in range(plan.spec.stages):
+        part = streaming.StageSlice(json_state=None)
+        for key, initial in plan.stage_state(k).items():
+            name = plan.weight_name(key)
+            if name in plan.weights_at:
+                part.from_disk[model_key(key)] = plan.weights_at[name]
+            else:
+                part.in_memory[model_key(key)] = initial
         slices.append(part)
     return slices

@@ -61,6 +61,7 @@ MAX_KEEP_CHECKPOINTS = 1000
 MAX_RESTARTS = 100
 MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_FACTORY_CHARS = 256
+MAX_PATH_CHARS = 4096
 MAX_LR = 1000  # lr, min_lr and weight_decay: finite, and a bound no training comes near
 MAX_CLIP_GRAD_NORM = 10**6
 MAX_LOSS_SCALE = 2.0**24
@@ -165,6 +166,15 @@ class ModelSpec(_Spec):
     output: ModuleName | None = Field(
         default=None, description="What of the model's output the loss takes: a key or attribute. None: logits "
         "when the output has them, else the output if a tensor, else its first tensor.",
+    )
+    weights: str | None = Field(
+        default=None, min_length=1, max_length=MAX_PATH_CHARS,
+        description="Start from pretrained weights: a safetensors file, or a folder holding model.safetensors "
+        "or a sharded model.safetensors.index.json (save_pretrained's, or a finished job's output folder), "
+        "relative to the job file's folder. Names are the model's own (an nn.Sequential's: its state_dict "
+        "names); a tied weight is read once. Each stage is sent its own tensors only. A tensor missing, one "
+        "more, or one of another shape or dtype is refused, naming it. A resumed job starts from its "
+        "checkpoint instead.",
     )
 
     _factory = field_validator("factory")(_check_factory)
@@ -411,13 +421,16 @@ class JobSpec(_Spec):
         "fits its memory), streamed to the stages a piece at a time. per_layer: no process builds the "
         "whole model; each stage builds its own layers and initialises layer i from a generator seeded by "
         "(seed, i), calling each submodule's reset_parameters() or init_hook (gpipe.init.per_layer gives "
-        "the same weights on one device). per_layer turns the probe off (probe: true is refused) and "
+        "the same weights on one device); a model that is not an nn.Sequential: each submodule owning parameters "
+        "from a generator seeded by (seed, its name), its reset_parameters() or init_hook (gpipe.init.per_module "
+        "gives the same weights on one device). per_layer turns the probe off (probe: true is refused) and "
         "needs balance by_params or a list.",
     )
     init_hook: str | None = Field(
         default=None, max_length=MAX_FACTORY_CHARS,
         description="init per_layer: 'module:function' called with (layer index, layer) under the layer's "
-        "seeded generator, instead of reset_parameters().",
+        "seeded generator, instead of reset_parameters(); for a model that is not an nn.Sequential, with "
+        "(module name, module) for each module owning parameters, which it sets.",
     )
     eval: EvalSpec | None = Field(
         default=None, description="Evaluation: the loss on held-out data, pipelined, in eval mode and "

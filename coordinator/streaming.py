@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,19 +26,21 @@ IN_FLIGHT = 2  # messages of state on the way to or from one stage
 
 @dataclass
 class StageSlice:
-    """What a resumed stage is sent: where each of its tensors is (a checkpoint's shard, or this process)."""
+    """What a stage starting from files is sent (resumed from a checkpoint, or from model.weights): where each of
+    its tensors is (one of the files, or this process)."""
 
-    from_disk: dict[str, tuple[int, str]] = field(default_factory=dict)  # its key -> (shard, key there)
+    from_disk: dict[str, tuple[int, str]] = field(default_factory=dict)  # its key -> (file, key there)
     in_memory: dict[str, torch.Tensor] = field(default_factory=dict)  # init exact: non-persistent buffers
     declared: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # not weights: (dtype, shape)
-    json_state: dict[str, Any] = field(default_factory=dict)
+    json_state: dict[str, Any] | None = field(default_factory=dict)  # None: not resumed (model.weights)
 
-    def pieces(self, ck: checkpoint.Loaded) -> Iterator[stream.Piece]:
-        """Every tensor's pieces, read from disk one at a time."""
+    def pieces(self, files: Sequence[checkpoint.Shard]) -> Iterator[stream.Piece]:
+        """Every tensor's pieces, read from disk one at a time (`files`: a checkpoint's shards, or the
+        pretrained weights' files)."""
         yield from stream.pieces(self.in_memory)
         for key in sorted(self.from_disk):
             k, src = self.from_disk[key]
-            for off, data in ck.shards[k].pieces(src):
+            for off, data in files[k].pieces(src):
                 yield key, off, data
 
 

@@ -27,8 +27,10 @@ sum its gradient and keep the copies equal.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import operator
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +56,9 @@ class Captured:
     modules: list[list[str]]  # per piece: the model's submodules wholly in it (largest first found)
     crossing: list[list[str]]  # per boundary i (between piece i and i+1): the values that cross it
     tied: list[list[str]] = field(default_factory=list)  # parameter keys ("i.name") that are one tensor
+    # per boundary: each crossing value as the sample gave it ("[B, T, 64] float32 from transformer.h.1.mlp";
+    # B and T: the batch and sequence dimensions), in the order of `crossing`
+    shapes: list[list[str]] = field(default_factory=list)
 
 
 class Piece(nn.Module):
@@ -76,6 +81,18 @@ class Piece(nn.Module):
             kwargs_spec = in_spec.children()[1] if in_spec.num_children == 2 else None
             if kwargs_spec is not None and kwargs_spec.num_children:
                 self._gp_keys = list(kwargs_spec.context)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Piece:
+        """A copy (a replica's, the probe's) that shares the input and output tree specs: they never change,
+        and copying one re-creates its leaves through torch's deprecated LeafSpec constructor, which warns
+        (FutureWarning) at every validate and run."""
+        for spec in (self._gp_in_spec, self._gp_out_spec):
+            if spec is not None:
+                memo[id(spec)] = spec
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
 
     def forward(self, x: Any) -> Any:
         if self._gp_in_spec is not None:
@@ -345,7 +362,51 @@ def _pieces(model: nn.Module, split: fx.GraphModule, count: int, ep: torch.expor
             crossing.append(live)
         carry = live
     seq = nn.Sequential(*pieces)
-    return Captured(seq, [], None, [], crossing)
+    seen = _values(split, calls, outs)
+    names = _dim_names(seen, placeholders)
+    return Captured(seq, [], None, [], crossing, shapes=[[_describe(seen.get(v), names) for v in live]
+                                                         for live in crossing])
+
+
+def _values(split: fx.GraphModule, calls: dict[int, fx.Node], outs: dict[int, list[str]]) -> dict[str, fx.Node]:
+    """Each top-graph value of `split` (a piece's output, the model's input) as the node that made it, with the
+    sample's value in its meta."""
+    out = {n.name: n for n in split.graph.nodes if n.op == "placeholder"}
+    for k in calls:
+        ret = next(n for n in getattr(split, f"submod_{k}").graph.nodes if n.op == "output").args[0]
+        made = list(ret) if isinstance(ret, tuple | list) else [ret]
+        for name, node in zip(outs[k], made, strict=False):
+            if isinstance(node, fx.Node):
+                out[name] = node
+    return out
+
+
+def _dim_names(seen: dict[str, fx.Node], placeholders: list[str]) -> dict[str, str]:
+    """The symbols of the first input's batch and sequence dimensions, as B and T."""
+    first = next((seen[p].meta.get("val") for p in placeholders if p in seen
+                  and isinstance(seen[p].meta.get("val"), torch.Tensor)), None)
+    if first is None:
+        return {}
+    return {str(d): name for d, name in zip(first.shape, "BT", strict=False) if not isinstance(d, int)}
+
+
+def _describe(node: fx.Node | None, names: dict[str, str]) -> str:
+    """A value that crosses a cut: its shape (B and T for the input's dimensions) and dtype, and the module
+    that made it."""
+    if node is None:
+        return "?"
+    v = node.meta.get("val")
+    def sym(d: object) -> str:
+        return re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), str(d))
+
+    if isinstance(v, torch.Tensor):
+        what = f"[{', '.join(sym(d) for d in v.shape)}] {str(v.dtype).removeprefix('torch.')}"
+    elif isinstance(v, torch.SymInt | int):
+        what = f"size {sym(v)}"
+    else:
+        what = type(v).__name__ if v is not None else "None"
+    stack = [m for m in _stack(node) if m and not m.startswith("_")]
+    return f"{what} from {stack[-1]}" if stack else what
 
 
 def _state_of(model: nn.Module, split: fx.GraphModule, target: str,

@@ -2,8 +2,9 @@
 
 The stages write it (worker/stage.py: snapshot, restore), the coordinator
 stores it (coordinator/checkpoint.py) and cuts it for another balance
-(coordinator/driver.py). Tensors are named by the un-partitioned model, so a
-checkpoint fits any balance:
+(coordinator/resume.py). Tensors are named by the un-partitioned model (a
+captured model's by its own names, a tied weight once: worker.stage.Stage.saved_name),
+so a checkpoint fits any balance and any split:
 
     model/<name>            the stage's state dict (parameters and persistent buffers)
     optim/<param>/<key>     the optimizer's tensor state of parameter <param> (exp_avg, momentum_buffer, ...)

@@ -512,3 +512,33 @@ class MaskedPairs(torch.utils.data.Dataset):
 
 def masked_pairs(n: int = 32) -> MaskedPairs:
     return MaskedPairs(n)
+
+
+def hf_init(name: str, module: nn.Module) -> None:
+    """init_hook for a captured Hugging Face model (init per_layer): GPT-2's Conv1D has no reset_parameters().
+    Its own parameters: biases 0, norms' weights 1, the others normal with std 0.02, as GPT-2's _init_weights."""
+    for leaf, p in module.named_parameters(recurse=False):
+        if leaf == "bias":
+            nn.init.zeros_(p)
+        elif p.dim() == 1:
+            nn.init.ones_(p)
+        else:
+            nn.init.normal_(p, std=0.02)
+
+
+class ScaledBlocks(nn.Module):
+    """Keeps a plain tensor (no parameter, no buffer), which a model built on the meta device cannot capture with."""
+
+    def __init__(self, width: int = 16, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.scale = torch.linspace(0.5, 1.5, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x)) * self.scale
+        return x
+
+
+def scaled_blocks(width: int = 16, blocks: int = 3) -> nn.Module:
+    return ScaledBlocks(width, blocks)

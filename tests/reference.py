@@ -158,6 +158,10 @@ def initial_model(spec: dict[str, Any]) -> nn.Sequential:
     if spec.get("init") == "per_layer":
         hook = resolve(spec["init_hook"]) if spec.get("init_hook") else None
         per_layer(model, seed, hook)
+    if spec["model"].get("weights"):  # model.weights: a safetensors file of the state dict
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(spec["model"]["weights"]))
     return model
 
 

@@ -169,6 +169,19 @@ def test_evaluation_is_the_models_eval_mode_output_dropout_off():
     assert torch.equal(out, model(input_ids=x).logits)
 
 
+def test_a_copy_of_the_pieces_runs_as_they_do_and_warns_of_nothing():
+    import copy
+    import warnings
+
+    c = capture(fresh(models.gpt2), {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, ["transformer.h.2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # copying a TreeSpec warned (FutureWarning) at every validate and run
+        twin = copy.deepcopy(c.pieces)
+    x = {"input_ids": torch.randint(0, 97, (3, 6))}
+    assert torch.equal(twin(x), c.pieces(x))
+    assert twin[0].transformer.wte.weight is not c.pieces[0].transformer.wte.weight
+
+
 def test_a_split_point_that_names_no_submodule_lists_the_nearest_names():
     with pytest.raises(CaptureError, match=r"'transformer\.h\.9' names no submodule.*nearest: transformer\.h\.\d"):
         capture(fresh(models.gpt2), {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, ["transformer.h.9"])
@@ -192,6 +205,48 @@ def test_the_output_named_by_output_is_what_the_loss_takes():
         select_output({"logits": torch.zeros(1)}, "hidden")
 
 
+def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(tmp_path):
+    from gpipe.coordinator.metrics import write_plan
+    from tests.test_driver import plan_of
+
+    plan = plan_of({**GPT2_JOB, "model": {"factory": "tests.models:llama", "split_points": ["model.layers.2"]},
+                    "data": {**GPT2_JOB["data"], "factory": "tests.models:masked_pairs", "args": {}}})
+    (cut,) = plan.cut_lines()
+    assert cut.startswith("cut 1 (before model.layers.2): [B, T, 32] float32 from model.layers.1")
+    assert "[B, 1, T, T] bool" in cut  # the attention mask, made once before the first block
+    write_plan(tmp_path, plan, [{}] * 2)
+    stages = json.loads((tmp_path / "plan.json").read_text())["stages"]
+    assert stages[0]["modules"][:2] == ["model.embed_tokens", "model.rotary_emb"]
+    assert stages[1]["modules"][-2:] == ["model.norm", "lm_head"] and stages[1]["receives"] == [cut]
+    model = models.llama()
+    assert sum(s["parameters"] for s in stages) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_resume_with_another_split_and_stage_count_gives_the_one_device_weights(tmp_path):
+    from gpipe.coordinator import checkpoint
+    from gpipe.worker.stage_server import StageServer
+    from tests.test_driver import drive, plan_of, worst
+
+    first = {**GPT2_JOB, "checkpoint_every": 2}
+    try:
+        drive(plan_of({**first, "steps": 2}), tmp_path)
+    finally:
+        StageServer.close_all()
+    ck = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path), 2))
+    held = ck.model_state()
+    assert "transformer.h.2.attn.c_attn.weight" in held and "lm_head.weight" not in held  # the model's names
+    holders = [j for j, sh in enumerate(ck.shards) for k in sh.entries if k == "optim/transformer.wte.weight/momentum_buffer"]
+    assert holders == [0]  # the tied weight's optimizer state once too, by its first holder
+    second = {**first, "model": {**first["model"], "split_points": ["transformer.h.1", "transformer.h.3"]}}  # 3 stages
+    try:
+        drive(plan_of(second), tmp_path, resume=ck)
+    finally:
+        StageServer.close_all()
+    got = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path), 4)).model_state()
+    want = one_device_job(4)
+    assert worst(got, {k: v for k, v in want.items() if k != "lm_head.weight"}) <= 1e-5
+
+
 # -- the service's path: real processes over gloo ----------------------------------------------------------------
 
 GPT2_JOB = {
@@ -204,13 +259,15 @@ GPT2_JOB = {
 }
 
 
-def one_device_job(steps: int) -> dict[str, torch.Tensor]:
-    """GPT2_JOB on one device: the same micro-batches, torch.optim and clip_grad_norm_, the model's own names."""
+def one_device_job(steps: int, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """GPT2_JOB on one device: the same micro-batches, torch.optim and clip_grad_norm_, the model's own names.
+    `model`: the initial model (default: the job's, seeded)."""
     from tests.conftest import torch_threads
 
     with torch_threads(1):
-        torch.manual_seed(0)
-        model = models.gpt2()
+        if model is None:
+            torch.manual_seed(0)
+            model = models.gpt2()
         data = models.token_pairs(n=32)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for step in range(steps):
@@ -224,7 +281,7 @@ def one_device_job(steps: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_with_from_pretrained(cli):
+def test_gpt2_through_the_service_equals_one_device_loads_with_from_pretrained_and_fine_tunes_from_it(cli):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -241,10 +298,9 @@ def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
     assert worst <= 1e-5, f"weights differ from one device by {worst}"
 
-    # Each stage's copy of the tied weight, in the last checkpoint: bit-identical.
+    # The last checkpoint holds the weights under the model's names, the tied weight once (its first holder's).
     held = checkpoint.load(checkpoint.step_dir(out / "checkpoints", 4)).model_state()
-    copies = [v for k, v in held.items() if k.endswith(".transformer.wte.weight")]
-    assert len(copies) == 2 and torch.equal(copies[0], copies[1])
+    assert set(held) == set(got) and all(torch.equal(held[k], got[k]) for k in got)
 
     plan = json.loads((out / "plan.json").read_text())
     assert plan["balance"] == [2, 2]
@@ -253,6 +309,30 @@ def test_gpt2_through_the_service_equals_one_device_tied_copies_equal_and_loads_
     assert loaded.transformer.wte.weight is loaded.lm_head.weight
     assert torch.equal(loaded.transformer.wte.weight, want["transformer.wte.weight"].to(loaded.dtype)) or \
         (loaded.transformer.wte.weight - want["transformer.wte.weight"]).abs().max() <= 1e-5
+
+    # Fine-tuning: another job starts from this one's output folder (model.weights), split elsewhere.
+    held_out = {"factory": "tests.models:token_pairs", "args": {"n": 8, "seed": 3}, "batch_size": 8}
+    tuned = {**GPT2_JOB, "name": "tuned", "steps": 2, "model": {**GPT2_JOB["model"], "weights": str(out),
+                                                                "split_points": ["transformer.h.1"]},
+             "eval": {"data": held_out, "every": 2}}
+    r = cli.run("run", str(cli.write(tuned, "tuned.yaml")), "--state-dir", str(cli.tmp / "state"), "--no-progress",
+                timeout=240)
+    assert r.returncode == 0, r.stderr
+    got = load_file(cli.tmp / "state" / "tuned" / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    want = one_device_job(2, model)
+    worst = max((got[k] - want[k]).abs().max().item() for k in got)
+    assert worst <= 1e-5, f"weights trained from model.weights differ from one device by {worst}"
+
+    # The eval verb on the fine-tuned model.safetensors (the model's names, the tied weight once).
+    r = cli.run("eval", str(cli.tmp / "tuned.yaml"), "--state-dir", str(cli.tmp / "state"), "--json", timeout=240)
+    assert r.returncode == 0, r.stderr
+    x, y = models.token_pairs(n=8, seed=3)[:]
+    with torch.no_grad():
+        model.eval()
+        loss = sum(lm_loss(model(xm).logits, ym).item() * xm.size(0) for xm, ym in
+                   zip(x.chunk(4), y.chunk(4), strict=True)) / 8
+    assert json.loads(r.stdout)["loss"] == pytest.approx(loss, abs=1e-5)
 
 
 @pytest.mark.multiprocess

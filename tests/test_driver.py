@@ -71,6 +71,12 @@ def model_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     return checkpoint.load(checkpoint.step_dir(checkpoint.folder(out), step)).model_state()
 
 
+def live_copies(name: str) -> list[torch.Tensor]:
+    """Each local stage's copy of parameter `name` (a captured model's: its pieces hold it as "i.name")."""
+    return [p.detach() for server in StageServer.live if server.stage is not None
+            for key, p in server.stage.layers.named_parameters() if key.split(".", 1)[1] == name]
+
+
 def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert set(got) == set(want)
     return max((got[k].double() - want[k].double()).abs().max().item() for k in want)

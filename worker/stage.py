@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gpipe import batchnorm, capture, evaluation, init, schedule, skip, structure
+from gpipe import batchnorm, capture, evaluation, init, schedule, skeleton, skip, structure
 from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
@@ -43,11 +43,13 @@ from gpipe.worker.skips import Routed, SkipLinks
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
     """The stage's slice of the model, holding `state` (the coordinator's weights) when given.
 
-    The factory runs on the meta device, so no full model is materialised here;
-    a model that cannot be built there (or keeps plain tensors that are no
-    parameters or buffers) is built on the CPU instead. With no `state`, the
-    layers are initialised here (init per_layer), or left empty for weights
-    sent in pieces (worker.streaming).
+    The factory runs on the meta device, so no full model is materialised here
+    (a captured model's buffers keep the values it builds them with:
+    gpipe.skeleton); a model that cannot be built there (or keeps plain tensors
+    that are no parameters or buffers) is built on the CPU instead. With no
+    `state`, the layers are initialised here (init per_layer: a layer at a time,
+    or a captured model's a module at a time, gpipe.init), or left empty for
+    weights sent in pieces (worker.streaming).
     """
     add_import_paths(cfg.import_paths)  # the job's folder: its model's module lives there
     factory = resolve(cfg.model_factory)
@@ -65,10 +67,21 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
 
     layers = None
     try:
-        with torch.device("meta"):
-            layers = sliced(factory(**cfg.model_args))
+        if cfg.capture is not None:  # its buffers' values kept aside (gpipe.skeleton)
+            model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
+            layers = sliced(model)
+        else:
+            with torch.device("meta"):
+                layers = sliced(factory(**cfg.model_args))
         if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
             layers = None
+        elif per_layer and cfg.capture is not None:  # a module at a time, on the CPU (gpipe.init.per_module)
+            layers = layers.to_empty(device="cpu")
+            capture.retie(layers, [keys for keys, _ in cfg.tied])
+            skeleton.fill_buffers(layers, buffers, capture.model_name)
+            init.init_pieces(layers, model, cfg.seed, hook)
+            layers = layers.to(device)
+            capture.to_device(layers, device)
         elif per_layer:  # a layer at a time: on the CPU, initialised, then to the device
             for j, i in enumerate(range(cfg.start, cfg.end)):
                 layers[j] = init.materialise(layers[j], i, cfg.seed, device, hook)
@@ -79,14 +92,17 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     except Exception:
         layers = None
     if layers is None:
-        layers = sliced(factory(**cfg.model_args))
-        if per_layer:
+        whole = factory(**cfg.model_args)
+        layers = sliced(whole)
+        if per_layer and cfg.capture is not None:
+            init.init_pieces(layers, whole, cfg.seed, hook)
+        elif per_layer:
             for j, i in enumerate(range(cfg.start, cfg.end)):
                 init.init_layer(layers[j], i, cfg.seed, hook)
         layers = layers.to(device)
     if state is None:
         return layers
-    own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers())
+    own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
     if set(own) != set(state):
         raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
     with torch.no_grad():
@@ -169,6 +185,8 @@ class Stage:
             else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
         self.tied = self._tied_here()
+        # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
+        self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.stage for k in keys}
         self.shared_rng = shared_rng
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
@@ -469,9 +487,18 @@ class Stage:
                           samples=sum(sizes), eval_s=time.perf_counter() - t0,
                           outputs=[p.outputs[mb] for mb in range(chunks)] if self.last and targets is None else None)
 
+    def saved_name(self, name: str) -> str | None:
+        """The name a parameter or buffer of the stage is saved under: the un-partitioned model's (a captured
+        model's own names, so that a checkpoint fits any split: gpipe.capture.model_name); None for a tied
+        weight's copy that another stage saves."""
+        if self.cfg.capture is None:
+            return name
+        return None if name in self.copies else capture.model_name(name)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's state dict on the CPU, under the un-partitioned model's names."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.layers.state_dict().items()}
+        return {saved: t.detach().to("cpu", copy=True) for name, t in self.layers.state_dict().items()
+                if (saved := self.saved_name(name)) is not None}
 
     def _unscale(self) -> bool:
         """fp16: divide the loss scale out of this stage's gradients; True, on every stage, when any stage's
@@ -509,8 +536,9 @@ class Stage:
     def snapshot(self, copy: bool = True) -> StageState:
         """A copy of everything a resumed stage needs, in the checkpoint layout (gpipe.state).
 
-        Weights, the optimizer's tensors by parameter name (so a checkpoint fits
-        any balance) and the generator states on the CPU; the optimizer's
+        Weights, the optimizer's tensors by parameter name (the un-partitioned
+        model's: saved_name, so a checkpoint fits any balance and any split)
+        and the generator states on the CPU; the optimizer's
         hyper-parameters and non-tensor state as JSON. With `copy` false, the
         weights and optimizer tensors are the live ones, where they live (to be
         written out before the next step changes them: worker.streaming).
@@ -520,16 +548,19 @@ class Stage:
 
         tensors: dict[str, torch.Tensor] = {}
         for name, t in self.layers.state_dict().items():  # non-persistent buffers are rebuilt, not saved
-            tensors[layout.model_key(name)] = out(t)
+            if (saved := self.saved_name(name)) is not None:
+                tensors[layout.model_key(saved)] = out(t)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         if self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
+                if (saved := self.saved_name(name)) is None:
+                    continue
                 for key, v in self.optimizer.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        tensors[layout.optim_key(name, key)] = out(v)
+                        tensors[layout.optim_key(saved, key)] = out(v)
                     else:
-                        scalars.setdefault(name, {})[key] = v
+                        scalars.setdefault(saved, {})[key] = v
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         tensors[layout.RNG_CPU] = torch.get_rng_state()
         if self.device.type == "cuda":

@@ -30,7 +30,8 @@ class Incoming:
 
     def __init__(self, layers: nn.Sequential):
         self.layers = layers
-        own = dict(layers.named_parameters()) | dict(layers.named_buffers())
+        # every name, a tensor two pieces share too (a tied weight, a captured constant): each is sent under each
+        own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
         self.targets: dict[str, torch.Tensor] = {layout.model_key(n): t for n, t in own.items()}
         self.others: dict[str, torch.Tensor] = {}
         self.received: dict[str, int] = {}
