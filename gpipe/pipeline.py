@@ -174,18 +174,21 @@ class Pipeline:
             routes = self._skip_routes(sample)
         model = self.model
         for r in range(self.replicas):
+            # Replica 0 is the model's own parameters; a copy of the whole model keeps a tied weight one tensor.
+            own = model if r == 0 else copy.deepcopy(model)
+            first_holder: dict[int, int] = {}  # a parameter shared by stages: the first finishes its gradient
             for k, (start, end) in enumerate(self.bounds):
-                layers = nn.Sequential(OrderedDict((str(i), model[i]) for i in range(start, end)))
+                layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
                 layers = layers.to(self.devices[k])  # in place: the model's own parameters, on the stage's device
-                if r > 0:
-                    layers = copy.deepcopy(layers)
+                elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder.setdefault(id(p), k) != k)
                 cfg = StageConfig(
                     stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
                     device=str(self.devices[k]), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
                 transport = self._hub.transport(k, r, self.devices[k])
-                self._stages.append(Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng))
+                self._stages.append(Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng,
+                                          finished_elsewhere=elsewhere))
 
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:

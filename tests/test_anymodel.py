@@ -133,6 +133,16 @@ def test_llama_with_an_attention_mask_and_two_replicas_equals_one_device():
     assert_same_weights(got, want)
 
 
+def test_gpt2_with_tied_weights_and_two_replicas_equals_one_device():
+    """Each replica keeps its tied weight one tensor, whose gradient its first holder sums with the others'."""
+    data = batches(3, 8, 10)
+    want = fresh(models.gpt2)
+    one_device(want, data, chunks=2, replicas=2)
+    got = fresh(models.gpt2)
+    pipelined(got, data, chunks=2, replicas=2, split_points=["transformer.h.2"], schedule="1f1b")
+    assert_same_weights(got, want)
+
+
 def test_a_hand_written_module_whose_residual_crosses_every_cut_equals_one_device():
     g = torch.Generator().manual_seed(2)
     data = [({"x": torch.randn(8, 16, generator=g)}, torch.randn(8, 16, generator=g)) for _ in range(3)]
@@ -158,6 +168,40 @@ def test_a_hand_written_module_whose_residual_crosses_every_cut_equals_one_devic
     assert_same_weights(got, want)
     assert pipe.captured is not None
     assert all(len(c) >= 2 for c in pipe.captured.crossing)  # the running value and the stem's, at every cut
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpt2_in_half_precision_equals_one_device_autocast_rounded_at_the_cuts(precision):
+    """The reference runs the same pieces on one device under autocast, casting what crosses each stage's cut
+    as the stages do; fp16 with a loss scale that never overflows here."""
+    from gpipe.precision import DTYPES, LossScaler
+
+    half = DTYPES[precision]
+    assert half is not None
+    data = batches(2, 8, 10)
+    got = fresh(models.gpt2)
+    _, pipe = pipelined(got, data, chunks=4, split_points=["transformer.h.2"], precision=precision)
+    want = fresh(models.gpt2)
+    pieces = capture(want, _cut(data[0][0], 8, 1, 4)[0], ["transformer.h.2"]).pieces
+    cuts = {a for a, _ in pipe.bounds[1:]}
+    opt = torch.optim.SGD(want.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=LossScaler.INIT, enabled=precision == "fp16")
+    for x, y in data:
+        for xs, ys in zip(_cut(x, 8, 1, 4), _cut(y, 8, 1, 4), strict=True):
+            out = xs
+            with torch.autocast("cpu", dtype=half):
+                for i, piece in enumerate(pieces):
+                    if i in cuts:
+                        out = torch.utils._pytree.tree_map(
+                            lambda t: t.to(half) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t,
+                            out)
+                    out = piece(out)
+            scaler.scale(lm_loss(out.float(), ys) * ys.size(0) / 8).backward()
+        scaler.step(opt)  # fp16: skipped when a gradient overflowed, as the stages skip it
+        scaler.update()
+        opt.zero_grad()
+    assert_same_weights(got, want)
+    assert got.transformer.wte.weight is got.lm_head.weight
 
 
 def test_evaluation_is_the_models_eval_mode_output_dropout_off():

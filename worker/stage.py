@@ -157,7 +157,10 @@ class Stage:
 
     def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor] | nn.Sequential,
                  resume: StageState | None = None, transport: Transport | None = None, optimizer: bool = True,
-                 shared_rng: SharedGenerators | None = None):
+                 shared_rng: SharedGenerators | None = None, finished_elsewhere: frozenset[int] = frozenset()):
+        """`finished_elsewhere`: ids of parameters this stage shares with an earlier stage of this process (one
+        tensor, tied): that stage, whose last backward comes after this one's, unscales, clips and sums their
+        gradients once."""
         self.cfg = cfg
         self.rank = cfg.rank
         self.mb_offset = cfg.replica * cfg.chunks  # replica r's micro-batch i is the step's r*chunks+i
@@ -175,6 +178,7 @@ class Stage:
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
+        self.grad_params = [p for p in params if id(p) not in finished_elsewhere]  # whose gradients it finishes
         self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) \
             if params and optimizer else None
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
@@ -206,7 +210,7 @@ class Stage:
             [*self.skips.send.values(), *self.skips.send_grad.values()]
         self.receivers: list[Inbound] = [c for c in (self.recv_act, self.recv_grad) if c] + \
             [*self.skips.recv.values(), *self.skips.recv_grad.values()]
-        self.grad_sum = t.grad_sum(self.params)  # with replicas: the copies of this stage sum their gradients
+        self.grad_sum = t.grad_sum(self.grad_params)  # with replicas: the copies of this stage sum their gradients
 
     def _doing(self, state: str, what: str = "") -> None:
         """What the stage does now: idle (between steps), computing, or waiting on a neighbour for `what`."""
@@ -505,7 +509,7 @@ class Stage:
         held inf or nan (the step is then skipped everywhere and the scale backs off)."""
         scaler = self.precision.scaler
         assert scaler is not None  # called for fp16 only
-        found = scaler.unscale([p.grad for p in self.params if p.grad is not None])
+        found = scaler.unscale([p.grad for p in self.grad_params if p.grad is not None])
         self._doing("waiting", "the other stages' overflow checks")
         flag = torch.tensor(float(found), device=self.device)
         self.transport.all_reduce(flag, "job", "max")  # one scale for the job: all ranks skip, or none
@@ -515,10 +519,10 @@ class Stage:
 
     def _clip(self, max_norm: float) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.grad_params if p.grad is not None]
         copies = {id(p) for p, _, first in self.tied if not first}  # a tied weight counts once, at its first holder
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in (p.grad for p in self.params if p.grad is not None and id(p) not in copies):
+        for g in (p.grad for p in self.grad_params if p.grad is not None and id(p) not in copies):
             sq += g.detach().double().pow(2).sum()
         self.transport.all_reduce(sq, "pipeline")  # over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
