@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import signal
@@ -39,6 +40,9 @@ T = TypeVar("T")
 
 DEFAULT_STATE_DIR = "gpipe-state"
 EXIT_INTERRUPTED = 130
+M_ARENA_MAX = -8  # mallopt's name for MALLOC_ARENA_MAX
+# How torch and Python say an allocation failed, in a RuntimeError.
+OUT_OF_MEMORY = ("can't allocate memory", "can't start new thread", "Cannot allocate memory")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,19 +133,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _within_memory(mib: int | None, build: Callable[[], T]) -> T:
-    """build(), its data segment bounded to `mib` MiB: past it, one line (SpecError), not the host's memory."""
+    """build(), bounded to `mib` MiB more address space than this process holds now (RLIMIT_AS, soft and hard):
+    past it, one line naming the cap (SpecError), not the host's memory.
+
+    The address space counts every mapping, shared and file-backed ones too (RLIMIT_DATA misses a
+    factory's MAP_SHARED memory). What torch and gpipe hold already is not counted against the cap. The
+    build runs on one thread with at most two malloc arenas: a thread's stack and arena take address
+    space, and a many-core host must not fail a small model.
+    """
     if mib is None:
         return build()
     if mib < 1:
         raise SpecError(f"--memory-mib: {mib} is not a positive number of MiB")
-    resource.setrlimit(resource.RLIMIT_DATA, (mib << 20, mib << 20))
+    import ctypes
+    import errno
 
-    def out_of_memory(e: BaseException | None) -> bool:  # Python's, or torch's allocator's
-        return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its own arenas
+        ctypes.CDLL(None).mallopt(M_ARENA_MAX, 2)
+    held = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    limit = held + (mib << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    def out_of_memory(e: BaseException | None) -> bool:  # Python's, mmap's, torch's allocator's, a thread's stack
+        return (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
+                or (isinstance(e, RuntimeError) and any(m in str(e) for m in OUT_OF_MEMORY)))
 
     try:
         return build()
-    except (MemoryError, RuntimeError, SpecError) as e:  # the plan names a factory's error as a SpecError
+    except (MemoryError, OSError, RuntimeError, SpecError) as e:  # the plan names a factory's error as a SpecError
         if not (out_of_memory(e) or out_of_memory(e.__context__)):
             raise
     raise SpecError(f"model: building the model and data takes more than the {mib} MiB a validation may use "
