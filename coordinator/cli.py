@@ -7,6 +7,7 @@
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
     gpipe-coordinator serve --port 7000 --state-dir DIR     # the service (workers: gpipe-worker)
+        [--metrics-port 9100]                               # and Prometheus' /metrics
     gpipe-coordinator submit job.yaml --follow              # send a job to serve, follow it
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
     gpipe-coordinator status|logs|stop NAME; gpipe-coordinator list
@@ -103,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                      default=os.environ.get("GPIPE_HEARTBEAT_TIMEOUT_S"),
                      help="a worker whose heartbeats stop this long is dropped and its attempt fails "
                           "(env GPIPE_HEARTBEAT_TIMEOUT_S; default 10)")
+    srv.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus metrics on http://HOST:PORT/metrics (default: none; 0: any free port)")
+    srv.add_argument("--metrics-host", default=None,
+                     help="the address /metrics listens on (default: the API's, --host)")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -201,6 +206,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not 2 * HEARTBEAT_INTERVAL_S <= heartbeat_timeout <= 3600:  # nan too
         raise SpecError(f"--heartbeat-timeout: {args.heartbeat_timeout} is outside {2 * HEARTBEAT_INTERVAL_S:g}..3600 "
                         "seconds (or env GPIPE_HEARTBEAT_TIMEOUT_S)")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SpecError(f"--metrics-port: {args.metrics_port} is outside 0..65535")
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise SpecError("--metrics-host: needs --metrics-port")
+    metrics = None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
     note = ""
     if token is None and worker_token is None:
         # A spec names code to run: without tokens, only this machine may submit one.
@@ -213,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
                             "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
-                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout))
+                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, metrics=metrics))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)
