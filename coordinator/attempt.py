@@ -127,6 +127,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     import torch
 
     from gpipe.coordinator import checkpoint
+    from gpipe.coordinator.board import Board
     from gpipe.coordinator.driver import drive
     from gpipe.coordinator.evaluation import BEST, Best
     from gpipe.coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
@@ -163,14 +164,18 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
     write_plan(out, plan, [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
                            for k, p in enumerate(placement)])
     log = MetricsLog(out, spec.log_every, spec.steps)
+    # A resumed attempt runs the steps from its checkpoint's again: TensorBoard drops what was shown of them.
+    board = Board(out, purge_step=resume.step if resume else 0)
     best = Best(out / BEST, lambda line: tell(report.Log(line))) if spec.keep_best else None
 
     def on_step(m: StepMetrics) -> None:
         if log.write(m):
+            board.step(m)
             tell(report.Metrics(asdict(m)))
 
     def on_eval(m: EvalMetrics, weights: dict[str, torch.Tensor] | None) -> None:
         log.write_eval(m)
+        board.eval(m)
         tell(report.Eval(asdict(m)))
         if best is not None and best.offer(m, weights):
             after = m.step + 1 if m.step is not None else 0  # steps done, as status counts them
@@ -183,6 +188,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval, spec.keep_best)
     finally:
         log.close()
+        board.close()
     # What this process held at most: with init per_layer, not the model (docs/running.md: bigger than one machine).
     tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
 

@@ -7,6 +7,7 @@
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
     gpipe-coordinator serve --port 7000 [--state-dir DIR]   # the service (workers: gpipe-worker)
+        [--metrics-port 9100]                               # and Prometheus' /metrics
     gpipe-coordinator submit job.yaml --follow              # send a job and its folder's code to serve, follow it
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
     gpipe-coordinator logs NAME [--follow] [--json]         # a step a line, checkpoints and restarts between
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import signal
@@ -42,6 +44,9 @@ DEFAULT_STATE_DIR = "gpipe-state"  # run's and eval's
 DEFAULT_SERVE_STATE_DIR = "gpipe-service"  # serve's job table
 DEFAULT_CODE_MIB = 50  # gpipe.code.DEFAULT_LIMIT_MIB (imported lazily there)
 EXIT_INTERRUPTED = 130
+M_ARENA_MAX = -8  # mallopt's name for MALLOC_ARENA_MAX
+# How torch and Python say an allocation failed, in a RuntimeError.
+OUT_OF_MEMORY = ("can't allocate memory", "can't start new thread", "Cannot allocate memory")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -109,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
                           "(env GPIPE_HEARTBEAT_TIMEOUT_S; default 10)")
     srv.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
                      help=f"the largest job code archive a submit may send, in MiB (default {DEFAULT_CODE_MIB})")
+    srv.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus metrics on http://HOST:PORT/metrics (default: none; 0: any free port)")
+    srv.add_argument("--metrics-host", default=None,
+                     help="the address /metrics listens on (default: the API's, --host)")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -144,19 +153,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _within_memory(mib: int | None, build: Callable[[], T]) -> T:
-    """build(), its data segment bounded to `mib` MiB: past it, one line (SpecError), not the host's memory."""
+    """build(), bounded to `mib` MiB more address space than this process holds now (RLIMIT_AS, soft and hard):
+    past it, one line naming the cap (SpecError), not the host's memory.
+
+    The address space counts every mapping, shared and file-backed ones too (RLIMIT_DATA misses a
+    factory's MAP_SHARED memory). What torch and gpipe hold already is not counted against the cap. The
+    build runs on one thread with at most two malloc arenas: a thread's stack and arena take address
+    space, and a many-core host must not fail a small model.
+    """
     if mib is None:
         return build()
     if mib < 1:
         raise SpecError(f"--memory-mib: {mib} is not a positive number of MiB")
-    resource.setrlimit(resource.RLIMIT_DATA, (mib << 20, mib << 20))
+    import ctypes
+    import errno
 
-    def out_of_memory(e: BaseException | None) -> bool:  # Python's, or torch's allocator's
-        return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its own arenas
+        ctypes.CDLL(None).mallopt(M_ARENA_MAX, 2)
+    held = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    limit = held + (mib << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    def out_of_memory(e: BaseException | None) -> bool:  # Python's, mmap's, torch's allocator's, a thread's stack
+        return (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
+                or (isinstance(e, RuntimeError) and any(m in str(e) for m in OUT_OF_MEMORY)))
 
     try:
         return build()
-    except (MemoryError, RuntimeError, SpecError) as e:  # the plan names a factory's error as a SpecError
+    except (MemoryError, OSError, RuntimeError, SpecError) as e:  # the plan names a factory's error as a SpecError
         if not (out_of_memory(e) or out_of_memory(e.__context__)):
             raise
     raise SpecError(f"model: building the model and data takes more than the {mib} MiB a validation may use "
@@ -194,6 +221,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not 2 * HEARTBEAT_INTERVAL_S <= heartbeat_timeout <= 3600:  # nan too
         raise SpecError(f"--heartbeat-timeout: {args.heartbeat_timeout} is outside {2 * HEARTBEAT_INTERVAL_S:g}..3600 "
                         "seconds (or env GPIPE_HEARTBEAT_TIMEOUT_S)")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SpecError(f"--metrics-port: {args.metrics_port} is outside 0..65535")
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise SpecError("--metrics-host: needs --metrics-port")
+    metrics = None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
     note = ""
     if token is None and worker_token is None:
         # A spec names code to run: without tokens, only this machine may submit one.
@@ -209,7 +241,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
-                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib))
+                      validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib,
+                      metrics=metrics))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)

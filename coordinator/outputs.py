@@ -7,9 +7,12 @@ from pathlib import Path
 
 from gpipe.errors import SpecError
 
+TENSORBOARD = "tensorboard"  # a job's TensorBoard scalars (gpipe.coordinator.board), in its output folder
+
 
 def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:
-    """<state-dir>/<name>/; a fresh start empties metrics.jsonl and drops an earlier run's checkpoints and best."""
+    """<state-dir>/<name>/; a fresh start empties metrics.jsonl and drops an earlier run's checkpoints, best and
+    TensorBoard scalars."""
     out = state_dir / spec_name
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -17,6 +20,7 @@ def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:
             (out / "metrics.jsonl").write_text("")
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             shutil.rmtree(out / "best", ignore_errors=True)
+            shutil.rmtree(out / TENSORBOARD, ignore_errors=True)
         else:
             (out / "metrics.jsonl").touch()
     except OSError as e:

@@ -685,9 +685,13 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
                 validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                max_code_mib: int = code.DEFAULT_LIMIT_MIB) -> None:
-    """Run until SIGTERM or SIGINT, then stop within a second; SpecError if the port is taken."""
+                max_code_mib: int = code.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop within a second; SpecError if a port is taken.
+
+    `metrics`: (host, port) for Prometheus' /metrics (gpipe.coordinator.exporter); host None: the API's.
+    """
     from gpipe import net
+    from gpipe.coordinator.exporter import Exporter, listen
 
     options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                *grpcutil.SERVER_KEEPALIVE]
@@ -697,6 +701,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     address = f"{host or '0.0.0.0'}:{port}"  # no --host: every interface (attempts pick theirs)
     creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
     grpcutil.listen(server, address, "--port", creds)  # first: a taken port changes nothing
+    metrics_sock = None if metrics is None else listen(metrics[0] or host or "0.0.0.0", metrics[1])
     if host is not None:
         net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -708,6 +713,11 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     await server.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"gpipe: coordinator serving on {address}{note}, state in {state_dir}", file=sys.stderr, flush=True)
+    exporter = Exporter(c.sup)
+    if metrics_sock is not None:
+        await exporter.start(metrics_sock)
+        mhost, mport = metrics_sock.getsockname()[:2]
+        print(f"gpipe: Prometheus metrics on http://{mhost}:{mport}/metrics", file=sys.stderr, flush=True)
     tasks = [asyncio.create_task(c.sup.serve_forever())]
 
     def died(task: asyncio.Task[None]) -> None:  # a bug of ours: the probes must see it
@@ -727,6 +737,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     await health.enter_graceful_shutdown()
     c.stopping.set()
     c.sup.shutdown()
+    exporter.close()
     await server.stop(grace=STOP_GRACE_S)
     for t in tasks:
         t.cancel()

@@ -60,7 +60,7 @@ _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": _M_TRIM_THRESHOLD, "MALLOC_MMAP_THRESHOLD_
 
 # What attempt processes import: the worker's and the coordinator's.
 PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attempt", "gpipe.coordinator.attempt",
-           "gpipe.coordinator.driver")
+           "gpipe.coordinator.driver", "gpipe.coordinator.board")
 
 
 class Forked:

@@ -78,6 +78,18 @@ def slow_mlp(width: int = 8, seconds: float = 0.05) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, width), Slow(seconds), nn.Linear(width, width), Slow(seconds))
 
 
+SHARED: list[object] = []  # shared_hog's mappings, held for the life of the process
+
+
+def shared_hog(mib: int, width: int = 16) -> nn.Sequential:
+    """An MLP whose factory first maps `mib` MiB of shared anonymous memory (MAP_SHARED, which RLIMIT_DATA does
+    not count): a validation's memory cap must refuse it."""
+    import mmap
+
+    SHARED.append(mmap.mmap(-1, mib << 20))
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+
 def not_sequential() -> nn.Module:
     return nn.Linear(2, 2)
 

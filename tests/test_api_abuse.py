@@ -352,6 +352,11 @@ def test_a_model_too_big_to_validate_is_one_line_not_the_hosts_memory(api):
     assert not (api.state / "too-big").exists()
     code, details, _ = call(api, "SubmitJob", submit(spec("small-after")))  # and serve goes on
     assert code == grpc.StatusCode.OK, details
+    # Memory the validation's data segment does not count (MAP_SHARED) is within the cap too (RLIMIT_AS).
+    model = {"factory": "tests.models:shared_hog", "args": {"mib": 4096}}
+    code, details, _ = call(api, "SubmitJob", submit(spec("shared-hog", model=model)))
+    assert code == IA and "--validate-memory-mib" in details and "1024 MiB" in details, details
+    assert not (api.state / "shared-hog").exists()
 
 
 @pytest.mark.multiprocess

@@ -26,6 +26,8 @@ TARGETS = (*OVERLAYS, "example")
 # schemas the pinned kubernetes-validate bundles.
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 CLIENT_LABELS = {"gpipe.dev/client": "true"}
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's and chart's pods
+SERVICE_MONITOR = "monitoring/servicemonitor.yaml"
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 
 Obj = dict[str, Any]
@@ -208,7 +210,7 @@ def test_coordinator_is_one_pod_with_its_state_on_a_volume_claim(overlay):
     svc = one(objs, "Service", "gpipe-coordinator")
     labels = sts["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
-    assert [p["port"] for p in svc["spec"]["ports"]] == [port]
+    assert [p["port"] for p in svc["spec"]["ports"]] == [port, int(f["--metrics-port"])]  # the API, /metrics
     assert svc["spec"]["ports"][0]["targetPort"] in (port, *(p["name"] for p in c["ports"]))
     assert one(objs, "Service", sts["spec"]["serviceName"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -330,7 +332,9 @@ def allowed(policies: list[Obj], src: dict[str, str], dst: dict[str, str], port:
         for rule in spec.get("ingress", []):
             peers = rule.get("from", [])
             for peer in peers:
-                assert set(peer) == {"podSelector"}, f"peer {peer}: only podSelector is understood here"
+                # namespaceSelector {}: the pods of every namespace that the podSelector selects.
+                assert set(peer) - {"namespaceSelector"} == {"podSelector"} and not peer.get("namespaceSelector"), \
+                    f"peer {peer}: only podSelector (in any namespace at most) is understood here"
             ports = rule.get("ports", [])
             if (not peers or any(_selects(p["podSelector"], src) for p in peers)) and (
                     not ports or any(p.get("protocol", "TCP") == "TCP" and p.get("port", port) == port
@@ -348,7 +352,7 @@ def test_network_policy_opens_the_data_plane_to_the_deployment_and_the_api_to_cl
     client = one(render("example"), "Job", "gpipe-example")["spec"]["template"]["metadata"]["labels"]
     stranger = {"app": "something-else"}
     assert client.items() >= CLIENT_LABELS.items()
-    api, health, data = 7000, 8081, 45123   # data: any of the per-attempt ephemeral ports
+    api, health, data, metrics = 7000, 8081, 45123, 9100   # data: any of the per-attempt ephemeral ports
     # Within the deployment, every TCP port: the data plane's ports are chosen per attempt.
     for src, dst in [(worker, worker), (worker, coordinator), (coordinator, worker)]:
         assert allowed(policies, src, dst, data) and allowed(policies, src, dst, api)
@@ -357,10 +361,38 @@ def test_network_policy_opens_the_data_plane_to_the_deployment_and_the_api_to_cl
     assert not allowed(policies, client, coordinator, data)
     assert not allowed(policies, client, worker, data)
     assert not allowed(policies, client, worker, health)
-    # Anyone else: nothing.
+    # Prometheus: the coordinator's metrics port, nothing else.
+    assert allowed(policies, PROMETHEUS, coordinator, metrics)
     for port in (api, data, health):
+        assert not allowed(policies, PROMETHEUS, coordinator, port)
+        assert not allowed(policies, PROMETHEUS, worker, port)
+    # Anyone else: nothing.
+    for port in (api, data, health, metrics):
         assert not allowed(policies, stranger, coordinator, port)
         assert not allowed(policies, stranger, worker, port)
+    assert not allowed(policies, client, coordinator, metrics)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_coordinators_metrics_port_is_exposed_for_prometheus(overlay):
+    objs = render(overlay)
+    sts, pod, c, f = workload(objs, "StatefulSet", "gpipe-coordinator", "coordinator")
+    port = int(f["--metrics-port"])
+    assert "--metrics-host" not in f  # the API's address: every interface of the pod
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    svc = one(objs, "Service", "gpipe-coordinator")
+    assert {"name": "metrics", "port": port, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    for annotated in (sts["spec"]["template"], svc):
+        assert annotated["metadata"]["annotations"].items() >= scrape.items()
+    # The optional ServiceMonitor selects that Service's metrics port, and no kustomization applies it.
+    monitor = yaml.safe_load((DEPLOY / SERVICE_MONITOR).read_text())
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "ServiceMonitor"
+    assert _selects(monitor["spec"]["selector"], svc["metadata"]["labels"])
+    assert not any(_selects(monitor["spec"]["selector"], o["metadata"].get("labels", {}))
+                   for o in objs if o["kind"] == "Service" and o is not svc)
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("metrics", "/metrics")]
+    assert all(o["kind"] != "ServiceMonitor" for t in TARGETS for o in render(t))
 
 
 # -- the example job ---------------------------------------------------------------------------

@@ -217,6 +217,13 @@ def test_validate_bounds_the_memory_a_model_may_take(cli):
     r = cli.run("validate", str(cli.write(d)), "--memory-mib", "768", timeout=60)
     assert r.returncode == 2 and "768 MiB" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # Shared memory counts too (RLIMIT_AS): 2 GiB of MAP_SHARED pages are refused, 64 MiB fit.
+    d["model"] = {"factory": "tests.models:shared_hog", "args": {"mib": 2048, "width": 8}}
+    r = cli.run("validate", str(cli.write(d)), "--memory-mib", "512", timeout=60)
+    assert r.returncode == 2 and "512 MiB" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    d["model"]["args"]["mib"] = 64
+    r = cli.run("validate", str(cli.write(d)), "--memory-mib", "512", timeout=60)
+    assert r.returncode == 0, r.stderr
     r = cli.run("serve", "--validate-memory-mib", "10", timeout=60)
     assert r.returncode == 2 and "--validate-memory-mib" in r.stderr, r.stderr
 
