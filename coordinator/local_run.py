@@ -32,8 +32,8 @@ from gpipe.coordinator.spec import JobSpec
 from gpipe.coordinator.supervisor import Supervisor, final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
 from gpipe.serde import JobRecord, JobState
+from gpipe.worker.agent import worker_template
 from gpipe.worker.cores import split_cores, threads_for
-from gpipe.zygote import Template
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
 
@@ -77,12 +77,12 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
-    template = Template(os.environ)  # every attempt process of the job is forked from it (gpipe.zygote)
+    threads = min(threads_for(c) for c in core_sets)
+    template = worker_template(dict(os.environ), threads)  # the job's attempt processes fork from it
     await template.start()
     launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, template)
     sup = Supervisor(launcher, say=lambda line: None)
     device = "cuda" if spec.device == "cuda" else "cpu"
-    threads = min(threads_for(c) for c in core_sets)
     workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template)
                for k, cores in enumerate(core_sets)]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]

@@ -46,6 +46,7 @@ import select
 import signal
 import socket
 import sys
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -53,6 +54,9 @@ from typing import Any
 from gpipe.proc import CORES_ENV, PARENT_ENV, child_env
 
 READY_TIMEOUT_S = 120.0  # importing torch on a loaded machine
+FORK_TIMEOUT_S = 30.0  # a request's pid; the template that does not answer is killed, and processes start anew
+COOL_OFF_S = 60.0  # after a template failed to start or answer, processes start anew this long
+EXIT_REPORT_S = 2.0  # a fork that ended (its pidfd says so) whose exit the template does not report: -SIGKILL
 MAX_REQUEST = 1 << 20  # one request: the module, its arguments, its environment
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's names for MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_
@@ -69,9 +73,29 @@ class Forked:
     def __init__(self, pid: int, stdin: asyncio.StreamWriter | None, stdout: asyncio.StreamReader | None):
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
         self.returncode: int | None = None
-        self._ended = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._ended = self._loop.create_future()
+        # Its end, seen here too: the template reports the exit code, but one that cannot (dead or stopped)
+        # must not leave a wait without an end.
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+            self._loop.add_reader(self._pidfd, self._gone)
+        except OSError:  # it has ended already (the template's report follows), or no pidfd here
+            self._pidfd = None
+
+    def _gone(self) -> None:
+        self._close_pidfd()
+        self._loop.call_later(EXIT_REPORT_S, self._end, -signal.SIGKILL)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def _end(self, code: int) -> None:
+        self._close_pidfd()
         if self.returncode is None:
             self.returncode = code
             self._ended.set_result(code)
@@ -101,10 +125,12 @@ class Template:
         self.children: dict[int, Forked] = {}
         self.ready: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self.not_before = float("-inf")  # monotonic time before which processes start anew (a failed template)
 
     async def start(self) -> None:
-        """Start the template importing (returns at once; `spawn` waits until it is ready)."""
-        if self.proc is not None and self.proc.returncode is None:
+        """Start the template importing (returns at once; `spawn` waits until it is ready). One that cannot
+        start leaves processes to start anew, for COOL_OFF_S."""
+        if self.proc is not None and self.proc.returncode is None or time.monotonic() < self.not_before:
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -112,6 +138,10 @@ class Template:
                 sys.executable, "-m", "gpipe.zygote", str(theirs.fileno()), *self.preload,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
                 pass_fds=(theirs.fileno(),), env=child_env(dict(self.env, PYTHONUNBUFFERED="1")))
+        except OSError:
+            ours.close()
+            self.not_before = time.monotonic() + COOL_OFF_S
+            return
         except BaseException:
             ours.close()
             raise
@@ -136,7 +166,9 @@ class Template:
                         continue
                     # Known before anything else is read: its exit may be the very next line.
                     child = self.children[m["pid"]] = Forked(m["pid"], None, None)
-                    if not f.done():
+                    if f.done():  # its spawn was cancelled: nobody owns it
+                        child.kill()
+                    else:
                         f.set_result(child)
                 elif "exit" in m and m["exit"] in self.children:
                     self.children.pop(m["exit"])._end(m["code"])
@@ -147,8 +179,10 @@ class Template:
                 if not f.done():
                     f.set_exception(OSError("the template process ended"))
             self.pending.clear()
-            for child in self.children.values():
-                child._end(-signal.SIGKILL)
+            for child in self.children.values():  # they die with it; killed here too, and ended once gone
+                child.kill()
+                if child._pidfd is None:
+                    child._end(-signal.SIGKILL)
             self.children.clear()
             if self.sock is not None and proc is self.proc:
                 self.sock.close()
@@ -158,17 +192,21 @@ class Template:
                     stdout: bool = False, limit: int = 1 << 16) -> Child:
         """`python -m module *args` with `env`: forked from the template when it runs, else started anew.
         `stdin`, `stdout`: a pipe to write to, from which to read (else /dev/null); stderr is this process's."""
-        try:
-            await self.start()
-            assert self.ready is not None
-            async with asyncio.timeout(READY_TIMEOUT_S):
-                await asyncio.shield(self.ready)
-            return await self._fork(module, args, env, stdin, stdout, limit)
-        except (OSError, TimeoutError):
-            pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
-            return await asyncio.create_subprocess_exec(
-                sys.executable, "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
-                start_new_session=True, env=dict(env), limit=limit)
+        if time.monotonic() >= self.not_before:
+            try:
+                await self.start()
+                if self.ready is None:
+                    raise OSError("no template process")
+                async with asyncio.timeout(READY_TIMEOUT_S):
+                    await asyncio.shield(self.ready)
+                return await self._fork(module, args, env, stdin, stdout, limit)
+            except (OSError, TimeoutError):
+                self.kill_now()
+                self.not_before = time.monotonic() + COOL_OFF_S
+        pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
+            start_new_session=True, env=dict(env), limit=limit)
 
     async def _fork(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool, stdout: bool,
                     limit: int) -> Forked:
@@ -197,7 +235,8 @@ class Template:
             for fd in close:
                 os.close(fd)
         try:
-            child = await pid_f
+            async with asyncio.timeout(FORK_TIMEOUT_S):
+                child = await asyncio.shield(pid_f)
         except BaseException:
             for fd in keep:
                 os.close(fd)
@@ -267,31 +306,36 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             return None
         if not data:
             return None  # the owner closed its end
+        led: tuple[int, int] | None = None
         try:
             request = json.loads(data)
-            led_r, led_w = os.pipe()
+            led = led_r, led_w = os.pipe()
             pid = os.fork()
         except (OSError, ValueError) as e:
-            for fd in fds:
+            for fd in (*fds, *(led or ())):
                 os.close(fd)
             _say({"error": str(e)})
             continue
         if pid == 0:
-            os.setsid()  # before its owner hears of it: it is killed by process group
+            os.setsid()  # before its owner hears of it: it is killed by process group, and known by its name
+            name = f"gpipe:{str(request.get('module', '')).rsplit('.', 1)[-1]}"[:15]
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()))
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in (wake_r, wake_w, sock.fileno(), led_r, led_w):
+            sock.close()
+            for fd in (wake_r, wake_w, led_r, led_w):
                 os.close(fd)
             return request, fds
         os.close(led_w)
-        os.read(led_r, 1)  # end of file once the child led its session (or died)
+        if not select.select([led_r], [], [], FORK_TIMEOUT_S)[0]:  # end of file once the child led its session
+            os.kill(pid, signal.SIGKILL)
         os.close(led_r)
         for fd in fds:
             os.close(fd)
         _say({"pid": pid})
 
 
-def _become(request: dict[str, Any], fds: list[int], template: int, threads: int) -> str:
+def _become(request: dict[str, Any], fds: list[int], template: int, template_env: dict[str, str]) -> str:
     """In the forked process: take on the request's process state; return the module to run."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -303,7 +347,6 @@ def _become(request: dict[str, Any], fds: list[int], template: int, threads: int
         if fd > 2:
             os.close(fd)
     module: str = request["module"]
-    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"gpipe:{module.rsplit('.', 1)[-1]}"[:15].encode()))
     env: dict[str, str] = request["env"]
     env.pop(PARENT_ENV, None)  # it dies with the template, which dies with the owner
     cores = env.pop(CORES_ENV, "")
@@ -315,15 +358,19 @@ def _become(request: dict[str, Any], fds: list[int], template: int, threads: int
     os.environ.update(env)
     if cores:
         os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
-    for name, param in _MALLOPT.items():
-        if env.get(name, "").isdigit():
-            libc.mallopt(param, int(env[name]))
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    for name, param in _MALLOPT.items():  # glibc read the template's at its start; these differ
+        if env.get(name, "").isdigit() and env[name] != template_env.get(name):
+            libc.mallopt(param, min(int(env[name]), 2**31 - 1))  # mallopt takes an int
     import torch
 
     n = env.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(n) if n.isdigit() and int(n) > 0 else threads)
+    torch.set_num_threads(int(n) if n.isdigit() and int(n) > 0 else len(os.sched_getaffinity(0)))
+    if "numpy" in sys.modules:  # seeded in the template: each process draws its own, as a fresh one would
+        sys.modules["numpy"].random.seed()
     sys.argv = [module, *request["args"]]
-    sys.modules.pop(module, None)  # preloaded for its imports: run it afresh, as __main__
+    if not hasattr(sys.modules.get(module), "__path__"):  # a package's __main__ runs; the package stays
+        sys.modules.pop(module, None)  # preloaded for its imports: run it afresh, as __main__
     return module
 
 
@@ -331,18 +378,15 @@ def main() -> None:
     from gpipe import proc
 
     proc.adopt()
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock = socket.socket(fileno=int(sys.argv[1]))  # the owner's requests; a fork closes it first thing
     for name in sys.argv[2:]:
         importlib.import_module(name)
-    import torch
-
-    threads = torch.get_num_threads()
-    template = os.getpid()
+    template, template_env = os.getpid(), dict(os.environ)
     _say({"ready": True})
     got = _serve(sock)
     if got is None:
         return
-    module = _become(*got, template=template, threads=threads)
+    module = _become(*got, template=template, template_env=template_env)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

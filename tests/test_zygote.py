@@ -19,12 +19,12 @@ from tests.conftest import tagged_pids, wait_for
 pytestmark = pytest.mark.multiprocess
 
 PROBE = '''
-import json, os, sys, torch
+import json, os, sys, numpy, torch
 line = sys.stdin.readline()
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
                   "parent": os.environ.get("GPIPE_PARENT_PID"), "threads": torch.get_num_threads(),
                   "cores": sorted(os.sched_getaffinity(0)), "leader": os.getpgid(0) == os.getpid(),
-                  "line": line.strip(), "main": __name__}), flush=True)
+                  "line": line.strip(), "main": __name__, "draw": numpy.random.rand()}), flush=True)
 sys.exit(int(sys.argv[1]))
 '''
 
@@ -53,6 +53,11 @@ async def test_a_fork_is_what_python_m_would_have_been(tmp_path: Path):
         c.stdin.close()
         out = json.loads(await c.stdout.readline())
         assert await asyncio.wait_for(c.wait(), 60) == 3 and c.returncode == 3
+        other = await t.spawn("zprobe", ["0"], env, stdin=True, stdout=True)
+        assert isinstance(other, Forked) and other.stdin is not None and other.stdout is not None
+        other.stdin.close()
+        assert json.loads(await other.stdout.readline())["draw"] != out.pop("draw")  # numpy reseeded in each
+        assert await asyncio.wait_for(other.wait(), 60) == 0
         assert out == {"argv": ["3", "--flag"], "cwd": os.getcwd(), "env": "seen", "parent": None, "threads": 1,
                        "cores": [core], "leader": True, "line": "hello", "main": "__main__"}
         assert not any(e.startswith(b"GPIPE_TOKEN=") for e in _environ(t.proc.pid))  # type: ignore[union-attr]

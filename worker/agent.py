@@ -37,6 +37,12 @@ from gpipe.zygote import Child, Template
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
+def worker_template(env: dict[str, str], threads: int, hidden: tuple[str, ...] = ()) -> Template:
+    """The template a worker's attempt processes fork from (gpipe.zygote), started with what they start with:
+    glibc's malloc settings and the worker's threads (numpy's BLAS sizes its pool from them at import)."""
+    return Template(dict(env, **MALLOC_ENV, OMP_NUM_THREADS=str(threads)), hidden=hidden)
+
+
 class Agent:
     """Runs one worker's attempt processes on its cores; `on_change` hears when one ends or is killed."""
 
