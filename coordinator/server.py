@@ -68,6 +68,7 @@ MAX_MESSAGE_BYTES = 2 << 20  # gRPC itself refuses a bigger request (RESOURCE_EX
 VALIDATIONS_RUNNING, VALIDATIONS_WAITING = 2, 8  # past both, a submission is RESOURCE_EXHAUSTED
 CODE_DIR = ".code"  # <state-dir>/.code/: job code archives by SHA-256 (no job name starts with a dot)
 UPLOADS_AT_ONCE = 4  # code archives being received; past it, RESOURCE_EXHAUSTED
+UPLOAD_TIMEOUT_S = 300.0  # one archive's upload: a stream that stalls gives its slot back
 SPARE_ARCHIVES = 8  # archives kept that no job names (uploaded, not yet submitted); older ones are dropped
 SECRET_ENV = (grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV)  # never handed to a validation process
 STOP_GRACE_S = 0.5  # on SIGTERM, how long calls in flight may finish (streams never do)
@@ -188,6 +189,7 @@ class Coordinator:
         self.table.load(self.sup)
         self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
         self.admitted = 0  # submissions being parsed, validated or waiting to be
+        self.validating: dict[str, int] = {}  # code archives of those submissions: kept while they are
         self.stopping = asyncio.Event()  # set on SIGTERM: calls in flight end UNAVAILABLE
 
     async def upload(self, pieces: AsyncIterator[bytes]) -> tuple[str, int]:
@@ -199,8 +201,12 @@ class Coordinator:
         try:
             upload = self.table.code.upload(self.max_code_bytes)
             try:
-                async for piece in pieces:
-                    upload.add(piece)
+                async with asyncio.timeout(UPLOAD_TIMEOUT_S):
+                    async for piece in pieces:
+                        upload.add(piece)
+            except TimeoutError:
+                upload.abort()
+                raise code.CodeError(f"job code: the upload took longer than {UPLOAD_TIMEOUT_S:.0f}s") from None
             except BaseException:
                 upload.abort()
                 raise
@@ -217,7 +223,8 @@ class Coordinator:
         return sha, size
 
     def _code_in_use(self) -> set[str]:
-        return {e.record.code_sha256 for e in self.sup.jobs.values() if e.record.code_sha256}
+        """The archives that jobs name, and those of submissions still being validated."""
+        return {e.record.code_sha256 for e in self.sup.jobs.values() if e.record.code_sha256} | set(self.validating)
 
     async def submit(self, spec_yaml: str, code_sha256: str = "") -> JobRecord:
         """Parse a spec off the event loop, validate it (a few at a time, importing from its code archive
@@ -235,6 +242,8 @@ class Coordinator:
             raise Busy(f"{self.admitted} submissions are being validated or waiting (at most "
                        f"{VALIDATIONS_RUNNING} at once, {VALIDATIONS_WAITING} waiting): try again later")
         self.admitted += 1
+        if code_sha256:
+            self.validating[code_sha256] = self.validating.get(code_sha256, 0) + 1
         try:
             spec = await asyncio.to_thread(_parse, spec_yaml)
             self._unused(spec.name)
@@ -245,6 +254,10 @@ class Coordinator:
                 await self._validate(spec_yaml, code_dir)
         finally:
             self.admitted -= 1
+            if code_sha256:
+                self.validating[code_sha256] -= 1
+                if not self.validating[code_sha256]:
+                    del self.validating[code_sha256]
         self._unused(spec.name)  # submitted twice while validating
         out = self.state_dir / spec.name
         job = JobRecord(name=spec.name, spec_yaml=spec_yaml, steps=spec.steps, output_dir=str(out),

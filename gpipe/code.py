@@ -149,7 +149,8 @@ def _too_large(folder: Path, what: str, limit: int, why: str) -> str:
 def _member_path(name: str) -> PurePosixPath:
     p = PurePosixPath(name)
     if (not name or name.startswith("/") or "\\" in name or "\0" in name or p.is_absolute()
-            or any(part in ("..", "") for part in name.rstrip("/").split("/")) or ":" in p.parts[0]):
+            or any(part in ("..", ".", "") for part in name.rstrip("/").split("/")) or not p.parts
+            or ":" in p.parts[0]):
         raise CodeError(f"job code: the archive's member {name[:80]!r} is not a path inside its folder")
     return p
 
@@ -161,7 +162,8 @@ def unpack(archive: Path, dest: Path) -> None:
     try:
         try:
             _unpack_into(archive, tmp)
-        except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as e:  # a member that does not inflate
+        except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError, ValueError) as e:
+            # a member that does not inflate, or is encrypted
             raise CodeError(f"job code: {archive.name} is not a readable zip archive ({e})") from None
         except OSError as e:  # a name twice, a file where a folder goes; or this disk's own trouble
             raise CodeError(f"job code: cannot unpack {archive.name}: {e}") from None
@@ -175,7 +177,24 @@ def unpack(archive: Path, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _members(archive: Path) -> int:
+    """The member count the archive's end record states, read before its directory is parsed (each entry
+    costs memory): CodeError past MAX_MEMBERS."""
+    with archive.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - (22 + 0xFFFF)))  # the end record, behind at most a 64 KiB comment
+        tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) < at + 22:
+        raise zipfile.BadZipFile("no end of central directory record")
+    count = int.from_bytes(tail[at + 10:at + 12], "little")  # 0xFFFF: a zip64 archive, counted after parsing
+    if count != 0xFFFF and count > MAX_MEMBERS:
+        raise CodeError(f"job code: the archive has {count:,} members, over {MAX_MEMBERS:,}")
+    return count
+
+
 def _unpack_into(archive: Path, folder: Path) -> None:
+    _members(archive)
     with zipfile.ZipFile(archive) as z:
         members = z.infolist()
         if len(members) > MAX_MEMBERS:

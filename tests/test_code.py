@@ -176,3 +176,25 @@ def test_validate_imports_from_the_spec_s_working_dir(cli):
     (jobs / "job.yaml").write_text(yaml.safe_dump({**spec, "working_dir": "../src", "exclude": ["*.ckpt"]}))
     r = cli.run("validate", str(jobs / "job.yaml"))
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("member", [".", "./", "a/./b.py"])
+def test_a_dot_member_is_refused_as_no_path_inside_the_folder(tmp_path, member):
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr(member, b"x")
+    with pytest.raises(code.CodeError, match="not a path inside its folder"):
+        code.unpack(archive, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_archive_that_states_too_many_members_is_refused_before_its_directory_is_read(tmp_path):
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("m.py", b"x")
+    data = bytearray(archive.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    data[end + 10:end + 12] = (code.MAX_MEMBERS + 1).to_bytes(2, "little")
+    archive.write_bytes(bytes(data))
+    with pytest.raises(code.CodeError, match="members, over"):
+        code.unpack(archive, tmp_path / "out")

@@ -31,7 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from gpipe import code, grpcutil, proc, serde
 from gpipe.code import CodeError
-from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError
+from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent, worker_template
 from gpipe.worker.cores import parse_cores, threads_for
@@ -107,8 +107,10 @@ class Daemon:
                 log = self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.rank}.log"
                 try:
                     code_dir = await self._code(stub, worker_id, cmd.code_sha256) if cmd.code_sha256 else None
-                except (CodeError, TimeoutError) as e:
-                    why = str(e) if isinstance(e, CodeError) else f"job code: no archive in {CODE_FETCH_TIMEOUT_S:.0f}s"
+                except (CodeError, TimeoutError, OSError) as e:  # OSError: this worker's disk (--log-dir)
+                    why = str(e) if isinstance(e, CodeError) else \
+                        f"job code: no archive in {CODE_FETCH_TIMEOUT_S:.0f}s" if isinstance(e, TimeoutError) else \
+                        f"job code: {describe_os_error(e)}"
                     self._say(f"attempt {cmd.attempt_id}: {why}")
                     await self.agent.fail(cmd, log, why)
                     continue
