@@ -3,7 +3,7 @@
 The stage gets everything it needs from the coordinator (the layer range, the
 initial weights, each step's inputs or targets and LR), so it can be thrown
 away and rebuilt at any time. A step is: post the receives, interpret the
-schedule's actions (`run`: F and B, each on one micro-batch), flush the sends,
+schedule's actions (`run`: F, B and W, each on one micro-batch), flush the sends,
 sum the gradients across replicas, unscale and clip, then the optimizer step.
 An eval batch runs the same interpreter, forward only. Whatever links it to
 the other stages is its transport (gpipe.transport): c10d between processes,
@@ -33,6 +33,7 @@ from gpipe.optim import optimizer_class
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import SharedGenerators, seeded_forward
+from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.worker.c10d import C10dTransport
@@ -99,12 +100,19 @@ def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
              more: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
     """Backward from the tensors of `y` that wanted a gradient, with the next stage's gradients for them,
     and from the (tensor, gradient) pairs of `more` (skip connections), in one pass."""
+    pairs = roots(y, wants, grads, more)
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def roots(y: Any, wants: list[bool], grads: list[torch.Tensor],
+          more: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (tensor, gradient) pairs a backward starts from: the tensors of `y` that wanted a gradient, with the
+    next stage's gradients for them, and the pairs of `more` (skip connections), those that require grad."""
     outs = [t for t, w in zip(structure.tensors(y), wants, strict=True) if w]
     if len(outs) != len(grads):
         raise RuntimeError(f"{len(grads)} gradients came back for {len(outs)} tensors that wanted one")
-    pairs = [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    return [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
 
 
 @dataclass
@@ -122,6 +130,8 @@ class Pass:
     what: str = "micro-batch"  # how waits name a micro-batch
     outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
     in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
+    split: bool = False  # the backward is split: B the inputs' gradients, W the weights' (gpipe.split_backward)
+    weights: dict[int, WeightGradients] = field(default_factory=dict)  # after B, until W
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     busy: float = 0.0
     computing_from: float = 0.0  # when the current action's compute began (after its waits)
@@ -284,12 +294,15 @@ class Stage:
     # -- the interpreter ------------------------------------------------------------------------------------
 
     def run(self, actions: list[schedule.Action], p: Pass, t_start: float) -> None:
-        """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it.
+        """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it,
+        W computes its weights' gradients when the schedule splits the backward (then B only its inputs').
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
         """
-        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+        p.split = any(a.kind == "W" for a in actions)
+        final = "W" if p.split else "B"  # the action whose gradients are the step's last
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == final), default=-1)
         for n, action in enumerate(actions):
             if n == last_backward and self.grad_sum is not None:
                 self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
@@ -350,7 +363,8 @@ class Stage:
 
     def _backward(self, mb: int, p: Pass) -> None:
         """B: receive micro-batch `mb`'s output gradients (and skips'), recompute its forward if it was
-        checkpointed, backward through the layers, send its input's gradients back."""
+        checkpointed, backward through the layers, send its input's gradients back. When the step's backward is
+        split, only the inputs' gradients: the graph is kept for the weights' at the micro-batch's W."""
         cfg, timeout = self.cfg, self.cfg.step_timeout_s
         x, held_x, y, wants, arrived, stashed, skip_wants = p.in_flight.pop(mb)
         grads: list[torch.Tensor] = []
@@ -366,19 +380,30 @@ class Stage:
             with self.meter.hooks(), self.buffers.recompute():
                 y = self._compute(mb, x, ctx, p)
             stashed = ctx.out
-        if self.last:
-            # fp16: times the loss scale. (torch.autograd.backward: Tensor.backward is unannotated.)
-            torch.autograd.backward(self.precision.scaled(y * (p.sizes[mb] / p.batch)))
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        if self.last:  # fp16: times the loss scale; a scalar's gradient is one
+            pairs = [(self.precision.scaled(y * (p.sizes[mb] / p.batch)), None)]
         else:
-            backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
-        del y, held_x, stashed, skip_grads
+            pairs = [*roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))]
+        if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
+            inputs = [t for t in structure.tensors((x, arrived)) if t.requires_grad]
+            p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params)
+        elif pairs:  # (torch.autograd.backward: Tensor.backward is unannotated.)
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        del y, held_x, stashed, skip_grads, pairs
         if not self.first:
             inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
             if inputs_back:  # the ones that wanted a gradient, in order
                 self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
         self.skips.send_gradients(mb, arrived)
 
-    ACTIONS: ClassVar[dict[str, Callable[[Stage, int, Pass], None]]] = {"F": _forward, "B": _backward}
+    def _weight(self, mb: int, p: Pass) -> None:
+        """W: micro-batch `mb`'s weight gradients, added into `.grad`, from what its B kept (the graph is then
+        dropped, and with it the activations)."""
+        p.weights.pop(mb).run()
+
+    ACTIONS: ClassVar[dict[str, Callable[[Stage, int, Pass], None]]] = {"F": _forward, "B": _backward,
+                                                                         "W": _weight}
 
     # -- after the backward ---------------------------------------------------------------------------
 
