@@ -51,7 +51,7 @@ PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip conne
 class Pipeline:
     """`model` cut into stages of `balance` layers; each step's batch cut into `chunks` micro-batches.
 
-    schedule: gpipe (fill-drain) or 1f1b. activation_checkpoint: always, except_last or never.
+    schedule: gpipe (fill-drain), 1f1b or zb-h1 (1f1b with the backward split: gpipe.schedule). activation_checkpoint: always, except_last or never.
     devices: one per stage (default: the CPU for all). precision: fp32, bf16 or fp16 (autocast; fp16 with a
     dynamic loss scale: a step whose gradients overflow leaves every gradient None, so the optimizer skips
     it, and `skipped` says so; `loss_scale` is its initial scale and growth interval, as GradScaler's). deferred_batch_norm: BatchNorm's running statistics from the whole batch, once

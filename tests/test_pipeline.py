@@ -119,6 +119,53 @@ def test_replicas_equal_one_device(name, spec, balance):
     compare(spec, balance)
 
 
+ZB_BALANCES = [[4, 6], [1, 8, 1], [3, 2, 2, 3]]
+
+
+@pytest.mark.parametrize("balance", ZB_BALANCES, ids=lambda b: f"{len(b)}stages")
+@pytest.mark.parametrize("per_stage", [1, 2, None], ids=["M=P", "M=2P", "M=5"])
+@pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
+def test_zb_h1_equals_one_device(checkpointing, per_stage, balance):
+    """The split backward (B, then W later) under zb-h1: dropout, momentum, uneven micro-batches (a batch of
+    2M+1), for P in 2, 3, 4 and M in P, 2P and an odd count."""
+    m = per_stage * len(balance) if per_stage else 5
+    compare(job(model=DROPOUT, chunks=m, schedule="zb-h1", activation_checkpoint=checkpointing,
+                data={**REGRESSION, "batch_size": 2 * m + 1}), balance)
+
+
+@pytest.mark.parametrize(("name", "spec", "balance"), [
+    ("skips-across-cuts-always", job(model=SKIPS, chunks=3, activation_checkpoint="always"), [1, 2, 3]),
+    ("skips-within-a-stage", job(model=SKIPS), [3, 3]),
+    ("pairs-except_last", job(model=PAIRS, chunks=3, activation_checkpoint="except_last",
+                              data={**REGRESSION, "batch_size": 10}), [2, 2, 2]),
+    ("dict-mask-always", job(model=MASKED, activation_checkpoint="always", data={**DICTS, "batch_size": 8}),
+     [2, 1, 2]),
+    ("transformer-steplr", job(model={"factory": "tests.models:tiny_lm", "args": {}}, loss="cross_entropy",
+                               data={"factory": "tests.models:tokens", "args": {}, "batch_size": 9}, chunks=3,
+                               optimizer={"name": "sgd", "lr": 0.1}), [2, 2, 2]),
+    ("batch-norm-deferred-always", job(model=BN, data=BN_DATA, chunks=3, activation_checkpoint="always",
+                                       deferred_batch_norm=True, optimizer={"name": "sgd", "lr": 0.1}), [4, 5, 3]),
+    ("batch-norm-per-micro-batch", job(model=BN, data=BN_DATA, chunks=3, optimizer={"name": "sgd", "lr": 0.1}),
+     [4, 5, 3]),
+    ("replicas-2x3-odd-shards", job(model=DROPOUT, replicas=2, chunks=3, data={**REGRESSION, "batch_size": 13}),
+     [3, 4, 3]),
+    ("adam-clip", job(chunks=3, data={**REGRESSION, "batch_size": 10}, clip_grad_norm=0.5,
+                      optimizer={"name": "adam", "lr": 0.01}), [2, 1, 3]),
+    ("bf16", job(model=DROPOUT, chunks=4, precision="bf16"), [5, 5]),
+    ("fp16", job(model=DROPOUT, chunks=4, precision="fp16"), [5, 5]),
+])
+def test_zb_h1_with_every_feature_equals_one_device(name, spec, balance):
+    compare({**spec, "schedule": "zb-h1"}, balance)
+
+
+def test_zb_h1_fp16_overflow_skips_the_step_as_grad_scaler_does():
+    """The overflow is seen only once every W of the step has run: the check stays at the step's end."""
+    spec = job(model={"factory": "tests.models:overflow_mlp", "args": {"width": 16, "at": [2]}}, precision="fp16",
+               optimizer={"name": "adam", "lr": 0.01}, loss_scale={"init": 1024.0, "growth_interval": 2},
+               schedule="zb-h1", chunks=3)
+    compare(spec, [2, 2, 2])
+
+
 @pytest.mark.parametrize(("name", "spec", "balance"), [
     ("2stages-gpipe", job(), [3, 3]),
     ("3stages-1f1b-checkpoint", job(chunks=4, schedule="1f1b", activation_checkpoint="always"), [1, 2, 3]),

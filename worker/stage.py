@@ -300,7 +300,7 @@ class Stage:
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
         """
-        p.split = any(a.kind == "W" for a in actions)
+        p.split = schedule.splits_backward(actions)
         final = "W" if p.split else "B"  # the action whose gradients are the step's last
         last_backward = max((i for i, a in enumerate(actions) if a.kind == final), default=-1)
         for n, action in enumerate(actions):
