@@ -60,9 +60,10 @@ from typing import Literal, NamedTuple
 class Action(NamedTuple):
     kind: Literal["F", "B", "W"]
     micro_batch: int
+    chunk: int = 0  # which of the worker's model chunks it runs on (interleaved-1f1b: 0..virtual-1)
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def gpipe(stage: int, stages: int, chunks: int) -> list[Action]:
@@ -96,16 +97,43 @@ def zb_h1(stage: int, stages: int, chunks: int) -> list[Action]:
     return actions + [Action("W", i) for i in range(w, chunks)]
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: worker `stage` holds `virtual` model chunks (chunk c of the worker is the
+    model's chunk c*stages+stage). Forwards go a round of `stages` micro-batches through chunk 0, the same round
+    through chunk 1, and so on; backwards likewise from the last chunk. The warm-up is 1f1b's doubled, plus a
+    round per extra chunk. `chunks` (micro-batches) must be a multiple of `stages`."""
+    if virtual == 1:
+        return one_f_one_b(stage, stages, chunks)
+    p, total = stages, chunks * virtual
+
+    def nth(i: int, backward: bool) -> tuple[int, int]:  # (micro-batch, chunk) of the worker's i-th F or B
+        group, j = divmod(i, p * virtual)
+        c = j // p
+        return group * p + j % p, virtual - 1 - c if backward else c
+
+    warmup = min(total, 2 * (p - stage - 1) + (virtual - 1) * p)
+    actions = [Action("F", *nth(i, False)) for i in range(warmup)]
+    for f in range(warmup, total):
+        actions += [Action("F", *nth(f, False)), Action("B", *nth(f - warmup, True))]
+    return actions + [Action("B", *nth(b, True)) for b in range(total - warmup, total)]
+
+
+PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "zb-h1": zb_h1,
 }
+VIRTUAL: dict[str, Callable[[int, int, int, int], list[Action]]] = {  # several model chunks per worker
+    "interleaved-1f1b": interleaved_1f1b,
+}
+SCHEDULES = [*PLAIN, *VIRTUAL]
 
 
-def build(name: str, stage: int, stages: int, chunks: int) -> list[Action]:
-    """The actions of `stage` for one step of the schedule `name`."""
-    return SCHEDULES[name](stage, stages, chunks)
+def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:
+    """The actions of worker `stage` for one step of the schedule `name` (`virtual` model chunks per worker)."""
+    if name in VIRTUAL:
+        return VIRTUAL[name](stage, stages, chunks, virtual)
+    return PLAIN[name](stage, stages, chunks)
 
 
 def splits_backward(actions: list[Action]) -> bool:
@@ -130,28 +158,30 @@ class Simulation(NamedTuple):
         return 1.0 - busy / (len(self.timeline) * self.ticks)
 
 
-def simulate(name: str, stages: int, chunks: int) -> Simulation:
+def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulation:
     """Run a schedule under the cost model (`cost`) with instant transfers.
 
-    A forward of micro-batch i on stage k needs stage k-1's forward of i; a
-    backward (B) needs stage k+1's of i (or, on the last stage, its own
-    forward); a W follows its own B. Each action starts as soon as its stage is
-    free and what it needs has ended. A micro-batch's activations are held from
-    its forward to its backward (to its W, when the backward is split). Raises
-    RuntimeError if no stage can make progress: a deadlock.
+    A forward of micro-batch i on model chunk g (the worker's chunk c is the
+    model's c*stages+k on worker k; without virtual chunks, g is the stage)
+    needs chunk g-1's forward of i; a backward (B) needs chunk g+1's (or, on
+    the last chunk, its own forward); a W follows its own B. Each action starts
+    as soon as its worker is free and what it needs has ended. A micro-batch's
+    activations are held from its forward to its backward (to its W, when the
+    backward is split). Raises RuntimeError if no worker can make progress: a
+    deadlock.
     """
-    plans = [build(name, k, stages, chunks) for k in range(stages)]
+    plans = [build(name, k, stages, chunks, virtual) for k in range(stages)]
     split = [splits_backward(plan) for plan in plans]
     pos = [0] * stages
-    free = [0] * stages  # the tick each stage's last action ended
-    done: dict[tuple[int, Action], int] = {}  # (stage, action) -> the tick it ended
+    free = [0] * stages  # the tick each worker's last action ended
+    done: dict[tuple[int, Action], int] = {}  # (worker, action) -> the tick it ended
     timeline: list[list[Action | None]] = [[] for _ in range(stages)]
     while any(p < len(plan) for p, plan in zip(pos, plans, strict=True)):
         moved = False
         for k in range(stages):
             while pos[k] < len(plans[k]):
                 a = plans[k][pos[k]]
-                dep = _dependency(k, a, stages)
+                dep = _dependency(k, a, stages, virtual)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[k], done[dep] if dep is not None else 0)
@@ -179,10 +209,13 @@ def _held(actions: list[Action], split: bool) -> int:
     return peak
 
 
-def _dependency(k: int, a: Action, stages: int) -> tuple[int, Action] | None:
-    """The action of another stage (or the stage's own forward) that `a` on stage k waits for."""
+def _dependency(k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
+    """The action of another worker (or the worker's own forward) that `a` on worker k waits for."""
+    g = a.chunk * stages + k  # the model chunk it runs on
     if a.kind == "F":
-        return (k - 1, a) if k > 0 else None
+        return None if g == 0 else ((g - 1) % stages, Action("F", a.micro_batch, (g - 1) // stages))
     if a.kind == "B":
-        return (k + 1, a) if k < stages - 1 else (k, Action("F", a.micro_batch))
-    return None  # W: after its own B, which comes before it in the stage's order
+        if g == stages * virtual - 1:
+            return k, Action("F", a.micro_batch, a.chunk)
+        return (g + 1) % stages, Action("B", a.micro_batch, (g + 1) // stages)
+    return None  # W: after its own B, which comes before it in the worker's order

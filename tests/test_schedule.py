@@ -70,6 +70,31 @@ def test_simulate_detects_a_deadlock(monkeypatch):
     from gpipe import schedule
 
     # Backward before forward on the last stage can never run.
-    monkeypatch.setitem(schedule.SCHEDULES, "broken", lambda k, p, m: [Action("B", 0), Action("F", 0)])
+    monkeypatch.setitem(schedule.PLAIN, "broken", lambda k, p, m: [Action("B", 0), Action("F", 0)])
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate("broken", 2, 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("rounds", [1, 2, 3, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_1f1b_runs_each_chunk_once_and_divides_the_bubble(p, rounds, v):
+    m = rounds * p
+    for k in range(p):
+        actions = build("interleaved-1f1b", k, p, m, v)
+        for kind in "FB":
+            assert sorted(a for a in actions if a.kind == kind) == \
+                sorted(Action(kind, i, c) for i in range(m) for c in range(v))
+        pos = {a: n for n, a in enumerate(actions)}
+        assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] for i in range(m) for c in range(v))
+        # Each chunk's forwards go in micro-batch order: the lanes rely on it.
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+                   for c in range(v))
+    sim = simulate("interleaved-1f1b", p, m, v)
+    # A chunk's F a tick, its B two: the bubble is 1f1b's divided by about the chunks per worker.
+    assert sim.ticks == 3 * (m * v + p - 1)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m * v + p - 1))
+
+
+def test_interleaved_1f1b_with_one_chunk_is_1f1b():
+    assert all(build("interleaved-1f1b", k, 4, 8, 1) == build("1f1b", k, 4, 8) for k in range(4))

@@ -36,6 +36,7 @@ from gpipe.rng import SharedGenerators, seeded_forward
 from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
 from gpipe.transport import Inbound, Outbound, Transport
+from gpipe.turns import Turns
 from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.channel import gradient_message, gradients, wants_grad
 from gpipe.worker.skips import Routed, SkipLinks
@@ -180,6 +181,7 @@ class Stage:
         self.meter = ActivationMeter(list(self.layers.parameters()))
         self.tied = self._tied_here()
         self.shared_rng = shared_rng
+        self.turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         self.transport = transport if transport is not None else C10dTransport(cfg, self.device)
@@ -249,7 +251,7 @@ class Stage:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._doing("computing")
-        self.run(schedule.build(cfg.schedule, cfg.stage, cfg.stages, len(sizes)), p, t_step)
+        self.run(*self._actions(len(sizes)), p, t_step)
         self._flush()
         self._sum_tied()
         reduce_s = self._reduce_replicas()
@@ -293,12 +295,25 @@ class Stage:
 
     # -- the interpreter ------------------------------------------------------------------------------------
 
-    def run(self, actions: list[schedule.Action], p: Pass, t_start: float) -> None:
+    def _actions(self, chunks: int) -> tuple[list[schedule.Action], list[int] | None]:
+        """This stage's actions of a step, in order; with virtual stages (a model chunk of a worker that holds
+        several: gpipe.turns), also each one's position in the worker's order."""
+        cfg = self.cfg
+        if cfg.virtual_stages == 1:
+            return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
+        workers = cfg.stages // cfg.virtual_stages
+        worker, chunk = cfg.stage % workers, cfg.stage // workers
+        order = schedule.build(cfg.schedule, worker, workers, chunks, cfg.virtual_stages)
+        mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
+        return [a for _, a in mine], [n for n, _ in mine]
+
+    def run(self, actions: list[schedule.Action], positions: list[int] | None, p: Pass, t_start: float) -> None:
         """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it,
         W computes its weights' gradients when the schedule splits the backward (then B only its inputs').
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
+        `positions`: each action's place in its worker's order, whose turn it waits for (gpipe.turns).
         """
         p.split = schedule.splits_backward(actions)
         final = "W" if p.split else "B"  # the action whose gradients are the step's last
@@ -306,11 +321,24 @@ class Stage:
         for n, action in enumerate(actions):
             if n == last_backward and self.grad_sum is not None:
                 self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
-            p.computing_from = time.perf_counter()
-            self.ACTIONS[action.kind](self, action.micro_batch, p)
-            end = time.perf_counter()
+            with self._turn(positions[n] if positions is not None else None, action, p):
+                p.computing_from = time.perf_counter()
+                self.ACTIONS[action.kind](self, action.micro_batch, p)
+                end = time.perf_counter()
             p.busy += end - p.computing_from
             p.timeline.append((action.kind, action.micro_batch, p.computing_from - t_start, end - t_start))
+
+    @contextlib.contextmanager
+    def _turn(self, position: int | None, action: schedule.Action, p: Pass) -> Iterator[None]:
+        """With virtual stages: wait for the worker's turn at `position` (not busy time), hand it on after."""
+        if position is None or self.turns is None:
+            yield
+            return
+        what = f"{action!r} of model chunk {self.cfg.stage}"
+        self._doing("waiting", f"the worker's turn for {what}")
+        with self.turns.turn(position, self.cfg.step_timeout_s, what):
+            self._doing("computing")
+            yield
 
     def _forward(self, mb: int, p: Pass) -> None:
         """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
@@ -481,7 +509,7 @@ class Stage:
             else contextlib.nullcontext()
         try:
             with torch.no_grad(), rng:
-                self.run([schedule.Action("F", mb) for mb in range(chunks)], p, t0)
+                self.run([schedule.Action("F", mb) for mb in range(chunks)], None, p, t0)
             self._flush()
         finally:
             self.layers.train(was_training)
