@@ -457,11 +457,9 @@ class JobSpec(_Spec):
     @classmethod
     def _built_schedules(cls, v: Any) -> Any:
         """The schedules that hold several model chunks per worker are not in the service yet."""
-        if v == "interleaved-1f1b":
-            raise ValueError("interleaved-1f1b (several model chunks per worker) runs in gpipe.Pipeline only for "
-                             "now; the service's workers hold one stage each")
-        if v == "zbv":
-            raise ValueError("zbv is not built yet")
+        if v in ("interleaved-1f1b", "zbv"):
+            raise ValueError(f"{v} (several model chunks per worker) runs in gpipe.Pipeline only for now; the "
+                             "service's workers hold one stage each")
         return v
 
     @model_validator(mode="before")

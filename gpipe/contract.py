@@ -63,8 +63,8 @@ class StageConfig:
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
     replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
-    # Model chunks per worker (gpipe.schedule: interleaved-1f1b; gpipe.Pipeline only): `stage` is then the
-    # model chunk, of `stages` chunks, on worker stage mod stages/virtual_stages (gpipe.turns).
+    # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv; gpipe.Pipeline only): `stage` is then the
+    # model chunk, of `stages` chunks, on the worker gpipe.schedule.place says (gpipe.turns).
     virtual_stages: int = 1
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size

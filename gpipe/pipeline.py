@@ -52,7 +52,7 @@ PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip conne
 class Pipeline:
     """`model` cut into stages of `balance` layers; each step's batch cut into `chunks` micro-batches.
 
-    schedule: gpipe (fill-drain), 1f1b, zb-h1 (1f1b with the backward split) or interleaved-1f1b (with
+    schedule: gpipe (fill-drain), 1f1b, zb-h1 (1f1b with the backward split), interleaved-1f1b or zbv (with
     virtual_stages; gpipe.schedule). activation_checkpoint: always, except_last or never.
     devices: one per stage (default: the CPU for all). precision: fp32, bf16 or fp16 (autocast; fp16 with a
     dynamic loss scale: a step whose gradients overflow leaves every gradient None, so the optimizer skips
@@ -60,9 +60,10 @@ class Pipeline:
     a step. replicas: copies of the pipeline, each on a contiguous shard of the batch, their gradients summed
     (the model's own layers are replica 0's). seed: the layers' randomness. timeout_s: bounds every wait of
     a stage on another.
-    virtual_stages: model chunks per worker, for schedule interleaved-1f1b: `balance` (or `stages`) then counts
-    model chunks, chunk c runs on worker c mod workers, `devices` lists the workers', and `chunks` must be a
-    multiple of the workers (gpipe.turns: a stage per chunk, the worker's chunks taking turns).
+    virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` (or `stages`)
+    then counts model chunks, chunk c runs on worker c mod workers (zbv: worker k holds chunks k and
+    2*workers-1-k, a V), `devices` lists the workers', and interleaved-1f1b's `chunks` must be a multiple of
+    the workers (gpipe.turns: a stage per chunk, the worker's chunks taking turns).
     """
 
     def __init__(self, model: nn.Module, balance: Sequence[int] | None = None, chunks: int = 1,
@@ -111,6 +112,8 @@ class Pipeline:
         if virtual_stages > 1 and schedule not in schedules.VIRTUAL:
             raise ValueError(f"virtual_stages: {virtual_stages} model chunks per worker need an interleaved schedule "
                              f"({', '.join(schedules.VIRTUAL)}), not {schedule}")
+        if schedule == "zbv" and virtual_stages != 2:
+            raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {virtual_stages}")
         if activation_checkpoint not in CHECKPOINTS:
             raise ValueError(f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
         if precision not in DTYPES:
@@ -126,7 +129,7 @@ class Pipeline:
         if len(balance) % virtual_stages:
             raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} chunks each")
         workers = len(balance) // virtual_stages
-        if virtual_stages > 1 and chunks % workers:
+        if schedule == "interleaved-1f1b" and virtual_stages > 1 and chunks % workers:
             raise ValueError(f"chunks: {schedule} runs the micro-batches in rounds of the {workers} workers: "
                              f"{chunks} is not a multiple of {workers}")
         devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * workers
@@ -185,7 +188,11 @@ class Pipeline:
 
     def _device(self, stage: int) -> torch.device:
         """The device of stage `stage` (with virtual stages: model chunk `stage`, on its worker's device)."""
-        return self.devices[stage % len(self.devices)]
+        return self.devices[self._worker(stage)]
+
+    def _worker(self, stage: int) -> int:
+        """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.schedule.place)."""
+        return schedules.place(str(self._settings["schedule"]), stage, len(self.devices))[0]
 
     def _stage_of(self, piece: int) -> int:
         return next(k for k, (a, b) in enumerate(self.bounds) if a <= piece < b)
@@ -213,7 +220,7 @@ class Pipeline:
                 transport = self._hub.transport(k, r, self._device(k))
                 stage = Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng)
                 if self._turns:
-                    stage.turns = self._turns[r][k % len(self.devices)]
+                    stage.turns = self._turns[r][self._worker(k)]
                 self._stages.append(stage)
 
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:

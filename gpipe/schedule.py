@@ -118,6 +118,61 @@ def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list
     return actions + [Action("B", *nth(b, True)) for b in range(total - warmup, total)]
 
 
+def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """Zero bubble V (arXiv 2401.10241, section 6): worker k holds model chunks k (its chunk 0) and
+    2*stages-1-k (its chunk 1), a V, so the last model chunk is on worker 0; backwards split into B and W.
+    Warm-up: chunk 0's forwards, then chunk 1's interleaved, each chunk 1 forward on the worker nearest the
+    V's bottom followed at once by its B and W; steady state: F, B, W on chunk 0 then on chunk 1; the drain
+    runs the B's first and fills the gaps with the W's left. Built for 2*stages-1 micro-batches or more (the
+    actions of micro-batches past `chunks` are dropped), as torch.distributed.pipelining's builder is."""
+    if virtual != 2:
+        raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker, not {virtual}")
+    p, k = stages, stage
+    n = max(2 * p - 1, chunks)
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+    actions: list[Action] = []
+
+    def run(*steps: str) -> None:  # "F1": a forward of the next micro-batch on the worker's chunk 1
+        for step in steps:
+            kind, c = step[0], int(step[1])
+            actions.append(Action(kind, count[(kind, c)], c))  # type: ignore[arg-type]  # kind is F, B or W
+            count[(kind, c)] += 1
+
+    for _ in range(2 * (p - k) - 1):
+        run("F0")
+    for _ in range(k):
+        run("F1", "F0")
+    for _ in range(p - k):
+        run("F1", "B1", "W1")
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            run("F0")
+        run("B0", "W0", "F1", "B1", "W1")
+    for _ in range(k):
+        run("B0", "B1")
+    for _ in range(p - k):
+        run("B0", "W0")
+    for c in (1, 0):
+        while count[("W", c)] < count[("B", c)]:
+            run(f"W{c}")
+    return [a for a in actions if a.micro_batch < chunks]
+
+
+def place(name: str, chunk: int, stages: int) -> tuple[int, int]:
+    """(worker, the worker's own chunk number) of model chunk `chunk`: chunk c is on worker c mod stages, but
+    zbv's V puts chunk c on worker 2*stages-1-c past the middle."""
+    if name == "zbv" and chunk >= stages:
+        return 2 * stages - 1 - chunk, 1
+    return chunk % stages, chunk // stages
+
+
+def model_chunk(name: str, worker: int, chunk: int, stages: int) -> int:
+    """The model chunk that is chunk `chunk` of worker `worker` (the inverse of `place`)."""
+    if name == "zbv" and chunk == 1:
+        return 2 * stages - 1 - worker
+    return chunk * stages + worker
+
+
 PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -125,6 +180,7 @@ PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
 }
 VIRTUAL: dict[str, Callable[[int, int, int, int], list[Action]]] = {  # several model chunks per worker
     "interleaved-1f1b": interleaved_1f1b,
+    "zbv": zbv,
 }
 SCHEDULES = [*PLAIN, *VIRTUAL]
 
@@ -181,7 +237,7 @@ def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulatio
         for k in range(stages):
             while pos[k] < len(plans[k]):
                 a = plans[k][pos[k]]
-                dep = _dependency(k, a, stages, virtual)
+                dep = _dependency(name, k, a, stages, virtual)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[k], done[dep] if dep is not None else 0)
@@ -209,13 +265,17 @@ def _held(actions: list[Action], split: bool) -> int:
     return peak
 
 
-def _dependency(k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
+def _dependency(name: str, k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
     """The action of another worker (or the worker's own forward) that `a` on worker k waits for."""
-    g = a.chunk * stages + k  # the model chunk it runs on
+    g = model_chunk(name, k, a.chunk, stages)  # the model chunk it runs on
     if a.kind == "F":
-        return None if g == 0 else ((g - 1) % stages, Action("F", a.micro_batch, (g - 1) // stages))
+        if g == 0:
+            return None
+        worker, chunk = place(name, g - 1, stages)
+        return worker, Action("F", a.micro_batch, chunk)
     if a.kind == "B":
         if g == stages * virtual - 1:
             return k, Action("F", a.micro_batch, a.chunk)
-        return (g + 1) % stages, Action("B", a.micro_batch, (g + 1) // stages)
+        worker, chunk = place(name, g + 1, stages)
+        return worker, Action("B", a.micro_batch, chunk)
     return None  # W: after its own B, which comes before it in the worker's order

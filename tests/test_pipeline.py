@@ -20,7 +20,7 @@ from torch import nn
 import gpipe
 from gpipe import skip
 from gpipe.rng import seeded_forward
-from gpipe.schedule import Action, build
+from gpipe.schedule import Action, build, model_chunk
 from tests import reference
 
 MLP = {"factory": "mlp", "args": {"width": 16, "depth": 5}}
@@ -198,23 +198,48 @@ def test_interleaved_1f1b_with_every_feature_equals_one_device(name, spec, balan
     compare({**spec, "schedule": "interleaved-1f1b"}, balance)
 
 
+@pytest.mark.parametrize("balance", INTERLEAVED_BALANCES, ids=lambda b: f"{len(b) // 2}workers")
+@pytest.mark.parametrize("per_worker", [1, 2, None], ids=["M=P", "M=2P", "M=5"])
+@pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
+def test_zbv_equals_one_device(checkpointing, per_worker, balance):
+    """Worker k holds model chunks k and 2P-1-k, the backward split: dropout, momentum, uneven micro-batches."""
+    m = per_worker * len(balance) // 2 if per_worker else 5
+    compare(job(model=DROPOUT, chunks=m, schedule="zbv", virtual_stages=2, activation_checkpoint=checkpointing,
+                data={**REGRESSION, "batch_size": 2 * m + 1}), balance)
+
+
+@pytest.mark.parametrize(("name", "spec", "balance"), [
+    ("skips-always", job(model=SKIPS, chunks=3, activation_checkpoint="always"), [1, 1, 2, 2]),
+    ("pairs-except_last", job(model=PAIRS, chunks=3, activation_checkpoint="except_last",
+                              data={**REGRESSION, "batch_size": 10}), [1, 2, 2, 1]),
+    ("batch-norm-deferred-always", job(model=BN, data=BN_DATA, chunks=3, activation_checkpoint="always",
+                                       deferred_batch_norm=True, optimizer={"name": "sgd", "lr": 0.1}), [4, 2, 3, 3]),
+    ("replicas-2x2", job(model=DROPOUT, replicas=2, chunks=3, data={**REGRESSION, "batch_size": 13}), [3, 2, 2, 3]),
+    ("bf16", job(model=DROPOUT, chunks=4, precision="bf16"), [2, 3, 2, 3]),
+    ("fp16", job(model=DROPOUT, chunks=4, precision="fp16"), [2, 3, 2, 3]),
+])
+def test_zbv_with_every_feature_equals_one_device(name, spec, balance):
+    compare({**spec, "schedule": "zbv", "virtual_stages": 2}, balance)
+
+
 def test_interleaved_micro_batches_go_in_rounds_of_the_workers():
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
     with pytest.raises(ValueError, match="^chunks: .* 3 is not a multiple of 2"):
         gpipe.Pipeline(model, [1] * 4, chunks=3, schedule="interleaved-1f1b", virtual_stages=2)
 
 
-def test_a_workers_chunks_run_one_action_at_a_time_in_the_schedules_order():
+@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved-1f1b", 3), ("zbv", 2)])
+def test_a_workers_chunks_run_one_action_at_a_time_in_the_schedules_order(schedule, virtual):
     """The stages of one worker's chunks take turns: together they run the worker's order, never two at once."""
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
-    with gpipe.Pipeline(model, [1] * 6, chunks=4, schedule="interleaved-1f1b", virtual_stages=3) as pipe:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2 * virtual)])
+    with gpipe.Pipeline(model, [1] * 2 * virtual, chunks=4, schedule=schedule, virtual_stages=virtual) as pipe:
         pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.functional.mse_loss)
         for worker in range(2):
-            stages = [pipe.results[chunk * 2 + worker] for chunk in range(3)]  # chunk c is the model's 2c+worker
+            stages = [pipe.results[model_chunk(schedule, worker, c, 2)] for c in range(virtual)]
             ran = sorted((s.start_unix + start, s.start_unix + end, kind, mb, chunk)
                          for chunk, s in enumerate(stages) for kind, mb, start, end in s.timeline)
             assert [repr(Action(kind, mb, chunk)) for _, _, kind, mb, chunk in ran] == \
-                [repr(a) for a in build("interleaved-1f1b", worker, 2, 4, 3)]
+                [repr(a) for a in build(schedule, worker, 2, 4, virtual)]
             assert all(a[1] <= b[0] for a, b in itertools.pairwise(ran))  # one at a time
 
 
@@ -321,6 +346,7 @@ def test_a_stage_waits_no_longer_than_its_timeout_and_names_what_it_waited_for()
     ({"precision": "fp8"}, "precision"), ({"devices": ["cpu"]}, "devices"), ({"replicas": 0}, "replicas"),
     ({"virtual_stages": 2}, "virtual_stages"), ({"virtual_stages": 0}, "virtual_stages"),
     ({"schedule": "interleaved-1f1b", "virtual_stages": 3}, "balance"),
+    ({"schedule": "zbv", "virtual_stages": 1}, "virtual_stages"),
 ])
 def test_bad_arguments_are_named(kwargs, field):
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe.schedule import Action, build, simulate
+from gpipe.schedule import Action, build, model_chunk, place, simulate
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
@@ -98,3 +98,29 @@ def test_interleaved_1f1b_runs_each_chunk_once_and_divides_the_bubble(p, rounds,
 
 def test_interleaved_1f1b_with_one_chunk_is_1f1b():
     assert all(build("interleaved-1f1b", k, 4, 8, 1) == build("1f1b", k, 4, 8) for k in range(4))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16, 64])
+def test_zbv_runs_each_chunk_once_in_a_v_and_all_but_removes_the_bubble(p, m):
+    for k in range(p):
+        actions = build("zbv", k, p, m, 2)
+        for kind in "FBW":
+            assert sorted(a for a in actions if a.kind == kind) == \
+                sorted(Action(kind, i, c) for i in range(m) for c in range(2))
+        pos = {a: n for n, a in enumerate(actions)}
+        assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] < pos[Action("W", i, c)]
+                   for i in range(m) for c in range(2))
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+                   for c in range(2))
+        # The V: worker k's chunks are the model's k and 2P-1-k.
+        assert [model_chunk("zbv", k, c, p) for c in (0, 1)] == [k, 2 * p - 1 - k]
+        assert place("zbv", 2 * p - 1 - k, p) == (k, 1)
+    sim = simulate("zbv", p, m, 2)  # raises on a deadlock
+    if m >= 2 * p - 1:
+        # F, B and W of a half-stage chunk a tick each: P-1 idle ticks of 6M+P-1 (1f1b's are 3(P-1) of 3(M+P-1)).
+        assert sim.ticks == 6 * m + p - 1
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        # At most 2P chunks' micro-batches in flight: P stages' worth, what 1f1b's stage 0 holds.
+        assert sim.max_in_flight == [2 * p] * p
+    assert sim.bubble_fraction <= simulate("1f1b", p, m).bubble_fraction

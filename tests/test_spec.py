@@ -62,7 +62,7 @@ BAD = [
     # several model chunks per worker: not in the service (interleaved-1f1b runs in gpipe.Pipeline)
     ({"schedule": "interleaved-1f1b"}, "schedule: interleaved-1f1b (several model chunks per worker) runs in "
                                        "gpipe.Pipeline only"),
-    ({"schedule": "zbv"}, "schedule: zbv is not built yet"),
+    ({"schedule": "zbv"}, "schedule: zbv (several model chunks per worker) runs in gpipe.Pipeline only"),
     ({"virtual_stages": 2}, "virtual_stages: unknown field"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
     ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),

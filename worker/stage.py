@@ -302,7 +302,7 @@ class Stage:
         if cfg.virtual_stages == 1:
             return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
         workers = cfg.stages // cfg.virtual_stages
-        worker, chunk = cfg.stage % workers, cfg.stage // workers
+        worker, chunk = schedule.place(cfg.schedule, cfg.stage, workers)
         order = schedule.build(cfg.schedule, worker, workers, chunks, cfg.virtual_stages)
         mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
         return [a for _, a in mine], [n for n, _ in mine]
