@@ -168,6 +168,19 @@ def test_zb_h1_fp16_overflow_skips_the_step_as_grad_scaler_does():
     compare(spec, [2, 2, 2])
 
 
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 8), (4, 4), (4, 8), (3, 5)])
+def test_zb_h1_holds_at_most_a_tenth_more_activations_than_1f1b(stages, chunks):
+    """The largest stage's counted activation peak (the stages' activation_peak_bytes): each stage keeps its
+    micro-batches until their W, at most `stages` of them, as 1f1b's first stage does."""
+    def peak(schedule: str) -> int:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(2 * stages)])
+        with gpipe.Pipeline(model, [2] * stages, chunks=chunks, schedule=schedule) as pipe:
+            pipe.step(torch.randn(4 * chunks, 64), torch.randn(4 * chunks, 64), nn.functional.mse_loss)
+            return max(r.activation_peak_bytes for r in pipe.results)
+
+    assert peak("zb-h1") <= 1.1 * peak("1f1b")
+
+
 # Model chunks (2 per worker) of the 10 layers, for 2, 3 and 4 workers.
 INTERLEAVED_BALANCES = [[2, 3, 2, 3], [1, 2, 3, 1, 2, 1], [2, 1, 1, 1, 1, 2, 1, 1]]
 

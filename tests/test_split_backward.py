@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpipe.memory import ActivationMeter
 from gpipe.split_backward import backward_input
 
 MATMULS = {"aten.mm", "aten.addmm", "aten.bmm"}
@@ -113,3 +114,21 @@ def test_a_scalar_loss_and_the_post_accumulate_hooks():
     assert fired == [] and x.grad is not None
     weights.run()
     assert sorted(fired) == list(range(len(list(model.parameters()))))
+
+
+def test_w_frees_the_activations_b_kept():
+    """Regression: the activation meter's handle held a saved output (ReLU's) with its grad_fn, a cycle that
+    nothing freed once B kept the graph (retain_graph): every micro-batch's activations stayed for good."""
+    model = mlp()
+    meter = ActivationMeter(list(model.parameters()))
+    for _ in range(3):
+        x = torch.randn(3, 4, requires_grad=True)
+        with meter.hooks():
+            y = model(x)
+        held = meter.current
+        weights = backward_input([y], [torch.ones_like(y)], [x], list(model.parameters()))
+        del y
+        assert 0 < meter.current <= held  # what W needs stays until W
+        weights.run()
+        del weights, x
+        assert meter.current == 0
