@@ -45,6 +45,24 @@ F to W), the most 1f1b holds (on stage 0).
     stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
     stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
 
+interleaved-1f1b (Megatron), 2 workers, virtual_stages 2, 2 micro-batches:
+the model is cut into 4 chunks, chunk c on worker c mod 2 (F0.1: micro-batch 0
+on the worker's chunk 1, the model's chunk 3 on worker 1). A chunk is half a
+stage, so a tick is half as long: 15 half-ticks where 1f1b takes 9 ticks
+(the bubble (P-1)/(VM+P-1)). Micro-batches go in rounds of the workers.
+
+    tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13   14
+    worker 0    F0   F1 F0.1 F1.1    .    . B0.1 B0.1    . B1.1 B1.1   B0   B0   B1   B1
+    worker 1     .   F0   F1 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1   B0   B0   B1   B1    .    .
+
+zbv (zero bubble V), 2 workers, 3 micro-batches: worker k holds the model's
+chunks k and 2P-1-k (worker 0 the first and the last), the backward split as
+in zb-h1; 19 half-ticks, the bubble (P-1)/(6M+P-1) for M >= 2P-1:
+
+    tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13 ...
+    worker 0    F0   F1   F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1   B0   W0 F2.1 B2.1 W2.1 ...
+    worker 1     .   F0 F0.1   F1 F1.1 B0.1 W0.1   F2   B0   W0 F2.1 B1.1 W1.1   B1 ...
+
 (The cost model is the usual one: a backward does about twice a forward's
 work, half of it for the inputs and half for the weights. The first stage's
 inputs want no gradient, so its B does nothing and its W the whole backward;
