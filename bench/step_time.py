@@ -6,7 +6,9 @@ The model is 8 x (Linear(1024)+ReLU), batch 256 in 8 (or --chunks)
 micro-batches, 2 stages, one thread per stage (each process pinned to its own
 core). gpipe runs its schedules gpipe, 1f1b and zb-h1 (the backward split into
 B and W), and reports each one's measured bubble (the stages' idle share of
-the step, from metrics.jsonl). Each round runs every contender once, interleaved, and the figures are
+the step, from metrics.jsonl); the peer runs its ScheduleGPipe, Schedule1F1B,
+and, on 4 chunks of 2 layers (2 per rank), ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble. Each round runs every contender once, interleaved, and the figures are
 medians over rounds of each run's median step time, since absolute times on
 these machines drift twofold between runs. Ratios are speed-ups over one
 process doing the same micro-batched work; the ideal is P*M/(M+P-1).
@@ -124,6 +126,9 @@ def main() -> None:
         "gpipe zb-h1": ours("zb-h1"),
         "torch.pipelining ScheduleGPipe": lambda tmp: run_pipelining("gpipe", a.steps, m),
         "torch.pipelining Schedule1F1B": lambda tmp: run_pipelining("1f1b", a.steps, m),
+        "torch.pipelining ScheduleInterleaved1F1B": lambda tmp: run_pipelining("interleaved-1f1b", a.steps, m),
+        "torch.pipelining ScheduleInterleavedZeroBubble": lambda tmp: run_pipelining("interleaved-zb", a.steps, m),
+        "torch.pipelining ScheduleZBVZeroBubble": lambda tmp: run_pipelining("zbv", a.steps, m),
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
     with tempfile.TemporaryDirectory() as d:
@@ -136,11 +141,15 @@ def main() -> None:
     base = statistics.median(times["one process"])
     print(f"\n{STAGES} stages, {m} micro-batches, batch {BATCH}, {DEPTH} x Linear({WIDTH})+ReLU; "
           f"ideal speed-up {ideal:.3f}; median of {a.rounds} rounds")
-    print(f"{'contender':34} {'step ms':>8} {'speed-up':>9} {'of ideal':>9} {'bubble':>7}")
+    print(f"{'contender':46} {'step ms':>8} {'speed-up':>9} {'of ideal':>9} {'bubble':>7}")
     for name, ts in times.items():
         t = statistics.median(ts)
         bubble = f"{statistics.median(bubbles[name]):7.3f}" if name in bubbles else ""
-        print(f"{name:34} {t * 1e3:8.1f} {base / t:9.3f} {base / t / ideal:9.3f} {bubble}")
+        print(f"{name:46} {t * 1e3:8.1f} {base / t:9.3f} {base / t / ideal:9.3f} {bubble}")
+    best = {who: min((statistics.median(ts), name) for name, ts in times.items() if name.startswith(who))
+            for who in ("gpipe", "torch.pipelining")}
+    print(f"fastest: {best['gpipe'][1]} / {best['torch.pipelining'][1]}: "
+          f"{best['torch.pipelining'][0] / best['gpipe'][0]:.3f}x")
     for fast, slow in (("gpipe gpipe", "torch.pipelining ScheduleGPipe"),
                        ("gpipe 1f1b", "torch.pipelining Schedule1F1B"),
                        ("gpipe zb-h1", "gpipe 1f1b"), ("gpipe zb-h1", "torch.pipelining Schedule1F1B")):
