@@ -43,31 +43,49 @@ def single(width: int, depth: int, batch: int, chunks: int, steps: int) -> float
     return statistics.median(times[WARMUP:])
 
 
+PEER_SCHEDULES = {  # ours: (the peer's class name, its placement of 4 model chunks: None for one stage per rank)
+    "gpipe": ("ScheduleGPipe", None),
+    "1f1b": ("Schedule1F1B", None),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+}
+
+
 def pipelining(schedule: str, rank: int, width: int, depth: int, batch: int, chunks: int, steps: int,
                port: int) -> float:
-    """torch.distributed.pipelining on 2 stages, gloo, the same split as gpipe's balance."""
+    """torch.distributed.pipelining on 2 ranks, gloo: the same split as gpipe's balance, or for the schedules of
+    several stages per rank, 4 equal chunks (rank r holds r and r+2, or r and 3-r in ZBV's V)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining as pp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = mlp(width=width, depth=depth, head=False)
-    half = (len(model) + 1) // 2
-    part = model[:half] if rank == 0 else model[half:]
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = cls(stage, chunks, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+    name, placement = PEER_SCHEDULES[schedule]
+    cls = getattr(pp, name)
+    if placement is None:
+        half = (len(model) + 1) // 2
+        part = model[:half] if rank == 0 else model[half:]
+        held, parts = [rank], [part]
+        sched = cls(pp.PipelineStage(part, rank, 2, torch.device("cpu")), chunks, loss_fn=F.mse_loss)
+    else:
+        n = len(model)
+        held = [rank, rank + 2] if placement == "loop" else [rank, 3 - rank]
+        parts = [model[i * n // 4:(i + 1) * n // 4] for i in held]
+        stages = [pp.PipelineStage(part, i, 4, torch.device("cpu")) for part, i in zip(parts, held, strict=True)]
+        sched = cls(stages, chunks, loss_fn=F.mse_loss)
+    last = 3 if placement is not None else 1
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=1e-3)
     x, y = data(width, batch)
     times = []
     for _ in range(steps + WARMUP):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=[])
+        args = (x,) if 0 in held else ()
+        kwargs = {"target": y, "losses": []} if last in held else {}
+        sched.step(*args, **kwargs)
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - t0)

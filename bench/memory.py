@@ -1,4 +1,4 @@
-"""Peak activation memory per stage: gpipe against 1f1b, and each activation-checkpoint mode.
+"""Peak activation memory per stage: gpipe against 1f1b and zb-h1, and each activation-checkpoint mode.
 
     python bench/memory.py
 
@@ -38,7 +38,7 @@ def peaks(schedule: str, ckpt: str, tmp: Path) -> list[int]:
 def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as d:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
             for ckpt in ("never", "except_last", "always"):
                 runs[(schedule, ckpt)] = peaks(schedule, ckpt, Path(d))
     base = runs[("gpipe", "never")]
@@ -50,6 +50,9 @@ def main() -> None:
         print(f"{schedule:6} {ckpt:12} {cells}")
     bound = [(stages - k) / chunks for k in range(stages)]
     print(f"1f1b bound stages-k/chunks per stage: {bound}; always/never target: at most 0.40")
+    for ckpt in ("never", "except_last", "always"):
+        zb, one = max(runs[("zb-h1", ckpt)]), max(runs[("1f1b", ckpt)])
+        print(f"zb-h1 / 1f1b, the largest stage's peak, {ckpt}: {zb / one:.3f} (target: at most 1.10)")
 
 
 if __name__ == "__main__":

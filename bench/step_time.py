@@ -1,10 +1,14 @@
 """Step time: gpipe against torch.distributed.pipelining and one process, side by side.
 
-    python bench/step_time.py [--rounds 3] [--steps 20]
+    python bench/step_time.py [--rounds 3] [--steps 20] [--chunks 8]
 
-The model is 8 x (Linear(1024)+ReLU), batch 256 in 8
+The model is 8 x (Linear(1024)+ReLU), batch 256 in 8 (or --chunks)
 micro-batches, 2 stages, one thread per stage (each process pinned to its own
-core). Each round runs every contender once, interleaved, and the figures are
+core). gpipe runs its schedules gpipe, 1f1b and zb-h1 (the backward split into
+B and W), and reports each one's measured bubble (the stages' idle share of
+the step, from metrics.jsonl); the peer runs its ScheduleGPipe, Schedule1F1B,
+and, on 4 chunks of 2 layers (2 per rank), ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble. Each round runs every contender once, interleaved, and the figures are
 medians over rounds of each run's median step time, since absolute times on
 these machines drift twofold between runs. Ratios are speed-ups over one
 process doing the same micro-batched work; the ideal is P*M/(M+P-1).
@@ -15,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -40,21 +47,21 @@ def cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def run_single(steps: int) -> float:
-    cmd = [sys.executable, str(ROOT / "bench/_peers.py"), "single", *map(str, (WIDTH, DEPTH, BATCH, CHUNKS, steps))]
+def run_single(steps: int, chunks: int = CHUNKS) -> float:
+    cmd = [sys.executable, str(ROOT / "bench/_peers.py"), "single", *map(str, (WIDTH, DEPTH, BATCH, chunks, steps))]
     out = subprocess.run(["taskset", "-c", str(cores()[0]), *cmd], env=env(), capture_output=True, text=True,
                          check=True, timeout=600)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run_pipelining(schedule: str, steps: int) -> float:
+def run_pipelining(schedule: str, steps: int, chunks: int = CHUNKS) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(STAGES):
         cmd = [sys.executable, str(ROOT / "bench/_peers.py"), "pipelining", schedule, str(rank),
-               *map(str, (WIDTH, DEPTH, BATCH, CHUNKS, steps, port))]
+               *map(str, (WIDTH, DEPTH, BATCH, chunks, steps, port))]
         core = cores()[rank % len(cores())]
         procs.append(subprocess.Popen(["taskset", "-c", str(core), *cmd], env=env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -65,36 +72,63 @@ def run_pipelining(schedule: str, steps: int) -> float:
     return float(outs[0][0].strip().splitlines()[-1])
 
 
-def run_gpipe(schedule: str, steps: int, tmp: Path, stages: int = STAGES, replicas: int = 1) -> float:
-    """gpipe's median step time; with `replicas`, each replica runs CHUNKS / replicas micro-batches of the batch."""
+def run_gpipe(schedule: str, steps: int, tmp: Path, stages: int = STAGES, replicas: int = 1,
+              chunks: int = CHUNKS) -> float:
+    """gpipe's median step time; with `replicas`, each replica runs chunks / replicas micro-batches of the batch."""
+    return statistics.median(float(m["step_time_s"]) for m in gpipe_steps(schedule, steps, tmp, stages, replicas, chunks))
+
+
+def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, replicas: int = 1,
+                chunks: int = CHUNKS) -> list[dict[str, Any]]:
+    """The metrics of `steps` steps of gpipe (after 3 warm-up steps)."""
+    name = f"bench-{schedule}-{replicas}x{stages}-{chunks}"
     spec = {
-        "name": f"bench-{schedule}-{replicas}x{stages}",
+        "name": name,
         "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
-        "stages": stages, "replicas": replicas, "chunks": CHUNKS // replicas, "schedule": schedule,
+        "stages": stages, "replicas": replicas, "chunks": chunks // replicas, "schedule": schedule,
         "balance": [DEPTH // stages] * stages,
         "data": {"factory": "random_regression",
                  "args": {"n": BATCH, "in_features": WIDTH, "out_features": WIDTH}, "batch_size": BATCH},
         "loss": "mse", "optimizer": {"name": "sgd", "lr": 1e-3}, "steps": steps + 3,
     }
-    job = tmp / f"{spec['name']}.yaml"
+    job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
-                    "--no-progress"], env=env(), check=True, capture_output=True, timeout=600)
-    lines = (tmp / spec["name"] / "metrics.jsonl").read_text().splitlines()
-    return statistics.median(json.loads(x)["step_time_s"] for x in lines[3:])
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+                        "--no-progress"], env=env(), capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"gpipe {schedule} failed: {r.stderr[-2000:]}")
+    lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
+    shutil.rmtree(tmp / name)  # the next round's run starts afresh
+    return [json.loads(x) for x in lines[3:]]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--chunks", type=int, default=CHUNKS)
     a = ap.parse_args()
-    contenders = {
-        "one process": lambda tmp: run_single(a.steps),
-        "gpipe gpipe": lambda tmp: run_gpipe("gpipe", a.steps, tmp),
-        "gpipe 1f1b": lambda tmp: run_gpipe("1f1b", a.steps, tmp),
-        "torch.pipelining ScheduleGPipe": lambda tmp: run_pipelining("gpipe", a.steps),
-        "torch.pipelining Schedule1F1B": lambda tmp: run_pipelining("1f1b", a.steps),
+    m = a.chunks
+    bubbles: dict[str, list[float]] = {}
+
+    def ours(schedule: str) -> Callable[[Path], float]:
+        def run(tmp: Path) -> float:
+            steps = gpipe_steps(schedule, a.steps, tmp, chunks=m)
+            bubbles.setdefault(f"gpipe {schedule}", []).append(
+                statistics.median(float(x["bubble_fraction"]) for x in steps))
+            return statistics.median(float(x["step_time_s"]) for x in steps)
+        return run
+
+    contenders: dict[str, Callable[[Path], float]] = {
+        "one process": lambda tmp: run_single(a.steps, m),
+        "gpipe gpipe": ours("gpipe"),
+        "gpipe 1f1b": ours("1f1b"),
+        "gpipe zb-h1": ours("zb-h1"),
+        "torch.pipelining ScheduleGPipe": lambda tmp: run_pipelining("gpipe", a.steps, m),
+        "torch.pipelining Schedule1F1B": lambda tmp: run_pipelining("1f1b", a.steps, m),
+        "torch.pipelining ScheduleInterleaved1F1B": lambda tmp: run_pipelining("interleaved-1f1b", a.steps, m),
+        "torch.pipelining ScheduleInterleavedZeroBubble": lambda tmp: run_pipelining("interleaved-zb", a.steps, m),
+        "torch.pipelining ScheduleZBVZeroBubble": lambda tmp: run_pipelining("zbv", a.steps, m),
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
     with tempfile.TemporaryDirectory() as d:
@@ -103,17 +137,25 @@ def main() -> None:
                 times[name].append(fn(Path(d)))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
                   file=sys.stderr, flush=True)
-    ideal = STAGES * CHUNKS / (CHUNKS + STAGES - 1)
+    ideal = STAGES * m / (m + STAGES - 1)
     base = statistics.median(times["one process"])
-    print(f"\n{STAGES} stages, {CHUNKS} micro-batches, batch {BATCH}, {DEPTH} x Linear({WIDTH})+ReLU; "
+    print(f"\n{STAGES} stages, {m} micro-batches, batch {BATCH}, {DEPTH} x Linear({WIDTH})+ReLU; "
           f"ideal speed-up {ideal:.3f}; median of {a.rounds} rounds")
-    print(f"{'contender':34} {'step ms':>8} {'speed-up':>9} {'of ideal':>9}")
+    print(f"{'contender':46} {'step ms':>8} {'speed-up':>9} {'of ideal':>9} {'bubble':>7}")
     for name, ts in times.items():
         t = statistics.median(ts)
-        print(f"{name:34} {t * 1e3:8.1f} {base / t:9.3f} {base / t / ideal:9.3f}")
-    for ours, theirs in (("gpipe gpipe", "torch.pipelining ScheduleGPipe"),
-                         ("gpipe 1f1b", "torch.pipelining Schedule1F1B")):
-        print(f"{ours} / {theirs}: {statistics.median(times[theirs]) / statistics.median(times[ours]):.3f}x")
+        bubble = f"{statistics.median(bubbles[name]):7.3f}" if name in bubbles else ""
+        print(f"{name:46} {t * 1e3:8.1f} {base / t:9.3f} {base / t / ideal:9.3f} {bubble}")
+    best = {who: min((statistics.median(ts), name) for name, ts in times.items() if name.startswith(who))
+            for who in ("gpipe", "torch.pipelining")}
+    print(f"fastest: {best['gpipe'][1]} / {best['torch.pipelining'][1]}: "
+          f"{best['torch.pipelining'][0] / best['gpipe'][0]:.3f}x")
+    for fast, slow in (("gpipe gpipe", "torch.pipelining ScheduleGPipe"),
+                       ("gpipe 1f1b", "torch.pipelining Schedule1F1B"),
+                       ("gpipe zb-h1", "gpipe 1f1b"), ("gpipe zb-h1", "torch.pipelining Schedule1F1B")):
+        print(f"{fast} / {slow}: {statistics.median(times[slow]) / statistics.median(times[fast]):.3f}x")
+    zb, one = statistics.median(bubbles["gpipe zb-h1"]), statistics.median(bubbles["gpipe 1f1b"])
+    print(f"measured bubble, zb-h1 / 1f1b: {zb / one:.3f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gpipe import schedule
 from gpipe.contract import Cause, StepResult
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
@@ -92,6 +93,21 @@ def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, 
     return out
 
 
+SIMULATED_MAX = 1 << 14  # stages x chunks up to which plan.json lists the actions (a tenth of a second)
+
+
+def schedule_plan(name: str, stages: int, chunks: int) -> dict[str, Any]:
+    """A schedule as plan.json shows it: each stage's actions in order (F forward, B backward, W the weights'
+    gradients of a split backward), and the simulator's bubble and micro-batches in flight (gpipe.schedule).
+    Past SIMULATED_MAX actions, the name only."""
+    if stages * chunks > SIMULATED_MAX:
+        return {"name": name}
+    sim = schedule.simulate(name, stages, chunks)
+    return {"name": name, "actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks)))
+                                      for k in range(stages)],
+            "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
+
+
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
     """plan.json: the balance, what it was chosen by, where each stage runs (replica 0's copy), and every
     worker by rank: its replica, stage and placement (`placement`, by rank)."""
@@ -101,6 +117,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "replicas": spec.replicas,
+        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks),
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
              "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),

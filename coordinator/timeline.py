@@ -1,7 +1,8 @@
 """A step's timeline: a Chrome trace (opens in Perfetto) and a PNG pipeline diagram.
 
 Both are drawn from one line of metrics.jsonl, where each stage reports when
-each of its forwards and backwards ran, so any logged step can be drawn after
+each of its actions ran (forwards, backwards, and the weight-gradient passes
+of a split backward: gpipe.schedule), so any logged step can be drawn after
 the fact: `gpipe-coordinator timeline gpipe-state/NAME --step N` (N counted from 1, as
 the progress bar counts).
 """
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.errors import SpecError
+
+CATEGORY = {"F": "forward", "B": "backward", "W": "weight gradients"}
+COLOR = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
 def _actions(step: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
@@ -44,14 +48,15 @@ def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
     for stage, kind, mb, a, b in _actions(step):
         events.append({
             "ph": "X", "pid": 0, "tid": stage, "name": f"{kind}{mb}",
-            "cat": "forward" if kind == "F" else "backward",
+            "cat": CATEGORY.get(kind, kind),
             "ts": a * 1e6, "dur": (b - a) * 1e6, "args": {"micro_batch": mb},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def draw_png(step: dict[str, Any], path: Path) -> None:
-    """Stages against time; forwards blue, backwards orange, micro-batches labelled, bubbles white."""
+    """Stages against time; forwards blue, backwards orange, weight gradients (W) green, micro-batches
+    labelled, bubbles white."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,7 +67,7 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
     end = max(b for *_, b in actions) if actions else 1.0
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(actions) * 0.25)), 0.6 * stages + 1.4))
     for stage, kind, mb, a, b in actions:
-        color = "#4C72B0" if kind == "F" else "#DD8452"
+        color = COLOR.get(kind, "#8C8C8C")
         ax.barh(stage, (b - a) * 1e3, left=a * 1e3, height=0.8, color=color, edgecolor="black", linewidth=0.4)
         if (b - a) / end > 0.012:
             ax.text((a + b) / 2 * 1e3, stage, f"{kind}{mb}", ha="center", va="center", fontsize=7, color="white")
@@ -71,7 +76,7 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
     ax.set_xlim(0, end * 1e3)
     ax.set_xlabel("ms since the step started")
     ax.set_title(f"step {step['step'] + 1}: bubble {step['bubble_fraction']:.1%} "
-                 f"(blue forward, orange backward, white idle)")
+                 "(blue forward, orange backward, green W, white idle)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

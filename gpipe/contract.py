@@ -63,6 +63,9 @@ class StageConfig:
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
     replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
+    # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv; gpipe.Pipeline only): `stage` is then the
+    # model chunk, of `stages` chunks, on the worker gpipe.schedule.place says (gpipe.turns).
+    virtual_stages: int = 1
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
     init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
@@ -112,6 +115,7 @@ class StageConfig:
             "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
             "steps": evals.steps if first else 0,
             "capture": plan.capture_args(), "tied": plan.tied_stages(),
+            "virtual_stages": 1,  # the service's workers hold one model chunk each (the spec refuses more)
         }
         if unset := {f.name for f in fields(cls)} - set(values):
             raise TypeError(f"StageConfig.{sorted(unset)[0]}: StageConfig.of does not set it")

@@ -53,7 +53,10 @@ class _Held:
     __slots__ = ("tensor", "_meter", "_ptr")
 
     def __init__(self, meter: ActivationMeter, t: torch.Tensor):
-        self.tensor = t
+        # Detached: a saved output (ReLU's) would otherwise hold its own grad_fn, which holds this handle: a
+        # cycle through autograd's nodes that nothing frees once a backward keeps the graph (retain_graph, as
+        # the split backward's B does: gpipe.split_backward).
+        self.tensor = t.detach()
         self._meter: ActivationMeter | None = None
         storage = t.untyped_storage()
         ptr = storage.data_ptr()

@@ -41,6 +41,7 @@ from gpipe.coordinator.probe import Recorder
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.rng import SharedGenerators
 from gpipe.transport import Hub, HubClosed
+from gpipe.turns import TurnAborted, Turns
 from gpipe.worker.stage import Stage  # the service's own stage: one engine
 
 T = TypeVar("T")
@@ -51,13 +52,18 @@ PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip conne
 class Pipeline:
     """`model` cut into stages of `balance` layers; each step's batch cut into `chunks` micro-batches.
 
-    schedule: gpipe (fill-drain) or 1f1b. activation_checkpoint: always, except_last or never.
+    schedule: gpipe (fill-drain), 1f1b, zb-h1 (1f1b with the backward split), interleaved-1f1b or zbv (with
+    virtual_stages; gpipe.schedule). activation_checkpoint: always, except_last or never.
     devices: one per stage (default: the CPU for all). precision: fp32, bf16 or fp16 (autocast; fp16 with a
     dynamic loss scale: a step whose gradients overflow leaves every gradient None, so the optimizer skips
     it, and `skipped` says so; `loss_scale` is its initial scale and growth interval, as GradScaler's). deferred_batch_norm: BatchNorm's running statistics from the whole batch, once
     a step. replicas: copies of the pipeline, each on a contiguous shard of the batch, their gradients summed
     (the model's own layers are replica 0's). seed: the layers' randomness. timeout_s: bounds every wait of
     a stage on another.
+    virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` (or `stages`)
+    then counts model chunks, chunk c runs on worker c mod workers (zbv: worker k holds chunks k and
+    2*workers-1-k, a V), `devices` lists the workers', and interleaved-1f1b's `chunks` must be a multiple of
+    the workers (gpipe.turns: a stage per chunk, the worker's chunks taking turns).
     """
 
     def __init__(self, model: nn.Module, balance: Sequence[int] | None = None, chunks: int = 1,
@@ -66,7 +72,7 @@ class Pipeline:
                  deferred_batch_norm: bool = False, replicas: int = 1, seed: int = 0,
                  loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL),
                  timeout_s: float = 300.0, split_points: Sequence[str] | None = None, stages: int | None = None,
-                 output: str | None = None):
+                 output: str | None = None, virtual_stages: int = 1):
         self.original = model
         self.split_points = list(split_points or [])
         self.output = output
@@ -101,6 +107,13 @@ class Pipeline:
             raise ValueError(f"chunks: must be a positive int, got {chunks!r}")
         if schedule not in schedules.SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not one of {', '.join(schedules.SCHEDULES)}")
+        if type(virtual_stages) is not int or virtual_stages < 1:
+            raise ValueError(f"virtual_stages: must be a positive int, got {virtual_stages!r}")
+        if virtual_stages > 1 and schedule not in schedules.VIRTUAL:
+            raise ValueError(f"virtual_stages: {virtual_stages} model chunks per worker need an interleaved schedule "
+                             f"({', '.join(schedules.VIRTUAL)}), not {schedule}")
+        if schedule == "zbv" and virtual_stages != 2:
+            raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {virtual_stages}")
         if activation_checkpoint not in CHECKPOINTS:
             raise ValueError(f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
         if precision not in DTYPES:
@@ -113,14 +126,24 @@ class Pipeline:
                     raise ValueError(f"deferred_batch_norm: layer {i} ({type(layer).__name__}) tracks running "
                                      "statistics, which with replicas equal one device's only when deferred")
         assert balance is not None
-        devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * len(balance)
-        if len(devs) != len(balance):
-            raise ValueError(f"devices: {len(devs)} given for {len(balance)} stages")
+        if len(balance) % virtual_stages:
+            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} chunks each")
+        workers = len(balance) // virtual_stages
+        if schedule == "interleaved-1f1b" and virtual_stages > 1 and chunks % workers:
+            raise ValueError(f"chunks: {schedule} runs the micro-batches in rounds of the {workers} workers: "
+                             f"{chunks} is not a multiple of {workers}")
+        devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * workers
+        if len(devs) != workers:
+            raise ValueError(f"devices: {len(devs)} given for {workers} stages")
         self.model: nn.Sequential | None = model if isinstance(model, nn.Sequential) else None
         self.balance, self.chunks, self.replicas = balance, chunks, replicas
         self.devices = devs
         self.skipped: bool | None = None  # fp16: whether the last step overflowed (and left no gradients)
-        self._settings = dict(schedule=schedule, activation_checkpoint=activation_checkpoint, precision=precision,
+        # The stages' figures of the last step, by replica and stage (model chunk, with virtual stages): each
+        # one's timeline says when each of its actions ran.
+        self.results: list[StepResult] = []
+        self._settings = dict(schedule=schedule, virtual_stages=virtual_stages,
+                              activation_checkpoint=activation_checkpoint, precision=precision,
                               deferred_batch_norm=deferred_batch_norm, seed=seed, loss_scale=tuple(loss_scale))
         self._timeout = timeout_s
         self._steps = 0  # steps run: the randomness of the next is seeded with it
@@ -129,6 +152,8 @@ class Pipeline:
         self._hub = Hub(len(balance), replicas, timeout_s)
         self._rng = SharedGenerators()
         self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
+        # With virtual stages, the chunks of each worker of each replica take turns (gpipe.turns).
+        self._turns = [[Turns() for _ in range(workers)] for _ in range(replicas)] if virtual_stages > 1 else []
         self.bounds = _bounds(balance)
 
     # -- building ---------------------------------------------------------------------------------
@@ -154,12 +179,20 @@ class Pipeline:
             self.balance = balancing.partition(balancing.param_costs(c.pieces), stages)
         self.bounds = _bounds(self.balance)
         for group in c.tied:
-            held = {self.devices[self._stage_of(int(k.split(".", 1)[0]))] for k in group}
+            held = {self._device(self._stage_of(int(k.split(".", 1)[0]))) for k in group}
             if len(held) > 1:
                 raise ValueError(f"devices: {capture.model_name(group[0])} is one parameter used on "
                                  f"{len(held)} devices; put its stages on one device")
         self.captured = c
         return c.pieces
+
+    def _device(self, stage: int) -> torch.device:
+        """The device of stage `stage` (with virtual stages: model chunk `stage`, on its worker's device)."""
+        return self.devices[self._worker(stage)]
+
+    def _worker(self, stage: int) -> int:
+        """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.schedule.place)."""
+        return schedules.place(str(self._settings["schedule"]), stage, len(self.devices))[0]
 
     def _stage_of(self, piece: int) -> int:
         return next(k for k, (a, b) in enumerate(self.bounds) if a <= piece < b)
@@ -179,16 +212,19 @@ class Pipeline:
             first_holder: dict[int, int] = {}  # a parameter shared by stages: the first finishes its gradient
             for k, (start, end) in enumerate(self.bounds):
                 layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
-                layers = layers.to(self.devices[k])  # in place: the model's own parameters, on the stage's device
+                layers = layers.to(self._device(k))  # in place: the model's own parameters, on the stage's device
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder.setdefault(id(p), k) != k)
                 cfg = StageConfig(
                     stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
-                    device=str(self.devices[k]), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
+                    device=str(self._device(k)), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
-                transport = self._hub.transport(k, r, self.devices[k])
-                self._stages.append(Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng,
-                                          finished_elsewhere=elsewhere))
+                transport = self._hub.transport(k, r, self._device(k))
+                stage = Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng,
+                              finished_elsewhere=elsewhere)
+                if self._turns:
+                    stage.turns = self._turns[r][self._worker(k)]
+                self._stages.append(stage)
 
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:
@@ -202,11 +238,11 @@ class Pipeline:
         try:
             with torch.no_grad(), torch.random.fork_rng(), skip.use(rec):
                 for k, (start, end) in enumerate(self.bounds):
-                    x = structure.to(x, self.devices[k])
+                    x = structure.to(x, self._device(k))
                     for i in range(start, end):
                         rec.layer = i
                         for s in rec.skips.values():
-                            s.sent = s.sent.to(self.devices[k])
+                            s.sent = s.sent.to(self._device(k))
                         x = self.model[i](x)
         finally:
             self.model.train(was_training)
@@ -241,6 +277,7 @@ class Pipeline:
             return stage.step(step, 0.0, inp if k == 0 else None, tgt if k == last else None, sizes, batch)
 
         results = self._run(run)
+        self.results = results
         self._steps += 1
         scaled = [res.skipped for res in results if res.skipped is not None]
         self.skipped = any(scaled) if scaled else None
@@ -306,6 +343,8 @@ class Pipeline:
         any raised (the others stop waiting on it at once)."""
         hub = self._hub
         hub.reset()
+        for turns in (t for per_replica in self._turns for t in per_replica):
+            turns.reset()
         stages = self._stages[: len(self.balance) * (replicas or self.replicas)]
 
         def guarded(stage: Stage) -> T:
@@ -315,11 +354,13 @@ class Pipeline:
                     return work(stage)
             except BaseException as e:
                 hub.fail(e)
+                for turns in (t for per_replica in self._turns for t in per_replica):
+                    turns.fail()
                 raise
 
         futures: list[Future[T]] = [self._pool.submit(guarded, s) for s in stages]
         errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None and not isinstance(e, HubClosed)), None) or \
+        first = next((e for e in errors if e is not None and not isinstance(e, (HubClosed, TurnAborted))), None) or \
             next((e for e in errors if e is not None), None)
         if first is not None:
             raise first

@@ -1,30 +1,72 @@
 """Pipeline schedules as data: for each stage, the ordered actions of one step.
 
-An action is a forward (F) or a backward (B) of one micro-batch. The receive
-of a forward's input and the send of its output (and the same for a backward's
-gradient) are implied by the action and run on the stage's channel threads,
-so sends never block compute and receives are posted ahead of time.
+An action is a forward (F), a backward (B) or a weight-gradient pass (W) of one
+micro-batch. The receive of a forward's input and the send of its output (and
+the same for a backward's gradient) are implied by the action and run on the
+stage's channel threads, so sends never block compute and receives are posted
+ahead of time. A schedule with W actions splits each backward
+(gpipe.split_backward): B then computes only the gradients of the stage's
+inputs, which the stage before waits for, and W, later, those of its weights.
 
-gpipe (fill-drain), 4 stages, 4 micro-batches; a cell is the micro-batch each
-stage runs at each tick (Fi forward, Bi backward, . idle):
+The tables are `simulate`'s, under its cost model (`cost`): a forward takes a
+tick, a whole backward two, a split backward's B and W one each. A cell is
+the action each stage runs at each tick (. idle).
 
-    tick      0  1  2  3  4  5  6  7  8  9 10 11 12 13
-    stage 0  F0 F1 F2 F3  .  .  .  .  .  . B3 B2 B1 B0
-    stage 1   . F0 F1 F2 F3  .  .  .  . B3 B2 B1 B0  .
-    stage 2   .  . F0 F1 F2 F3  .  . B3 B2 B1 B0  .  .
-    stage 3   .  .  . F0 F1 F2 F3 B3 B2 B1 B0  .  .  .
+gpipe (fill-drain), 4 stages, 4 micro-batches:
+
+    tick      0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19 20
+    stage 0  F0 F1 F2 F3  .  .  .  .  .  .  .  .  . B3 B3 B2 B2 B1 B1 B0 B0
+    stage 1   . F0 F1 F2 F3  .  .  .  .  .  . B3 B3 B2 B2 B1 B1 B0 B0  .  .
+    stage 2   .  . F0 F1 F2 F3  .  .  . B3 B3 B2 B2 B1 B1 B0 B0  .  .  .  .
+    stage 3   .  .  . F0 F1 F2 F3 B3 B3 B2 B2 B1 B1 B0 B0  .  .  .  .  .  .
 
 1f1b, 4 stages, 6 micro-batches: stage k runs stages-k-1 warm-up forwards,
 then alternates one forward and one backward, so it holds at most stages-k
-micro-batches' activations at once (gpipe holds all of them):
+micro-batches' activations at once (gpipe holds all of them). Both take
+3(M+P-1) ticks for M micro-batches on P stages: the bubble is (P-1)/(M+P-1).
 
-    tick      0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17
-    stage 0  F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2  . B3  . B4  . B5
-    stage 1   . F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5  .
-    stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .  .
-    stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5  .  .  .
+    tick      0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26
+    stage 0  F0 F1 F2 F3  .  .  .  .  .  . B0 B0 F4 B1 B1 F5 B2 B2  . B3 B3  . B4 B4  . B5 B5
+    stage 1   . F0 F1 F2  .  .  .  . B0 B0 F3 B1 B1 F4 B2 B2 F5 B3 B3  . B4 B4  . B5 B5  .  .
+    stage 2   .  . F0 F1  .  . B0 B0 F2 B1 B1 F3 B2 B2 F4 B3 B3 F5 B4 B4  . B5 B5  .  .  .  .
+    stage 3   .  .  . F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 B5  .  .  .  .  .  .
 
-(each tick is one forward or one backward, taken as equally long.)
+zb-h1 (zero bubble, arXiv 2401.10241), 4 stages, 6 micro-batches: 1f1b's
+order with the backward split, stage k's W running k micro-batches behind its
+B. Only F and B are on the path between stages, so the B's of the drain come
+back a tick apart, and the W's left over fill the time 1f1b's stage k waits
+there. It takes 3M+P-1 ticks (M >= P): the bubble is (P-1)/(3M+P-1), about a
+third of 1f1b's. Every stage holds at most P micro-batches' activations (from
+F to W), the most 1f1b holds (on stage 0).
+
+    tick      0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19 20
+    stage 0  F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5
+    stage 1   . F0 F1 F2  .  . B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5
+    stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
+    stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
+
+interleaved-1f1b (Megatron), 2 workers, virtual_stages 2, 2 micro-batches:
+the model is cut into 4 chunks, chunk c on worker c mod 2 (F0.1: micro-batch 0
+on the worker's chunk 1, the model's chunk 3 on worker 1). A chunk is half a
+stage, so a tick is half as long: 15 half-ticks where 1f1b takes 9 ticks
+(the bubble (P-1)/(VM+P-1)). Micro-batches go in rounds of the workers.
+
+    tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13   14
+    worker 0    F0   F1 F0.1 F1.1    .    . B0.1 B0.1    . B1.1 B1.1   B0   B0   B1   B1
+    worker 1     .   F0   F1 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1   B0   B0   B1   B1    .    .
+
+zbv (zero bubble V), 2 workers, 3 micro-batches: worker k holds the model's
+chunks k and 2P-1-k (worker 0 the first and the last), the backward split as
+in zb-h1; 19 half-ticks, the bubble (P-1)/(6M+P-1) for M >= 2P-1:
+
+    tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13 ...
+    worker 0    F0   F1   F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1   B0   W0 F2.1 B2.1 W2.1 ...
+    worker 1     .   F0 F0.1   F1 F1.1 B0.1 W0.1   F2   B0   W0 F2.1 B1.1 W1.1   B1 ...
+
+(The cost model is the usual one: a backward does about twice a forward's
+work, half of it for the inputs and half for the weights. The first stage's
+inputs want no gradient, so its B does nothing and its W the whole backward;
+nothing waits on it there.)
 """
 
 from __future__ import annotations
@@ -34,11 +76,12 @@ from typing import Literal, NamedTuple
 
 
 class Action(NamedTuple):
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "W"]
     micro_batch: int
+    chunk: int = 0  # which of the worker's model chunks it runs on (interleaved-1f1b: 0..virtual-1)
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def gpipe(stage: int, stages: int, chunks: int) -> list[Action]:
@@ -58,21 +101,130 @@ def one_f_one_b(stage: int, stages: int, chunks: int) -> list[Action]:
     return actions
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+def zb_h1(stage: int, stages: int, chunks: int) -> list[Action]:
+    """1f1b's order with each backward split into B and W, stage k's W running k micro-batches behind its B:
+    the W's left at the end fill the drain, where 1f1b's stage k waits k backwards for the stages before it.
+    Every stage then holds at most `stages` micro-batches (1f1b's stage 0 does too)."""
+    actions: list[Action] = []
+    w = 0  # the next W
+    for a in one_f_one_b(stage, stages, chunks):
+        actions.append(a)
+        if a.kind == "B" and a.micro_batch - stage >= 0:
+            actions.append(Action("W", w))
+            w += 1
+    return actions + [Action("W", i) for i in range(w, chunks)]
+
+
+def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: worker `stage` holds `virtual` model chunks (chunk c of the worker is the
+    model's chunk c*stages+stage). Forwards go a round of `stages` micro-batches through chunk 0, the same round
+    through chunk 1, and so on; backwards likewise from the last chunk. The warm-up is 1f1b's doubled, plus a
+    round per extra chunk. `chunks` (micro-batches) must be a multiple of `stages`."""
+    if virtual == 1:
+        return one_f_one_b(stage, stages, chunks)
+    p, total = stages, chunks * virtual
+
+    def nth(i: int, backward: bool) -> tuple[int, int]:  # (micro-batch, chunk) of the worker's i-th F or B
+        group, j = divmod(i, p * virtual)
+        c = j // p
+        return group * p + j % p, virtual - 1 - c if backward else c
+
+    warmup = min(total, 2 * (p - stage - 1) + (virtual - 1) * p)
+    actions = [Action("F", *nth(i, False)) for i in range(warmup)]
+    for f in range(warmup, total):
+        actions += [Action("F", *nth(f, False)), Action("B", *nth(f - warmup, True))]
+    return actions + [Action("B", *nth(b, True)) for b in range(total - warmup, total)]
+
+
+def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """Zero bubble V (arXiv 2401.10241, section 6): worker k holds model chunks k (its chunk 0) and
+    2*stages-1-k (its chunk 1), a V, so the last model chunk is on worker 0; backwards split into B and W.
+    Warm-up: chunk 0's forwards, then chunk 1's interleaved, each chunk 1 forward on the worker nearest the
+    V's bottom followed at once by its B and W; steady state: F, B, W on chunk 0 then on chunk 1; the drain
+    runs the B's first and fills the gaps with the W's left. Built for 2*stages-1 micro-batches or more (the
+    actions of micro-batches past `chunks` are dropped), as torch.distributed.pipelining's builder is."""
+    if virtual != 2:
+        raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker, not {virtual}")
+    p, k = stages, stage
+    n = max(2 * p - 1, chunks)
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+    actions: list[Action] = []
+
+    def run(*steps: str) -> None:  # "F1": a forward of the next micro-batch on the worker's chunk 1
+        for step in steps:
+            kind, c = step[0], int(step[1])
+            actions.append(Action(kind, count[(kind, c)], c))  # type: ignore[arg-type]  # kind is F, B or W
+            count[(kind, c)] += 1
+
+    for _ in range(2 * (p - k) - 1):
+        run("F0")
+    for _ in range(k):
+        run("F1", "F0")
+    for _ in range(p - k):
+        run("F1", "B1", "W1")
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            run("F0")
+        run("B0", "W0", "F1", "B1", "W1")
+    for _ in range(k):
+        run("B0", "B1")
+    for _ in range(p - k):
+        run("B0", "W0")
+    for c in (1, 0):
+        while count[("W", c)] < count[("B", c)]:
+            run(f"W{c}")
+    return [a for a in actions if a.micro_batch < chunks]
+
+
+def place(name: str, chunk: int, stages: int) -> tuple[int, int]:
+    """(worker, the worker's own chunk number) of model chunk `chunk`: chunk c is on worker c mod stages, but
+    zbv's V puts chunk c on worker 2*stages-1-c past the middle."""
+    if name == "zbv" and chunk >= stages:
+        return 2 * stages - 1 - chunk, 1
+    return chunk % stages, chunk // stages
+
+
+def model_chunk(name: str, worker: int, chunk: int, stages: int) -> int:
+    """The model chunk that is chunk `chunk` of worker `worker` (the inverse of `place`)."""
+    if name == "zbv" and chunk == 1:
+        return 2 * stages - 1 - worker
+    return chunk * stages + worker
+
+
+PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "zb-h1": zb_h1,
 }
+VIRTUAL: dict[str, Callable[[int, int, int, int], list[Action]]] = {  # several model chunks per worker
+    "interleaved-1f1b": interleaved_1f1b,
+    "zbv": zbv,
+}
+SCHEDULES = [*PLAIN, *VIRTUAL]
 
 
-def build(name: str, stage: int, stages: int, chunks: int) -> list[Action]:
-    """The actions of `stage` for one step of the schedule `name`."""
-    return SCHEDULES[name](stage, stages, chunks)
+def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:
+    """The actions of worker `stage` for one step of the schedule `name` (`virtual` model chunks per worker)."""
+    if name in VIRTUAL:
+        return VIRTUAL[name](stage, stages, chunks, virtual)
+    return PLAIN[name](stage, stages, chunks)
+
+
+def splits_backward(actions: list[Action]) -> bool:
+    """Whether a stage's actions split the backward: B then only the inputs' gradients, W the weights'."""
+    return any(a.kind == "W" for a in actions)
+
+
+def cost(kind: str, split: bool) -> int:
+    """An action's length in ticks, the simulator's cost model: a forward 1, a whole backward 2 (twice the
+    forward's work: the gradients of the inputs and of the weights), and a split backward's B and W 1 each."""
+    return 1 if kind == "F" or split else 2
 
 
 class Simulation(NamedTuple):
     ticks: int  # the step's length, in ticks
-    timeline: list[list[Action | None]]  # [stage][tick]
-    max_in_flight: list[int]  # per stage: micro-batches forwarded and not yet backwarded
+    timeline: list[list[Action | None]]  # [stage][tick]: the action running (for each of its ticks), or idle
+    max_in_flight: list[int]  # per stage: micro-batches forwarded whose activations are still held
 
     @property
     def bubble_fraction(self) -> float:
@@ -80,42 +232,68 @@ class Simulation(NamedTuple):
         return 1.0 - busy / (len(self.timeline) * self.ticks)
 
 
-def simulate(name: str, stages: int, chunks: int) -> Simulation:
-    """Run a schedule with unit-time actions and instant transfers.
+def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulation:
+    """Run a schedule under the cost model (`cost`) with instant transfers.
 
-    A forward of micro-batch i on stage k needs stage k-1's forward of i; a
-    backward needs stage k+1's backward of i (or, on the last stage, its own
-    forward). Raises RuntimeError if no stage can make progress: a deadlock.
+    A forward of micro-batch i on model chunk g (the worker's chunk c is the
+    model's c*stages+k on worker k; without virtual chunks, g is the stage)
+    needs chunk g-1's forward of i; a backward (B) needs chunk g+1's (or, on
+    the last chunk, its own forward); a W follows its own B. Each action starts
+    as soon as its worker is free and what it needs has ended. A micro-batch's
+    activations are held from its forward to its backward (to its W, when the
+    backward is split). Raises RuntimeError if no worker can make progress: a
+    deadlock.
     """
-    plans = [build(name, k, stages, chunks) for k in range(stages)]
+    plans = [build(name, k, stages, chunks, virtual) for k in range(stages)]
+    split = [splits_backward(plan) for plan in plans]
     pos = [0] * stages
-    done: dict[tuple[int, Action], int] = {}  # (stage, action) -> tick it finished
+    free = [0] * stages  # the tick each worker's last action ended
+    done: dict[tuple[int, Action], int] = {}  # (worker, action) -> the tick it ended
     timeline: list[list[Action | None]] = [[] for _ in range(stages)]
-    in_flight = [0] * stages
-    peak = [0] * stages
-    tick = 0
     while any(p < len(plan) for p, plan in zip(pos, plans, strict=True)):
-        ran = []
+        moved = False
         for k in range(stages):
-            if pos[k] == len(plans[k]):
-                timeline[k].append(None)
-                continue
-            a = plans[k][pos[k]]
-            if a.kind == "F":
-                dep = (k - 1, Action("F", a.micro_batch)) if k > 0 else None
-            else:
-                dep = (k + 1, Action("B", a.micro_batch)) if k < stages - 1 else (k, Action("F", a.micro_batch))
-            if dep is None or done.get(dep, tick) < tick:
-                ran.append((k, a))
-                timeline[k].append(a)
-            else:
-                timeline[k].append(None)
-        if not ran:
-            raise RuntimeError(f"{name}: deadlock at tick {tick}, stages waiting at {pos}")
-        for k, a in ran:
-            done[(k, a)] = tick
-            pos[k] += 1
-            in_flight[k] += 1 if a.kind == "F" else -1
-            peak[k] = max(peak[k], in_flight[k])
-        tick += 1
-    return Simulation(tick, timeline, peak)
+            while pos[k] < len(plans[k]):
+                a = plans[k][pos[k]]
+                dep = _dependency(name, k, a, stages, virtual)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[k], done[dep] if dep is not None else 0)
+                length = cost(a.kind, split[k])
+                timeline[k] += [None] * (start - free[k]) + [a] * length
+                free[k] = done[(k, a)] = start + length
+                pos[k] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"{name}: deadlock, stages waiting at {pos}")
+    ticks = max(free, default=0)
+    for row in timeline:
+        row += [None] * (ticks - len(row))
+    return Simulation(ticks, timeline, [_held(plan, s) for plan, s in zip(plans, split, strict=True)])
+
+
+def _held(actions: list[Action], split: bool) -> int:
+    """The most micro-batches a stage's actions hold at once: forwarded, and not yet backwarded (not yet through
+    their W, when the backward is split)."""
+    held = peak = 0
+    end = "W" if split else "B"
+    for a in actions:
+        held += 1 if a.kind == "F" else -1 if a.kind == end else 0
+        peak = max(peak, held)
+    return peak
+
+
+def _dependency(name: str, k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
+    """The action of another worker (or the worker's own forward) that `a` on worker k waits for."""
+    g = model_chunk(name, k, a.chunk, stages)  # the model chunk it runs on
+    if a.kind == "F":
+        if g == 0:
+            return None
+        worker, chunk = place(name, g - 1, stages)
+        return worker, Action("F", a.micro_batch, chunk)
+    if a.kind == "B":
+        if g == stages * virtual - 1:
+            return k, Action("F", a.micro_batch, a.chunk)
+        worker, chunk = place(name, g + 1, stages)
+        return worker, Action("B", a.micro_batch, chunk)
+    return None  # W: after its own B, which comes before it in the worker's order

@@ -54,7 +54,7 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
     if pipelined:
         s = spec.get("loss_scale", {})
         pipe = Pipeline(model, cuts or [len(model)], chunks=spec.get("chunks", 1),
-                        schedule=spec.get("schedule", "gpipe"),
+                        schedule=spec.get("schedule", "gpipe"), virtual_stages=spec.get("virtual_stages", 1),
                         activation_checkpoint=spec.get("activation_checkpoint", "never"),
                         precision=spec.get("precision", "fp32"),
                         deferred_batch_norm=spec.get("deferred_batch_norm", False),

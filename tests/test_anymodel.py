@@ -99,6 +99,9 @@ def fresh(factory, **args):
     ({"split_points": ["transformer.h.1", "transformer.h.3"]}, "1f1b", "never"),
     ({"stages": 3}, "gpipe", "always"),
     ({"balance": [1, 3]}, "1f1b", "never"),
+    ({"split_points": ["transformer.h.1", "transformer.h.3"]}, "zb-h1", "except_last"),
+    ({"stages": 4, "virtual_stages": 2}, "interleaved-1f1b", "never"),
+    ({"stages": 4, "virtual_stages": 2}, "zbv", "always"),  # the embedding and the head on one worker, a V
 ])
 def test_gpt2_with_tied_weights_equals_one_device(cut, schedule, checkpointing):
     data = batches(3, 8, 10)

@@ -10,6 +10,7 @@ feature files keep one real-process case per feature.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 import gpipe
 from gpipe import skip
 from gpipe.rng import seeded_forward
+from gpipe.schedule import Action, build, model_chunk
 from tests import reference
 
 MLP = {"factory": "mlp", "args": {"width": 16, "depth": 5}}
@@ -117,6 +119,141 @@ def test_batch_norm_equals_one_device(schedule, checkpointing, deferred):
 ])
 def test_replicas_equal_one_device(name, spec, balance):
     compare(spec, balance)
+
+
+ZB_BALANCES = [[4, 6], [1, 8, 1], [3, 2, 2, 3]]
+
+
+@pytest.mark.parametrize("balance", ZB_BALANCES, ids=lambda b: f"{len(b)}stages")
+@pytest.mark.parametrize("per_stage", [1, 2, None], ids=["M=P", "M=2P", "M=5"])
+@pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
+def test_zb_h1_equals_one_device(checkpointing, per_stage, balance):
+    """The split backward (B, then W later) under zb-h1: dropout, momentum, uneven micro-batches (a batch of
+    2M+1), for P in 2, 3, 4 and M in P, 2P and an odd count."""
+    m = per_stage * len(balance) if per_stage else 5
+    compare(job(model=DROPOUT, chunks=m, schedule="zb-h1", activation_checkpoint=checkpointing,
+                data={**REGRESSION, "batch_size": 2 * m + 1}), balance)
+
+
+@pytest.mark.parametrize(("name", "spec", "balance"), [
+    ("skips-across-cuts-always", job(model=SKIPS, chunks=3, activation_checkpoint="always"), [1, 2, 3]),
+    ("skips-within-a-stage", job(model=SKIPS), [3, 3]),
+    ("pairs-except_last", job(model=PAIRS, chunks=3, activation_checkpoint="except_last",
+                              data={**REGRESSION, "batch_size": 10}), [2, 2, 2]),
+    ("dict-mask-always", job(model=MASKED, activation_checkpoint="always", data={**DICTS, "batch_size": 8}),
+     [2, 1, 2]),
+    ("transformer-steplr", job(model={"factory": "tests.models:tiny_lm", "args": {}}, loss="cross_entropy",
+                               data={"factory": "tests.models:tokens", "args": {}, "batch_size": 9}, chunks=3,
+                               optimizer={"name": "sgd", "lr": 0.1}), [2, 2, 2]),
+    ("batch-norm-deferred-always", job(model=BN, data=BN_DATA, chunks=3, activation_checkpoint="always",
+                                       deferred_batch_norm=True, optimizer={"name": "sgd", "lr": 0.1}), [4, 5, 3]),
+    ("batch-norm-per-micro-batch", job(model=BN, data=BN_DATA, chunks=3, optimizer={"name": "sgd", "lr": 0.1}),
+     [4, 5, 3]),
+    ("replicas-2x3-odd-shards", job(model=DROPOUT, replicas=2, chunks=3, data={**REGRESSION, "batch_size": 13}),
+     [3, 4, 3]),
+    ("adam-clip", job(chunks=3, data={**REGRESSION, "batch_size": 10}, clip_grad_norm=0.5,
+                      optimizer={"name": "adam", "lr": 0.01}), [2, 1, 3]),
+    ("bf16", job(model=DROPOUT, chunks=4, precision="bf16"), [5, 5]),
+    ("fp16", job(model=DROPOUT, chunks=4, precision="fp16"), [5, 5]),
+])
+def test_zb_h1_with_every_feature_equals_one_device(name, spec, balance):
+    compare({**spec, "schedule": "zb-h1"}, balance)
+
+
+def test_zb_h1_fp16_overflow_skips_the_step_as_grad_scaler_does():
+    """The overflow is seen only once every W of the step has run: the check stays at the step's end."""
+    spec = job(model={"factory": "tests.models:overflow_mlp", "args": {"width": 16, "at": [2]}}, precision="fp16",
+               optimizer={"name": "adam", "lr": 0.01}, loss_scale={"init": 1024.0, "growth_interval": 2},
+               schedule="zb-h1", chunks=3)
+    compare(spec, [2, 2, 2])
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 8), (4, 4), (4, 8), (3, 5)])
+def test_zb_h1_holds_at_most_a_tenth_more_activations_than_1f1b(stages, chunks):
+    """The largest stage's counted activation peak (the stages' activation_peak_bytes): each stage keeps its
+    micro-batches until their W, at most `stages` of them, as 1f1b's first stage does."""
+    def peak(schedule: str) -> int:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(2 * stages)])
+        with gpipe.Pipeline(model, [2] * stages, chunks=chunks, schedule=schedule) as pipe:
+            pipe.step(torch.randn(4 * chunks, 64), torch.randn(4 * chunks, 64), nn.functional.mse_loss)
+            return max(r.activation_peak_bytes for r in pipe.results)
+
+    assert peak("zb-h1") <= 1.1 * peak("1f1b")
+
+
+# Model chunks (2 per worker) of the 10 layers, for 2, 3 and 4 workers.
+INTERLEAVED_BALANCES = [[2, 3, 2, 3], [1, 2, 3, 1, 2, 1], [2, 1, 1, 1, 1, 2, 1, 1]]
+
+
+@pytest.mark.parametrize("balance", INTERLEAVED_BALANCES, ids=lambda b: f"{len(b) // 2}workers")
+@pytest.mark.parametrize("per_worker", [1, 2], ids=["M=P", "M=2P"])
+@pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
+def test_interleaved_1f1b_equals_one_device(checkpointing, per_worker, balance):
+    """Two model chunks per worker: dropout, momentum, uneven micro-batches (a batch of 2M+1)."""
+    m = per_worker * len(balance) // 2
+    compare(job(model=DROPOUT, chunks=m, schedule="interleaved-1f1b", virtual_stages=2,
+                activation_checkpoint=checkpointing, data={**REGRESSION, "batch_size": 2 * m + 1}), balance)
+
+
+@pytest.mark.parametrize(("name", "spec", "balance"), [
+    ("skips-3-chunks-per-worker-always", job(model=SKIPS, activation_checkpoint="always", virtual_stages=3),
+     [1, 1, 1, 1, 1, 1]),
+    ("pairs-except_last", job(model=PAIRS, chunks=2, activation_checkpoint="except_last", virtual_stages=2,
+                              data={**REGRESSION, "batch_size": 10}), [1, 2, 2, 1]),
+    ("batch-norm-deferred-always", job(model=BN, data=BN_DATA, activation_checkpoint="always", virtual_stages=2,
+                                       deferred_batch_norm=True, optimizer={"name": "sgd", "lr": 0.1}), [4, 2, 3, 3]),
+    ("replicas-2x2", job(model=DROPOUT, replicas=2, virtual_stages=2, data={**REGRESSION, "batch_size": 13}),
+     [3, 2, 2, 3]),
+    ("bf16", job(model=DROPOUT, chunks=4, precision="bf16", virtual_stages=2), [2, 3, 2, 3]),
+    ("fp16", job(model=DROPOUT, chunks=4, precision="fp16", virtual_stages=2), [2, 3, 2, 3]),
+])
+def test_interleaved_1f1b_with_every_feature_equals_one_device(name, spec, balance):
+    compare({**spec, "schedule": "interleaved-1f1b"}, balance)
+
+
+@pytest.mark.parametrize("balance", INTERLEAVED_BALANCES, ids=lambda b: f"{len(b) // 2}workers")
+@pytest.mark.parametrize("per_worker", [1, 2, None], ids=["M=P", "M=2P", "M=5"])
+@pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
+def test_zbv_equals_one_device(checkpointing, per_worker, balance):
+    """Worker k holds model chunks k and 2P-1-k, the backward split: dropout, momentum, uneven micro-batches."""
+    m = per_worker * len(balance) // 2 if per_worker else 5
+    compare(job(model=DROPOUT, chunks=m, schedule="zbv", virtual_stages=2, activation_checkpoint=checkpointing,
+                data={**REGRESSION, "batch_size": 2 * m + 1}), balance)
+
+
+@pytest.mark.parametrize(("name", "spec", "balance"), [
+    ("skips-always", job(model=SKIPS, chunks=3, activation_checkpoint="always"), [1, 1, 2, 2]),
+    ("pairs-except_last", job(model=PAIRS, chunks=3, activation_checkpoint="except_last",
+                              data={**REGRESSION, "batch_size": 10}), [1, 2, 2, 1]),
+    ("batch-norm-deferred-always", job(model=BN, data=BN_DATA, chunks=3, activation_checkpoint="always",
+                                       deferred_batch_norm=True, optimizer={"name": "sgd", "lr": 0.1}), [4, 2, 3, 3]),
+    ("replicas-2x2", job(model=DROPOUT, replicas=2, chunks=3, data={**REGRESSION, "batch_size": 13}), [3, 2, 2, 3]),
+    ("bf16", job(model=DROPOUT, chunks=4, precision="bf16"), [2, 3, 2, 3]),
+    ("fp16", job(model=DROPOUT, chunks=4, precision="fp16"), [2, 3, 2, 3]),
+])
+def test_zbv_with_every_feature_equals_one_device(name, spec, balance):
+    compare({**spec, "schedule": "zbv", "virtual_stages": 2}, balance)
+
+
+def test_interleaved_micro_batches_go_in_rounds_of_the_workers():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    with pytest.raises(ValueError, match="^chunks: .* 3 is not a multiple of 2"):
+        gpipe.Pipeline(model, [1] * 4, chunks=3, schedule="interleaved-1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved-1f1b", 3), ("zbv", 2)])
+def test_a_workers_chunks_run_one_action_at_a_time_in_the_schedules_order(schedule, virtual):
+    """The stages of one worker's chunks take turns: together they run the worker's order, never two at once."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2 * virtual)])
+    with gpipe.Pipeline(model, [1] * 2 * virtual, chunks=4, schedule=schedule, virtual_stages=virtual) as pipe:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.functional.mse_loss)
+        for worker in range(2):
+            stages = [pipe.results[model_chunk(schedule, worker, c, 2)] for c in range(virtual)]
+            ran = sorted((s.start_unix + start, s.start_unix + end, kind, mb, chunk)
+                         for chunk, s in enumerate(stages) for kind, mb, start, end in s.timeline)
+            assert [repr(Action(kind, mb, chunk)) for _, _, kind, mb, chunk in ran] == \
+                [repr(a) for a in build(schedule, worker, 2, 4, virtual)]
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(ran))  # one at a time
 
 
 @pytest.mark.parametrize(("name", "spec", "balance"), [
@@ -220,6 +357,9 @@ def test_a_stage_waits_no_longer_than_its_timeout_and_names_what_it_waited_for()
     ({"balance": [2, 2]}, "balance"), ({"balance": [0, 3]}, "balance"), ({"chunks": 0}, "chunks"),
     ({"schedule": "zb"}, "schedule"), ({"activation_checkpoint": "sometimes"}, "activation_checkpoint"),
     ({"precision": "fp8"}, "precision"), ({"devices": ["cpu"]}, "devices"), ({"replicas": 0}, "replicas"),
+    ({"virtual_stages": 2}, "virtual_stages"), ({"virtual_stages": 0}, "virtual_stages"),
+    ({"schedule": "interleaved-1f1b", "virtual_stages": 3}, "balance"),
+    ({"schedule": "zbv", "virtual_stages": 1}, "virtual_stages"),
 ])
 def test_bad_arguments_are_named(kwargs, field):
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))

@@ -81,6 +81,9 @@ def test_the_progress_line_shows_each_replicas_step_time(capsys):
 CASES = {
     # 2 replicas x 2 stages, dropout (seeded by the global micro-batch index), momentum, clipping after the sum
     "2x2-dropout-clip": job(model=DROPOUT, stages=2, replicas=2, chunks=2, clip_grad_norm=0.2),
+    # zb-h1: each stage's gradient buckets are summed as its last W (not B) finishes
+    "2x2-zb-h1-except_last-clip": job(model=DROPOUT, stages=2, replicas=2, chunks=3, clip_grad_norm=0.2,
+                                      schedule="zb-h1", activation_checkpoint="except_last"),
 }
 
 

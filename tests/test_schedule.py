@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe.schedule import Action, build, simulate
+from gpipe.schedule import Action, build, model_chunk, place, simulate
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
+NAMES = ["gpipe", "1f1b", "zb-h1"]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", NAMES)
 def test_every_stage_runs_each_micro_batch_once_forward_before_backward(name):
     for p in STAGES:
         for m in CHUNKS:
             for k in range(p):
                 actions = build(name, k, p, m)
-                assert sorted(a for a in actions if a.kind == "F") == [Action("F", i) for i in range(m)]
-                assert sorted(a for a in actions if a.kind == "B") == [Action("B", i) for i in range(m)]
+                kinds = ["F", "B", "W"] if name == "zb-h1" else ["F", "B"]
+                for kind in kinds:
+                    assert sorted(a for a in actions if a.kind == kind) == [Action(kind, i) for i in range(m)]
+                assert len(actions) == len(kinds) * m
                 pos = {a: i for i, a in enumerate(actions)}
                 assert all(pos[Action("F", i)] < pos[Action("B", i)] for i in range(m))
+                if name == "zb-h1":
+                    assert all(pos[Action("B", i)] < pos[Action("W", i)] for i in range(m))
                 # Forwards go in micro-batch order on every stage: the channels rely on it.
                 assert [a.micro_batch for a in actions if a.kind == "F"] == list(range(m))
 
@@ -29,9 +34,20 @@ def test_every_stage_runs_each_micro_batch_once_forward_before_backward(name):
 @pytest.mark.parametrize("m", CHUNKS)
 def test_no_deadlock_and_the_bubble_is_ideal(name, p, m):
     sim = simulate(name, p, m)  # raises on a deadlock
-    # With equal forward and backward times both schedules take 2(M+P-1) ticks.
-    assert sim.ticks == 2 * (m + p - 1)
+    # A forward takes a tick and a backward two: both schedules take 3(M+P-1) ticks.
+    assert sim.ticks == 3 * (m + p - 1)
     assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", CHUNKS)
+def test_zb_h1_cuts_the_bubble_to_about_a_third(p, m):
+    sim = simulate("zb-h1", p, m)
+    # F, B and W a tick each; with M >= P only the warm-up's P-1 ticks are idle on each stage.
+    assert sim.ticks == max(3 * m + p - 1, 2 * (m + p) - 1)
+    if m >= p:
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert sim.bubble_fraction <= simulate("1f1b", p, m).bubble_fraction
 
 
 @pytest.mark.parametrize("p", STAGES)
@@ -39,12 +55,72 @@ def test_no_deadlock_and_the_bubble_is_ideal(name, p, m):
 def test_in_flight_bounds(p, m):
     assert simulate("gpipe", p, m).max_in_flight == [m] * p
     assert simulate("1f1b", p, m).max_in_flight == [min(p - k, m) for k in range(p)]
+    # zb-h1 holds a micro-batch until its W: at most P on every stage, 1f1b's most.
+    assert simulate("zb-h1", p, m).max_in_flight == [min(p, m)] * p
+
+
+def test_the_table_of_zb_h1():
+    sim = simulate("zb-h1", 2, 3)
+    row = [[str(a) if a else "." for a in r] for r in sim.timeline]
+    assert row == [["F0", "F1", ".", "B0", "W0", "F2", "B1", "W1", "B2", "W2"],
+                   [".", "F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "W2"]]
 
 
 def test_simulate_detects_a_deadlock(monkeypatch):
     from gpipe import schedule
 
     # Backward before forward on the last stage can never run.
-    monkeypatch.setitem(schedule.SCHEDULES, "broken", lambda k, p, m: [Action("B", 0), Action("F", 0)])
+    monkeypatch.setitem(schedule.PLAIN, "broken", lambda k, p, m: [Action("B", 0), Action("F", 0)])
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate("broken", 2, 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("rounds", [1, 2, 3, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_1f1b_runs_each_chunk_once_and_divides_the_bubble(p, rounds, v):
+    m = rounds * p
+    for k in range(p):
+        actions = build("interleaved-1f1b", k, p, m, v)
+        for kind in "FB":
+            assert sorted(a for a in actions if a.kind == kind) == \
+                sorted(Action(kind, i, c) for i in range(m) for c in range(v))
+        pos = {a: n for n, a in enumerate(actions)}
+        assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] for i in range(m) for c in range(v))
+        # Each chunk's forwards go in micro-batch order: the lanes rely on it.
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+                   for c in range(v))
+    sim = simulate("interleaved-1f1b", p, m, v)
+    # A chunk's F a tick, its B two: the bubble is 1f1b's divided by about the chunks per worker.
+    assert sim.ticks == 3 * (m * v + p - 1)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m * v + p - 1))
+
+
+def test_interleaved_1f1b_with_one_chunk_is_1f1b():
+    assert all(build("interleaved-1f1b", k, 4, 8, 1) == build("1f1b", k, 4, 8) for k in range(4))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16, 64])
+def test_zbv_runs_each_chunk_once_in_a_v_and_all_but_removes_the_bubble(p, m):
+    for k in range(p):
+        actions = build("zbv", k, p, m, 2)
+        for kind in "FBW":
+            assert sorted(a for a in actions if a.kind == kind) == \
+                sorted(Action(kind, i, c) for i in range(m) for c in range(2))
+        pos = {a: n for n, a in enumerate(actions)}
+        assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] < pos[Action("W", i, c)]
+                   for i in range(m) for c in range(2))
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+                   for c in range(2))
+        # The V: worker k's chunks are the model's k and 2P-1-k.
+        assert [model_chunk("zbv", k, c, p) for c in (0, 1)] == [k, 2 * p - 1 - k]
+        assert place("zbv", 2 * p - 1 - k, p) == (k, 1)
+    sim = simulate("zbv", p, m, 2)  # raises on a deadlock
+    if m >= 2 * p - 1:
+        # F, B and W of a half-stage chunk a tick each: P-1 idle ticks of 6M+P-1 (1f1b's are 3(P-1) of 3(M+P-1)).
+        assert sim.ticks == 6 * m + p - 1
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        # At most 2P chunks' micro-batches in flight: P stages' worth, what 1f1b's stage 0 holds.
+        assert sim.max_in_flight == [2 * p] * p
+    assert sim.bubble_fraction <= simulate("1f1b", p, m).bubble_fraction

@@ -58,7 +58,12 @@ BAD = [
     ({"balance": "by_magic"}, "balance: Input should be a valid list or 'by_params', 'by_time' or 'by_memory'"),
     ({"balance": [1] * 65}, "balance: List should have at most 64 items"),
     ({"trace_step": 3}, "trace_step: step 3 is past the last step 2"),
-    ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe' or '1f1b'"),
+    ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe', '1f1b' or 'zb-h1'"),
+    # several model chunks per worker: not in the service (interleaved-1f1b runs in gpipe.Pipeline)
+    ({"schedule": "interleaved-1f1b"}, "schedule: interleaved-1f1b (several model chunks per worker) runs in "
+                                       "gpipe.Pipeline only"),
+    ({"schedule": "zbv"}, "schedule: zbv (several model chunks per worker) runs in gpipe.Pipeline only"),
+    ({"virtual_stages": 2}, "virtual_stages: unknown field"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
     ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),
     ({"optimizer__lr": -1}, "optimizer.lr: must be greater than 0 and at most 1000, got -1"),

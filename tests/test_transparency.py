@@ -47,6 +47,11 @@ CASES = {
         model={"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 3}},
         optimizer={"name": "adamw", "lr": 0.01},
     ),
+    # zb-h1: the backward split into B and W across processes; uneven micro-batches (7 = 3+2+2), clipping
+    "3stages-zb-h1-uneven-clip": job(
+        stages=3, balance=[2, 2, 2], chunks=3, schedule="zb-h1", data={**REGRESSION, "batch_size": 7},
+        clip_grad_norm=0.5, steps=3,
+    ),
 }
 
 
@@ -73,7 +78,10 @@ def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
     torch.manual_seed(0)
     resolve(spec["model"]["factory"])(**spec["model"]["args"]).load_state_dict(got)
 
-    check_timeline(out, spec["stages"], spec["chunks"], spec["steps"])
+    split = "W" if spec.get("schedule") == "zb-h1" else ""
+    check_timeline(out, spec["stages"], spec["chunks"], spec["steps"], split)
+    plan = json.loads((out / "plan.json").read_text())["schedule"]
+    assert plan["name"] == spec.get("schedule", "gpipe") and len(plan["actions"]) == spec["stages"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(spec["steps"]))
     for m in lines:
@@ -84,14 +92,14 @@ def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
     return lines
 
 
-def check_timeline(out, stages: int, chunks: int, step: int) -> None:
+def check_timeline(out, stages: int, chunks: int, step: int, more: str = "") -> None:
     """trace.json holds each stage's forwards and backwards of step number `step` (counted from 1, as the
-    progress bar counts); timeline.png is a PNG."""
+    progress bar counts), and the actions of kinds `more` (W); timeline.png is a PNG."""
     trace = json.loads((out / "trace.json").read_text())
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert trace["traceEvents"][0]["args"]["name"] == f"step {step}"
     for k in range(stages):
         names = sorted(e["name"] for e in slices if e["tid"] == k)
-        assert names == sorted([f"F{i}" for i in range(chunks)] + [f"B{i}" for i in range(chunks)])
+        assert names == sorted(f"{kind}{i}" for kind in "FB" + more for i in range(chunks))
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

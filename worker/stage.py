@@ -3,7 +3,7 @@
 The stage gets everything it needs from the coordinator (the layer range, the
 initial weights, each step's inputs or targets and LR), so it can be thrown
 away and rebuilt at any time. A step is: post the receives, interpret the
-schedule's actions (`run`: F and B, each on one micro-batch), flush the sends,
+schedule's actions (`run`: F, B and W, each on one micro-batch), flush the sends,
 sum the gradients across replicas, unscale and clip, then the optimizer step.
 An eval batch runs the same interpreter, forward only. Whatever links it to
 the other stages is its transport (gpipe.transport): c10d between processes,
@@ -33,8 +33,10 @@ from gpipe.optim import optimizer_class
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import SharedGenerators, seeded_forward
+from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
 from gpipe.transport import Inbound, Outbound, Transport
+from gpipe.turns import Turns
 from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.channel import gradient_message, gradients, wants_grad
 from gpipe.worker.skips import Routed, SkipLinks
@@ -115,12 +117,19 @@ def backward(y: Any, wants: list[bool], grads: list[torch.Tensor],
              more: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
     """Backward from the tensors of `y` that wanted a gradient, with the next stage's gradients for them,
     and from the (tensor, gradient) pairs of `more` (skip connections), in one pass."""
+    pairs = roots(y, wants, grads, more)
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def roots(y: Any, wants: list[bool], grads: list[torch.Tensor],
+          more: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (tensor, gradient) pairs a backward starts from: the tensors of `y` that wanted a gradient, with the
+    next stage's gradients for them, and the pairs of `more` (skip connections), those that require grad."""
     outs = [t for t, w in zip(structure.tensors(y), wants, strict=True) if w]
     if len(outs) != len(grads):
         raise RuntimeError(f"{len(grads)} gradients came back for {len(outs)} tensors that wanted one")
-    pairs = [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    return [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
 
 
 @dataclass
@@ -138,6 +147,8 @@ class Pass:
     what: str = "micro-batch"  # how waits name a micro-batch
     outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
     in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
+    split: bool = False  # the backward is split: B the inputs' gradients, W the weights' (gpipe.split_backward)
+    weights: dict[int, WeightGradients] = field(default_factory=dict)  # after B, until W
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     busy: float = 0.0
     computing_from: float = 0.0  # when the current action's compute began (after its waits)
@@ -192,6 +203,7 @@ class Stage:
         # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
         self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.stage for k in keys}
         self.shared_rng = shared_rng
+        self.turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         self.transport = transport if transport is not None else C10dTransport(cfg, self.device)
@@ -261,7 +273,7 @@ class Stage:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._doing("computing")
-        self.run(schedule.build(cfg.schedule, cfg.stage, cfg.stages, len(sizes)), p, t_step)
+        self.run(*self._actions(len(sizes)), p, t_step)
         self._flush()
         self._sum_tied()
         reduce_s = self._reduce_replicas()
@@ -305,21 +317,50 @@ class Stage:
 
     # -- the interpreter ------------------------------------------------------------------------------------
 
-    def run(self, actions: list[schedule.Action], p: Pass, t_start: float) -> None:
-        """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it.
+    def _actions(self, chunks: int) -> tuple[list[schedule.Action], list[int] | None]:
+        """This stage's actions of a step, in order; with virtual stages (a model chunk of a worker that holds
+        several: gpipe.turns), also each one's position in the worker's order."""
+        cfg = self.cfg
+        if cfg.virtual_stages == 1:
+            return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
+        workers = cfg.stages // cfg.virtual_stages
+        worker, chunk = schedule.place(cfg.schedule, cfg.stage, workers)
+        order = schedule.build(cfg.schedule, worker, workers, chunks, cfg.virtual_stages)
+        mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
+        return [a for _, a in mine], [n for n, _ in mine]
+
+    def run(self, actions: list[schedule.Action], positions: list[int] | None, p: Pass, t_start: float) -> None:
+        """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it,
+        W computes its weights' gradients when the schedule splits the backward (then B only its inputs').
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
+        `positions`: each action's place in its worker's order, whose turn it waits for (gpipe.turns).
         """
-        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+        p.split = schedule.splits_backward(actions)
+        final = "W" if p.split else "B"  # the action whose gradients are the step's last
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == final), default=-1)
         for n, action in enumerate(actions):
             if n == last_backward and self.grad_sum is not None:
                 self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
-            p.computing_from = time.perf_counter()
-            self.ACTIONS[action.kind](self, action.micro_batch, p)
-            end = time.perf_counter()
+            with self._turn(positions[n] if positions is not None else None, action, p):
+                p.computing_from = time.perf_counter()
+                self.ACTIONS[action.kind](self, action.micro_batch, p)
+                end = time.perf_counter()
             p.busy += end - p.computing_from
             p.timeline.append((action.kind, action.micro_batch, p.computing_from - t_start, end - t_start))
+
+    @contextlib.contextmanager
+    def _turn(self, position: int | None, action: schedule.Action, p: Pass) -> Iterator[None]:
+        """With virtual stages: wait for the worker's turn at `position` (not busy time), hand it on after."""
+        if position is None or self.turns is None:
+            yield
+            return
+        what = f"{action!r} of model chunk {self.cfg.stage}"
+        self._doing("waiting", f"the worker's turn for {what}")
+        with self.turns.turn(position, self.cfg.step_timeout_s, what):
+            self._doing("computing")
+            yield
 
     def _forward(self, mb: int, p: Pass) -> None:
         """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
@@ -372,7 +413,8 @@ class Stage:
 
     def _backward(self, mb: int, p: Pass) -> None:
         """B: receive micro-batch `mb`'s output gradients (and skips'), recompute its forward if it was
-        checkpointed, backward through the layers, send its input's gradients back."""
+        checkpointed, backward through the layers, send its input's gradients back. When the step's backward is
+        split, only the inputs' gradients: the graph is kept for the weights' at the micro-batch's W."""
         cfg, timeout = self.cfg, self.cfg.step_timeout_s
         x, held_x, y, wants, arrived, stashed, skip_wants = p.in_flight.pop(mb)
         grads: list[torch.Tensor] = []
@@ -388,19 +430,30 @@ class Stage:
             with self.meter.hooks(), self.buffers.recompute():
                 y = self._compute(mb, x, ctx, p)
             stashed = ctx.out
-        if self.last:
-            # fp16: times the loss scale. (torch.autograd.backward: Tensor.backward is unannotated.)
-            torch.autograd.backward(self.precision.scaled(y * (p.sizes[mb] / p.batch)))
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        if self.last:  # fp16: times the loss scale; a scalar's gradient is one
+            pairs = [(self.precision.scaled(y * (p.sizes[mb] / p.batch)), None)]
         else:
-            backward(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))
-        del y, held_x, stashed, skip_grads
+            pairs = [*roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))]
+        if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
+            inputs = [t for t in structure.tensors((x, arrived)) if t.requires_grad]
+            p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params)
+        elif pairs:  # (torch.autograd.backward: Tensor.backward is unannotated.)
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        del y, held_x, stashed, skip_grads, pairs
         if not self.first:
             inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
             if inputs_back:  # the ones that wanted a gradient, in order
                 self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
         self.skips.send_gradients(mb, arrived)
 
-    ACTIONS: ClassVar[dict[str, Callable[[Stage, int, Pass], None]]] = {"F": _forward, "B": _backward}
+    def _weight(self, mb: int, p: Pass) -> None:
+        """W: micro-batch `mb`'s weight gradients, added into `.grad`, from what its B kept (the graph is then
+        dropped, and with it the activations)."""
+        p.weights.pop(mb).run()
+
+    ACTIONS: ClassVar[dict[str, Callable[[Stage, int, Pass], None]]] = {"F": _forward, "B": _backward,
+                                                                         "W": _weight}
 
     # -- after the backward ---------------------------------------------------------------------------
 
@@ -478,7 +531,7 @@ class Stage:
             else contextlib.nullcontext()
         try:
             with torch.no_grad(), rng:
-                self.run([schedule.Action("F", mb) for mb in range(chunks)], p, t0)
+                self.run([schedule.Action("F", mb) for mb in range(chunks)], None, p, t0)
             self._flush()
         finally:
             self.layers.train(was_training)

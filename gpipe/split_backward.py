@@ -1,0 +1,179 @@
+"""Split backward: a micro-batch's backward as B (its inputs' gradients) now and W (its weights') later.
+
+Zero-bubble schedules (gpipe.schedule: zb-h1) send a stage's input gradients
+upstream as soon as they exist, since the stage before waits on them, and
+compute the weight gradients later, where the stage would otherwise be idle.
+
+Nothing is computed twice (the approach of torch.distributed.pipelining's
+`stage_backward_input` / `stage_backward_weight`):
+
+- B runs autograd from the outputs to the inputs only, keeping the graph.
+  Autograd then runs only the nodes on a path to an input, and each computes
+  only the gradients that lead there: a Linear's matmul for its input, not
+  the one for its weight.
+- The nodes where a weight's path leaves the inputs' path (the Linear's addmm:
+  a "split" node) get a pre-hook that keeps the gradient arriving at them.
+- W runs autograd from the split nodes, with those gradients, to the weights
+  only: each split node now computes just its weight-side gradients, and the
+  weights' AccumulateGrad nodes add them into `.grad` (their hooks fire, so
+  the replicas' sums start as they do after a plain backward).
+
+A weight reached from two split nodes, one below the other on the input path
+(a weight used twice), would get the lower node's gradient again through the
+upper one: there the lower node's kept gradient replaces whatever arrives, so
+the sum is still one backward's (the input path between them then runs again:
+the one case that computes twice). An output that does not depend on any input
+(the first stage's, whose inputs want no gradient) goes backward whole in W.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """The node autograd runs for `t`: its grad_fn, or for a leaf its AccumulateGrad (made on first use)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    view = t.view_as(t).grad_fn
+    assert view is not None  # a view of a tensor that requires grad has one
+    node: Node | None = view.next_functions[0][0]
+    return node
+
+
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """For every node below `roots`, the nodes that pass it a gradient."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    seen, queue = set(roots), deque(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return parents
+
+
+def _above(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """The nodes reached going up from `starts` (toward the outputs) without entering `stop`; and the nodes of
+    `stop` met on the way."""
+    reached, met = set(starts), set()
+    queue = deque(starts)
+    while queue:
+        for parent in parents.get(queue.popleft(), []):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in reached:
+                reached.add(parent)
+                queue.append(parent)
+    return reached, met
+
+
+@dataclass
+class _Group:
+    """Weights whose gradients come from the same split nodes, with the gradients B kept at those nodes."""
+
+    params: list[torch.Tensor]
+    splits: list[Node]
+    kept: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+def _keeper(group: _Group, node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+    """A pre-hook that keeps the gradients arriving at split node `node` for `group`'s W."""
+    def keep(grads: tuple[torch.Tensor | None, ...]) -> None:
+        group.kept[node] = tuple(grads)
+    return keep
+
+
+def _replacer(kept: tuple[torch.Tensor | None, ...]) -> Callable[[tuple[torch.Tensor | None, ...]],
+                                                                  tuple[torch.Tensor | None, ...]]:
+    """A pre-hook that replaces the gradients arriving at a split node with `kept`."""
+    return lambda _grads: kept
+
+
+class WeightGradients:
+    """W of one micro-batch: what B kept for its weights' gradients. `run` once; it drops the graph."""
+
+    def __init__(self, groups: list[_Group], whole: list[tuple[torch.Tensor, torch.Tensor | None]],
+                 params: list[torch.Tensor]):
+        self.groups, self.whole, self.params = groups, whole, params
+
+    def run(self) -> None:
+        """Add the weights' gradients into their `.grad`, as one plain backward would have."""
+        for g in self.groups:
+            edges, grads = [], []
+            for node in g.splits:
+                for i, grad in enumerate(g.kept.get(node, ())):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, i))
+                        grads.append(grad)
+            if not edges:
+                continue
+            handles = []
+            if len(g.splits) > 1:  # one split node below another: it takes what B kept there, not a second copy
+                handles = [node.register_prehook(_replacer(kept)) for node, kept in g.kept.items()]
+            try:
+                torch.autograd.backward(edges, grads, inputs=g.params, retain_graph=True)
+            finally:
+                for h in handles:
+                    h.remove()
+        if self.whole and self.params:  # outputs that no input reaches: their whole backward, now
+            torch.autograd.backward([t for t, _ in self.whole], [g for _, g in self.whole], inputs=self.params)
+        self.groups, self.whole = [], []
+
+
+def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> WeightGradients:
+    """B: the gradients of `inputs` (tensors that require grad) from `roots` with `grads` (None: ones, for a
+    scalar loss), put in each input's `.grad`; returns W, the weights' part, to run later.
+
+    `params` are the weights (leaves) whose gradients W adds to their `.grad`.
+    """
+    pairs = [(t, g) for t, g in zip(roots, grads, strict=True) if t.requires_grad]
+    inputs = [t for t in inputs if t.requires_grad]
+    params = [p for p in params if p.requires_grad]
+    if not pairs:
+        return WeightGradients([], [], params)
+    if not inputs:
+        return WeightGradients([], pairs, params)
+    root_nodes = [n for t, _ in pairs if (n := _node(t)) is not None]
+    parents = _parents(root_nodes)
+    on_input_path, _ = _above([n for t in inputs if (n := _node(t)) is not None], parents, set())
+    by_split: dict[Node, _Group] = {}
+    for p in params:
+        node = _node(p)
+        if node is None or node not in parents:
+            continue  # not used on the way to these outputs
+        _, splits = _above([node], parents, on_input_path)
+        group = _Group([p], sorted(splits, key=id))
+        for s in splits:  # weights that share a split node share one W pass
+            other = by_split.get(s)
+            if other is not None and other is not group:
+                group.params = other.params + [q for q in group.params if all(q is not o for o in other.params)]
+                group.splits = other.splits + [q for q in group.splits if q not in other.splits]
+                for n in other.splits:
+                    by_split[n] = group
+            by_split[s] = group
+    groups = list({id(g): g for g in by_split.values()}.values())
+    handles = [s.register_prehook(_keeper(g, s)) for g in groups for s in g.splits]
+    try:
+        got = torch.autograd.grad([t for t, _ in pairs], inputs, [d for _, d in pairs],
+                                  retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for t, d in zip(inputs, got, strict=True):
+        if d is not None:
+            t.grad = d if t.grad is None else t.grad + d
+    whole = [(t, d) for t, d in pairs if _node(t) not in on_input_path]
+    return WeightGradients(groups, whole, params)

@@ -1,0 +1,134 @@
+"""gpipe.split_backward: B (the inputs' gradients) then W (the weights') equal one plain backward, and compute
+nothing twice (the matmuls are counted)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpipe.memory import ActivationMeter
+from gpipe.split_backward import backward_input
+
+MATMULS = {"aten.mm", "aten.addmm", "aten.bmm"}
+
+
+class Matmuls(TorchDispatchMode):
+    """Counts the matrix products run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += str(func.overloadpacket) in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+class Twice(nn.Module):
+    """One Linear used twice in a row: its weight is reached from two split nodes, one below the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+class Apart(nn.Module):
+    """Two outputs, one of which no input reaches (a parameter's own function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.pos = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.lin(x), (self.pos * 2).expand(3, 4).sin()
+
+
+class Halves(nn.Module):
+    """A node with two outputs (chunk) between the weights and the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h1, h2 = self.a(x).chunk(2, dim=1)
+        return self.b(torch.relu(h1)) * h2
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+CASES = [("mlp", mlp, True, 0), ("first-stage", mlp, False, 0), ("halves", Halves, True, 0),
+         ("apart", Apart, True, 0), ("a-weight-used-twice", Twice, True, 1)]
+
+
+@pytest.mark.parametrize(("name", "make", "input_grad", "again"), CASES, ids=[c[0] for c in CASES])
+def test_b_then_w_equals_one_backward_and_computes_nothing_twice(name, make, input_grad, again):
+    torch.manual_seed(0)
+    plain = make()
+    split = copy.deepcopy(plain)
+    x = torch.randn(3, 4)
+    xp, xs = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    yp, ys = plain(xp), split(xs)
+    yp, ys = (yp if isinstance(yp, tuple) else (yp,)), (ys if isinstance(ys, tuple) else (ys,))
+    grads = [torch.randn_like(t) for t in yp]
+    whole, b, w = Matmuls(), Matmuls(), Matmuls()
+    with whole:
+        torch.autograd.backward(list(yp), grads)
+    with b:
+        weights = backward_input(list(ys), grads, [xs], list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters())  # B touches no weight
+    if input_grad:
+        assert torch.equal(xs.grad, xp.grad)
+    with w:
+        weights.run()
+    for (n, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
+        assert q.grad is not None, n
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6)
+    # Each matrix product once (a weight used twice: the input path between its uses runs again in W).
+    assert b.n + w.n == whole.n + again
+    if input_grad:
+        assert b.n > 0 and w.n > 0
+
+
+def test_a_scalar_loss_and_the_post_accumulate_hooks():
+    """The last stage's root is its loss (gradient None: one); W accumulates through AccumulateGrad, so the
+    hooks the replicas' sums start from fire once per weight."""
+    torch.manual_seed(0)
+    model = mlp()
+    fired = []
+    for i, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: fired.append(i))
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    weights = backward_input([loss], [None], [x], list(model.parameters()))
+    assert fired == [] and x.grad is not None
+    weights.run()
+    assert sorted(fired) == list(range(len(list(model.parameters()))))
+
+
+def test_w_frees_the_activations_b_kept():
+    """Regression: the activation meter's handle held a saved output (ReLU's) with its grad_fn, a cycle that
+    nothing freed once B kept the graph (retain_graph): every micro-batch's activations stayed for good."""
+    model = mlp()
+    meter = ActivationMeter(list(model.parameters()))
+    for _ in range(3):
+        x = torch.randn(3, 4, requires_grad=True)
+        with meter.hooks():
+            y = model(x)
+        held = meter.current
+        weights = backward_input([y], [torch.ones_like(y)], [x], list(model.parameters()))
+        del y
+        assert 0 < meter.current <= held  # what W needs stays until W
+        weights.run()
+        del weights, x
+        assert meter.current == 0
