@@ -85,7 +85,8 @@ def channel(address: str, token: str | None, tls_ca: str | None) -> grpc.aio.Cha
             creds = grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(token))
         return grpc.aio.secure_channel(address, creds, options=CLIENT_KEEPALIVE)
-    interceptors = [_UnaryToken(token), _StreamToken(token), _UploadToken(token)] if token else None
+    interceptors: list[grpc.aio.ClientInterceptor] | None = \
+        [_UnaryToken(token), _StreamToken(token), _UploadToken(token)] if token else None
     return grpc.aio.insecure_channel(address, interceptors=interceptors, options=CLIENT_KEEPALIVE)
 
 
@@ -97,12 +98,14 @@ def _with_token(d: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCal
 
 
 # A class per kind of call: grpc's aio channel files an interceptor under the first kind it is an instance of.
-class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+class _Token:
     """Adds `authorization: Bearer <token>` (call credentials are only sent over TLS)."""
 
     def __init__(self, token: str):
         self.token = token
 
+
+class _UnaryToken(_Token, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self,
         continuation: Callable[
@@ -113,10 +116,7 @@ class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(_with_token(details, self.token), request)
 
 
-class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
-
+class _StreamToken(_Token, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self,
         continuation: Callable[
@@ -127,10 +127,7 @@ class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_token(details, self.token), request)
 
 
-class _UploadToken(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
-
+class _UploadToken(_Token, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self,
         continuation: Callable[

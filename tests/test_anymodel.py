@@ -127,22 +127,16 @@ def test_gpt2_sequence_lengths_that_change_from_step_to_step_equal_one_device():
     assert_same_weights(got, want)
 
 
-def test_llama_with_an_attention_mask_and_two_replicas_equals_one_device():
-    data = batches(3, 8, 9, mask=True)
-    want = fresh(models.llama)
+@pytest.mark.parametrize(("factory", "mask", "point"), [
+    (models.llama, True, "model.layers.2"),
+    (models.gpt2, False, "transformer.h.2"),  # each replica keeps its tied weight one tensor
+], ids=["llama-mask", "gpt2-tied"])
+def test_two_replicas_equal_one_device(factory, mask, point):
+    data = batches(3, 8, 9 if mask else 10, mask=mask)
+    want = fresh(factory)
     one_device(want, data, chunks=2, replicas=2)
-    got = fresh(models.llama)
-    pipelined(got, data, chunks=2, replicas=2, split_points=["model.layers.2"], schedule="1f1b")
-    assert_same_weights(got, want)
-
-
-def test_gpt2_with_tied_weights_and_two_replicas_equals_one_device():
-    """Each replica keeps its tied weight one tensor, whose gradient its first holder sums with the others'."""
-    data = batches(3, 8, 10)
-    want = fresh(models.gpt2)
-    one_device(want, data, chunks=2, replicas=2)
-    got = fresh(models.gpt2)
-    pipelined(got, data, chunks=2, replicas=2, split_points=["transformer.h.2"], schedule="1f1b")
+    got = fresh(factory)
+    pipelined(got, data, chunks=2, replicas=2, split_points=[point], schedule="1f1b")
     assert_same_weights(got, want)
 
 

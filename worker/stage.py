@@ -430,11 +430,11 @@ class Stage:
             with self.meter.hooks(), self.buffers.recompute():
                 y = self._compute(mb, x, ctx, p)
             stashed = ctx.out
-        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
         if self.last:  # fp16: times the loss scale; a scalar's gradient is one
             pairs = [(self.precision.scaled(y * (p.sizes[mb] / p.batch)), None)]
         else:
-            pairs = [*roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads))]
+            pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads)))
         if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
             inputs = [t for t in structure.tensors((x, arrived)) if t.requires_grad]
             p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params)
@@ -572,11 +572,13 @@ class Stage:
 
     def _clip(self, max_norm: float) -> float:
         """Clip to the global norm: every stage adds its squares, and all stages share the sum."""
-        grads = [p.grad for p in self.grad_params if p.grad is not None]
+        held = [p for p in self.grad_params if p.grad is not None]
+        grads = [p.grad for p in held if p.grad is not None]
         copies = {id(p) for p, _, first in self.tied if not first}  # a tied weight counts once, at its first holder
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in (p.grad for p in self.grad_params if p.grad is not None and id(p) not in copies):
-            sq += g.detach().double().pow(2).sum()
+        for p, g in zip(held, grads, strict=True):
+            if id(p) not in copies:
+                sq += g.detach().double().pow(2).sum()
         self.transport.all_reduce(sq, "pipeline")  # over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
         coef = max_norm / (norm + 1e-6)
