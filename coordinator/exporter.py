@@ -41,6 +41,8 @@ from gpipe.coordinator.supervisor import Entry, Supervisor
 from gpipe.errors import SpecError
 from gpipe.serde import JobState
 
+WAITING = (JobState.RESTARTING, JobState.PREEMPTED)  # jobs that wait for their ranks' workers to come back
+
 MAX_REQUEST_BYTES = 8192  # a request's line and headers; a scrape sends a few hundred bytes
 REQUEST_TIMEOUT_S = 10.0  # to send them, and to take the answer
 MAX_CONNECTIONS = 16  # at once; more are closed unanswered
@@ -129,7 +131,7 @@ class JobsCollector(Collector):
         sup = self.sup
         now = sup.clock.monotonic()
         busy = sum(w.attempt_id is not None for w in sup.workers.values())
-        waited_for = {r for e in sup.jobs.values() if e.record.state == JobState.RESTARTING and e.spec is not None
+        waited_for = {r for e in sup.jobs.values() if e.record.state in WAITING and e.spec is not None
                       for r in e.spec.topology.ranks()}
         workers = GaugeMetricFamily("gpipe_workers", "Workers: idle, busy (in an attempt), lost (ranks a restarting "
                                     "job waits for that no worker holds).", labels=["state"])

@@ -546,6 +546,18 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             self.streaming.discard(w.id)
 
 
+    async def Leave(self, request: workers_pb2.LeaveRequest, context: Context) -> workers_pb2.LeaveResponse:
+        if (why := _bad_id("worker_id", request.worker_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        try:
+            grpcutil.check_grace(request.grace_s, "grace_s")
+        except SpecError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        checkpointing = self.c.sup.preempt_worker(request.worker_id, request.grace_s)
+        if checkpointing is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "worker_id: unknown worker: register again")
+        return workers_pb2.LeaveResponse(checkpointing=bool(checkpointing))
+
     async def GetCode(self, request: workers_pb2.GetCodeRequest, context: Context) -> AsyncIterator[workers_pb2.CodePiece]:
         if (why := _bad_id("worker_id", request.worker_id)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
@@ -695,11 +707,36 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
 
 
+async def _drain(sup: Supervisor, grace_s: float, stop: asyncio.Event) -> None:
+    """SIGTERM: every running job checkpoints at its next step boundary (PREEMPTED), within `grace_s`; the
+    API and the workers' streams stay up meanwhile, and no job starts. A SIGINT cuts it short."""
+    running = len(sup.attempts)
+    if not running:
+        return
+    print(f"gpipe: SIGTERM: {running} running job(s) checkpoint at their next step boundary (grace {grace_s:.0f}s)",
+          file=sys.stderr, flush=True)
+    sup.preempt_all("the coordinator is stopping (SIGTERM)", grace_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while sup.attempts and not stop.is_set():
+        if loop.time() >= deadline:
+            print(f"gpipe: {', '.join(sup.attempts)}: no checkpoint within the grace ({grace_s:.0f}s): "
+                  "resumed from the last good one at the next start", file=sys.stderr, flush=True)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(deadline - loop.time(), 0.1)):
+                await stop.wait()
+
+
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
                 validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                max_code_mib: int = code.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop within a second; SpecError if a port is taken.
+                max_code_mib: int = code.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None,
+                grace_s: float = grpcutil.DEFAULT_GRACE_S) -> None:
+    """Run until SIGTERM or SIGINT; SpecError if a port is taken.
+
+    On SIGTERM every running job checkpoints at its next step boundary and is left PREEMPTED (a restarted
+    serve resumes it), for at most `grace_s`; then serve stops within a second. SIGINT stops it at once.
 
     `metrics`: (host, port) for Prometheus' /metrics (gpipe.coordinator.exporter); host None: the API's.
     """
@@ -740,13 +777,16 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
             tasks.append(asyncio.ensure_future(health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)))
 
     tasks[0].add_done_callback(died)
-    stop = asyncio.Event()
+    stop, term = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, term.set)
     if ready is not None:
         ready.set()
-    await stop.wait()
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(term.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if term.is_set() and not stop.is_set():
+        await _drain(c.sup, grace_s, stop)
     await health.enter_graceful_shutdown()
     c.stopping.set()
     c.sup.shutdown()

@@ -22,6 +22,7 @@ class JobState(StrEnum):
     FAILED = "FAILED"
     STOPPED = "STOPPED"
     RESTARTING = "RESTARTING"
+    PREEMPTED = "PREEMPTED"  # checkpointed on a SIGTERM (a worker's or serve's): waits for its workers, then resumes
 
     @property
     def ended(self) -> bool:
