@@ -146,7 +146,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the largest job code archive to send: the folder of the job file, or the spec's working_dir "
                         f"(default {DEFAULT_CODE_MIB} MiB; serve has its own --max-code-mib)")
     client("status", help="one job's state, progress and history").add_argument("name")
-    client("list", help="every job serve knows")
+    c = client("list", help="every job serve knows, or a page of them")
+    c.add_argument("--limit", type=int, default=None,
+                   help="show one page of at most this many jobs (1-1000), and the command for the next page")
+    c.add_argument("--page-token", default="", help="start at this page (a previous list's 'more:' line)")
     c = client("logs", help="a job's per-step metrics and events")
     c.add_argument("name")
     c.add_argument("--follow", action="store_true", help="keep printing until the job ends; exit by its state")
@@ -260,6 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
 async def _client(args: argparse.Namespace) -> int:
     from gpipe import grpcutil
     from gpipe.coordinator.client import Client
+    from gpipe.serde import MAX_PAGE_SIZE
 
     c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
     try:
@@ -270,7 +274,9 @@ async def _client(args: argparse.Namespace) -> int:
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
-            return await c.list()
+            if args.limit is not None and not 1 <= args.limit <= MAX_PAGE_SIZE:
+                raise SpecError(f"--limit: {args.limit} is outside 1..{MAX_PAGE_SIZE}")
+            return await c.list(args.limit, args.page_token)
         if args.command == "logs":
             return await c.logs(args.name, args.follow, args.json)
         return await c.stop(args.name)

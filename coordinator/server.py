@@ -18,6 +18,8 @@ validating) runs off the event loop, a few at a time.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import json
@@ -56,7 +58,6 @@ from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from gpipe.zygote import Template
 
 VALIDATE_TIMEOUT_S = 120.0
-DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
 MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range
 
 
@@ -421,15 +422,15 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         # A page at a time, each job without its spec (up to 1 MiB) and all but its latest state change:
         # a page of the largest size fits in a message.
-        size = request.page_size or DEFAULT_PAGE_SIZE
-        if not 1 <= size <= MAX_PAGE_SIZE:
+        size = request.page_size or serde.DEFAULT_PAGE_SIZE
+        if not 1 <= size <= serde.MAX_PAGE_SIZE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"page_size: {request.page_size} is outside 0..{MAX_PAGE_SIZE}")
+                                f"page_size: {request.page_size} is outside 0..{serde.MAX_PAGE_SIZE}")
         names = list(self.c.sup.jobs)
         start = 0
         if request.page_token:
             try:
-                start = names.index(request.page_token) + 1  # the token is the last name of the page before
+                start = names.index(_token_name(request.page_token)) + 1  # after the page before's last job
             except ValueError:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"page_token: {printable(request.page_token, 80)!r} is no page of this list")
@@ -440,7 +441,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             del j.history[:-1]
             jobs.append(j)
         more = start + size < len(names)
-        return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=names[start + size - 1] if more else "")
+        return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=_page_token(names[start + size - 1]) if more else "")
 
     async def ResumeJob(self, request: jobs_pb2.ResumeJobRequest, context: Context) -> jobs_pb2.Job:
         await self._job(request.name, context)
@@ -463,6 +464,24 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 yield serde.event_to_pb(e)
         except Stopping as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+
+def _page_token(name: str) -> str:
+    """ListJobs' next_page_token: opaque to clients (AIP-158), it names the last job of the page, base64url."""
+    return base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
+
+
+def _token_name(token: str) -> str:
+    """The job a page token names; ValueError if it is none of ours."""
+    if len(token) > 128:
+        raise ValueError("too long")
+    try:
+        name = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError("not a page token") from None
+    if _page_token(name) != token:
+        raise ValueError("not a page token")
+    return name
 
 
 def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
