@@ -118,18 +118,6 @@ def test_serve_given_sigterm_checkpoints_its_running_job_exits_and_resumes_it_on
         spec = job("drained", model=SLOW, steps=STEPS, checkpoint_every=1000)
         out = s.state / "drained"
         assert s.client("submit", str(cli.write(spec))).returncode == 0
-        # A page at a time: the token goes on where the page before ended; one that is none of ours is exit 2.
-        assert s.client("submit", str(cli.write(job("other"), "other.yaml"))).returncode == 0
-        r = s.client("list", "--limit", "1")
-        assert r.returncode == 0 and re.search(r"^drained ", r.stdout, re.M) and "other" not in r.stdout, r.stdout
-        token = re.search(r"--page-token (\S+)", r.stderr).group(1)
-        r = s.client("list", "--limit", "1", "--page-token", token)
-        assert r.returncode == 0 and re.search(r"^other ", r.stdout, re.M) and "--page-token" not in r.stderr
-        r = s.client("list", "--page-token", "not-a-token")
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "page_token" in r.stderr, r.stderr
-        r = s.client("list", "--limit", "0")
-        assert r.returncode == 2 and "--limit" in r.stderr, r.stderr
-
         s.wait_for(lambda: len(steps_of(out)) >= 6, "step 6", 90)
         serve = s.procs.pop("serve")
         os.kill(serve.pid, signal.SIGTERM)
@@ -144,6 +132,18 @@ def test_serve_given_sigterm_checkpoints_its_running_job_exits_and_resumes_it_on
         assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
         assert assert_resumed_at_the_boundary(out, spec) == taken[0]
         assert "restarts 0 of" in s.client("status", "drained").stdout
+
+        # A page at a time: the token goes on where the page before ended; one that is none of ours is exit 2.
+        assert s.client("submit", str(cli.write(job("other"), "other.yaml"))).returncode == 0
+        r = s.client("list", "--limit", "1")
+        assert r.returncode == 0 and re.search(r"^drained ", r.stdout, re.M) and "other" not in r.stdout, r.stdout
+        token = re.search(r"--page-token (\S+)", r.stderr).group(1)
+        r = s.client("list", "--limit", "1", "--page-token", token)
+        assert r.returncode == 0 and re.search(r"^other ", r.stdout, re.M) and "--page-token" not in r.stderr
+        r = s.client("list", "--page-token", "not-a-token")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "page_token" in r.stderr, r.stderr
+        r = s.client("list", "--limit", "0")
+        assert r.returncode == 2 and "--limit" in r.stderr, r.stderr
     finally:
         s.stop_all()
 
