@@ -693,7 +693,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
         _, err = follower.communicate(timeout=30)
     assert code == 0 and "Traceback" not in service.log("serve"), service.log("serve")[-2000:]
     assert follower.returncode == 1 and "the coordinator is stopping" in err, err  # told, not cut off
-    assert json.loads((out / "job.json").read_text())["state"] == "RUNNING"  # for the next serve to resume
+    assert json.loads((out / "job.json").read_text())["state"] == "PREEMPTED"  # for the next serve to resume
     print(f"serve with a running attempt: exit {code} {took:.2f}s after SIGTERM")
 
     # Started again, it resumes the job once the workers are back; then a worker in the job, and one idle.
@@ -703,7 +703,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     code, took = sigterm(service, "worker1")
     assert code == 0 and "Traceback" not in service.log("worker1"), service.log("worker1")[-2000:]
     print(f"a worker in a running job: exit {code} {took:.2f}s after SIGTERM")
-    service.wait_for(lambda: "RESTARTING" in service.client("status", "term").stdout, "the job to restart", 30)
+    service.wait_for(lambda: "PREEMPTED" in service.client("status", "term").stdout, "the job to wait", 30)
     code, took = sigterm(service, "worker0")
     assert code == 0 and "Traceback" not in service.log("worker0")
     print(f"an idle worker: exit {code} {took:.2f}s after SIGTERM")
