@@ -56,6 +56,7 @@ class Cluster:
     def __init__(self, tmp: Path, port: int = 0):
         self.tmp = tmp
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the last round's serve may linger in TIME_WAIT
             s.bind(("127.0.0.1", port))
             self.port = s.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
