@@ -723,7 +723,8 @@ class Supervisor:
             job.checkpoint_step = max(job.checkpoint_step, stopped_at.step)
             saved = f"checkpoint step-{stopped_at.step} taken at the step boundary"
         else:
-            why = attempt.failure.message if attempt.failure is not None else "the attempt ended first"
+            why = (attempt.failure.message if attempt.failure is not None
+                   else "the attempt ended first" if attempt.driving else "the attempt was still starting")
             saved = f"no checkpoint at the step boundary ({why}): falling back to {self._from(job)}"
         then = "" if self.draining else f"; resuming once {_ranks(spec)} are back"
         self._set_state(e, JobState.PREEMPTED, f"{attempt.preempt}; {saved}{then}")
