@@ -109,6 +109,40 @@ def test_a_worker_given_sigterm_has_its_job_checkpoint_then_exits_0_and_the_job_
 
 
 @pytest.mark.multiprocess
+def test_a_worker_whose_job_cannot_checkpoint_within_the_grace_exits_anyway_and_the_job_falls_back(cli):
+    s = service(cli)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1, "--grace-s", "1")
+        # A step takes about 1.5 s: the steps in flight and the one that would checkpoint take longer than 1 s.
+        spec = job("hurried", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.5}},
+                   steps=6, checkpoint_every=2)
+        out = s.state / "hurried"
+        assert s.client("submit", str(cli.write(spec))).returncode == 0
+        s.wait_for(lambda: 2 in checkpoints(out), "checkpoint step-2", 120)
+        worker = s.procs.pop("worker1")
+        t0 = time.monotonic()
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0, s.log("worker1")
+        took = time.monotonic() - t0
+        assert took < 5 and "did not end within the grace (1s): leaving anyway" in s.log("worker1"), took
+        s.wait_for(lambda: "state:    PREEMPTED" in s.client("status", "hurried").stdout, "PREEMPTED", 60)
+        r = s.client("status", "hurried")
+        assert "no checkpoint at the step boundary" in r.stdout and "restarts 0 of" in r.stdout, r.stdout
+        s.start_worker(1)
+        r = s.client("logs", "hurried", "--follow", timeout=180)
+        assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
+        second = [st for a, st in steps_of(out) if a == 2]
+        assert second == list(range(second[0], 6)) and second[0] % 2 == 0  # from the last good checkpoint
+        got = load_file(out / "model.safetensors")
+        want = reference.train(spec)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    finally:
+        s.stop_all()
+
+
+@pytest.mark.multiprocess
 def test_serve_given_sigterm_checkpoints_its_running_job_exits_and_resumes_it_on_restart(cli):
     s = service(cli)
     try:

@@ -130,12 +130,13 @@ class Service:
                               "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
-    def start_worker(self, rank: int) -> None:
+    def start_worker(self, rank: int, *extra: str) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
         cores = sorted(os.sched_getaffinity(0))
         self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
-                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth()])
+                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth(),
+                                      *extra])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
                       f"rank {rank} to register")
 
