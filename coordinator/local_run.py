@@ -105,6 +105,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
         sup.preempt_all("run got SIGTERM", grace_s)
         sup.preempt_waiting(spec.name, "run got SIGTERM")
 
+    before = signal.getsignal(signal.SIGTERM)
     loop.add_signal_handler(signal.SIGTERM, preempted)
     try:
         async for kind, value in sup.watch(spec.name):
@@ -117,6 +118,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
             follower.show(kind, value)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, before)  # the CLI's (asyncio leaves SIG_DFL)
         follower.close()
         sup.shutdown()
         for t in tasks:
