@@ -201,3 +201,12 @@ def test_run_given_sigterm_checkpoints_exits_143_and_run_resume_goes_on_to_the_s
     r = cli.run("run", str(path), "--resume", "--no-progress", timeout=120)
     assert r.returncode == 0, r.stderr
     assert assert_resumed_at_the_boundary(out, spec) == taken[0]
+
+
+@pytest.mark.parametrize("token", ["kept", "a2VwdA==", "a2VwdA\n", "é", "\x00", "=" * 3, "a" * 200, "_-_-"])
+def test_a_page_token_is_opaque_and_any_string_not_ours_is_refused_as_a_value_error(token):
+    from gpipe.coordinator.server import _page_token, _token_name
+
+    assert _token_name(_page_token("kept")) == "kept" and _page_token("kept") == "a2VwdA"
+    with pytest.raises(ValueError):
+        _token_name(token)
