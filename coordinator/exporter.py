@@ -7,8 +7,8 @@
     gpipe_job_bubble_fraction{job}             its share of the stages' time spent waiting
     gpipe_job_restarts_total{job}              restarts since the job was submitted or resumed
     gpipe_job_checkpoint_age_seconds{job}      since its newest checkpoint was committed (jobs with one)
-    gpipe_workers{state}                       idle, busy (in an attempt), lost (ranks a restarting job
-                                               waits for that no worker holds)
+    gpipe_workers{state}                       idle, busy (in an attempt), lost (ranks a restarting or
+                                               preempted job waits for that no worker holds)
     gpipe_worker_heartbeat_age_seconds{rank}   since each registered worker was last heard from
 
 The supervisor's state lives on serve's event loop, so /metrics is served
@@ -134,7 +134,7 @@ class JobsCollector(Collector):
         waited_for = {r for e in sup.jobs.values() if e.record.state in WAITING and e.spec is not None
                       for r in e.spec.topology.ranks()}
         workers = GaugeMetricFamily("gpipe_workers", "Workers: idle, busy (in an attempt), lost (ranks a restarting "
-                                    "job waits for that no worker holds).", labels=["state"])
+                                    "or preempted job waits for that no worker holds).", labels=["state"])
         workers.add_metric(["idle"], len(sup.workers) - busy)
         workers.add_metric(["busy"], busy)
         workers.add_metric(["lost"], len(waited_for - set(sup.workers)))
