@@ -17,6 +17,10 @@ the stream that was its stdout; the model's own prints go to its log.
 
 With --evaluate WEIGHTS it trains nothing and writes nothing: it evaluates the
 weights file on the job's eval data (the eval verb) and reports one `Eval`.
+
+SIGUSR1 (a worker or serve preempted) has it stop at the next step boundary
+with a checkpoint, leave, and report `Preempted`; SIGTERM (a worker lost) fails
+it, committing the checkpoints it took.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from dataclasses import asdict
@@ -120,7 +125,11 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     tell(report.Eval({**asdict(m), "step": step, "weights": str(Path(a.evaluate).resolve())}))
 
 
-def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
+PREEMPTED = threading.Event()  # SIGUSR1: stop at the next step boundary, with a checkpoint
+
+
+def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
+    """Train; the checkpoint step it stopped at when preempted (reported `Preempted`), else None."""
     spec = load_spec(a.spec)
     out = Path(a.state_dir) / spec.name
     placement, devices = _placed(a, spec)
@@ -185,12 +194,18 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         tell(report.Checkpoint(step, str(d), size, write_s, stall_s))
 
     try:
-        drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval, spec.keep_best)
+        stopped_at = drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval,
+                           spec.keep_best, PREEMPTED.is_set)
     finally:
         log.close()
         board.close()
+    if stopped_at is not None:
+        tell(report.Log(f"preempted: stopped after step {stopped_at - 1}, with checkpoint step-{stopped_at}"))
+        tell(report.Preempted(stopped_at))
+        return stopped_at
     # What this process held at most: with init per_layer, not the model (docs/running.md: bigger than one machine).
     tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
+    return None
 
 
 def _stopped(signum: int, frame: object) -> None:
@@ -218,8 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: PREEMPTED.set())
     try:
-        (evaluate if a.evaluate else attempt)(a, tell)
+        stopped_at = None
+        if a.evaluate:
+            evaluate(a, tell)
+        else:
+            stopped_at = attempt(a, tell)
     except GpipeError as e:
         tell(report.Failed.of(e))
         return e.exit_code
@@ -234,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()  # to the log: a bug of ours
         tell(report.Failed(f"internal error: {type(e).__name__}: {e}", EXIT_FAILED))
         return EXIT_FAILED
-    tell(report.Done())
+    if stopped_at is None:
+        tell(report.Done())
     return 0
 
 

@@ -135,18 +135,23 @@ class Client:
             print(f"  {stamp}  {h.state.value:9}  {h.message}")
         return EXIT_OK
 
-    async def list(self) -> int:
-        jobs, token = [], ""
+    async def list(self, limit: int | None = None, page_token: str = "") -> int:
+        """Every job from `page_token` on; with `limit`, one page of at most that many, and the command for the
+        next page on stderr."""
+        jobs, token = [], page_token
         while True:  # a page at a time (a page is at most 1,000 jobs)
-            page = await self.call("ListJobs", jobs_pb2.ListJobsRequest(page_size=1000, page_token=token))
+            page = await self.call("ListJobs", jobs_pb2.ListJobsRequest(page_size=limit or serde.MAX_PAGE_SIZE,
+                                                                        page_token=token))
             jobs += [serde.job_from_pb(j) for j in page.jobs]
-            if not (token := page.next_page_token):
+            if not (token := page.next_page_token) or limit is not None:
                 break
         print(f"{'NAME':24} {'STATE':9} {'STEPS':>11} {'LOSS':>8}  SINCE")
         for j in jobs:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.history[-1].time_unix)) if j.history else ""
             loss = f"{j.loss:8.4f}" if j.steps_done else f"{'-':>8}"
             print(f"{j.name:24} {j.state.value:9} {f'{j.steps_done}/{j.steps}':>11} {loss}  {since}")
+        if token:
+            print(f"more: list --limit {limit} --page-token {token}", file=sys.stderr)
         return EXIT_OK
 
     async def logs(self, name: str, follow: bool, as_json: bool = False) -> int:

@@ -44,6 +44,12 @@ class AttemptProcess:
         """Exited, and its report pipe read to its end."""
         return self.proc.returncode is not None and (self.proc.stdout is None or self.proc.stdout.at_eof())
 
+    def preempt(self) -> None:
+        """SIGUSR1: stop at the next step boundary, with a checkpoint (gpipe.coordinator.attempt)."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGUSR1)
+
     def kill(self, grace_s: float = 0.0) -> None:
         """SIGKILL the attempt's process group; with `grace_s`, SIGTERM first (it commits what it holds)."""
         if self.proc.returncode is not None:

@@ -20,6 +20,14 @@ Every failure decision is made here, once:
   type, rank and step). These decisions read the failure's fields
   (report.Failed), never its message. Past that the job is FAILED, naming
   the first failure.
+- Preemption (a worker's SIGTERM: `preempt_worker`; serve's or run's:
+  `preempt_all`) is no failure: the attempt is asked to stop at its next
+  step boundary with a checkpoint (SIGUSR1, once it drives the stages;
+  before that it is killed: its checkpoint is the one it resumed from).
+  Past the grace it is killed, and the job falls back to its last good
+  checkpoint. Either way the job waits PREEMPTED, with no timeout and no
+  restart counted, until its ranks have idle workers again; a leaving
+  worker is given no attempt.
 - One job's trouble is its own: an error in its bookkeeping fails that job,
   never the loops, and a record that cannot be saved (a full disk) fails the
   job and frees its workers. `serve` marks itself NOT_SERVING if a loop dies.
@@ -105,6 +113,10 @@ class AttemptProcess(Protocol):
         """The last error line it wrote to its log, or '' (for a process that died without a report)."""
         ...
 
+    def preempt(self) -> None:
+        """Ask it to stop at the next step boundary, with a checkpoint (it then reports `Preempted`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -145,6 +157,7 @@ class Worker:
     commands: asyncio.Queue[Join | Abort | None] = field(default_factory=asyncio.Queue)
     attempt_id: str | None = None
     registered: float = 0.0  # monotonic time of its registration
+    leaving: bool = False  # preempted (Leave): given no attempt again
 
 
 @dataclass
@@ -185,6 +198,9 @@ class Attempt:
     stopped: bool = False
     failure: report.Failed | None = None  # decided here (a lost worker, a record that cannot be saved)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
+    driving: bool = False  # it reported Master: it handles a preemption request (SIGUSR1)
+    preempt: str = ""  # why it was asked to stop at the next step boundary ('' : it was not)
+    preempt_by: float = float("inf")  # monotonic time past which a preempted attempt is killed
 
 
 def describe_exit(code: int) -> str:
@@ -253,6 +269,7 @@ class Supervisor:
         self.tasks: set[asyncio.Task[None]] = set()
         self.wake = asyncio.Event()
         self.shutting_down = False  # running jobs stay RUNNING on disk, for the next start to pick up
+        self.draining = False  # preempt_all: no attempt starts
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -272,6 +289,8 @@ class Supervisor:
             return e
         if not job.history:
             self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
+        elif job.state == JobState.PREEMPTED:  # stays PREEMPTED (no restart counted) until it runs again
+            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):
             # A checkpoint committed just before serve died may not have reached the record: the disk says.
             job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
@@ -288,7 +307,7 @@ class Supervisor:
         e = self.jobs[name]  # KeyError: no such job
         job = e.record
         attempt = self.attempts.get(name)
-        if attempt is None and job.state in (JobState.PENDING, JobState.RESTARTING):
+        if attempt is None and job.state in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED):
             self._set_state(e, JobState.STOPPED, f"stopped while {job.state.value.lower()}")
         elif attempt is not None:
             attempt.stopped = True
@@ -462,6 +481,52 @@ class Supervisor:
                 attempt.failed.set()
                 self._kill(attempt, COMMIT_GRACE_S)
 
+    # -- preemption -------------------------------------------------------------------
+
+    def preempt_worker(self, worker_id: str, grace_s: float) -> bool | None:
+        """The worker is leaving within `grace_s` (SIGTERM): it gets no attempt again, and its attempt stops at
+        the next step boundary with a checkpoint. True: it was in one; False: it was idle; None: unknown."""
+        w = self.worker(worker_id)
+        if w is None:
+            return None
+        w.leaving = True
+        attempt = next((a for a in self.attempts.values() if a.id == w.attempt_id), None)
+        self.say(f"worker for rank {w.rank} is leaving within {grace_s:.0f}s (preempted)"
+                 + (f": job {attempt.job} checkpoints at its next step boundary" if attempt else ""))
+        if attempt is None:
+            return False
+        self.preempt(attempt, f"{self.worker_name(w)} was preempted (SIGTERM)", grace_s)
+        return True
+
+    def preempt_all(self, why: str, grace_s: float) -> None:
+        """Every running attempt stops at its next step boundary with a checkpoint, within `grace_s`; no attempt
+        starts after this (serve or run is stopping)."""
+        self.draining = True
+        for attempt in list(self.attempts.values()):
+            self.preempt(attempt, why, grace_s)
+
+    def preempt_waiting(self, name: str, why: str) -> None:
+        """A job that waits (PENDING, RESTARTING) is PREEMPTED now: nothing runs to checkpoint (run's SIGTERM)."""
+        e = self.jobs[name]  # KeyError: no such job
+        if name not in self.attempts and e.record.state in (JobState.PENDING, JobState.RESTARTING):
+            self._set_state(e, JobState.PREEMPTED, f"{why} while {e.record.state.value.lower()}: "
+                                                   f"{self._from(e.record)} stands")
+
+    def preempt(self, attempt: Attempt, why: str, grace_s: float) -> None:
+        """Ask `attempt` to stop at its next step boundary with a checkpoint; past `grace_s` it is killed."""
+        if attempt.preempt or attempt.stopped or attempt.failure is not None:
+            return
+        attempt.preempt, attempt.preempt_by = why, self.clock.monotonic() + grace_s
+        e = self.jobs.get(attempt.job)
+        if e is not None:
+            self._log(e, f"{why}: checkpointing at the next step boundary (grace {grace_s:.0f}s)")
+        if attempt.process is not None:
+            if attempt.driving:
+                attempt.process.preempt()
+            else:  # still planning or resuming: nothing newer than the checkpoint it resumes from to save
+                attempt.process.kill()
+        self.wake.set()
+
     # -- the loops --------------------------------------------------------------------
 
     def tick(self) -> None:
@@ -475,6 +540,12 @@ class Supervisor:
                 why = (f"all {len(silent)} workers missed their heartbeats for {self.heartbeat_timeout:.0f}s "
                        "(the coordinator may be cut off)")
             self.drop(w, why)
+        for attempt in list(self.attempts.values()):
+            if attempt.preempt and now > attempt.preempt_by and attempt.failure is None:
+                attempt.failure = report.Failed("its checkpoint did not finish within the grace", EXIT_FAILED,
+                                                Cause.TIMEOUT)
+                attempt.failed.set()
+                self._kill(attempt)
         for e in list(self.jobs.values()):
             job = e.record
             if job.state != JobState.RESTARTING or job.name in self.attempts:
@@ -508,16 +579,19 @@ class Supervisor:
     def schedule(self) -> None:
         """Start each waiting job, oldest first, once every rank it needs has an idle worker heard from lately."""
         now = self.clock.monotonic()
+        if self.draining:
+            return
         for e in list(self.jobs.values()):
             job = e.record
-            if job.state not in (JobState.PENDING, JobState.RESTARTING) or job.name in self.attempts:
+            if job.state not in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED) or job.name in self.attempts:
                 continue
             if now < e.not_before:
                 continue
             with self._own_trouble(e):
                 ranks = e.job_spec.topology.ranks()  # every stage of every replica
                 ready = [self.workers.get(r) for r in ranks]
-                if all(w is not None and w.attempt_id is None and w.last_seen > e.failed_at for w in ready):
+                if all(w is not None and w.attempt_id is None and not w.leaving and w.last_seen > e.failed_at
+                       for w in ready):
                     attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
                     for r in ranks:
                         self.workers[r].attempt_id = attempt.id
@@ -562,20 +636,22 @@ class Supervisor:
     async def _run(self, e: Entry, attempt: Attempt) -> None:
         job, spec = e.record, e.job_spec
         job.attempts += 1
-        resuming = job.state == JobState.RESTARTING
+        resuming = job.state in (JobState.RESTARTING, JobState.PREEMPTED)
         self._set_state(e, JobState.RUNNING, f"attempt {job.attempts} ({attempt.id}) on ranks {attempt.ranks}"
                         + (f", resuming from {self._from(job)}" if resuming else ""))
         done, reported, code = False, None, -1
+        stopped_at: report.Preempted | None = None
         try:
             placement = [Placement(w.host, w.device, w.cores, w.threads)
                          for w in (self.workers[r] for r in attempt.ranks)]
             attempt.process = await self.launcher(Launch(
                 job.name, attempt.id, job.attempts, e.spec_path, e.job_dir, placement, resume=not e.fresh))
             e.fresh = False
-            if attempt.stopped or attempt.failure:
+            if attempt.stopped or attempt.failure or attempt.preempt:
                 attempt.process.kill()
             async for r in attempt.process.reports():
                 if isinstance(r, report.Master):
+                    attempt.driving = True
                     for rank in attempt.ranks:
                         w = self.workers.get(rank)
                         if w is not None and w.attempt_id == attempt.id:
@@ -601,8 +677,11 @@ class Supervisor:
                     reported = r
                 elif isinstance(r, report.Done):
                     done = True
+                elif isinstance(r, report.Preempted):
+                    stopped_at = r
             code = await attempt.process.wait()
-            if not done and attempt.failure is None and not attempt.stopped and code != EXIT_BAD_INPUT:
+            if (not done and stopped_at is None and attempt.failure is None and not attempt.stopped
+                    and code != EXIT_BAD_INPUT):
                 # A worker that died is the likelier cause: give its report a moment to arrive.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.grace_s):
@@ -618,15 +697,37 @@ class Supervisor:
                     w.attempt_id = None
             del self.attempts[job.name]
             self.wake.set()
-        if self.shutting_down:
+        if self.shutting_down and not attempt.preempt:
             return
         if attempt.stopped:
             self._set_state(e, JobState.STOPPED, "stopped while running")
         elif done and code == 0:
             self._set_state(e, JobState.SUCCEEDED, f"{final_loss(job)}weights in "
                                                    f"{Path(job.output_dir) / 'model.safetensors'}")
+        elif attempt.preempt and not self._hopeless(reported, code):
+            self._preempted(e, attempt, stopped_at if code == 0 else None)
         else:
             self._failed(e, attempt, reported, code)
+
+    @staticmethod
+    def _hopeless(reported: report.Failed | None, code: int) -> bool:
+        """An attempt's own failure that no restart can fix (bad input, the disk): a preemption does not hide it."""
+        return code == EXIT_BAD_INPUT or (reported is not None and (reported.exit_code == EXIT_BAD_INPUT
+                                                                    or reported.cause in FAIL_FAST))
+
+    def _preempted(self, e: Entry, attempt: Attempt, stopped_at: report.Preempted | None) -> None:
+        """The attempt ended on a preemption: the job waits PREEMPTED for its workers (no restart is counted)."""
+        job, spec = e.record, e.job_spec
+        e.failed_at = self.clock.monotonic()
+        if stopped_at is not None:
+            job.checkpoint_step = max(job.checkpoint_step, stopped_at.step)
+            saved = f"checkpoint step-{stopped_at.step} taken at the step boundary"
+        else:
+            why = (attempt.failure.message if attempt.failure is not None
+                   else "the attempt ended first" if attempt.driving else "the attempt was still starting")
+            saved = f"no checkpoint at the step boundary ({why}): falling back to {self._from(job)}"
+        then = "" if self.draining else f"; resuming once {_ranks(spec)} are back"
+        self._set_state(e, JobState.PREEMPTED, f"{attempt.preempt}; {saved}{then}")
 
     def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
         """Restart the job, or fail it: decided by the failure's fields (cause, exit code, same_as)."""

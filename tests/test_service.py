@@ -130,12 +130,13 @@ class Service:
                               "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
-    def start_worker(self, rank: int) -> None:
+    def start_worker(self, rank: int, *extra: str) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
         cores = sorted(os.sched_getaffinity(0))
         self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
-                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth()])
+                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth(),
+                                      *extra])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
                       f"rank {rank} to register")
 
@@ -693,7 +694,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
         _, err = follower.communicate(timeout=30)
     assert code == 0 and "Traceback" not in service.log("serve"), service.log("serve")[-2000:]
     assert follower.returncode == 1 and "the coordinator is stopping" in err, err  # told, not cut off
-    assert json.loads((out / "job.json").read_text())["state"] == "RUNNING"  # for the next serve to resume
+    assert json.loads((out / "job.json").read_text())["state"] == "PREEMPTED"  # for the next serve to resume
     print(f"serve with a running attempt: exit {code} {took:.2f}s after SIGTERM")
 
     # Started again, it resumes the job once the workers are back; then a worker in the job, and one idle.
@@ -703,7 +704,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     code, took = sigterm(service, "worker1")
     assert code == 0 and "Traceback" not in service.log("worker1"), service.log("worker1")[-2000:]
     print(f"a worker in a running job: exit {code} {took:.2f}s after SIGTERM")
-    service.wait_for(lambda: "RESTARTING" in service.client("status", "term").stdout, "the job to restart", 30)
+    service.wait_for(lambda: "PREEMPTED" in service.client("status", "term").stdout, "the job to wait", 30)
     code, took = sigterm(service, "worker0")
     assert code == 0 and "Traceback" not in service.log("worker0")
     print(f"an idle worker: exit {code} {took:.2f}s after SIGTERM")
