@@ -139,6 +139,15 @@ class Pod:
     ordinal: int = 0                   # the pod index, for a StatefulSet's pods
     aliases: list[str] = field(default_factory=list)   # a Service's name that selects it
     mounts: dict[str, str] = field(default_factory=dict)   # volume name -> a docker volume or host folder
+    cores: float | None = None   # the CPUs this host can give it, where fewer than its limit
+
+    @property
+    def cpu_limit(self) -> float | None:
+        """Its CPU limit: the manifest's, or fewer where this host has not that many for each pod."""
+        limit = self.container.get("resources", {}).get("limits", {}).get("cpu")
+        if limit is None:
+            return self.cores
+        return cpu_count(str(limit)) if self.cores is None else min(cpu_count(str(limit)), self.cores)
 
     @property
     def spec(self) -> Obj:
@@ -166,7 +175,9 @@ class Pod:
             elif (res := e["valueFrom"].get("resourceFieldRef")) is not None:
                 if res["resource"] != "limits.cpu":
                     raise Failed(f"{self.hostname}: env {e['name']}: resource {res['resource']} is not known here")
-                value = str(math.ceil(cpu_count(str(c["resources"]["limits"]["cpu"]))))  # divisor 1, rounded up
+                if self.cpu_limit is None:
+                    raise Failed(f"{self.hostname}: env {e['name']}: the container has no CPU limit")
+                value = str(math.ceil(self.cpu_limit))   # divisor 1, rounded up
             else:
                 raise Failed(f"{self.hostname}: env {e['name']}: its source is not known here")
             out += ["-e", f"{e['name']}={value}"]
@@ -214,9 +225,8 @@ class Pod:
         if sc.get("allowPrivilegeEscalation") is False:
             args += ["--security-opt", "no-new-privileges"]
         limits = c.get("resources", {}).get("limits", {})
-        if "cpu" in limits:
-            cpus = min(cpu_count(str(limits["cpu"])), float(os.cpu_count() or 1))
-            args += ["--cpus", f"{cpus:g}"]
+        if self.cpu_limit is not None:
+            args += ["--cpus", f"{self.cpu_limit:g}"]
         if "memory" in limits:
             args += ["--memory", str(memory_bytes(str(limits["memory"])))]
         args += ["--stop-timeout", str(self.grace_s)]
@@ -428,9 +438,10 @@ class Service:
         self._start(pod)
         return pod
 
-    def start_worker(self, rank: int) -> Pod:
+    def start_worker(self, rank: int, cores: float) -> Pod:
         name = self.workers["metadata"]["name"]
-        pod = Pod(self.workers, f"{PREFIX}-{self.tag}-worker-{rank}", f"{name}-{rank}", ordinal=rank)
+        pod = Pod(self.workers, f"{PREFIX}-{self.tag}-worker-{rank}", f"{name}-{rank}", ordinal=rank,
+                  cores=cores)
         pod.mounts = self._mounts(self.workers, f"worker-{rank}")
         self._start(pod)
         return pod
@@ -499,8 +510,14 @@ def bring_up(svc: Service) -> tuple[list[Pod], Pod]:
     coordinator = svc.start_coordinator()
     ready = svc.wait_ready(120)
     ranks = int(svc.workers["spec"]["replicas"])
-    workers = [svc.start_worker(rank) for rank in range(ranks)]
-    say(f"{svc.tag}: serve answers after {ready:.1f} s; {ranks} workers started")
+    # On Kubernetes each worker has its CPU limit to itself (requests = limits). Here the workers
+    # share this host's cores: each gets its share, and OMP_NUM_THREADS follows that limit, as the
+    # downward API's limits.cpu does; threads beyond the cores the workers share slow a step tenfold.
+    cores = max(1, int(docker("info", "--format", "{{.NCPU}}").stdout) // ranks)
+    workers = [svc.start_worker(rank, cores) for rank in range(ranks)]
+    limit = workers[0].cpu_limit
+    say(f"{svc.tag}: serve answers after {ready:.1f} s; {ranks} workers started, {limit:g} CPUs each "
+        f"(the manifest's limit: {workers[0].container['resources']['limits']['cpu']})")
     return workers, coordinator
 
 
