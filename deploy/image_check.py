@@ -506,6 +506,38 @@ class Service:
         return f"{p.stdout.strip()}; /var/lib/gpipe/{job}: {' '.join(files)}"
 
 
+PROBE = """
+import sys, urllib.request
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+for target in sys.argv[2:]:
+    with grpc.insecure_channel(target) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        print(f"probe {target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
+text = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
+print(f"scrape {sys.argv[1]}: {sum(1 for ln in text.splitlines() if ln.startswith('gpipe_'))} gpipe_ samples")
+for ln in text.splitlines():
+    if ln.startswith(("gpipe_jobs{", "gpipe_workers{", "gpipe_job_step{")) and not ln.endswith(" 0.0"):
+        print(f"  {ln}")
+"""
+
+
+def probe(svc: Service, coordinator: Pod, workers: list[Pod]) -> None:
+    """The manifests' gRPC probes (grpc.health.v1 on each pod's probe port) and a Prometheus scrape
+    of the coordinator's --metrics-port, from inside the coordinator's container."""
+    def port(pod: Pod) -> int:
+        return int(pod.container["startupProbe"]["grpc"]["port"])
+
+    metrics = next(a.split("=", 1)[1] for a in coordinator.container["args"] if a.startswith("--metrics-port="))
+    targets = [f"127.0.0.1:{port(coordinator)}", *(f"{w.name}:{port(w)}" for w in workers)]
+    p = docker("exec", coordinator.name, "python", "-c", PROBE, f"http://127.0.0.1:{metrics}/metrics",
+               *targets, check=False, timeout=60)
+    lines = p.stdout.strip().splitlines()
+    show(lines, "probe")
+    if p.returncode != 0 or sum("SERVING" in ln and "NOT_SERVING" not in ln for ln in lines) != len(targets):
+        raise Failed(f"probes: not every pod answers SERVING: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
 def bring_up(svc: Service) -> tuple[list[Pod], Pod]:
     coordinator = svc.start_coordinator()
     ready = svc.wait_ready(120)
@@ -533,7 +565,7 @@ def show(lines: list[str], prefix: str, keep: int = 40) -> None:
 
 def train(svc: Service, deadline_s: float) -> None:
     spec = yaml.safe_load(svc.job_yaml)
-    workers, _ = bring_up(svc)
+    workers, coordinator = bring_up(svc)
     t0 = time.monotonic()
     submit = svc.start_submit(svc.job_yaml)
     code = svc.wait_exit(submit.name, deadline_s)
@@ -547,6 +579,7 @@ def train(svc: Service, deadline_s: float) -> None:
             show(svc.logs(w.name), w.hostname, keep=20)
         raise Failed(f"train: the job ended {state or 'unknown'}, submit exit {code}")
     say("train: weights: " + svc.weights(spec["name"]))
+    probe(svc, coordinator, workers)
 
 
 def stop(svc: Service, stop_at: int, deadline_s: float) -> list[str]:
