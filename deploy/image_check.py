@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Build deploy/Dockerfile's CPU image and run the service from it as the manifests say, for real.
 
-    .venv/bin/python deploy/image_check.py                       # build, train, stop
-    .venv/bin/python deploy/image_check.py --phases stop         # the docker stop run again
-    .venv/bin/python deploy/image_check.py --make-base           # the base from Debian's packages
+    .venv/bin/python deploy/image_check.py --make-base           # every phase, on a base from Debian's packages
+    .venv/bin/python deploy/image_check.py --phases build,stop   # the docker stop run again, on a new image
 
 Not part of `make test` (it builds an image: minutes). Phases:
 
@@ -15,13 +14,17 @@ Not part of `make test` (it builds an image: minutes). Phases:
   containers, each with its manifest's command, args, env, user and group (10001, fsGroup added),
   a read-only root, no capabilities, its CPU and memory limits, and writable volumes only where the
   manifest mounts them (emptyDir: a volume of its own, or tmpfs for medium Memory and /dev/shm; the
-  state claim: a volume; the Secret and ConfigMap: read-only binds). Trains the example to
-  SUCCEEDED and loads its weights from the state volume.
+  state claim: a volume; the Secret and ConfigMap: read-only binds). The Job's pods are tried
+  again as the Job controller does (backoffLimit, podFailurePolicy, its back-off). Trains the
+  example to SUCCEEDED, loads its weights from the state volume, asks every pod's gRPC probe port
+  and scrapes the coordinator's /metrics.
 - stop: the same, with worker 1 stopped by `docker stop -t <terminationGracePeriodSeconds>`
   (SIGTERM, SIGKILL after the grace, as a pod eviction) once the job is past --stop-at-step, then
   started again (the StatefulSet's new pod). Reports the worker's exit code and time to exit, the
   job's states, restarts and the steps that ran twice, and checks the preemption path: exit 0
   within the grace, no step run again, SUCCEEDED.
+- stop-serve: the same with serve stopped and started again (the coordinator's pod evicted): the
+  same checks, and the example Job must end Complete.
 
 Each run phase makes its own network, volumes and containers (every name starts `gpipe-ci`) and
 removes them whatever happens (--keep leaves them for a look). Exit: 0 every phase passed, or no
@@ -62,6 +65,7 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 PORTS = range(45800, 46000)   # the local package index's port on 127.0.0.1
 CLIENT_TOKEN = "/etc/gpipe/tokens/client-token"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+PHASES = ("build", "train", "stop", "stop-serve")
 
 Obj = dict[str, Any]
 
@@ -446,12 +450,34 @@ class Service:
         self._start(pod)
         return pod
 
-    def start_submit(self, job_yaml: str) -> Pod:
+    def start_submit(self, job_yaml: str, tries: int = 0) -> Pod:
+        """The example Job's pod (its `tries`-th: the Job makes a new pod for each try)."""
         self.job_yaml = job_yaml
-        pod = Pod(self.submit, f"{PREFIX}-{self.tag}-submit", f"{self.submit['metadata']['name']}-0")
-        pod.mounts = self._mounts(self.submit, "submit")
+        pod = Pod(self.submit, f"{PREFIX}-{self.tag}-submit-{tries}", f"{self.submit['metadata']['name']}-{tries}")
+        pod.mounts = self._mounts(self.submit, f"submit-{tries}")
         self._start(pod)
         return pod
+
+    def run_job(self, job_yaml: str, deadline_s: float) -> tuple[int, str]:
+        """The example Job to its end, as Kubernetes runs it: a pod that exits non-zero is tried again
+        in a new pod, up to backoffLimit, unless podFailurePolicy's exit codes fail the Job at once.
+        (after the controller's back-off). Returns the last pod's exit code and what happened, e.g.
+        "Complete (pod exits: 0)"."""
+        spec = self.submit["spec"]
+        fail_now = {code for r in spec.get("podFailurePolicy", {}).get("rules", [])
+                    if r["action"] == "FailJob" for code in r.get("onExitCodes", {}).get("values", [])}
+        codes: list[int] = []
+        t0 = time.monotonic()
+        while True:
+            if codes:   # the Job controller's back-off before the next pod: 10 s, doubled each time
+                time.sleep(min(360, 10 * 2 ** (len(codes) - 1)))
+            pod = self.start_submit(job_yaml, len(codes))
+            codes.append(self.wait_exit(pod.name, max(1.0, deadline_s - (time.monotonic() - t0))))
+            show(self.logs(pod.name), pod.hostname)
+            if codes[-1] == 0 or codes[-1] in fail_now or len(codes) > int(spec.get("backoffLimit", 6)):
+                break
+        exits = ", ".join(str(c) for c in codes)
+        return codes[-1], f"{'Complete' if codes[-1] == 0 else 'Failed'} (pod exits: {exits})"
 
     def client(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """A client verb run in the coordinator's container, as deploy/README.md shows."""
@@ -493,7 +519,7 @@ class Service:
                 "m = gpipe.builtins.mlp(**spec['model']['args']);"
                 f"m.load_state_dict(safetensors.torch.load_file('/var/lib/gpipe/{job}/model.safetensors'));"
                 "print(sum(p.numel() for p in m.parameters()), 'parameters loaded')")
-        job_dir = self.work / "submit-job"
+        job_dir = self.work / "submit-0-job"
         p = docker("run", "--rm", "--read-only", "--user", "10001:10001", "--network", "none",
                    "--mount", f"type=volume,src={state},dst=/var/lib/gpipe,readonly",
                    "--mount", f"type=bind,src={job_dir},dst=/job,readonly",
@@ -567,12 +593,10 @@ def train(svc: Service, deadline_s: float) -> None:
     spec = yaml.safe_load(svc.job_yaml)
     workers, coordinator = bring_up(svc)
     t0 = time.monotonic()
-    submit = svc.start_submit(svc.job_yaml)
-    code = svc.wait_exit(submit.name, deadline_s)
+    code, outcome = svc.run_job(svc.job_yaml, deadline_s)
     took = time.monotonic() - t0
-    show(svc.logs(submit.name), "submit")
     state, steps = svc.status(spec["name"])
-    say(f"train: submit --follow exit {code} after {took:.0f} s; job {spec['name']} {state}, "
+    say(f"train: the Job {outcome} after {took:.0f} s; job {spec['name']} {state}, "
         f"{steps}/{spec['steps']} steps")
     if code != 0 or state != "SUCCEEDED":
         for w in workers:
@@ -582,68 +606,86 @@ def train(svc: Service, deadline_s: float) -> None:
     probe(svc, coordinator, workers)
 
 
-def stop(svc: Service, stop_at: int, deadline_s: float) -> list[str]:
-    """Worker 1 stopped by `docker stop` mid-run, then started again; returns the checks that failed."""
+def stop(svc: Service, target: str, stop_at: int, deadline_s: float) -> list[str]:
+    """`target` (the last worker, or serve) stopped by `docker stop` mid-run, then started again as its
+    StatefulSet would; returns the checks that failed."""
     spec = yaml.safe_load(svc.job_yaml)
-    spec["name"] = f"{spec['name']}-stop"
+    spec["name"] = f"{spec['name']}-{svc.tag}"
     job, steps = spec["name"], int(spec["steps"])
     if not 0 < stop_at < steps:
         raise Failed(f"--stop-at-step: {stop_at} is not within 1-{steps - 1} (the job's steps)")
-    workers, _ = bring_up(svc)
-    victim = workers[-1]
-    submit = svc.start_submit(yaml.safe_dump(spec, sort_keys=False))
+    workers, coordinator = bring_up(svc)
+    victim = workers[-1] if target == "worker" else coordinator
+    outcome: list[tuple[int, str]] = []
+    job_yaml = yaml.safe_dump(spec, sort_keys=False)
+    follower = threading.Thread(target=lambda: outcome.append(svc.run_job(job_yaml, deadline_s)),
+                                name="job", daemon=True)
+    follower.start()
     t0 = time.monotonic()
     done = -1
     while done < stop_at:
         state, done = svc.status(job)
-        if state and state != "RUNNING" and state != "PENDING":
-            raise Failed(f"stop: the job was {state} before step {stop_at}")
+        if state and state not in ("RUNNING", "PENDING"):
+            raise Failed(f"{svc.tag}: the job was {state} before step {stop_at}")
         if time.monotonic() - t0 > deadline_s:
-            raise Failed(f"stop: the job did not pass step {stop_at} within {deadline_s:.0f} s ({done} done)")
+            raise Failed(f"{svc.tag}: the job did not pass step {stop_at} within {deadline_s:.0f} s ({done} done)")
         time.sleep(0.2)
     # What a pod eviction does: SIGTERM, then SIGKILL after terminationGracePeriodSeconds.
     t_stop = time.monotonic()
     docker("stop", "-t", str(victim.grace_s), victim.name, timeout=victim.grace_s + 60)
     exit_s = time.monotonic() - t_stop
-    info = docker("inspect", "-f", "{{.State.ExitCode}} {{.State.OOMKilled}}", victim.name).stdout.split()
-    code = int(info[0])
-    say(f"stop: {victim.hostname} stopped at step {done}/{steps} (docker stop -t {victim.grace_s}): "
+    code = int(docker("inspect", "-f", "{{.State.ExitCode}}", victim.name).stdout)
+    say(f"{svc.tag}: {victim.hostname} stopped at step {done}/{steps} (docker stop -t {victim.grace_s}): "
         f"exit {code} after {exit_s:.1f} s")
-    show(svc.logs(victim.name)[-8:], victim.hostname)
-    # The job without its rank: what `status` says until the worker is back.
+    show(svc.logs(victim.name)[-6:], victim.hostname)
     seen: list[str] = []
-    t_look = time.monotonic()
-    while time.monotonic() - t_look < 5:
-        state, done_now = svc.status(job)
-        if state and (not seen or seen[-1].split()[0] != state):
-            seen.append(f"{state} at {done_now}/{steps}")
-        time.sleep(0.5)
-    say("stop: with rank 1 gone, the job was: " + ", then ".join(seen))
+    if target == "worker":   # the job without its rank: what `status` says until the worker is back
+        t_look = time.monotonic()
+        while time.monotonic() - t_look < 5:
+            state, done_now = svc.status(job)
+            if state and (not seen or seen[-1].split()[0] != state):
+                seen.append(f"{state} at {done_now}/{steps}")
+            time.sleep(0.5)
+        say(f"{svc.tag}: with {victim.hostname} gone, the job was: " + ", then ".join(seen))
     # The StatefulSet's new pod: the same container started again (same name, rank, volumes).
     docker("start", victim.name)
-    say(f"stop: {victim.hostname} started again {time.monotonic() - t_stop:.1f} s after the stop")
-    rc = svc.wait_exit(submit.name, deadline_s)
-    show(svc.logs(submit.name), "submit")
+    if target == "serve":
+        ready = svc.wait_ready(120)
+        state, done_now = svc.status(job)
+        say(f"{svc.tag}: serve started again, answering {ready:.1f} s later; the job: {state} at {done_now}/{steps}")
+    else:
+        say(f"{svc.tag}: {victim.hostname} started again {time.monotonic() - t_stop:.1f} s after the stop")
+    follower.join(deadline_s)
+    if not outcome:
+        raise Failed(f"{svc.tag}: the example Job did not end within {deadline_s:.0f} s")
+    rc, how = outcome[0]
+    final, done = svc.status(job)
+    t_end = time.monotonic()
+    while final not in ("SUCCEEDED", "FAILED", "STOPPED"):   # the Job may have ended first
+        if time.monotonic() - t_end > deadline_s:
+            raise Failed(f"{svc.tag}: the job did not end within {deadline_s:.0f} s ({final} at {done})")
+        time.sleep(1)
+        final, done = svc.status(job)
     status = svc.client("status", job).stdout
     show(status.splitlines(), "status", keep=60)
-    final, done = svc.status(job)
     restarts = re.search(r"^attempts:\s+(\d+), restarts (\d+)", status, re.M)
     log = svc.client("logs", job).stdout.splitlines()
     ran = [int(m.group(1)) for ln in log if (m := re.match(r"step (\d+)/", ln))]
     twice = sorted({s for s in ran if ran.count(s) > 1})
     again = f"{len(twice)} steps ran twice ({twice[0]}-{twice[-1]})" if twice else "no step ran twice"
-    say(f"stop: job {job} {final} {done}/{steps}, submit exit {rc}; "
+    say(f"{svc.tag}: job {job} {final} {done}/{steps}; the Job {how}; "
         f"attempts {restarts.group(1) if restarts else '?'}, restarts {restarts.group(2) if restarts else '?'}; "
         f"{again}")
     failed = []
     if code != 0 or exit_s > victim.grace_s:
-        failed.append(f"the worker exited {code} after {exit_s:.1f} s (want 0 within the {victim.grace_s} s grace)")
+        failed.append(f"{svc.tag}: {victim.hostname} exited {code} after {exit_s:.1f} s "
+                      f"(want 0 within the {victim.grace_s} s grace)")
     if twice:
-        failed.append(f"{again}: SIGTERM did not checkpoint before the worker left")
+        failed.append(f"{svc.tag}: {again}: SIGTERM did not checkpoint before {victim.hostname} left")
     if final != "SUCCEEDED" or rc != 0:
-        failed.append(f"the job ended {final or 'unknown'} (submit exit {rc})")
-    else:
-        say("stop: weights: " + svc.weights(job))
+        failed.append(f"{svc.tag}: the job ended {final or 'unknown'}; the Job {how}")
+    if final == "SUCCEEDED":
+        say(f"{svc.tag}: weights: " + svc.weights(job))
     return failed
 
 
@@ -652,8 +694,8 @@ def stop(svc: Service, stop_at: int, deadline_s: float) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="deploy/image_check.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--phases", default="build,train,stop",
-                   help="which of build, train, stop, comma-separated (default: all three)")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"which of {', '.join(PHASES)}, comma-separated (default: all)")
     p.add_argument("--image", default=None, help=f"the image's name (default {PREFIX}:<version>)")
     p.add_argument("--python-image", default=None,
                    help="PYTHON_IMAGE: the base (default python:3.11-slim-bookworm, or --make-base's)")
@@ -669,9 +711,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="leave the containers, volumes and network")
     args = p.parse_args(argv)
     args.phases = [s.strip() for s in args.phases.split(",") if s.strip()]
-    if unknown := set(args.phases) - {"build", "train", "stop"}:
+    if unknown := set(args.phases) - set(PHASES):
         p.exit(EXIT_BAD_INPUT, f"{p.prog}: error: --phases: {', '.join(sorted(unknown))}: "
-                               "each must be build, train or stop\n")
+                               f"each must be one of {', '.join(PHASES)}\n")
     if not 0 < args.deadline_s <= 7200:
         p.exit(EXIT_BAD_INPUT, f"{p.prog}: error: --deadline-s: {args.deadline_s:g} is not within 0-7200\n")
     if args.python_image and args.make_base:
@@ -702,9 +744,10 @@ def main(argv: list[str] | None = None) -> int:
             if "train" in args.phases:
                 with Service(image, "train", work, args.keep) as svc:
                     train(svc, args.deadline_s)
-            if "stop" in args.phases:
-                with Service(image, "stop", work, args.keep) as svc:
-                    failed += stop(svc, args.stop_at_step, args.deadline_s)
+            for phase, target in (("stop", "worker"), ("stop-serve", "serve")):
+                if phase in args.phases:
+                    with Service(image, phase, work, args.keep) as svc:
+                        failed += stop(svc, target, args.stop_at_step, args.deadline_s)
         except Failed as e:
             failed.append(str(e))
     for f in failed:
