@@ -7,9 +7,10 @@
 Not part of `make test` (it builds an image: minutes). Phases:
 
 - build: the image `gpipe-ci:<version>`, from PYTHON_IMAGE (--python-image, or --make-base: Debian
-  bookworm by `debootstrap` and `docker import`) and a package index (--pip-index, or one made here
-  from this environment's pip configuration: `pip download` of torch and gpipe's dependencies,
-  served on 127.0.0.1 to the build alone). Prints the build time and the image's size.
+  bookworm by `debootstrap` and `docker import`) and package indexes (--pip-index and
+  --torch-index, or one made here from this environment's pip configuration: `pip download` of
+  torch and gpipe's dependencies, served on 127.0.0.1 to the build alone). Prints the build time
+  and the image's size.
 - train: on a docker network, `serve`, two workers and the example Job's `submit --follow` as
   containers, each with its manifest's command, args, env, user and group (10001, fsGroup added),
   a read-only root, no capabilities, its CPU and memory limits, and writable volumes only where the
@@ -329,19 +330,24 @@ def make_base(work: Path) -> str:
     return BASE_IMAGE
 
 
-def build(image: str, python_image: str, pip_index: str | None, work: Path) -> None:
+def build(image: str, python_image: str, pip_index: str | None, torch_index: str | None, work: Path) -> None:
     with contextlib.ExitStack() as stack:
-        if pip_index is None:
+        indexes = []
+        if pip_index is None and torch_index is None:   # one index of this environment's, for both
             root = work / "index"
             make_index(root)
-            pip_index = stack.enter_context(served(root))
-        say(f"build: {image} from {python_image}, packages from {pip_index}")
+            pip_index = torch_index = stack.enter_context(served(root))
+        for arg, url in (("PIP_INDEX_URL", pip_index), ("TORCH_INDEX", torch_index)):
+            if url is not None:
+                indexes += ["--build-arg", f"{arg}={url}"]
+        say(f"build: {image} from {python_image}, packages from {pip_index or 'PyPI'}, "
+            f"torch from {torch_index or 'the Dockerfile default index'}")
         t0 = time.monotonic()
         # The legacy builder: it takes --network host (to reach an index on 127.0.0.1) without buildx.
         env = {**os.environ, "DOCKER_BUILDKIT": "0"}
         p = docker("build", "--network", "host", "-f", str(DEPLOY / "Dockerfile"),
                    "--build-arg", f"PYTHON_IMAGE={python_image}",
-                   "--build-arg", f"TORCH_INDEX={pip_index}", "--build-arg", f"PIP_INDEX_URL={pip_index}",
+                   *indexes,
                    "--label", f"{PREFIX}=1", "-t", image, str(REPO),
                    timeout=3600, check=False, env=env)
         took = time.monotonic() - t0
@@ -501,7 +507,7 @@ class Service:
         progress = re.search(r"^progress:\s+(\d+)/", out, re.M)
         return (state.group(1) if state else "", int(progress.group(1)) if progress else -1)
 
-    def logs(self, name: str, since: float = 0) -> list[str]:
+    def logs(self, name: str) -> list[str]:
         p = docker("logs", name, check=False, timeout=60)
         return (p.stdout + p.stderr).splitlines()
 
@@ -623,13 +629,14 @@ def stop(svc: Service, target: str, stop_at: int, deadline_s: float) -> list[str
     follower.start()
     t0 = time.monotonic()
     done = -1
-    while done < stop_at:
-        state, done = svc.status(job)
-        if state and state not in ("RUNNING", "PENDING"):
-            raise Failed(f"{svc.tag}: the job was {state} before step {stop_at}")
+    while done < stop_at:   # from the progress lines the Job's first pod prints (every 10 steps)
+        time.sleep(0.1)
+        lines = svc.logs(f"{PREFIX}-{svc.tag}-submit-0")
+        done = max([int(m.group(1)) for ln in lines if (m := re.search(r"\bstep (\d+)/", ln))], default=-1)
+        if any(f"{job}: {end}" in ln for ln in lines for end in ("SUCCEEDED", "FAILED", "STOPPED")):
+            raise Failed(f"{svc.tag}: the job ended before step {stop_at}")
         if time.monotonic() - t0 > deadline_s:
             raise Failed(f"{svc.tag}: the job did not pass step {stop_at} within {deadline_s:.0f} s ({done} done)")
-        time.sleep(0.2)
     # What a pod eviction does: SIGTERM, then SIGKILL after terminationGracePeriodSeconds.
     t_stop = time.monotonic()
     docker("stop", "-t", str(victim.grace_s), victim.name, timeout=victim.grace_s + 60)
@@ -702,8 +709,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--make-base", action="store_true",
                    help=f"make the base {BASE_IMAGE} with debootstrap (root) unless it is there")
     p.add_argument("--pip-index", default=None,
-                   help="a package index URL the build can reach, for torch and everything else "
-                        "(default: one made from this environment's pip configuration)")
+                   help="PIP_INDEX_URL: a package index URL the build can reach (default: with no "
+                        "--torch-index either, one made from this environment's pip configuration)")
+    p.add_argument("--torch-index", default=None,
+                   help="TORCH_INDEX: where torch comes from (default: the Dockerfile's, or that made index)")
     p.add_argument("--stop-at-step", type=int, default=60,
                    help="stop a worker once the job has done this many steps (default 60)")
     p.add_argument("--deadline-s", type=float, default=600,
@@ -738,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if "build" in args.phases:
                 base = make_base(work) if args.make_base else args.python_image or "python:3.11-slim-bookworm"
-                build(image, base, args.pip_index, work)
+                build(image, base, args.pip_index, args.torch_index, work)
             elif docker("image", "inspect", image, check=False).returncode != 0:
                 raise Failed(f"{image}: no such image; run the build phase first")
             if "train" in args.phases:
