@@ -374,8 +374,8 @@ class Service:
         self.coordinator = manifest("base/coordinator.yaml", "StatefulSet")
         self.workers = manifest("base/workers.yaml", "StatefulSet")
         self.submit = manifest("example/submit.yaml", "Job")
-        tokens = {"client-token": secrets.token_hex(32), "worker-token": secrets.token_hex(32)}
-        self.tokens = tokens
+        self.tokens = {"client-token": secrets.token_hex(32), "worker-token": secrets.token_hex(32)}
+        self.job_yaml = (DEPLOY / "example" / "job.yaml").read_text()   # the ConfigMap's job.yaml
 
     def __enter__(self) -> Service:
         self.work.mkdir(parents=True)
@@ -435,11 +435,9 @@ class Service:
             raise Failed(f"volume {vol['name']}: ConfigMap {vol['configMap']['name']} is not known here")
         return {"job.yaml": self.job_yaml}
 
-    job_yaml = (DEPLOY / "example" / "job.yaml").read_text()
-
     def _start(self, pod: Pod) -> None:
+        self.containers.append(pod.name)   # first: a container that was made but did not start goes too
         docker(*pod.run_args(self.image, self.network))
-        self.containers.append(pod.name)
 
     def start_coordinator(self) -> Pod:
         name = self.coordinator["metadata"]["name"]
@@ -466,8 +464,8 @@ class Service:
 
     def run_job(self, job_yaml: str, deadline_s: float) -> tuple[int, str]:
         """The example Job to its end, as Kubernetes runs it: a pod that exits non-zero is tried again
-        in a new pod, up to backoffLimit, unless podFailurePolicy's exit codes fail the Job at once.
-        (after the controller's back-off). Returns the last pod's exit code and what happened, e.g.
+        in a new pod after the controller's back-off, up to backoffLimit, unless podFailurePolicy's
+        exit codes fail the Job at once. Returns the last pod's exit code and what happened, e.g.
         "Complete (pod exits: 0)"."""
         spec = self.submit["spec"]
         fail_now = {code for r in spec.get("podFailurePolicy", {}).get("rules", [])
@@ -624,8 +622,13 @@ def stop(svc: Service, target: str, stop_at: int, deadline_s: float) -> list[str
     victim = workers[-1] if target == "worker" else coordinator
     outcome: list[tuple[int, str]] = []
     job_yaml = yaml.safe_dump(spec, sort_keys=False)
-    follower = threading.Thread(target=lambda: outcome.append(svc.run_job(job_yaml, deadline_s)),
-                                name="job", daemon=True)
+    def follow() -> None:
+        try:
+            outcome.append(svc.run_job(job_yaml, deadline_s))
+        except Failed as e:
+            outcome.append((EXIT_FAILED, f"not ended: {e}"))
+
+    follower = threading.Thread(target=follow, name="job", daemon=True)
     follower.start()
     t0 = time.monotonic()
     done = -1
