@@ -574,7 +574,7 @@ def bring_up(svc: Service) -> tuple[list[Pod], Pod]:
     ranks = int(svc.workers["spec"]["replicas"])
     # On Kubernetes each worker has its CPU limit to itself (requests = limits). Here the workers
     # share this host's cores: each gets its share, and OMP_NUM_THREADS follows that limit, as the
-    # downward API's limits.cpu does; threads beyond the cores the workers share slow a step tenfold.
+    # downward API's limits.cpu does. Two threads per worker on 2 shared cores: the example took 162 s, not 38.
     cores = max(1, int(docker("info", "--format", "{{.NCPU}}").stdout) // ranks)
     workers = [svc.start_worker(rank, cores) for rank in range(ranks)]
     limit = workers[0].cpu_limit
