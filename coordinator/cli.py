@@ -141,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="NAME",
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
+    c.add_argument("--attach", action="store_true",
+                   help="when serve has a job of that name with this very spec and code (submitted before, e.g. "
+                        "by an earlier try of a Kubernetes Job), follow it instead of exit 2")
     c.add_argument("--no-progress", action="store_true", help="with --follow: no progress bar or progress lines")
     c.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
                    help="the largest job code archive to send: the folder of the job file, or the spec's working_dir "
@@ -270,7 +273,7 @@ async def _client(args: argparse.Namespace) -> int:
         if args.command == "submit":
             if args.resume:
                 return await c.resume(args.resume, args.follow, not args.no_progress)
-            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib)
+            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib, args.attach)
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "submit" and bool(args.job) == bool(args.resume):
         parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: give a job spec or --resume NAME, not both\n"
                     if args.job else "gpipe-coordinator submit: error: give a job spec or --resume NAME\n")
+    if args.command == "submit" and args.resume and args.attach:
+        parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: --attach goes with a job spec, not --resume\n")
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.

@@ -320,6 +320,35 @@ def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(shared):
 
 
 @pytest.mark.multiprocess
+def test_attach_follows_the_same_job_submitted_before_and_refuses_another_of_its_name(shared):
+    """A Kubernetes Job's next pod (its first lost serve mid-follow) submits again: with --attach it follows
+    the job its first pod submitted, to that job's end and exit code."""
+    folder = shared.tmp / "attach"
+    folder.mkdir()
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job("attached", model=SLOW, steps=40)))
+    assert shared.client("submit", str(path)).returncode == 0
+    r = shared.client("submit", str(path), "--follow", "--attach", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "following it" in r.stderr and r.stderr.count("attached: SUCCEEDED") == 1, r.stderr
+    assert "40/40" in shared.client("status", "attached").stdout
+    # Ended: --attach shows its end at once, and exits by it.
+    r = shared.client("submit", str(path), "--follow", "--attach", "--no-progress", timeout=60)
+    assert r.returncode == 0 and "SUCCEEDED" in r.stderr, r.stderr
+    # Without --attach, or with another spec or other code under that name: exit 2, nothing changes.
+    assert shared.client("submit", str(path)).returncode == 2
+    path.write_text(yaml.safe_dump(job("attached", model=SLOW, steps=41)))
+    r = shared.client("submit", str(path), "--attach")
+    assert r.returncode == 2 and "another spec" in r.stderr, r.stderr
+    path.write_text(yaml.safe_dump(job("attached", model=SLOW, steps=40)))
+    (folder / "more.py").write_text("x = 1\n")
+    r = shared.client("submit", str(path), "--attach")
+    assert r.returncode == 2 and "other code" in r.stderr, r.stderr
+    assert shared.client("submit", "--resume", "attached", "--attach").returncode == 2
+    assert shared.client("status", "attached").stdout.count("SUCCEEDED") == 2   # its state line and history
+
+
+@pytest.mark.multiprocess
 def test_stop_ends_a_running_job_and_the_workers_take_the_next_one(shared):
     path = shared.cli.write(job("long", model=SLOW, steps=1000))
     with shared.cli.running("submit", str(path), "--follow", "--coordinator", shared.address) as follower:
