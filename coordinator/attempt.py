@@ -42,6 +42,7 @@ from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
+from gpipe.topology import Topology
 
 # Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
@@ -120,8 +121,21 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     tell(report.Eval({**asdict(m), "step": step, "weights": str(Path(a.evaluate).resolve())}))
 
 
+def _shaped(a: argparse.Namespace, spec: JobSpec) -> JobSpec:
+    """The job at --stages x --replicas (a re-planned attempt: gpipe.coordinator.elastic), or as its spec says."""
+    if a.stages is None and a.replicas is None:
+        return spec
+    from gpipe.coordinator.elastic import describe, shapes
+
+    want = Topology(spec.stages if a.stages is None else a.stages, spec.replicas if a.replicas is None else a.replicas)
+    if want not in shapes(spec):
+        raise SpecError(f"--stages/--replicas: {describe(want)} is not a shape this job may re-plan onto "
+                        "(elastic: the same micro-batches on fewer replicas, then down to min_stages)")
+    return spec.reshaped(want.stages, want.replicas)
+
+
 def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
-    spec = load_spec(a.spec)
+    spec = _shaped(a, load_spec(a.spec))
     out = Path(a.state_dir) / spec.name
     placement, devices = _placed(a, spec)
     import torch
@@ -212,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="each worker, by rank: JSON [{host, device, cores, threads}]")
     p.add_argument("--resume", action="store_true", help="start from the newest good checkpoint")
     p.add_argument("--attempt", type=int, default=1)
+    p.add_argument("--stages", type=int, help="re-planned (elastic): this many stages instead of the spec's")
+    p.add_argument("--replicas", type=int, help="re-planned (elastic): this many replicas instead of the spec's")
     p.add_argument("--log", help="once planned, send this process's stderr to this file")
     p.add_argument("--evaluate", metavar="WEIGHTS", help="evaluate this safetensors file on the job's eval data; "
                    "train and write nothing")
