@@ -8,15 +8,27 @@ below.
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
 from gpipe.coordinator import elastic, report
 from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.serde import JobRecord, JobState, Join
 from gpipe.topology import Topology
+from tests import reference
+from tests.test_failures import _worker_pid
+from tests.test_service import Service, job, steps_of, with_suppress
 from tests.test_supervisor import Harness
 
 
@@ -125,3 +137,108 @@ async def test_not_elastic_or_below_min_stages_still_fails(h):
     h.beat(0, 2)
     h.sup.tick()
     assert job.state == JobState.FAILED and "rank(s) 1 did not come back" in job.history[-1].message
+
+
+# -- the service, end to end ------------------------------------------------------------------------------
+
+PORTS = range(43000, 44000)  # this file's servers listen only here
+HEARTBEAT_TIMEOUT_S = 2  # serve --heartbeat-timeout: a lost worker is seen sooner
+
+
+def port_in_range() -> int:
+    for port in random.sample(PORTS, 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.fail(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def elastic_job(name: str, **kw: object) -> dict[str, Any]:
+    """A slow 3-stage job (seconds per step) that may shrink to 2 stages."""
+    fields: dict[str, Any] = {"stages": 3, "balance": [2, 1, 1], "steps": 30, "checkpoint_every": 4,
+                              "restart_timeout_s": 2, "elastic": {"min_stages": 2}}
+    return job(name, model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               **(fields | kw))
+
+
+@pytest.fixture
+def three(cli):
+    """serve on a port of this file's range and workers for ranks 0-2."""
+    s = Service(cli)
+    s.port = port_in_range()
+    s.address = f"127.0.0.1:{s.port}"
+    try:
+        s.start_serve("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+        for rank in range(3):
+            s.start_worker(rank)
+        yield s
+    finally:
+        s.stop_all()
+
+
+def history(out: Path) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads((out / "job.json").read_text())["history"])
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def same_weights(out: Path, spec: dict[str, Any]) -> float:
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_away_past_restart_timeout_shrinks_the_job_and_it_grows_back_to_the_same_weights(three):
+    s = three
+    spec = elastic_job("shrink", steps=40)
+    out = s.state / "shrink"
+    assert s.client("submit", str(s.cli.write(spec))).returncode == 0
+    s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)
+    # SIGSTOP freezes rank 1's daemon and its attempt process: to serve, a host gone from the network.
+    frozen = [s.procs["worker1"].pid] + [pid for pid in [_worker_pid(s.cli.tag, 1)] if pid]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    lost = time.time()
+    try:
+        s.wait_for(lambda: any(a == 2 for a, _ in steps_of(out)), "a step on 2 stages", 60)
+        running = time.time()
+        status = s.client("status", "shrink").stdout
+        assert "2 stages of the spec's 3" in status, status
+    finally:
+        for pid in frozen:  # back on the network: the daemon registers again, and the job grows back
+            with_suppress(lambda pid=pid: os.kill(pid, signal.SIGCONT))
+    r = s.client("logs", "shrink", "--follow", timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
+    replan = next(h["message"] for h in history(out) if "stage count 3 -> 2" in h["message"])
+    assert replan.startswith("stage count 3 -> 2: rank 1 lost for") and "no spare worker" in replan, replan
+    assert "RUNNING: attempt 2 " in r.stdout and "on ranks [0, 2] (2 stages of the spec's 3 stages)" in r.stdout
+    assert "stage count 2 -> 3: enough workers are back" in r.stdout, r.stdout
+    rows = steps_of(out)
+    assert {a for a, _ in rows} == {1, 2, 3}, rows  # 3 stages, 2 stages, 3 stages again
+    assert [st for a, st in rows if a == 3] == list(range(rows[-1][1] - len([a for a, _ in rows if a == 3]) + 1, 40))
+    assert same_weights(out, spec) <= 1e-5
+    restarting = next(h["time_unix"] for h in history(out) if h["state"] == "RESTARTING")
+    print(f"\nrank lost -> RESTARTING {restarting - lost:.1f}s; lost -> first step on 2 stages {running - lost:.1f}s "
+          f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S}s, restart_timeout_s {spec['restart_timeout_s']}s)",
+          file=sys.stderr)
+
+
+@pytest.mark.multiprocess
+def test_a_spare_worker_takes_the_lost_rank_s_place_at_once(three):
+    s = three
+    spec = job("spare", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               steps=20, checkpoint_every=4, restart_timeout_s=60)  # 2 stages: rank 2 is idle, a spare
+    out = s.state / "spare"
+    assert s.client("submit", str(s.cli.write(spec))).returncode == 0
+    s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)
+    s.kill("worker1")
+    r = s.client("logs", "spare", "--follow", timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
+    assert "on ranks [0, 2]" in r.stdout, r.stdout  # rank 2 served stage 1, without waiting restart_timeout_s
+    assert "stage count" not in r.stdout
+    assert same_weights(out, spec) <= 1e-5
