@@ -26,7 +26,8 @@ from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.serde import JobRecord, JobState, Join
 from gpipe.topology import Topology
-from tests import reference
+from tests import netns, reference
+from tests.conftest import ROOT, Cli, end_leftovers
 from tests.test_failures import _worker_pid
 from tests.test_service import Service, job, steps_of, with_suppress
 from tests.test_supervisor import Harness
@@ -164,19 +165,34 @@ def elastic_job(name: str, **kw: object) -> dict[str, Any]:
                **(fields | kw))
 
 
-@pytest.fixture
-def three(cli):
-    """serve on a port of this file's range and workers for ranks 0-2."""
-    s = Service(cli)
+def start_workers(s: Service, *ranks: int) -> None:
+    """Workers for `ranks`, started together (each takes seconds to import torch), registered."""
+    before = {r: s.log("serve").count(f"worker for rank {r} registered") for r in ranks}
+    cores = sorted(os.sched_getaffinity(0))
+    for r in ranks:
+        s._spawn(f"worker{r}", ["-m", "gpipe.worker.daemon", "--rank", str(r), "--coordinator", s.address,
+                                "--cores", str(cores[r % len(cores)]), "--log-dir", str(s.tmp / f"worker{r}-attempts")])
+    for r in ranks:
+        s.wait_for(lambda r=r: s.log("serve").count(f"worker for rank {r} registered") > before[r],
+                   f"rank {r} to register")
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """One serve (on a port of this file's range) and workers for ranks 0-2, for this file's service tests;
+    each test its own job names, and it leaves the three workers up."""
+    c = Cli(tmp_path_factory.mktemp("elastic"))
+    s = Service(c)
     s.port = port_in_range()
     s.address = f"127.0.0.1:{s.port}"
     try:
         s.start_serve("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
-        for rank in range(3):
-            s.start_worker(rank)
+        start_workers(s, 0, 1, 2)
         yield s
     finally:
         s.stop_all()
+        left = end_leftovers(c)
+    assert not left, f"processes left behind: {left}"
 
 
 def history(out: Path) -> list[dict[str, Any]]:
@@ -222,10 +238,14 @@ def test_a_rank_away_past_restart_timeout_shrinks_the_job_and_it_grows_back_to_t
     assert {a for a, _ in rows} == {1, 2, 3}, rows  # 3 stages, 2 stages, 3 stages again
     assert [st for a, st in rows if a == 3] == list(range(rows[-1][1] - len([a for a, _ in rows if a == 3]) + 1, 40))
     assert same_weights(out, spec) <= 1e-5
-    restarting = next(h["time_unix"] for h in history(out) if h["state"] == "RESTARTING")
-    print(f"\nrank lost -> RESTARTING {restarting - lost:.1f}s; lost -> first step on 2 stages {running - lost:.1f}s "
-          f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S}s, restart_timeout_s {spec['restart_timeout_s']}s)",
-          file=sys.stderr)
+    h = history(out)
+    restarting = next(c["time_unix"] for c in h if c["state"] == "RESTARTING")
+    replanned = next(c["time_unix"] for c in h if "stage count 3 -> 2" in c["message"])
+    attempt2 = next(c["time_unix"] for c in h if c["message"].startswith("attempt 2 "))
+    print(f"\nloss -> re-planned running: {running - lost:.1f}s (heartbeat timeout {HEARTBEAT_TIMEOUT_S}s, "
+          f"restart_timeout_s {spec['restart_timeout_s']}s): RESTARTING after {restarting - lost:.1f}s, re-planned "
+          f"after {replanned - lost:.1f}s, attempt 2 started after {attempt2 - lost:.1f}s, its first step logged "
+          f"after {running - lost:.1f}s", file=sys.stderr)
 
 
 @pytest.mark.multiprocess
@@ -237,8 +257,64 @@ def test_a_spare_worker_takes_the_lost_rank_s_place_at_once(three):
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
     s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)
     s.kill("worker1")
-    r = s.client("logs", "spare", "--follow", timeout=120)
+    try:
+        r = s.client("logs", "spare", "--follow", timeout=120)
+    finally:
+        start_workers(s, 1)
     assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
     assert "on ranks [0, 2]" in r.stdout, r.stdout  # rank 2 served stage 1, without waiting restart_timeout_s
     assert "stage count" not in r.stdout
     assert same_weights(out, spec) <= 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_host_cut_off_for_good_shrinks_the_job_which_finishes_on_the_one_device_weights(cli, tmp_path):
+    """serve on host 0, ranks 0-2 on hosts 1-3 (network namespaces); host 2's link is cut and never mended."""
+    if (why := netns.skip_reason("gpe")) is not None:
+        pytest.skip(why)
+    spec = elastic_job("cutoff", peer_timeout_s=5)
+    path = cli.write(spec)
+    env = dict(cli.env, PYTHONPATH=str(ROOT))
+    py = [sys.executable, "-m"]
+    with netns.Hosts(4, prefix="gpe") as hosts:
+        address = f"{hosts.addr(0)}:{port_in_range()}"
+        logs = {k: tmp_path / f"{k}.log" for k in ("serve", "submit", "worker0", "worker1", "worker2")}
+
+        def log(k: str) -> str:
+            return logs[k].read_text(errors="replace") if logs[k].exists() else ""
+
+        def wait(cond: Any, what: str, timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while not cond():
+                if time.monotonic() > deadline:
+                    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n"
+                                + "\n".join(f"--- {k}\n{log(k)[-2000:]}" for k in logs))
+                time.sleep(0.1)
+
+        hosts.spawn(0, [*py, "gpipe.coordinator.cli", "serve", "--host", hosts.addr(0), "--insecure", "--port",
+                        address.rsplit(":", 1)[1], "--state-dir", str(tmp_path / "state"), "--heartbeat-timeout",
+                        str(HEARTBEAT_TIMEOUT_S)], env, logs["serve"])
+        wait(lambda: "coordinator serving on" in log("serve"), "serve to start", 60)
+        for rank in range(3):
+            hosts.spawn(1 + rank, [*py, "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", address,
+                                   "--log-dir", str(tmp_path / f"worker{rank}-attempts")], env, logs[f"worker{rank}"])
+        for rank in range(3):
+            wait(lambda rank=rank: f"worker for rank {rank} registered" in log("serve"), f"rank {rank}", 60)
+        submit = hosts.spawn(0, [*py, "gpipe.coordinator.cli", "submit", str(path), "--follow", "--coordinator",
+                                 address], env, logs["submit"])
+        out = tmp_path / "state" / "cutoff"
+        wait(lambda: len(steps_of(out)) > 5, "step 5", 90)
+        hosts.cut(2)  # rank 1's host, for good
+        cut = time.time()
+        wait(lambda: submit.poll() is not None, "the job to end", 180)
+        assert submit.returncode == 0, log("submit")
+    h = history(out)
+    assert h[-1]["state"] == "SUCCEEDED", h
+    replan = next(c["message"] for c in h if "stage count" in c["message"])
+    assert replan.startswith("stage count 3 -> 2: rank 1 lost for") and "no spare worker" in replan, replan
+    assert any("on ranks [0, 2] (2 stages of the spec's 3 stages)" in c["message"] for c in h), h
+    assert "cutoff: RESTARTING: stage count 3 -> 2" in log("submit")  # the job line says it too
+    assert same_weights(out, spec) <= 1e-5
+    running = next(c["time_unix"] for c in h if c["message"].startswith("attempt 2 "))
+    print(f"\nhost cut -> attempt on 2 stages started {running - cut:.1f}s", file=sys.stderr)
