@@ -47,11 +47,15 @@ def shapes(spec: JobSpec) -> Iterator[Topology]:
         return
     want = micro_batch_sizes(spec.data.batch_size, spec.replicas, spec.chunks)
     total = spec.replicas * spec.chunks
+
+    def same(replicas: int) -> bool:  # replicas x (total / replicas) cuts the batch as the spec does
+        return total % replicas == 0 and total // replicas <= MAX_CHUNKS \
+            and micro_batch_sizes(spec.data.batch_size, replicas, total // replicas) == want
+
     for replicas in range(spec.replicas - 1, 0, -1):
-        if total % replicas == 0 and total // replicas <= MAX_CHUNKS \
-                and micro_batch_sizes(spec.data.batch_size, replicas, total // replicas) == want:
+        if same(replicas):
             yield Topology(spec.stages, replicas)
-    if total <= MAX_CHUNKS:  # one replica holds every micro-batch: its cut is always the same
+    if same(1):  # then one replica, on fewer stages
         for stages in range(spec.stages - 1, spec.elastic.min_stages - 1, -1):
             yield Topology(stages, 1)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 from safetensors.torch import load_file
 
 from gpipe.coordinator import elastic, report
@@ -56,6 +58,30 @@ def test_shapes_drop_replicas_before_stages_and_keep_the_micro_batches():
     odd = parse_spec(spec_text(replicas=2, elastic="{min_stages: 3}").replace("batch_size: 8", "batch_size: 10"))
     assert list(elastic.shapes(odd)) == [Topology(3, 2)]
     assert list(elastic.shapes(parse_spec(spec_text()))) == [Topology(3, 1)]  # not elastic: the spec's only
+
+
+def test_fewer_replicas_train_the_same_micro_batches_to_the_same_weights():
+    """The math of a re-plan: replicas 2 x chunks 2 on one device equals replicas 1 x chunks 4 bit for bit
+    (dropout seeded by each micro-batch's index), and so does a 2-stage pipeline of that shape, to rounding;
+    a batch that splits unevenly cuts other micro-batches, which is why shapes() passes that one over."""
+    def as_dict(batch: int) -> dict[str, Any]:
+        return job("math", model={"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 2}},
+                   stages=2, balance=[3, 4], replicas=2, chunks=2, steps=3, elastic={"min_stages": 1},
+                   data={"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16},
+                         "batch_size": batch})
+
+    spec = as_dict(8)
+    one = parse_spec(yaml.safe_dump(spec)).reshaped(2, 1)
+    assert (one.replicas, one.chunks) == (1, 4) and Topology(2, 1) in elastic.shapes(parse_spec(yaml.safe_dump(spec)))
+    shrunk = {**spec, "replicas": 1, "chunks": 4}
+    want = reference.train(spec)
+    assert all(torch.equal(want[k], w) for k, w in reference.train(shrunk).items())
+    piped = reference.train(shrunk, cuts=[3, 4], pipelined=True)
+    assert max((want[k] - piped[k]).abs().max().item() for k in want) <= 1e-5
+    odd = as_dict(10)
+    assert list(elastic.shapes(parse_spec(yaml.safe_dump(odd)))) == [Topology(2, 2)]
+    other = reference.train({**odd, "replicas": 1, "chunks": 4})
+    assert not all(torch.equal(v, other[k]) for k, v in reference.train(odd).items())
 
 
 def test_an_explicit_balance_that_no_longer_fits_becomes_by_params():
