@@ -294,6 +294,23 @@ def test_a_spare_worker_takes_the_lost_rank_s_place_at_once(three):
 
 
 @pytest.mark.multiprocess
+def test_a_lost_replica_s_micro_batches_go_to_the_one_that_remains_to_the_same_weights(three):
+    s = three
+    start_workers(s, 3)  # 2 replicas x 2 stages: ranks 0-3, no spare
+    spec = job("halved", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+               replicas=2, steps=20, checkpoint_every=4, restart_timeout_s=2, elastic={"min_stages": 2})
+    out = s.state / "halved"
+    assert s.client("submit", str(s.cli.write(spec))).returncode == 0
+    s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)
+    s.kill("worker3")  # gone for good: the fixture's ranks 0-2 remain
+    r = s.client("logs", "halved", "--follow", timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
+    assert "replicas 2 -> 1: rank 3 lost for" in r.stdout, r.stdout  # fewer replicas before fewer stages
+    assert "(2 stages of the spec's 2 replicas x 2 stages)" in r.stdout and "4 micro-batches" in r.stdout
+    assert same_weights(out, spec) <= 1e-5
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_host_cut_off_for_good_shrinks_the_job_which_finishes_on_the_one_device_weights(cli, tmp_path):
     """serve on host 0, ranks 0-2 on hosts 1-3 (network namespaces); host 2's link is cut and never mended."""
