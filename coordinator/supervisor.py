@@ -501,7 +501,7 @@ class Supervisor:
             with self._own_trouble(e):
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
-                if waited > spec.restart_timeout_s and not self._replan(e):
+                if waited > spec.restart_timeout_s and not self._replan(e, waited):
                     missing = [r for r in spec.topology.ranks() if r not in self.workers]
                     who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
                            else "its workers stayed busy")
@@ -553,7 +553,7 @@ class Supervisor:
         """The workers that may take `e`'s next attempt, by rank: idle, and heard from since its last failure."""
         return {r: w for r, w in self.workers.items() if w.attempt_id is None and w.last_seen > e.failed_at}
 
-    def _replan(self, e: Entry) -> bool:
+    def _replan(self, e: Entry, waited: float) -> bool:
         """A restarting job whose ranks stayed away past restart_timeout_s: re-plan it onto the workers that
         remain (elastic), saying why. False: it is not elastic, or not even its min_stages fit."""
         spec, job = e.job_spec, e.record
@@ -561,9 +561,11 @@ class Supervisor:
         top = elastic.shape_for(spec, len(ready)) if spec.elastic is not None else None
         if top is None or top == e.topology or top.world > e.topology.world:
             return False
-        lost = [r for r in e.last_ranks if r not in self.workers] or [r for r in e.last_ranks if r not in ready]
+        was = e.last_ranks or e.topology.ranks()  # none yet: a restarted serve's job, last run at the spec's shape
+        lost = [r for r in was if r not in self.workers] or [r for r in was if r not in ready]
         who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "its workers"
-        since = self.clock.monotonic() - e.failed_at
+        # Since the failure; for a restarted serve's job, since it began waiting.
+        since = self.clock.monotonic() - e.failed_at if e.failed_at > float("-inf") else waited
         change = _change(e.topology, top)
         e.shape = top
         self._set_state(e, JobState.RESTARTING, f"{change}: {who} lost for {since:.0f} s, no spare worker; "

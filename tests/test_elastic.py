@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from gpipe.coordinator import elastic, report
 from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
-from gpipe.serde import JobRecord, JobState, Join
+from gpipe.serde import JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology
 from tests import netns, reference
 from tests.conftest import ROOT, Cli, end_leftovers
@@ -155,6 +155,22 @@ async def test_a_rank_lost_past_restart_timeout_re_plans_onto_fewer_stages_and_g
     grow = next(c.message for c in job.history if "stage count 2 -> 3" in c.message)
     assert "enough workers are back" in grow and job.restarts == 1  # growing back is no failure
     assert job.state == JobState.RUNNING and job.checkpoint_step == 2
+
+
+async def test_a_restarted_serve_s_job_whose_rank_stays_away_is_re_planned_naming_it(h):
+    text = spec_text(elastic="{min_stages: 1}")
+    job = JobRecord(name="j", spec_yaml=text, steps=4, output_dir="/nonexistent/j")
+    job.history.append(StateChange(JobState.RUNNING, h.clock.time(), "attempt 1"))
+    job.state = JobState.RUNNING
+    h.sup.add(job, parse_spec(text), Path("job.yaml"), Path("."))  # as a restarted serve reads it back
+    h.register(0, 2)
+    h.clock.advance(31)
+    h.beat(0, 2)
+    h.sup.tick()
+    await h.settle()
+    replan = next(c.message for c in job.history if "stage count" in c.message)
+    assert replan.startswith("stage count 3 -> 2: rank 1 lost for 31 s"), replan
+    assert job.state == JobState.RUNNING and h.attempts[-1].launch.topology == Topology(2, 1)
 
 
 async def test_not_elastic_or_below_min_stages_still_fails(h):
