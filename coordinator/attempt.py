@@ -61,7 +61,8 @@ def device_for(spec: JobSpec, device: str, rank: int) -> str:
 
 def _parse_placement(text: str) -> list[Placement]:
     try:
-        return [Placement(str(p["host"]), str(p["device"]), [int(c) for c in p["cores"]], int(p["threads"]))
+        return [Placement(str(p["host"]), str(p["device"]), [int(c) for c in p["cores"]], int(p["threads"]),
+                          None if p.get("rank") is None else int(p["rank"]))
                 for p in json.loads(text)]
     except (ValueError, KeyError, TypeError) as e:
         raise SpecError(f"--placement: not a list of stage placements ({e})") from None
@@ -80,7 +81,8 @@ def _placed(a: argparse.Namespace, spec: JobSpec) -> tuple[list[Placement], list
     if len(placement) != spec.topology.world:
         raise SpecError(f"--placement: {len(placement)} workers for {spec.replicas} replica(s) x {spec.stages} "
                         "stages")
-    return placement, [device_for(spec, p.device, k) for k, p in enumerate(placement)]
+    # A worker's device follows its own rank, not the slot it serves (elastic: a spare serves another's).
+    return placement, [device_for(spec, p.device, k if p.rank is None else p.rank) for k, p in enumerate(placement)]
 
 
 def _rendezvous(a: argparse.Namespace, spec: JobSpec) -> tuple[int, str]:

@@ -114,12 +114,13 @@ class AttemptProcess(Protocol):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one stage of an attempt runs: its worker's address, device, cores and threads."""
+    """Where one stage of an attempt runs: its worker's address, device, cores and threads, and its rank."""
 
     host: str
     device: str
     cores: list[int]
     threads: int
+    rank: int | None = None  # the worker's own (its device 'cuda' means GPU rank mod the GPUs); None: the slot
 
 
 @dataclass(frozen=True)
@@ -618,7 +619,7 @@ class Supervisor:
         e.last_ranks = list(attempt.ranks)
         done, reported, code = False, None, -1
         try:
-            placement = [Placement(w.host, w.device, w.cores, w.threads)
+            placement = [Placement(w.host, w.device, w.cores, w.threads, w.rank)
                          for w in (self.workers[r] for r in attempt.ranks)]
             attempt.process = await self.launcher(Launch(
                 job.name, attempt.id, job.attempts, e.spec_path, e.job_dir, placement, resume=not e.fresh,
