@@ -245,6 +245,10 @@ def history(out: Path) -> list[dict[str, Any]]:
         return []
 
 
+def committed(out: Path, step: int) -> bool:
+    return (out / "checkpoints" / f"step-{step}" / "MANIFEST.json").exists()
+
+
 def same_weights(out: Path, spec: dict[str, Any]) -> float:
     got = load_file(out / "model.safetensors")
     want = reference.train(spec)
@@ -258,7 +262,9 @@ def test_a_rank_away_past_restart_timeout_shrinks_the_job_and_it_grows_back_to_t
     spec = elastic_job("shrink", steps=48)
     out = s.state / "shrink"
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
-    s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)
+    # Right after a checkpoint, so that none is being taken: a loss in the middle of one leaves the attempt up to
+    # COMMIT_GRACE_S to commit what it holds, which the waits below allow for but the figure printed would show.
+    s.wait_for(lambda: committed(out, 8), "checkpoint step-8", 90)
     # SIGSTOP freezes rank 1's daemon and its attempt process: to serve, a host gone from the network.
     frozen = [s.procs["worker1"].pid] + [pid for pid in [_worker_pid(s.cli.tag, 1)] if pid]
     for pid in frozen:
@@ -369,7 +375,7 @@ def test_a_host_cut_off_for_good_shrinks_the_job_which_finishes_on_the_one_devic
         submit = hosts.spawn(0, [*py, "gpipe.coordinator.cli", "submit", str(path), "--follow", "--coordinator",
                                  address], env, logs["submit"])
         out = tmp_path / "state" / "cutoff"
-        wait(lambda: len(steps_of(out)) > 5, "step 5", 90)
+        wait(lambda: committed(out, 8), "checkpoint step-8", 90)  # none being taken: as above
         hosts.cut(2)  # rank 1's host, for good
         cut = time.time()
         wait(lambda: submit.poll() is not None, "the job to end", COMMIT_GRACE_S + 180)
