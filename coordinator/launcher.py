@@ -90,6 +90,8 @@ class ProcessLauncher:
                 "--host", host, "--placement", json.dumps([asdict(p) for p in launch.placement]),
                 "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
                 *(["--resume"] if launch.resume else []), *self.extra]
+        if launch.topology is not None:  # re-planned (elastic): this shape instead of the spec's
+            args += ["--stages", str(launch.topology.stages), "--replicas", str(launch.topology.replicas)]
         proc: Child
         if self.template is not None:
             proc = await self.template.spawn("gpipe.coordinator.attempt", args, child_env(dict(os.environ)),
