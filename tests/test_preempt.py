@@ -26,7 +26,7 @@ from tests.test_service import Service, job
 
 PORTS = range(42000, 43000)  # this module's servers listen here only
 SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.03}}
-STEPS = 30
+STEPS = 14  # stopped after step 6: the rest for the resumed attempt
 
 
 def port_in_range() -> int:
@@ -94,6 +94,7 @@ def test_a_worker_given_sigterm_has_its_job_checkpoint_then_exits_0_and_the_job_
         took = time.monotonic() - t0
         assert code == 0, s.log("worker1")
         assert re.search(r"attempt ended [\d.]+s after SIGTERM: leaving", s.log("worker1")), s.log("worker1")
+        assert not re.search("Traceback|never retrieved", s.log("worker1")), s.log("worker1")
         r = s.client("status", "evicted")
         assert "state:    PREEMPTED" in r.stdout and "attempts: 1, restarts 0 of" in r.stdout, r.stdout
         taken = checkpoints(out)
