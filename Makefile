@@ -1,6 +1,7 @@
 # The two front-door commands:
 #   make demo   set up, then train the example Transformer LM on this machine
 #   make test   set up, then lint, type-check and run the test suite (what CI runs)
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -31,8 +32,14 @@ typecheck: setup
 # and waiting); tests that share a module's serve stay on one (tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 
-test: lint typecheck
-	$(BIN)/pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup
+# mypy runs beside the tests (the tests' processes leave a core idle while they wait); its report follows
+# theirs, and their closing line is said again last.
+test: lint
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	$(BIN)/pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup 2>&1 | tee $(VENV)/pytest.log; \
+	tests=$${PIPESTATUS[0]}; wait $$types; typed=$$?; \
+	echo "mypy: $$(tail -n 1 $(VENV)/mypy.log)"; test $$typed -eq 0 || cat $(VENV)/mypy.log; \
+	tail -n 1 $(VENV)/pytest.log; test $$tests -eq 0 -a $$typed -eq 0
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not gpu and not multiprocess" -n $(TEST_WORKERS) --dist loadgroup

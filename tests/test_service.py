@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
 from gpipe import serde
+from gpipe.coordinator.supervisor import COMMIT_GRACE_S
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests import reference
 from tests.conftest import ROOT, Cli, end_leftovers
@@ -638,8 +639,10 @@ def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_wh
         os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
+        # Dropped after HEARTBEAT_TIMEOUT_S; a checkpoint the attempt was pulling from the frozen stage when it
+        # froze holds the attempt up to COMMIT_GRACE_S before the job is RESTARTING.
         shared.wait_for(lambda: "state:    RESTARTING" in shared.client("status", "partition").stdout,
-                        "RESTARTING", 30)
+                        "RESTARTING", HEARTBEAT_TIMEOUT_S + COMMIT_GRACE_S + 30)
         detected = time.monotonic() - t0
     finally:
         for pid in frozen:
