@@ -43,9 +43,10 @@ class Turns:
             self._cond.notify_all()
 
     @contextmanager
-    def turn(self, n: int, timeout: float, what: str) -> Iterator[None]:
-        """Wait (at most `timeout` seconds) until action `n` of the worker's order is next, run the body, then
-        hand the turn on to action n+1 (also when the body raised: the step fails either way)."""
+    def turn(self, n: int, total: int, timeout: float, what: str) -> Iterator[None]:
+        """Wait (at most `timeout` seconds) until action `n` of the worker's `total` is next, run the body, then
+        hand the turn on to action n+1 (also when the body raised: the step fails either way); after the last,
+        to the next step's first (a worker whose chunks are driven step by step, without `reset`)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._next != n and not self._failed:
@@ -60,5 +61,5 @@ class Turns:
             yield
         finally:
             with self._cond:
-                self._next = n + 1
+                self._next = (n + 1) % total
                 self._cond.notify_all()

@@ -125,3 +125,32 @@ def test_a_stage_that_raises_fails_the_run_naming_it_with_its_fields(tmp_path):
     e = failed.value.error
     assert e is not None and e.cause is Cause.RAISED and e.stage == 1 and e.step == 1
     assert "stage 1 (layers 1-2) failed at step 1: ValueError: boom after 4 forwards" in str(failed.value)
+
+
+# -- virtual stages: several model chunks per worker ----------------------------------------------------------
+
+VIRTUAL = {
+    # 2 workers x 2 chunks, chunk c on worker c mod 2; 4 micro-batches (a multiple of the workers)
+    "interleaved-1f1b": job(stages=2, virtual_stages=2, balance=[2, 2, 1, 2], chunks=4, data={**REGRESSION,
+                            "batch_size": 11}, schedule="interleaved-1f1b"),
+    # zbv: worker 0 holds chunks 0 and 3, worker 1 chunks 1 and 2 (a cut within a worker); 3 micro-batches
+    "zbv": job(stages=2, virtual_stages=2, balance=[2, 1, 2, 2], schedule="zbv", activation_checkpoint="always"),
+}
+
+
+@pytest.mark.parametrize("name", list(VIRTUAL))
+def test_virtual_stages_over_local_stages_train_as_one_device_and_resume_under_1f1b(tmp_path, name):
+    spec = {**VIRTUAL[name], "checkpoint_every": 2}
+    steps, _ = drive(plan_of({**spec, "steps": 2}), tmp_path / "a")
+    # a stage per model chunk, each with its worker's rank; the bubble counts each worker's step once
+    assert [(s["stage"], s["rank"]) for s in steps[0].stages] == \
+        ([(0, 0), (1, 1), (2, 0), (3, 1)] if name != "zbv" else [(0, 0), (1, 1), (2, 1), (3, 0)])
+    assert all(0 <= m.bubble_fraction < 1 for m in steps)
+    kinds = "BFW" if name == "zbv" else "BF"
+    assert all(sorted({a for a, *_ in s["timeline"]}) == list(kinds) for s in steps[0].stages)
+    ck = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "a"), 2))
+    assert len(ck.shards) == 4  # a shard per model chunk
+    resumed = {**spec, "virtual_stages": 1, "schedule": "1f1b", "stages": 3, "balance": [2, 3, 2]}
+    steps, _ = drive(plan_of(resumed), tmp_path / "b", resume=ck)
+    assert [m.step for m in steps] == [2, 3]
+    assert worst(model_weights(tmp_path / "b", 4), reference.train(spec)) <= 1e-5

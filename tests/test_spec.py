@@ -58,12 +58,16 @@ BAD = [
     ({"balance": "by_magic"}, "balance: Input should be a valid list or 'by_params', 'by_time' or 'by_memory'"),
     ({"balance": [1] * 65}, "balance: List should have at most 64 items"),
     ({"trace_step": 3}, "trace_step: step 3 is past the last step 2"),
-    ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe', '1f1b' or 'zb-h1'"),
-    # several model chunks per worker: not in the service (interleaved-1f1b runs in gpipe.Pipeline)
-    ({"schedule": "interleaved-1f1b"}, "schedule: interleaved-1f1b (several model chunks per worker) runs in "
-                                       "gpipe.Pipeline only"),
-    ({"schedule": "zbv"}, "schedule: zbv (several model chunks per worker) runs in gpipe.Pipeline only"),
-    ({"virtual_stages": 2}, "virtual_stages: unknown field"),
+    ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b' or 'zbv'"),
+    # several model chunks per worker: the schedules that hold them, and the balance over all of them
+    ({"virtual_stages": 2}, "virtual_stages: 2 model chunks per worker need schedule interleaved-1f1b or zbv"),
+    ({"schedule": "zbv"}, "virtual_stages: zbv holds 2 model chunks per worker (a V), not 1"),
+    ({"schedule": "zbv", "virtual_stages": 3}, "virtual_stages: zbv holds 2 model chunks per worker (a V), not 3"),
+    ({"schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages: must be an integer between 1 and 16, got 0"),
+    ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "chunks": 3},
+     "chunks: interleaved-1f1b runs the micro-batches in rounds of the 2 workers: 3 is not a multiple of 2"),
+    ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "balance": [1, 1]},
+     "balance: has 2 entries but stages x virtual_stages 2 is 4"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
     ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),
     ({"optimizer__lr": -1}, "optimizer.lr: must be greater than 0 and at most 1000, got -1"),

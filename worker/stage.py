@@ -41,6 +41,8 @@ from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.channel import gradient_message, gradients, wants_grad
 from gpipe.worker.skips import Routed, SkipLinks
 
+Positions = tuple[list[int], int]  # each action's place in its worker's order (virtual stages), and its length
+
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
     """The stage's slice of the model, holding `state` (the coordinator's weights) when given.
@@ -206,7 +208,11 @@ class Stage:
         self.turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
-        self.transport = transport if transport is not None else C10dTransport(cfg, self.device)
+        if transport is None:
+            transport = C10dTransport(cfg, self.device)
+            if cfg.virtual_stages > 1:  # the model chunks of this worker process take turns, and share its RNG
+                self.turns, self.shared_rng = transport.world.turns, transport.world.rng
+        self.transport = transport
         self._link()
 
     def _link(self) -> None:
@@ -317,25 +323,25 @@ class Stage:
 
     # -- the interpreter ------------------------------------------------------------------------------------
 
-    def _actions(self, chunks: int) -> tuple[list[schedule.Action], list[int] | None]:
+    def _actions(self, chunks: int) -> tuple[list[schedule.Action], Positions | None]:
         """This stage's actions of a step, in order; with virtual stages (a model chunk of a worker that holds
-        several: gpipe.turns), also each one's position in the worker's order."""
+        several: gpipe.turns), also each one's position in the worker's order, and the order's length."""
         cfg = self.cfg
         if cfg.virtual_stages == 1:
             return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
-        workers = cfg.stages // cfg.virtual_stages
-        worker, chunk = schedule.place(cfg.schedule, cfg.stage, workers)
-        order = schedule.build(cfg.schedule, worker, workers, chunks, cfg.virtual_stages)
+        chunk = schedule.place(cfg.schedule, cfg.stage, cfg.workers)[1]
+        order = schedule.build(cfg.schedule, cfg.worker, cfg.workers, chunks, cfg.virtual_stages)
         mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
-        return [a for _, a in mine], [n for n, _ in mine]
+        return [a for _, a in mine], ([n for n, _ in mine], len(order))
 
-    def run(self, actions: list[schedule.Action], positions: list[int] | None, p: Pass, t_start: float) -> None:
+    def run(self, actions: list[schedule.Action], positions: Positions | None, p: Pass, t_start: float) -> None:
         """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it,
         W computes its weights' gradients when the schedule splits the backward (then B only its inputs').
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
-        `positions`: each action's place in its worker's order, whose turn it waits for (gpipe.turns).
+        `positions`: each action's place in its worker's order, whose turn it waits for (gpipe.turns), and the
+        order's length.
         """
         p.split = schedule.splits_backward(actions)
         final = "W" if p.split else "B"  # the action whose gradients are the step's last
@@ -343,7 +349,7 @@ class Stage:
         for n, action in enumerate(actions):
             if n == last_backward and self.grad_sum is not None:
                 self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
-            with self._turn(positions[n] if positions is not None else None, action, p):
+            with self._turn((positions[0][n], positions[1]) if positions is not None else None, action, p):
                 p.computing_from = time.perf_counter()
                 self.ACTIONS[action.kind](self, action.micro_batch, p)
                 end = time.perf_counter()
@@ -351,14 +357,15 @@ class Stage:
             p.timeline.append((action.kind, action.micro_batch, p.computing_from - t_start, end - t_start))
 
     @contextlib.contextmanager
-    def _turn(self, position: int | None, action: schedule.Action, p: Pass) -> Iterator[None]:
-        """With virtual stages: wait for the worker's turn at `position` (not busy time), hand it on after."""
+    def _turn(self, position: tuple[int, int] | None, action: schedule.Action, p: Pass) -> Iterator[None]:
+        """With virtual stages: wait for the worker's turn at `position` (of its order's length), hand it on
+        after (not busy time)."""
         if position is None or self.turns is None:
             yield
             return
         what = f"{action!r} of model chunk {self.cfg.stage}"
         self._doing("waiting", f"the worker's turn for {what}")
-        with self.turns.turn(position, self.cfg.step_timeout_s, what):
+        with self.turns.turn(*position, self.cfg.step_timeout_s, what):
             self._doing("computing")
             yield
 
