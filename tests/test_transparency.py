@@ -103,3 +103,63 @@ def check_timeline(out, stages: int, chunks: int, step: int, more: str = "") -> 
         assert names == sorted(f"{kind}{i}" for kind in "FB" + more for i in range(chunks))
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Several model chunks per worker (virtual stages), over c10d: a worker process holds a Stage per chunk.
+VIRTUAL = {
+    # 2 workers x 3 chunks (chunk c on worker c mod 2): skips from chunk 0 to 3 (worker 0 to 1), 1 to 5 (within
+    # worker 1, in memory) and 4 to 5; uneven micro-batches (10 = 3+3+2+2), recomputation, clipping summed
+    # within each worker then across
+    "interleaved-1f1b-skips-clip": job(
+        model={"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}, stages=2,
+        virtual_stages=3, balance=[1] * 6, chunks=4, schedule="interleaved-1f1b", data={**REGRESSION, "batch_size": 10},
+        activation_checkpoint="except_last", clip_grad_norm=0.5, steps=3,
+    ),
+    # zbv (worker 0 holds chunks 0 and 3, worker 1 chunks 1 and 2: the V's bottom is a cut within worker 1),
+    # 2 replicas (each chunk's copies sum their gradients as its last W ends), dropout, recomputation, clipping
+    "zbv-2replicas-dropout-clip": job(
+        model={"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 3}}, stages=2, virtual_stages=2,
+        balance=[3, 2, 2, 3], chunks=3, schedule="zbv", replicas=2, data={**REGRESSION, "batch_size": 13},
+        activation_checkpoint="always", clip_grad_norm=0.5, steps=3,
+    ),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(VIRTUAL))
+def test_virtual_stages_over_processes_equal_one_device(cli, name):
+    spec = VIRTUAL[name]
+    r = cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    out = cli.tmp / "state" / "t"
+    want = reference.train(spec)
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    print(f"{name}: largest weight difference {worst:.3g}")
+    assert worst <= 1e-5, f"{name}: weights differ from one device by {worst}"
+
+    P, V, R = spec["stages"], spec["virtual_stages"], spec.get("replicas", 1)
+    plan = json.loads((out / "plan.json").read_text())
+    chunks_of = [[c for c in range(P * V) if c % P == k] for k in range(P)] if spec["schedule"] != "zbv" else \
+        [[k, 2 * P - 1 - k] for k in range(P)]
+    assert plan["schedule"]["chunks"] == chunks_of and len(plan["schedule"]["actions"]) == P
+    assert [w["chunks"] for w in plan["workers"]] == chunks_of * R and len(plan["stages"]) == P * V
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(spec["steps"]))
+    for m in lines:  # a stage per model chunk per replica, with its worker's rank
+        assert [(s["replica"], s["stage"]) for s in m["stages"]] == [(r, c) for r in range(R) for c in range(P * V)]
+        assert [s["rank"] for s in m["stages"]] == [r * P + k for r in range(R) for c in range(P * V)
+                                                    for k in range(P) if c in chunks_of[k]]
+        assert 0 <= m["bubble_fraction"] < 1
+    # The timeline: a row per worker, its actions named with their model chunk (W: the split backward's).
+    trace = json.loads((out / "trace.json").read_text())
+    rows = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert rows[:P] == [f"rank {k}: chunks {', '.join(map(str, chunks_of[k]))}" for k in range(P)]
+    kinds = "FBW" if spec["schedule"] == "zbv" else "FB"
+    for k in range(P):
+        names = sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == k)
+        assert names == sorted(f"{a}{i}c{c}" for a in kinds for i in range(spec["chunks"]) for c in chunks_of[k])
+    # A checkpoint holds a shard per model chunk.
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert len(list(ckpt.glob("stage-*.safetensors"))) == P * V
