@@ -140,8 +140,13 @@ VIRTUAL = {
 
 @pytest.mark.parametrize("name", list(VIRTUAL))
 def test_virtual_stages_over_local_stages_train_as_one_device_and_resume_under_1f1b(tmp_path, name):
-    spec = {**VIRTUAL[name], "checkpoint_every": 2}
-    steps, _ = drive(plan_of({**spec, "steps": 2}), tmp_path / "a")
+    held_out = {"factory": "random_regression", "args": {"n": 10, "in_features": 16, "out_features": 16, "seed": 9},
+                "batch_size": 4}
+    spec = {**VIRTUAL[name], "checkpoint_every": 2, "eval": {"data": held_out, "every": 2}}
+    steps, evals = drive(plan_of({**spec, "steps": 2}), tmp_path / "a")
+    want, n = reference.evaluate(spec, reference.train({**spec, "steps": 2}))  # each chunk forward in eval mode
+    assert [m.step for m in evals] == [1] and evals[0].eval_samples == n == 10
+    assert abs(evals[0].eval_loss - want) < 1e-5
     # a stage per model chunk, each with its worker's rank; the bubble counts each worker's step once
     assert [(s["stage"], s["rank"]) for s in steps[0].stages] == \
         ([(0, 0), (1, 1), (2, 0), (3, 1)] if name != "zbv" else [(0, 0), (1, 1), (2, 1), (3, 0)])
