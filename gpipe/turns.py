@@ -9,6 +9,8 @@ order only once the worker's action n-1 (on whichever chunk) has ended. So
 the worker computes one action at a time, in the schedule's order, exactly as
 one thread would, while each chunk's end-of-step reductions (which wait on
 the other stages) run on their own threads and cannot deadlock each other.
+The chunks also share the worker's activation meter (gpipe.memory), so a
+step's activation peak is the worker's, all its chunks' together.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from gpipe.memory import ActivationMeter
+
 
 class TurnAborted(RuntimeError):
     """Another chunk of the worker failed: its turn will never end."""
 
 
 class Turns:
-    """The position in one worker's order of actions, shared by the stages of its chunks."""
+    """The position in one worker's order of actions, shared by the stages of its chunks (and their meter)."""
 
     def __init__(self) -> None:
+        self.meter = ActivationMeter([])  # each chunk's stage adds its weights to what it skips
         self._cond = threading.Condition()
         self._next = 0
         self._failed = False

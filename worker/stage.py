@@ -205,7 +205,7 @@ class Stage:
         # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
         self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.stage for k in keys}
         self.shared_rng = shared_rng
-        self.turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
+        self._turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         if transport is None:
@@ -214,6 +214,19 @@ class Stage:
                 self.turns, self.shared_rng = transport.world.turns, transport.world.rng
         self.transport = transport
         self._link()
+
+    @property
+    def turns(self) -> Turns | None:
+        return self._turns
+
+    @turns.setter
+    def turns(self, turns: Turns | None) -> None:
+        """With virtual stages: this model chunk takes turns with its worker's others, and counts its activations
+        with theirs (their meter)."""
+        self._turns = turns
+        if turns is not None:
+            turns.meter.skip(list(self.layers.parameters()))
+            self.meter = turns.meter
 
     def _link(self) -> None:
         """This stage's lanes to its neighbours (and the stages its skip connections reach), and the reducer of
@@ -444,7 +457,8 @@ class Stage:
             pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads)))
         if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
             inputs = [t for t in structure.tensors((x, arrived)) if t.requires_grad]
-            p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params)
+            p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params,
+                                           self.meter.releasing)
         elif pairs:  # (torch.autograd.backward: Tensor.backward is unannotated.)
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         del y, held_x, stashed, skip_grads, pairs
