@@ -41,8 +41,6 @@ from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.channel import gradient_message, gradients, wants_grad
 from gpipe.worker.skips import Routed, SkipLinks
 
-Positions = tuple[list[int], int]  # each action's place in its worker's order (virtual stages), and its length
-
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
     """The stage's slice of the model, holding `state` (the coordinator's weights) when given.
@@ -225,6 +223,7 @@ class Stage:
         with theirs (their meter)."""
         self._turns = turns
         if turns is not None:
+            turns.join()
             turns.meter.skip(list(self.layers.parameters()))
             self.meter = turns.meter
 
@@ -336,51 +335,48 @@ class Stage:
 
     # -- the interpreter ------------------------------------------------------------------------------------
 
-    def _actions(self, chunks: int) -> tuple[list[schedule.Action], Positions | None]:
+    def _actions(self, chunks: int) -> tuple[list[schedule.Action], list[int] | None]:
         """This stage's actions of a step, in order; with virtual stages (a model chunk of a worker that holds
-        several: gpipe.turns), also each one's position in the worker's order, and the order's length."""
+        several: gpipe.turns), also each one's place in the worker's order."""
         cfg = self.cfg
         if cfg.virtual_stages == 1:
             return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
         chunk = schedule.place(cfg.schedule, cfg.stage, cfg.workers)[1]
         order = schedule.build(cfg.schedule, cfg.worker, cfg.workers, chunks, cfg.virtual_stages)
         mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
-        return [a for _, a in mine], ([n for n, _ in mine], len(order))
+        return [a for _, a in mine], [n for n, _ in mine]
 
-    def run(self, actions: list[schedule.Action], positions: Positions | None, p: Pass, t_start: float) -> None:
+    def run(self, actions: list[schedule.Action], positions: list[int] | None, p: Pass, t_start: float) -> None:
         """Interpret a schedule's actions in order (gpipe.schedule): F forwards a micro-batch, B backwards it,
         W computes its weights' gradients when the schedule splits the backward (then B only its inputs').
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
-        `positions`: each action's place in its worker's order, whose turn it waits for (gpipe.turns), and the
-        order's length.
+        `positions`: each action's place in its worker's order: the worker's chunks' actions then run together,
+        in that order, on one thread (gpipe.turns).
         """
         p.split = schedule.splits_backward(actions)
         final = "W" if p.split else "B"  # the action whose gradients are the step's last
         last_backward = max((i for i, a in enumerate(actions) if a.kind == final), default=-1)
-        for n, action in enumerate(actions):
+
+        def act(n: int) -> None:
+            action = actions[n]
             if n == last_backward and self.grad_sum is not None:
                 self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
-            with self._turn((positions[0][n], positions[1]) if positions is not None else None, action, p):
-                p.computing_from = time.perf_counter()
-                self.ACTIONS[action.kind](self, action.micro_batch, p)
-                end = time.perf_counter()
+            self._doing("computing")
+            p.computing_from = time.perf_counter()
+            self.ACTIONS[action.kind](self, action.micro_batch, p)
+            end = time.perf_counter()
             p.busy += end - p.computing_from
             p.timeline.append((action.kind, action.micro_batch, p.computing_from - t_start, end - t_start))
 
-    @contextlib.contextmanager
-    def _turn(self, position: tuple[int, int] | None, action: schedule.Action, p: Pass) -> Iterator[None]:
-        """With virtual stages: wait for the worker's turn at `position` (of its order's length), hand it on
-        after (not busy time)."""
-        if position is None or self.turns is None:
-            yield
+        if positions is None or self.turns is None:
+            for n in range(len(actions)):
+                act(n)
             return
-        what = f"{action!r} of model chunk {self.cfg.stage}"
-        self._doing("waiting", f"the worker's turn for {what}")
-        with self.turns.turn(*position, self.cfg.step_timeout_s, what):
-            self._doing("computing")
-            yield
+        self._doing("waiting", "the worker's other model chunks")
+        work = [(at, lambda n=n: act(n)) for n, at in enumerate(positions)]  # n bound per action
+        self.turns.run(work, self.cfg.step_timeout_s, f"model chunk {self.cfg.stage}")
 
     def _forward(self, mb: int, p: Pass) -> None:
         """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
