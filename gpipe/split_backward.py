@@ -197,11 +197,17 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     return WeightGradients(groups, whole, params)
 
 
+_SAVED: dict[type, list[str]] = {}  # per kind of autograd node: the attributes its saved values are read by
+
+
 def _unpack_saved(node: Node) -> None:
     """Unpack every tensor autograd's node `node` saved for its backward (its `_saved_*` attributes)."""
-    for name in dir(node):
-        if name.startswith("_saved_") and not name.endswith(("_sym_sizes", "_sym_strides")):
-            try:
-                getattr(node, name)
-            except RuntimeError:  # not unpackable (freed already)
-                continue
+    names = _SAVED.get(type(node))
+    if names is None:
+        names = _SAVED[type(node)] = [n for n in dir(node) if n.startswith("_saved_")
+                                      and not n.endswith(("_sym_sizes", "_sym_strides"))]
+    for name in names:
+        try:
+            getattr(node, name)
+        except RuntimeError:  # not unpackable (freed already)
+            continue
