@@ -163,3 +163,27 @@ def test_virtual_stages_over_processes_equal_one_device(cli, name):
     # A checkpoint holds a shard per model chunk.
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
     assert len(list(ckpt.glob("stage-*.safetensors"))) == P * V
+
+
+@pytest.mark.multiprocess
+def test_serve_runs_zbv_on_two_workers_as_one_device(cli):
+    """Under serve, a zbv job (2 workers x 2 model chunks) takes ranks 0 and 1, each daemon's attempt holding two
+    chunks, and trains as one device does."""
+    from tests.test_service import Service
+
+    s = Service(cli)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1)
+        spec = {**VIRTUAL["zbv-2replicas-dropout-clip"], "replicas": 1, "name": "zbv", "steps": 2}
+        r = s.client("submit", str(cli.write(spec)))
+        assert r.returncode == 0, r.stderr
+        s.wait_for(lambda: (s.state / "zbv" / "model.safetensors").exists(), "the job to finish", 120)
+        want = reference.train(spec)
+        got = load_file(s.state / "zbv" / "model.safetensors")
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+        lines = [json.loads(x) for x in s.client("logs", "zbv", "--json").stdout.splitlines()]
+        assert [[(st["stage"], st["rank"]) for st in m["stages"]] for m in lines] == [[(0, 0), (1, 1), (2, 1), (3, 0)]] * 2
+    finally:
+        s.stop_all()
