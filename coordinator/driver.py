@@ -43,6 +43,7 @@ from gpipe.files import atomic_write
 from gpipe.show import first_line
 from gpipe.state import model_key
 from gpipe.topology import Topology
+from gpipe.turns import TurnAborted
 
 T = TypeVar("T")
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
@@ -194,7 +195,14 @@ class Run:
                 pending[issued], results[issued] = self._issue(data, issued, on_snapshot is not None, watch), {}
                 issued += 1
             s, rank = watch.next(finished, timed_out)
-            results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
+            try:
+                results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
+            except JobFailed as e:
+                if e.error is None or e.error.type != TurnAborted.__name__:
+                    raise
+                # A model chunk that gave up because another chunk of its worker failed: that chunk's own answer
+                # (on its way) names the failure. Until it comes, this one is not counted as answered.
+                continue
             while finished in results and len(results[finished]) == top.world:
                 per_rank = results.pop(finished)
                 del pending[finished]

@@ -159,3 +159,15 @@ def test_virtual_stages_over_local_stages_train_as_one_device_and_resume_under_1
     steps, _ = drive(plan_of(resumed), tmp_path / "b", resume=ck)
     assert [m.step for m in steps] == [2, 3]
     assert worst(model_weights(tmp_path / "b", 4), reference.train(spec)) <= 1e-5
+
+
+def test_a_model_chunk_that_raises_fails_the_run_naming_it_not_the_chunk_beside_it(tmp_path):
+    # FailAfter (layer 2: model chunk 2, on worker 0 beside chunk 0) raises on its 4th forward: step 0's last.
+    spec = job(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 4}}, stages=2,
+               virtual_stages=2, schedule="interleaved-1f1b", balance=[1, 1, 1, 1], chunks=4, clip_grad_norm=None,
+               activation_checkpoint="never", data={**REGRESSION, "batch_size": 8})
+    with pytest.raises(JobFailed) as failed:
+        drive(plan_of(spec), tmp_path)
+    e = failed.value.error
+    assert e is not None and e.cause is Cause.RAISED and (e.stage, e.rank, e.step) == (2, 0, 0)
+    assert "model chunk 2 (layer 2) on stage 0 failed at step 0: ValueError: boom after 4 forwards" in str(failed.value)
