@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 import torch
@@ -195,23 +193,14 @@ def test_serve_runs_zbv_on_two_workers_as_one_device(cli):
 def test_a_worker_of_two_model_chunks_killed_mid_run_resumes_to_the_same_weights(cli):
     """SIGKILL worker 1 (model chunks 1 and 2 of a zbv job) after step 3: the supervisor restarts every rank
     from the last checkpoint, and the job ends with one device's weights."""
-    from tests.conftest import tagged_pids, wait_for
-    from tests.test_replicas import _log_of
-    from tests.test_resume import Lines, metrics
+    from tests.test_replicas import kill_mid_run
+    from tests.test_resume import metrics
 
     slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
     spec = job(model=slow, stages=2, virtual_stages=2, schedule="zbv", balance=[1, 1, 1, 1], chunks=3, steps=10,
                checkpoint_every=2)
     out = cli.tmp / "state" / "t"
-    with cli.running("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
-        lines = Lines(p)
-        wait_for(lambda: len(metrics(out)) > 3, 90, "step 3")
-        pid = next((pid for pid in tagged_pids(cli.tag) if _log_of(pid).endswith("/stage-1.log")), None)
-        assert pid, "no worker process found for rank 1"
-        os.kill(pid, signal.SIGKILL)
-        p.wait(timeout=120)
-        err = lines.text()
-    assert p.returncode == 0, err
+    err = kill_mid_run(cli, spec, "stage-1.log")
     assert "stage 1's worker process died (signal SIGKILL)" in err and "restart 1 of 3" in err, err
     assert any(m["attempt"] == 2 for m in metrics(out))
     got, want = load_file(out / "model.safetensors"), reference.train(spec)
