@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe.schedule import Action, build, cost, model_chunk, place, simulate, splits_backward, timing
+from gpipe.schedule import (
+    Action,
+    build,
+    cost,
+    model_chunk,
+    place,
+    simulate,
+    splits_backward,
+    timing,
+)
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
