@@ -17,6 +17,10 @@ the stream that was its stdout; the model's own prints go to its log.
 
 With --evaluate WEIGHTS it trains nothing and writes nothing: it evaluates the
 weights file on the job's eval data (the eval verb) and reports one `Eval`.
+
+SIGUSR1 (a worker or serve preempted) has it stop at the next step boundary
+with a checkpoint, leave, and report `Preempted`; SIGTERM (a worker lost) fails
+it, committing the checkpoints it took.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from dataclasses import asdict
@@ -42,6 +47,7 @@ from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
+from gpipe.topology import Topology
 
 # Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
@@ -60,7 +66,8 @@ def device_for(spec: JobSpec, device: str, rank: int) -> str:
 
 def _parse_placement(text: str) -> list[Placement]:
     try:
-        return [Placement(str(p["host"]), str(p["device"]), [int(c) for c in p["cores"]], int(p["threads"]))
+        return [Placement(str(p["host"]), str(p["device"]), [int(c) for c in p["cores"]], int(p["threads"]),
+                          None if p.get("rank") is None else int(p["rank"]))
                 for p in json.loads(text)]
     except (ValueError, KeyError, TypeError) as e:
         raise SpecError(f"--placement: not a list of stage placements ({e})") from None
@@ -79,7 +86,8 @@ def _placed(a: argparse.Namespace, spec: JobSpec) -> tuple[list[Placement], list
     if len(placement) != spec.topology.world:
         raise SpecError(f"--placement: {len(placement)} workers for {spec.replicas} replica(s) x {spec.stages} "
                         "stages")
-    return placement, [device_for(spec, p.device, k) for k, p in enumerate(placement)]
+    # A worker's device follows its own rank, not the slot it serves (elastic: a spare serves another's).
+    return placement, [device_for(spec, p.device, k if p.rank is None else p.rank) for k, p in enumerate(placement)]
 
 
 def _rendezvous(a: argparse.Namespace, spec: JobSpec) -> tuple[int, str]:
@@ -120,8 +128,25 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     tell(report.Eval({**asdict(m), "step": step, "weights": str(Path(a.evaluate).resolve())}))
 
 
-def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
-    spec = load_spec(a.spec)
+PREEMPTED = threading.Event()  # SIGUSR1: stop at the next step boundary, with a checkpoint
+
+
+def _shaped(a: argparse.Namespace, spec: JobSpec) -> JobSpec:
+    """The job at --stages x --replicas (a re-planned attempt: gpipe.coordinator.elastic), or as its spec says."""
+    if a.stages is None and a.replicas is None:
+        return spec
+    from gpipe.coordinator.elastic import describe, shapes
+
+    want = Topology(spec.stages if a.stages is None else a.stages, spec.replicas if a.replicas is None else a.replicas)
+    if want not in shapes(spec):
+        raise SpecError(f"--stages/--replicas: {describe(want)} is not a shape this job may re-plan onto "
+                        "(elastic: the same micro-batches on fewer replicas, then down to min_stages)")
+    return spec.reshaped(want.stages, want.replicas)
+
+
+def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
+    """Train; the checkpoint step it stopped at when preempted (reported `Preempted`), else None."""
+    spec = _shaped(a, load_spec(a.spec))
     out = Path(a.state_dir) / spec.name
     placement, devices = _placed(a, spec)
     import torch
@@ -186,12 +211,18 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> None:
         tell(report.Checkpoint(step, str(d), size, write_s, stall_s))
 
     try:
-        drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval, spec.keep_best)
+        stopped_at = drive(plan, out, a.host, port, devices, on_step, on_checkpoint, resume, a.attempt, on_eval,
+                           spec.keep_best, PREEMPTED.is_set)
     finally:
         log.close()
         board.close()
+    if stopped_at is not None:
+        tell(report.Log(f"preempted: stopped after step {stopped_at - 1}, with checkpoint step-{stopped_at}"))
+        tell(report.Preempted(stopped_at))
+        return stopped_at
     # What this process held at most: with init per_layer, not the model (docs/running.md: bigger than one machine).
     tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
+    return None
 
 
 def _stopped(signum: int, frame: object) -> None:
@@ -213,14 +244,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="each worker, by rank: JSON [{host, device, cores, threads}]")
     p.add_argument("--resume", action="store_true", help="start from the newest good checkpoint")
     p.add_argument("--attempt", type=int, default=1)
+    p.add_argument("--stages", type=int, help="re-planned (elastic): this many stages instead of the spec's")
+    p.add_argument("--replicas", type=int, help="re-planned (elastic): this many replicas instead of the spec's")
     p.add_argument("--log", help="once planned, send this process's stderr to this file")
     p.add_argument("--evaluate", metavar="WEIGHTS", help="evaluate this safetensors file on the job's eval data; "
                    "train and write nothing")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: PREEMPTED.set())
     try:
-        (evaluate if a.evaluate else attempt)(a, tell)
+        stopped_at = None
+        if a.evaluate:
+            evaluate(a, tell)
+        else:
+            stopped_at = attempt(a, tell)
     except GpipeError as e:
         tell(report.Failed.of(e))
         return e.exit_code
@@ -235,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()  # to the log: a bug of ours
         tell(report.Failed(f"internal error: {type(e).__name__}: {e}", EXIT_FAILED))
         return EXIT_FAILED
-    tell(report.Done())
+    if stopped_at is None:
+        tell(report.Done())
     return 0
 
 

@@ -15,7 +15,8 @@
 
 Exit codes: 0 done, 1 the job failed (the failing stage is named) or the
 coordinator cannot be reached, 2 bad input (spec, flag, file or job name;
-nothing was started), 3 the followed job was stopped, 130 interrupted.
+nothing was started), 3 the followed job was stopped, 130 interrupted, 143
+`run` got SIGTERM and checkpointed at a step boundary (`run --resume` goes on).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     run.add_argument("--resume", action="store_true",
                      help="continue from the job's newest good checkpoint in the state dir (default: start over)")
+    run.add_argument("--grace-s", type=float, default=25.0, metavar="SECONDS",
+                     help="on SIGTERM, how long the job has to checkpoint at its next step boundary before run exits "
+                          "143 (1-3600; default 25); run it again with --resume to go on")
     run.add_argument("--oversubscribe", action="store_true",
                      default=os.environ.get("GPIPE_OVERSUBSCRIBE", "") not in ("", "0"),
                      help="silence the warning line when workers (replicas x stages) outnumber the CPU cores "
@@ -118,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="serve Prometheus metrics on http://HOST:PORT/metrics (default: none; 0: any free port)")
     srv.add_argument("--metrics-host", default=None,
                      help="the address /metrics listens on (default: the API's, --host)")
+    srv.add_argument("--grace-s", type=float, default=25.0, metavar="SECONDS",
+                     help="on SIGTERM, how long running jobs have to checkpoint at their next step boundary before "
+                          "serve stops (1-3600; default 25, under Kubernetes' 30 s terminationGracePeriodSeconds)")
     srv.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     srv.add_argument("--tls-key", help="and this private key (PEM)")
 
@@ -134,12 +141,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="NAME",
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
+    c.add_argument("--attach", action="store_true",
+                   help="when serve has a job of that name with this very spec and code (submitted before, e.g. "
+                        "by an earlier try of a Kubernetes Job), follow it instead of exit 2")
     c.add_argument("--no-progress", action="store_true", help="with --follow: no progress bar or progress lines")
     c.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
                    help="the largest job code archive to send: the folder of the job file, or the spec's working_dir "
                         f"(default {DEFAULT_CODE_MIB} MiB; serve has its own --max-code-mib)")
     client("status", help="one job's state, progress and history").add_argument("name")
-    client("list", help="every job serve knows")
+    c = client("list", help="every job serve knows, or a page of them")
+    c.add_argument("--limit", type=int, default=None,
+                   help="show one page of at most this many jobs (1-1000), and the command for the next page")
+    c.add_argument("--page-token", default="", help="start at this page (a previous list's 'more:' line)")
     c = client("logs", help="a job's per-step metrics and events")
     c.add_argument("name")
     c.add_argument("--follow", action="store_true", help="keep printing until the job ends; exit by its state")
@@ -221,6 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 2 * HEARTBEAT_INTERVAL_S <= heartbeat_timeout <= 3600:  # nan too
         raise SpecError(f"--heartbeat-timeout: {args.heartbeat_timeout} is outside {2 * HEARTBEAT_INTERVAL_S:g}..3600 "
                         "seconds (or env GPIPE_HEARTBEAT_TIMEOUT_S)")
+    grpcutil.check_grace(args.grace_s)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise SpecError(f"--metrics-port: {args.metrics_port} is outside 0..65535")
     if args.metrics_host is not None and args.metrics_port is None:
@@ -242,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
     max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
                       validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib,
-                      metrics=metrics))
+                      metrics=metrics, grace_s=args.grace_s))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)
@@ -252,17 +266,20 @@ def _serve(args: argparse.Namespace) -> int:
 async def _client(args: argparse.Namespace) -> int:
     from gpipe import grpcutil
     from gpipe.coordinator.client import Client
+    from gpipe.serde import MAX_PAGE_SIZE
 
     c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
     try:
         if args.command == "submit":
             if args.resume:
                 return await c.resume(args.resume, args.follow, not args.no_progress)
-            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib)
+            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib, args.attach)
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
-            return await c.list()
+            if args.limit is not None and not 1 <= args.limit <= MAX_PAGE_SIZE:
+                raise SpecError(f"--limit: {args.limit} is outside 1..{MAX_PAGE_SIZE}")
+            return await c.list(args.limit, args.page_token)
         if args.command == "logs":
             return await c.logs(args.name, args.follow, args.json)
         return await c.stop(args.name)
@@ -301,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "submit" and bool(args.job) == bool(args.resume):
         parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: give a job spec or --resume NAME, not both\n"
                     if args.job else "gpipe-coordinator submit: error: give a job spec or --resume NAME\n")
+    if args.command == "submit" and args.resume and args.attach:
+        parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: --attach goes with a job spec, not --resume\n")
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
@@ -334,8 +353,11 @@ def main(argv: list[str] | None = None) -> int:
             for line in plan.cut_lines():
                 print(f"  {line}")
             return 0
+        from gpipe.grpcutil import check_grace
+
+        check_grace(args.grace_s)
         run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume,
-                  oversubscribe=args.oversubscribe)
+                  oversubscribe=args.oversubscribe, grace_s=args.grace_s)
         return 0
     except GpipeError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -58,8 +58,10 @@ class Client:
 
     # -- verbs -------------------------------------------------------------------------
 
-    async def submit(self, path: str, follow: bool, progress: bool = True, max_code_mib: int = 50) -> int:
-        """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code)."""
+    async def submit(self, path: str, follow: bool, progress: bool = True, max_code_mib: int = 50,
+                     attach: bool = False) -> int:
+        """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code).
+        With `attach`, a job of that name with this very spec and code is followed, not refused."""
         from gpipe import code
         from gpipe.coordinator.spec import parse_spec, read_spec_text
 
@@ -69,12 +71,31 @@ class Client:
         folder = spec.code_dir(path)
         archive = await asyncio.to_thread(code.pack, folder, spec.exclude, limit)
         ref = await self.upload(archive)
-        job = serde.job_from_pb(await self.call(
-            "SubmitJob", jobs_pb2.SubmitJobRequest(spec_yaml=text, code_sha256=ref.sha256), 300))
+        try:
+            pb = await self.stub.SubmitJob(jobs_pb2.SubmitJobRequest(spec_yaml=text, code_sha256=ref.sha256),
+                                           timeout=300)
+        except grpc.RpcError as e:
+            if attach and e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return await self.attach(spec.name, text, ref.sha256, follow, progress)
+            raise self._error(e) from None
+        job = serde.job_from_pb(pb)
         print(f"{job.name}: submitted ({job.state.value})", file=sys.stderr, flush=True)
         if not follow:
             return EXIT_OK
         return await self.follow(job.name, job.steps, progress)
+
+    async def attach(self, name: str, spec_yaml: str, code_sha256: str, follow: bool, progress: bool) -> int:
+        """Job `name` exists: follow it if it is this very job (spec text and code), as a Kubernetes Job's
+        retried pod must (its first pod may have lost serve mid-follow); another job of that name is exit 2."""
+        job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
+        if job.spec_yaml != spec_yaml or job.code_sha256 != code_sha256:
+            other = "another spec" if job.spec_yaml != spec_yaml else "other code"
+            raise ClientError(f"a job named {name!r} exists already, with {other}", EXIT_BAD_INPUT)
+        print(f"{name}: submitted before ({job.state.value}): following it", file=sys.stderr, flush=True)
+        if not follow:
+            return EXIT_OK
+        # Its whole history is shown; its end is the first past the states it has now (an ended job's: its last).
+        return await self.follow(name, job.steps, progress, final_after=len(job.history) - int(job.state.ended))
 
     async def upload(self, archive: bytes) -> jobs_pb2.CodeRef:
         from gpipe.code import CHUNK_BYTES
@@ -135,18 +156,23 @@ class Client:
             print(f"  {stamp}  {h.state.value:9}  {h.message}")
         return EXIT_OK
 
-    async def list(self) -> int:
-        jobs, token = [], ""
+    async def list(self, limit: int | None = None, page_token: str = "") -> int:
+        """Every job from `page_token` on; with `limit`, one page of at most that many, and the command for the
+        next page on stderr."""
+        jobs, token = [], page_token
         while True:  # a page at a time (a page is at most 1,000 jobs)
-            page = await self.call("ListJobs", jobs_pb2.ListJobsRequest(page_size=1000, page_token=token))
+            page = await self.call("ListJobs", jobs_pb2.ListJobsRequest(page_size=limit or serde.MAX_PAGE_SIZE,
+                                                                        page_token=token))
             jobs += [serde.job_from_pb(j) for j in page.jobs]
-            if not (token := page.next_page_token):
+            if not (token := page.next_page_token) or limit is not None:
                 break
         print(f"{'NAME':24} {'STATE':9} {'STEPS':>11} {'LOSS':>8}  SINCE")
         for j in jobs:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.history[-1].time_unix)) if j.history else ""
             loss = f"{j.loss:8.4f}" if j.steps_done else f"{'-':>8}"
             print(f"{j.name:24} {j.state.value:9} {f'{j.steps_done}/{j.steps}':>11} {loss}  {since}")
+        if token:
+            print(f"more: list --limit {limit} --page-token {token}", file=sys.stderr)
         return EXIT_OK
 
     async def logs(self, name: str, follow: bool, as_json: bool = False) -> int:

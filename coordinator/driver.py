@@ -64,6 +64,9 @@ class Run:
         # Called at least every CHECK_EVERY_S while training waits: raises what must end the attempt now
         # (the checkpoint writer's failure).
         self.check: Callable[[], None] = lambda: None
+        # Asked after each step's answer: True once the attempt is to stop at the next step boundary (preemption).
+        self.preempted: Callable[[], bool] = lambda: False
+        self.stop_after: int | None = None  # the step that ends training early, with a checkpoint (preempted)
 
     @property
     def topology(self) -> Topology:
@@ -172,7 +175,8 @@ class Run:
         """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends.
 
         After every checkpoint_every-th step and the last, replica 0's stages also hand back a copy of their
-        state, which goes to `on_snapshot`.
+        state, which goes to `on_snapshot`. Once `preempted()` says so, the first step not yet sent is the last,
+        with a checkpoint (`stop_after`): the steps already sent cannot give one, their state is gone.
         """
         spec, top = self.spec, self.topology
         watch = Watch(self.stages, top, spec.step_timeout_s, spec.peer_timeout_s, self.check)
@@ -190,8 +194,11 @@ class Run:
         data = self.plan.stream()
         if self.evals.at(first_step):  # resumed where an evaluation is due: the stages wait for it
             self.evaluate(first_step)
-        while finished < spec.steps:
-            while issued < spec.steps and issued - finished < STEPS_AHEAD:
+        end = spec.steps
+        while finished < end:
+            if self.stop_after is None and issued < end - 1 and self.preempted():  # (the last step ends the job)
+                self.stop_after, end = issued, issued + 1
+            while issued < end and issued - finished < STEPS_AHEAD:
                 pending[issued], results[issued] = self._issue(data, issued, on_snapshot is not None, watch), {}
                 issued += 1
             s, rank = watch.next(finished, timed_out)
@@ -214,7 +221,9 @@ class Run:
                                           self.attempt_no))
                 t_prev = now
                 finished += 1
-                if self.evals.at(finished):  # after this step, before the next (queued behind it on the stages)
+                # After this step, before the next (queued behind it on the stages); a preempted attempt leaves
+                # it to the next one, which evaluates where it resumes.
+                if self.evals.at(finished) and not (self.stop_after is not None and finished == end):
                     self.evaluate(finished)
                     t_prev = None  # the next step ran behind it on the stages: its time is theirs
                 watch.news()
@@ -249,7 +258,7 @@ class Run:
     def snapshot_after(self, step: int) -> bool:
         """Whether step `step` ends with a checkpoint."""
         every = self.spec.checkpoint_every
-        return step == self.spec.steps - 1 or (every is not None and (step + 1) % every == 0)
+        return step in (self.spec.steps - 1, self.stop_after) or (every is not None and (step + 1) % every == 0)
 
     # -- evaluation ------------------------------------------------------------------------------------
 
@@ -304,8 +313,11 @@ def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
 def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_step: Callable[[StepMetrics], None],
           on_checkpoint: Callable[[int, Path, int, float, float], None] | None = None,
           resume: checkpoint.Loaded | None = None, attempt_no: int = 1, on_eval: OnEval | None = None,
-          eval_weights: bool = False) -> None:
+          eval_weights: bool = False, preempted: Callable[[], bool] = lambda: False) -> int | None:
     """One attempt, start to end: join, build, train (checkpointing), save the weights and the timeline, leave.
+
+    Once `preempted()` is true, it stops at the next step boundary with a checkpoint, leaves, and returns that
+    checkpoint's step (the weights are not exported); otherwise None.
 
     Resumes from `resume` when given. on_checkpoint(step, dir, bytes, write_s,
     stall_s) follows each committed checkpoint, where stall_s is the longest
@@ -339,7 +351,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
 
     world = RpcWorld(plan, host, port, devices.__getitem__)
     run = Run(plan, on_step, attempt_no, on_eval, eval_weights)
-    run.check = check_writer
+    run.check, run.preempted = check_writer, preempted
     left = False
     try:
         world.join(run.stage_name)
@@ -350,6 +362,10 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
             writer.close()
         except OSError as e:
             raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None
+        if run.stop_after is not None:  # preempted: the checkpoint is committed; the next attempt goes on from it
+            run.stages.clear()
+            left = world.leave(graceful=True)
+            return run.stop_after + 1
         # The final checkpoint's weights, read back a piece at a time (or a resumed job's, at its last step).
         ck = checkpoint.open_committed(checkpoint.step_dir(writer.root, spec.steps)) if final else resume
         assert ck is not None  # no final snapshot: resumed at the last step
@@ -363,6 +379,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         left = world.leave(graceful=True)
         if not left:
             raise JobFailed("the stages did not leave the RPC world in time", cause=Cause.TIMEOUT)
+        return None
     finally:
         # A failed attempt still commits the snapshots it took: a stop request (SIGTERM) waits for that.
         with contextlib.suppress(ValueError):  # not the main thread: nothing to ignore

@@ -7,8 +7,8 @@
     gpipe_job_bubble_fraction{job}             its share of the stages' time spent waiting
     gpipe_job_restarts_total{job}              restarts since the job was submitted or resumed
     gpipe_job_checkpoint_age_seconds{job}      since its newest checkpoint was committed (jobs with one)
-    gpipe_workers{state}                       idle, busy (in an attempt), lost (ranks a restarting job
-                                               waits for that no worker holds)
+    gpipe_workers{state}                       idle, busy (in an attempt), lost (ranks a restarting or
+                                               preempted job waits for that no worker holds)
     gpipe_worker_heartbeat_age_seconds{rank}   since each registered worker was last heard from
 
 The supervisor's state lives on serve's event loop, so /metrics is served
@@ -40,6 +40,8 @@ from prometheus_client.registry import Collector
 from gpipe.coordinator.supervisor import Entry, Supervisor
 from gpipe.errors import SpecError
 from gpipe.serde import JobState
+
+WAITING = (JobState.RESTARTING, JobState.PREEMPTED)  # jobs that wait for their ranks' workers to come back
 
 MAX_REQUEST_BYTES = 8192  # a request's line and headers; a scrape sends a few hundred bytes
 REQUEST_TIMEOUT_S = 10.0  # to send them, and to take the answer
@@ -129,10 +131,10 @@ class JobsCollector(Collector):
         sup = self.sup
         now = sup.clock.monotonic()
         busy = sum(w.attempt_id is not None for w in sup.workers.values())
-        waited_for = {r for e in sup.jobs.values() if e.record.state == JobState.RESTARTING and e.spec is not None
+        waited_for = {r for e in sup.jobs.values() if e.record.state in WAITING and e.spec is not None
                       for r in e.spec.topology.ranks()}
         workers = GaugeMetricFamily("gpipe_workers", "Workers: idle, busy (in an attempt), lost (ranks a restarting "
-                                    "job waits for that no worker holds).", labels=["state"])
+                                    "or preempted job waits for that no worker holds).", labels=["state"])
         workers.add_metric(["idle"], len(sup.workers) - busy)
         workers.add_metric(["busy"], busy)
         workers.add_metric(["lost"], len(waited_for - set(sup.workers)))

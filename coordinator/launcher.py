@@ -44,6 +44,12 @@ class AttemptProcess:
         """Exited, and its report pipe read to its end."""
         return self.proc.returncode is not None and (self.proc.stdout is None or self.proc.stdout.at_eof())
 
+    def preempt(self) -> None:
+        """SIGUSR1: stop at the next step boundary, with a checkpoint (gpipe.coordinator.attempt)."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGUSR1)
+
     def kill(self, grace_s: float = 0.0) -> None:
         """SIGKILL the attempt's process group; with `grace_s`, SIGTERM first (it commits what it holds)."""
         if self.proc.returncode is not None:
@@ -84,6 +90,8 @@ class ProcessLauncher:
                 "--host", host, "--placement", json.dumps([asdict(p) for p in launch.placement]),
                 "--attempt", str(launch.number), "--log", str(self.log_for(launch.job)),
                 *(["--resume"] if launch.resume else []), *self.extra]
+        if launch.topology is not None:  # re-planned (elastic): this shape instead of the spec's
+            args += ["--stages", str(launch.topology.stages), "--replicas", str(launch.topology.replicas)]
         proc: Child
         if self.template is not None:
             proc = await self.template.spawn("gpipe.coordinator.attempt", args, child_env(dict(os.environ)),

@@ -12,6 +12,10 @@ when an attempt fails (a stage raises, a worker dies, a wait times out) and
 so the job loses at most the steps since then and ends with the same weights.
 Outputs go to <state-dir>/<name>/: plan.json, metrics.jsonl, checkpoints/,
 logs/ and, at the end, model.safetensors.
+
+SIGTERM is a preemption, as for serve: the attempt checkpoints at its next
+step boundary (within `grace_s`, else the last good checkpoint stands), and
+`run` exits 143 (EXIT_PREEMPTED); `run --resume` goes on from there.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from gpipe import grpcutil
 from gpipe.coordinator.launcher import ProcessLauncher
 from gpipe.coordinator.local import LocalWorker
 from gpipe.coordinator.progress import Follower, Progress
 from gpipe.coordinator.spec import JobSpec
 from gpipe.coordinator.supervisor import Supervisor, final_loss
-from gpipe.errors import EXIT_BAD_INPUT, JobFailed, SpecError
+from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.serde import JobRecord, JobState
 from gpipe.worker.agent import worker_template
 from gpipe.worker.cores import split_cores, threads_for
@@ -71,7 +77,8 @@ def worker_cores(spec: JobSpec, oversubscribe: bool = False) -> list[list[int]]:
 
 
 async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool,
-               core_sets: list[list[int]], evaluate: Path | None = None) -> tuple[JobRecord, list[dict[str, Any]]]:
+               core_sets: list[list[int]], evaluate: Path | None = None,
+               grace_s: float = grpcutil.DEFAULT_GRACE_S) -> tuple[JobRecord, list[dict[str, Any]]]:
     """The job's record once it ended, and its evaluations; with `evaluate`, its attempts evaluate that
     weights file instead of training (logging to logs/eval/). `core_sets`: each worker's cores, by rank."""
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
@@ -92,9 +99,17 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     sup.add(job, spec, spec_path.resolve(), spec.code_dir(spec_path), fresh=not resume)
     follower = Follower(spec.name, Progress(spec.steps, enabled=progress))
     evals: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+
+    def preempted() -> None:  # SIGTERM: checkpoint at the next step boundary, within the grace, and stop
+        sup.preempt_all("run got SIGTERM", grace_s)
+        sup.preempt_waiting(spec.name, "run got SIGTERM")
+
+    before = signal.getsignal(signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGTERM, preempted)
     try:
         async for kind, value in sup.watch(spec.name):
-            if kind == "state" and value.state.ended:
+            if kind == "state" and (value.state.ended or value.state == JobState.PREEMPTED and sup.draining):
                 break  # run_local says how it ended
             if kind == "state" and value.state in (JobState.PENDING, JobState.RUNNING):
                 continue  # the usual course of a run is not news
@@ -102,6 +117,8 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
                 evals.append(value)
             follower.show(kind, value)
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, before)  # the CLI's (asyncio leaves SIG_DFL)
         follower.close()
         sup.shutdown()
         for t in tasks:
@@ -113,20 +130,23 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
 
 
 def _succeeded(job: JobRecord) -> None:
-    """SpecError (bad input) or JobFailed unless the job succeeded."""
+    """SpecError (bad input), Preempted or JobFailed unless the job succeeded."""
     if job.state != JobState.SUCCEEDED:
         message = job.history[-1].message if job.history else "the job did not finish"
+        if job.state == JobState.PREEMPTED:
+            raise Preempted(f"preempted: {message}; `run --resume` goes on from there")
         if job.exit_code == EXIT_BAD_INPUT:
             raise SpecError(message)
         raise JobFailed(message, None if job.failed_rank < 0 else job.failed_rank)
 
 
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
-              resume: bool = False, oversubscribe: bool = False) -> Path:
-    """Train `spec` with local workers, restarting from checkpoints; return the job's output directory."""
+              resume: bool = False, oversubscribe: bool = False, grace_s: float = grpcutil.DEFAULT_GRACE_S) -> Path:
+    """Train `spec` with local workers, restarting from checkpoints; return the job's output directory.
+    Preempted on SIGTERM (checkpointed within `grace_s`)."""
     t0 = time.monotonic()
     core_sets = worker_cores(spec, oversubscribe)
-    job, _ = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume, core_sets))
+    job, _ = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume, core_sets, grace_s=grace_s))
     _succeeded(job)
     out = Path(job.output_dir)
     again = f" after {job.restarts} restart(s)" if job.restarts else ""

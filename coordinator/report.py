@@ -17,6 +17,7 @@ not take the supervisor down.
                                      the attempt failed: the user's line, and the fields the supervisor
                                      decides by (rank None: no worker to blame)
     Done()                           trained; model.safetensors is written
+    Preempted(step)                  asked to stop (SIGUSR1): checkpointed after `step` steps, and ended
 """
 
 from __future__ import annotations
@@ -100,9 +101,17 @@ class Done:
     pass
 
 
-Report = Log | Resumed | Master | Metrics | Eval | Checkpoint | Failed | Done
+@dataclass(frozen=True)
+class Preempted:
+    """Asked to stop (SIGUSR1), the attempt checkpointed at its next step boundary and ended: `step` is that
+    checkpoint's (the steps done)."""
+
+    step: int
+
+
+Report = Log | Resumed | Master | Metrics | Eval | Checkpoint | Failed | Done | Preempted
 _TYPES: dict[str, type[Report]] = {t.__name__: t for t in (Log, Resumed, Master, Metrics, Eval, Checkpoint, Failed,
-                                                           Done)}
+                                                           Done, Preempted)}
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
                                              "int | None": (int, type(None)), "dict[str, Any]": (dict,),
                                              "Cause | None": (str, type(None))}

@@ -18,6 +18,8 @@ validating) runs off the event loop, a few at a time.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import json
@@ -56,7 +58,6 @@ from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from gpipe.zygote import Template
 
 VALIDATE_TIMEOUT_S = 120.0
-DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
 MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range
 
 
@@ -421,15 +422,15 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         # A page at a time, each job without its spec (up to 1 MiB) and all but its latest state change:
         # a page of the largest size fits in a message.
-        size = request.page_size or DEFAULT_PAGE_SIZE
-        if not 1 <= size <= MAX_PAGE_SIZE:
+        size = request.page_size or serde.DEFAULT_PAGE_SIZE
+        if not 1 <= size <= serde.MAX_PAGE_SIZE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"page_size: {request.page_size} is outside 0..{MAX_PAGE_SIZE}")
+                                f"page_size: {request.page_size} is outside 0..{serde.MAX_PAGE_SIZE}")
         names = list(self.c.sup.jobs)
         start = 0
         if request.page_token:
             try:
-                start = names.index(request.page_token) + 1  # the token is the last name of the page before
+                start = names.index(_token_name(request.page_token)) + 1  # after the page before's last job
             except ValueError:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"page_token: {printable(request.page_token, 80)!r} is no page of this list")
@@ -440,7 +441,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             del j.history[:-1]
             jobs.append(j)
         more = start + size < len(names)
-        return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=names[start + size - 1] if more else "")
+        return jobs_pb2.ListJobsResponse(jobs=jobs, next_page_token=_page_token(names[start + size - 1]) if more else "")
 
     async def ResumeJob(self, request: jobs_pb2.ResumeJobRequest, context: Context) -> jobs_pb2.Job:
         await self._job(request.name, context)
@@ -463,6 +464,24 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 yield serde.event_to_pb(e)
         except Stopping as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+
+def _page_token(name: str) -> str:
+    """ListJobs' next_page_token: opaque to clients (AIP-158), it names the last job of the page, base64url."""
+    return base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
+
+
+def _token_name(token: str) -> str:
+    """The job a page token names; ValueError if it is none of ours."""
+    if len(token) > 128:
+        raise ValueError("too long")
+    try:
+        name = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError("not a page token") from None
+    if _page_token(name) != token:
+        raise ValueError("not a page token")
+    return name
 
 
 def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
@@ -545,6 +564,18 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         finally:
             self.streaming.discard(w.id)
 
+
+    async def Leave(self, request: workers_pb2.LeaveRequest, context: Context) -> workers_pb2.LeaveResponse:
+        if (why := _bad_id("worker_id", request.worker_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        try:
+            grpcutil.check_grace(request.grace_s, "grace_s")
+        except SpecError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        checkpointing = self.c.sup.preempt_worker(request.worker_id, request.grace_s)
+        if checkpointing is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "worker_id: unknown worker: register again")
+        return workers_pb2.LeaveResponse(checkpointing=bool(checkpointing))
 
     async def GetCode(self, request: workers_pb2.GetCodeRequest, context: Context) -> AsyncIterator[workers_pb2.CodePiece]:
         if (why := _bad_id("worker_id", request.worker_id)) is not None:
@@ -695,11 +726,36 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
 
 
+async def _drain(sup: Supervisor, grace_s: float, stop: asyncio.Event) -> None:
+    """SIGTERM: every running job checkpoints at its next step boundary (PREEMPTED), within `grace_s`; the
+    API and the workers' streams stay up meanwhile, and no job starts. A SIGINT cuts it short."""
+    running = len(sup.attempts)
+    if not running:
+        return
+    print(f"gpipe: SIGTERM: {running} running job(s) checkpoint at their next step boundary (grace {grace_s:.0f}s)",
+          file=sys.stderr, flush=True)
+    sup.preempt_all("the coordinator is stopping (SIGTERM)", grace_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while sup.attempts and not stop.is_set():
+        if loop.time() >= deadline:
+            print(f"gpipe: {', '.join(sup.attempts)}: no checkpoint within the grace ({grace_s:.0f}s): "
+                  "resumed from the last good one at the next start", file=sys.stderr, flush=True)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(deadline - loop.time(), 0.1)):
+                await stop.wait()
+
+
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
                 validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                max_code_mib: int = code.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop within a second; SpecError if a port is taken.
+                max_code_mib: int = code.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None,
+                grace_s: float = grpcutil.DEFAULT_GRACE_S) -> None:
+    """Run until SIGTERM or SIGINT; SpecError if a port is taken.
+
+    On SIGTERM every running job checkpoints at its next step boundary and is left PREEMPTED (a restarted
+    serve resumes it), for at most `grace_s`; then serve stops within a second. SIGINT stops it at once.
 
     `metrics`: (host, port) for Prometheus' /metrics (gpipe.coordinator.exporter); host None: the API's.
     """
@@ -740,13 +796,16 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
             tasks.append(asyncio.ensure_future(health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)))
 
     tasks[0].add_done_callback(died)
-    stop = asyncio.Event()
+    stop, term = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, term.set)
     if ready is not None:
         ready.set()
-    await stop.wait()
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(term.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if term.is_set() and not stop.is_set():
+        await _drain(c.sup, grace_s, stop)
     await health.enter_graceful_shutdown()
     c.stopping.set()
     c.sup.shutdown()

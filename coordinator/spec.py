@@ -291,6 +291,13 @@ class EvalSpec(_Spec):
     )
 
 
+class ElasticSpec(_Spec):
+    min_stages: Annotated[StrictInt, Range(1, MAX_STAGES)] = Field(
+        description="The fewest stages the job may re-plan onto (1 ... stages) when a rank stays lost past "
+        "restart_timeout_s and no idle worker can take its place.",
+    )
+
+
 class LossScaleSpec(_Spec):
     """fp16's dynamic loss scale: torch.amp.GradScaler's init_scale and growth_interval."""
 
@@ -461,6 +468,13 @@ class JobSpec(_Spec):
         "job's code, matched against each path in the folder and each name. Left out always: .git, "
         "virtualenvs, gpipe state dirs, __pycache__ and tool caches.",
     )
+    elastic: ElasticSpec | None = Field(
+        default=None, description="serve: a rank lost for good (past restart_timeout_s, no idle worker to take "
+        "its place) re-plans the job onto the workers that remain, resuming from its last good checkpoint: "
+        "fewer replicas first, then fewer stages down to min_stages (balance by_params where a list no longer "
+        "fits); the same micro-batches, so the same weights. It grows back to `stages` at the first checkpoint "
+        "after enough workers are registered again. none: a lost rank is waited for, then the job fails.",
+    )
     keep_best: bool = Field(
         default=False, description="Keep the weights of the lowest eval loss so far in "
         "<state-dir>/<name>/best/model.safetensors, with best.json (needs eval).",
@@ -545,6 +559,15 @@ class JobSpec(_Spec):
             )
         if self.replicas > 1:
             self._check_replicas()
+        if self.elastic is not None:
+            if self.elastic.min_stages > self.stages:
+                raise ValueError(f"elastic.min_stages: {self.elastic.min_stages} is more than stages "
+                                 f"{self.stages}")
+            if self.model.split_points is not None:
+                raise ValueError("elastic: model.split_points fixes the stage count; cut by balance instead")
+            if self.virtual_stages > 1:
+                raise ValueError("elastic: re-plans a worker per stage; not with virtual_stages (several model "
+                                 "chunks per worker)")
         if self.keep_best and self.eval is None:
             raise ValueError("keep_best: needs an eval section (the best is the lowest eval loss)")
         return self
@@ -578,12 +601,23 @@ class JobSpec(_Spec):
     @property
     def topology(self) -> Topology:
         """Which worker rank serves which stage of which replica (gpipe.topology)."""
+        if self.virtual_stages == 1:  # the schedule places nothing: the shape alone (as elastic's re-plans are)
+            return Topology(self.stages, self.replicas)
         return Topology(self.stages, self.replicas, self.virtual_stages, self.schedule)
 
     @property
     def model_chunks(self) -> int:
         """The pieces the model is cut into: a stage's each, or virtual_stages per worker."""
         return self.stages * self.virtual_stages
+
+    def reshaped(self, stages: int, replicas: int) -> JobSpec:
+        """This job on `replicas` x `stages` workers with the same micro-batches (gpipe.coordinator.elastic):
+        chunks grow as replicas shrink; an explicit balance that no longer fits becomes by_params."""
+        if (stages, replicas) == (self.stages, self.replicas):
+            return self
+        chunks = self.chunks * self.replicas // replicas
+        balance = self.balance if not isinstance(self.balance, list) or len(self.balance) == stages else "by_params"
+        return self.model_copy(update={"stages": stages, "replicas": replicas, "chunks": chunks, "balance": balance})
 
     def one_replica(self) -> JobSpec:
         """This job with one pipeline: what evaluating a finished job's weights takes."""

@@ -13,13 +13,26 @@ Every failure decision is made here, once:
   failure better than what the attempt process reported, so it comes first.
 - A failed attempt restarts from the last good checkpoint, `max_restarts`
   times, backing off (0 s, then 1, 2, 4 ... up to `BACKOFF_CAP_S`), once all
-  its ranks are back (within `restart_timeout_s`). What a restart cannot fix
+  its ranks are back (within `restart_timeout_s`). A worker's rank is its
+  preferred slot: a restart places a spare idle worker in a lost rank's slot
+  (gpipe.coordinator.elastic). With `elastic`, a rank still lost past
+  `restart_timeout_s` re-plans the job onto fewer workers (fewer replicas,
+  then fewer stages) instead of failing it, and the job grows back to its
+  spec's shape at the first checkpoint after enough workers are back. What a restart cannot fix
   fails the job at once: bad input (exit code 2), a disk error writing the
   job's state or checkpoints, job code the workers cannot import, input a
   stage cannot use, and the same failure twice (StageError.same_as: cause,
   type, rank and step). These decisions read the failure's fields
   (report.Failed), never its message. Past that the job is FAILED, naming
   the first failure.
+- Preemption (a worker's SIGTERM: `preempt_worker`; serve's or run's:
+  `preempt_all`) is no failure: the attempt is asked to stop at its next
+  step boundary with a checkpoint (SIGUSR1, once it drives the stages;
+  before that it is killed: its checkpoint is the one it resumed from).
+  Past the grace it is killed, and the job falls back to its last good
+  checkpoint. Either way the job waits PREEMPTED, with no timeout and no
+  restart counted, until its ranks have idle workers again; a leaving
+  worker is given no attempt.
 - One job's trouble is its own: an error in its bookkeeping fails that job,
   never the loops, and a record that cannot be saved (a full disk) fails the
   job and frees its workers. `serve` marks itself NOT_SERVING if a loop dies.
@@ -49,10 +62,11 @@ from typing import Protocol
 
 from gpipe import serde
 from gpipe.contract import Cause, StageError
-from gpipe.coordinator import report
+from gpipe.coordinator import elastic, report
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, describe_os_error
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
+from gpipe.topology import Topology
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
@@ -105,15 +119,20 @@ class AttemptProcess(Protocol):
         """The last error line it wrote to its log, or '' (for a process that died without a report)."""
         ...
 
+    def preempt(self) -> None:
+        """Ask it to stop at the next step boundary, with a checkpoint (it then reports `Preempted`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one stage of an attempt runs: its worker's address, device, cores and threads."""
+    """Where one stage of an attempt runs: its worker's address, device, cores and threads, and its rank."""
 
     host: str
     device: str
     cores: list[int]
     threads: int
+    rank: int | None = None  # the worker's own (its device 'cuda' means GPU rank mod the GPUs); None: the slot
 
 
 @dataclass(frozen=True)
@@ -127,6 +146,7 @@ class Launch:
     job_dir: Path  # the job's code: its working_dir (run), or its archive unpacked (serve): its modules are importable
     placement: list[Placement]
     resume: bool  # from the newest good checkpoint; else a fresh start that drops earlier outputs
+    topology: Topology | None = None  # a re-planned shape (elastic); None: the spec's
 
 
 Launcher = Callable[[Launch], Awaitable[AttemptProcess]]
@@ -145,6 +165,7 @@ class Worker:
     commands: asyncio.Queue[Join | Abort | None] = field(default_factory=asyncio.Queue)
     attempt_id: str | None = None
     registered: float = 0.0  # monotonic time of its registration
+    leaving: bool = False  # preempted (Leave): given no attempt again
 
 
 @dataclass
@@ -162,6 +183,13 @@ class Entry:
     events: deque[serde.Event] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     older: int = 0  # metrics no longer in `events`: the first `older` lines of the job's metrics.jsonl
     watchers: set[asyncio.Queue[serde.Event]] = field(default_factory=set)
+    shape: Topology | None = None  # re-planned onto fewer workers (elastic); None: the spec's
+    last_ranks: list[int] = field(default_factory=list)  # the workers of its last attempt, by slot
+
+    @property
+    def topology(self) -> Topology:
+        """The shape its attempts run at: the spec's, or a re-planned one."""
+        return self.shape or self.job_spec.topology
 
     @property
     def job_spec(self) -> JobSpec:
@@ -176,15 +204,24 @@ class Entry:
 
 @dataclass
 class Attempt:
-    """One try of a job: the ranks it runs on, its process, and a failure decided here."""
+    """One try of a job: the workers it runs on, its process, and a failure decided here."""
 
     id: str
     job: str
-    ranks: list[int]
+    ranks: list[int]  # its workers' ranks, by slot: slot k (stage k mod P of replica k div P) is ranks[k]'s
+    topology: Topology
     process: AttemptProcess | None = None
     stopped: bool = False
     failure: report.Failed | None = None  # decided here (a lost worker, a record that cannot be saved)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
+    driving: bool = False  # it reported Master: it handles a preemption request (SIGUSR1)
+    preempt: str = ""  # why it was asked to stop at the next step boundary ('' : it was not)
+    preempt_by: float = float("inf")  # monotonic time past which a preempted attempt is killed
+    regrow: bool = False  # ended at a checkpoint to grow back to the spec's shape: no failure
+
+    def slot(self, rank: int) -> int:
+        """The slot that worker `rank` serves in this attempt."""
+        return self.ranks.index(rank)
 
 
 def describe_exit(code: int) -> str:
@@ -253,6 +290,7 @@ class Supervisor:
         self.tasks: set[asyncio.Task[None]] = set()
         self.wake = asyncio.Event()
         self.shutting_down = False  # running jobs stay RUNNING on disk, for the next start to pick up
+        self.draining = False  # preempt_all: no attempt starts
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -272,6 +310,8 @@ class Supervisor:
             return e
         if not job.history:
             self._set_state(e, JobState.PENDING, f"waiting for workers of {_ranks(spec)}")
+        elif job.state == JobState.PREEMPTED:  # stays PREEMPTED (no restart counted) until it runs again
+            job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):
             # A checkpoint committed just before serve died may not have reached the record: the disk says.
             job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
@@ -288,7 +328,7 @@ class Supervisor:
         e = self.jobs[name]  # KeyError: no such job
         job = e.record
         attempt = self.attempts.get(name)
-        if attempt is None and job.state in (JobState.PENDING, JobState.RESTARTING):
+        if attempt is None and job.state in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED):
             self._set_state(e, JobState.STOPPED, f"stopped while {job.state.value.lower()}")
         elif attempt is not None:
             attempt.stopped = True
@@ -414,9 +454,10 @@ class Supervisor:
     def worker_name(self, w: Worker) -> str:
         """"stage 1's worker", or "stage 1 of replica 2's worker (rank 5)" in an attempt of a job with replicas."""
         for attempt in self.attempts.values():
-            e = self.jobs.get(attempt.job)
-            if attempt.id == w.attempt_id and e is not None and e.spec is not None and e.spec.replicas > 1:
-                return f"{e.spec.topology.name(w.rank)}'s worker (rank {w.rank})"
+            if attempt.id == w.attempt_id and w.rank in attempt.ranks:
+                slot = attempt.slot(w.rank)
+                if attempt.topology.replicas > 1 or slot != w.rank:
+                    return f"{attempt.topology.name(slot)}'s worker (rank {w.rank})"
         return f"stage {w.rank}'s worker"
 
     def worker(self, worker_id: str) -> Worker | None:
@@ -454,13 +495,57 @@ class Supervisor:
     def _fail_attempt_of(self, w: Worker, why: str) -> None:
         for attempt in self.attempts.values():
             if attempt.id == w.attempt_id and attempt.failure is None and not attempt.stopped:
-                e = self.jobs.get(attempt.job)
-                top = e.spec.topology if e is not None and e.spec is not None else None
-                attempt.failure = report.Failed(why, EXIT_FAILED, Cause.PEER, w.rank,
-                                                top.stage_of(w.rank) if top else None,
-                                                top.replica_of(w.rank) if top else None)
+                top, slot = attempt.topology, attempt.slot(w.rank) if w.rank in attempt.ranks else w.rank
+                attempt.failure = report.Failed(why, EXIT_FAILED, Cause.PEER, w.rank, top.stage_of(slot),
+                                                top.replica_of(slot))
                 attempt.failed.set()
                 self._kill(attempt, COMMIT_GRACE_S)
+
+    # -- preemption -------------------------------------------------------------------
+
+    def preempt_worker(self, worker_id: str, grace_s: float) -> bool | None:
+        """The worker is leaving within `grace_s` (SIGTERM): it gets no attempt again, and its attempt stops at
+        the next step boundary with a checkpoint. True: it was in one; False: it was idle; None: unknown."""
+        w = self.worker(worker_id)
+        if w is None:
+            return None
+        w.leaving = True
+        attempt = next((a for a in self.attempts.values() if a.id == w.attempt_id), None)
+        self.say(f"worker for rank {w.rank} is leaving within {grace_s:.0f}s (preempted)"
+                 + (f": job {attempt.job} checkpoints at its next step boundary" if attempt else ""))
+        if attempt is None:
+            return False
+        self.preempt(attempt, f"{self.worker_name(w)} was preempted (SIGTERM)", grace_s)
+        return True
+
+    def preempt_all(self, why: str, grace_s: float) -> None:
+        """Every running attempt stops at its next step boundary with a checkpoint, within `grace_s`; no attempt
+        starts after this (serve or run is stopping)."""
+        self.draining = True
+        for attempt in list(self.attempts.values()):
+            self.preempt(attempt, why, grace_s)
+
+    def preempt_waiting(self, name: str, why: str) -> None:
+        """A job that waits (PENDING, RESTARTING) is PREEMPTED now: nothing runs to checkpoint (run's SIGTERM)."""
+        e = self.jobs[name]  # KeyError: no such job
+        if name not in self.attempts and e.record.state in (JobState.PENDING, JobState.RESTARTING):
+            self._set_state(e, JobState.PREEMPTED, f"{why} while {e.record.state.value.lower()}: "
+                                                   f"{self._from(e.record)} stands")
+
+    def preempt(self, attempt: Attempt, why: str, grace_s: float) -> None:
+        """Ask `attempt` to stop at its next step boundary with a checkpoint; past `grace_s` it is killed."""
+        if attempt.preempt or attempt.stopped or attempt.failure is not None:
+            return
+        attempt.preempt, attempt.preempt_by = why, self.clock.monotonic() + grace_s
+        e = self.jobs.get(attempt.job)
+        if e is not None:
+            self._log(e, f"{why}: checkpointing at the next step boundary (grace {grace_s:.0f}s)")
+        if attempt.process is not None:
+            if attempt.driving:
+                attempt.process.preempt()
+            else:  # still planning or resuming: nothing newer than the checkpoint it resumes from to save
+                attempt.process.kill()
+        self.wake.set()
 
     # -- the loops --------------------------------------------------------------------
 
@@ -475,14 +560,24 @@ class Supervisor:
                 why = (f"all {len(silent)} workers missed their heartbeats for {self.heartbeat_timeout:.0f}s "
                        "(the coordinator may be cut off)")
             self.drop(w, why)
+        for attempt in list(self.attempts.values()):
+            if attempt.preempt and now > attempt.preempt_by and attempt.failure is None:
+                attempt.failure = report.Failed("its checkpoint did not finish within the grace", EXIT_FAILED,
+                                                Cause.TIMEOUT)
+                attempt.failed.set()
+                self._kill(attempt)
         for e in list(self.jobs.values()):
             job = e.record
-            if job.state != JobState.RESTARTING or job.name in self.attempts:
+            if job.state not in (JobState.RESTARTING, JobState.PREEMPTED) or job.name in self.attempts:
                 continue
             with self._own_trouble(e):
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
-                if waited > spec.restart_timeout_s:
+                if job.state == JobState.PREEMPTED:  # it waits for its workers, or re-plans if elastic
+                    if spec.elastic is not None and waited > spec.restart_timeout_s:
+                        self._replan(e, waited)
+                    continue
+                if waited > spec.restart_timeout_s and not self._replan(e, waited):
                     missing = [r for r in spec.topology.ranks() if r not in self.workers]
                     who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
                            else "its workers stayed busy")
@@ -508,21 +603,53 @@ class Supervisor:
     def schedule(self) -> None:
         """Start each waiting job, oldest first, once every rank it needs has an idle worker heard from lately."""
         now = self.clock.monotonic()
+        if self.draining:
+            return
         for e in list(self.jobs.values()):
             job = e.record
-            if job.state not in (JobState.PENDING, JobState.RESTARTING) or job.name in self.attempts:
+            if job.state not in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED) or job.name in self.attempts:
                 continue
             if now < e.not_before:
                 continue
             with self._own_trouble(e):
-                ranks = e.job_spec.topology.ranks()  # every stage of every replica
-                ready = [self.workers.get(r) for r in ranks]
-                if all(w is not None and w.attempt_id is None and w.last_seen > e.failed_at for w in ready):
-                    attempt = Attempt(uuid.uuid4().hex[:12], job.name, ranks)
-                    for r in ranks:
-                        self.workers[r].attempt_id = attempt.id
-                    self.attempts[job.name] = attempt
-                    self._spawn(self._run(e, attempt))
+                ready = self._ready(e)
+                if job.state == JobState.PENDING:  # the first placement: each rank its own slot
+                    ready = {r: w for r, w in ready.items() if r < e.topology.world}
+                # The spec's shape where it fits (a re-planned job grows back at a restart), else the re-planned.
+                for top in dict.fromkeys([e.job_spec.topology, e.topology]):
+                    placed = elastic.place(top.world, ready)
+                    if placed is not None:
+                        e.shape = None if top == e.job_spec.topology else top
+                        attempt = Attempt(uuid.uuid4().hex[:12], job.name, [w.rank for w in placed], top)
+                        for w in placed:
+                            w.attempt_id = attempt.id
+                        self.attempts[job.name] = attempt
+                        self._spawn(self._run(e, attempt))
+                        break
+
+    def _ready(self, e: Entry) -> dict[int, Worker]:
+        """The workers that may take `e`'s next attempt, by rank: idle, and heard from since its last failure."""
+        return {r: w for r, w in self.workers.items()
+                if w.attempt_id is None and not w.leaving and w.last_seen > e.failed_at}
+
+    def _replan(self, e: Entry, waited: float) -> bool:
+        """A restarting job whose ranks stayed away past restart_timeout_s: re-plan it onto the workers that
+        remain (elastic), saying why. False: it is not elastic, or not even its min_stages fit."""
+        spec, job = e.job_spec, e.record
+        ready = self._ready(e)
+        top = elastic.shape_for(spec, len(ready)) if spec.elastic is not None else None
+        if top is None or top == e.topology or top.world > e.topology.world:
+            return False
+        was = e.last_ranks or e.topology.ranks()  # none yet: a restarted serve's job, last run at the spec's shape
+        lost = [r for r in was if r not in self.workers] or [r for r in was if r not in ready]
+        who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "its workers"
+        # Since the failure; for a restarted serve's job, since it began waiting.
+        since = self.clock.monotonic() - e.failed_at if e.failed_at > float("-inf") else waited
+        change = _change(e.topology, top)
+        e.shape = top
+        self._set_state(e, JobState.RESTARTING, f"{change}: {who} lost for {since:.0f} s, no spare worker; "
+                                                f"resuming from {self._from(job)} on {elastic.describe(top)}")
+        return True
 
     async def serve_forever(self) -> None:
         """Run `tick` every heartbeat interval and `schedule` whenever something changed."""
@@ -562,25 +689,31 @@ class Supervisor:
     async def _run(self, e: Entry, attempt: Attempt) -> None:
         job, spec = e.record, e.job_spec
         job.attempts += 1
-        resuming = job.state == JobState.RESTARTING
+        resuming = job.state in (JobState.RESTARTING, JobState.PREEMPTED)
+        top = attempt.topology
+        shape = f" ({elastic.describe(top)} of the spec's {elastic.describe(spec.topology)})" if e.shape else ""
         self._set_state(e, JobState.RUNNING, f"attempt {job.attempts} ({attempt.id}) on ranks {attempt.ranks}"
-                        + (f", resuming from {self._from(job)}" if resuming else ""))
+                        + shape + (f", resuming from {self._from(job)}" if resuming else ""))
+        e.last_ranks = list(attempt.ranks)
         done, reported, code = False, None, -1
+        stopped_at: report.Preempted | None = None
         try:
-            placement = [Placement(w.host, w.device, w.cores, w.threads)
+            placement = [Placement(w.host, w.device, w.cores, w.threads, w.rank)
                          for w in (self.workers[r] for r in attempt.ranks)]
             attempt.process = await self.launcher(Launch(
-                job.name, attempt.id, job.attempts, e.spec_path, e.job_dir, placement, resume=not e.fresh))
+                job.name, attempt.id, job.attempts, e.spec_path, e.job_dir, placement, resume=not e.fresh,
+                topology=e.shape))
             e.fresh = False
-            if attempt.stopped or attempt.failure:
+            if attempt.stopped or attempt.failure or attempt.preempt:
                 attempt.process.kill()
             async for r in attempt.process.reports():
                 if isinstance(r, report.Master):
-                    for rank in attempt.ranks:
+                    attempt.driving = True
+                    for slot, rank in enumerate(attempt.ranks):
                         w = self.workers.get(rank)
                         if w is not None and w.attempt_id == attempt.id:
-                            # The worker's rank, and the attempt's count of workers.
-                            w.commands.put_nowait(Join(attempt.id, r.address, rank, spec.topology.world,
+                            # The worker's slot, and the attempt's count of workers.
+                            w.commands.put_nowait(Join(attempt.id, r.address, slot, top.world,
                                                        spec.start_timeout_s, r.secret, job.code_sha256))
                 elif isinstance(r, report.Metrics):
                     job.steps_done, job.loss = int(r.values["step"]) + 1, float(r.values["loss"])
@@ -595,14 +728,18 @@ class Supervisor:
                     job.checkpoint_step = r.step
                     self._save(e)
                     self._log(e, f"checkpoint step-{r.step}: {r.bytes / 2**20:,.1f} MiB in {r.write_s:.3f}s")
+                    self._grow_back(e, attempt, r.step)
                 elif isinstance(r, report.Log):
                     self._log(e, r.line)
                 elif isinstance(r, report.Failed):
                     reported = r
                 elif isinstance(r, report.Done):
                     done = True
+                elif isinstance(r, report.Preempted):
+                    stopped_at = r
             code = await attempt.process.wait()
-            if not done and attempt.failure is None and not attempt.stopped and code != EXIT_BAD_INPUT:
+            if (not done and stopped_at is None and attempt.failure is None
+                    and not (attempt.stopped or attempt.regrow) and code != EXIT_BAD_INPUT):
                 # A worker that died is the likelier cause: give its report a moment to arrive.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.grace_s):
@@ -618,15 +755,55 @@ class Supervisor:
                     w.attempt_id = None
             del self.attempts[job.name]
             self.wake.set()
-        if self.shutting_down:
+        if self.shutting_down and not attempt.preempt:
             return
         if attempt.stopped:
             self._set_state(e, JobState.STOPPED, "stopped while running")
+        elif attempt.regrow and not (done and code == 0):
+            e.shape = None
+            self._set_state(e, JobState.RESTARTING, f"{_change(top, spec.topology)}: enough workers are back; "
+                                                    f"resuming from {self._from(job)} once {_ranks(spec)} are free")
         elif done and code == 0:
             self._set_state(e, JobState.SUCCEEDED, f"{final_loss(job)}weights in "
                                                    f"{Path(job.output_dir) / 'model.safetensors'}")
+        elif attempt.preempt and not self._hopeless(reported, code):
+            self._preempted(e, attempt, stopped_at if code == 0 else None)
         else:
             self._failed(e, attempt, reported, code)
+
+    @staticmethod
+    def _hopeless(reported: report.Failed | None, code: int) -> bool:
+        """An attempt's own failure that no restart can fix (bad input, the disk): a preemption does not hide it."""
+        return code == EXIT_BAD_INPUT or (reported is not None and (reported.exit_code == EXIT_BAD_INPUT
+                                                                    or reported.cause in FAIL_FAST))
+
+    def _preempted(self, e: Entry, attempt: Attempt, stopped_at: report.Preempted | None) -> None:
+        """The attempt ended on a preemption: the job waits PREEMPTED for its workers (no restart is counted)."""
+        job, spec = e.record, e.job_spec
+        e.failed_at = self.clock.monotonic()
+        if stopped_at is not None:
+            job.checkpoint_step = max(job.checkpoint_step, stopped_at.step)
+            saved = f"checkpoint step-{stopped_at.step} taken at the step boundary"
+        else:
+            why = (attempt.failure.message if attempt.failure is not None
+                   else "the attempt ended first" if attempt.driving else "the attempt was still starting")
+            saved = f"no checkpoint at the step boundary ({why}): falling back to {self._from(job)}"
+        then = "" if self.draining else f"; resuming once {_ranks(spec)} are back"
+        self._set_state(e, JobState.PREEMPTED, f"{attempt.preempt}; {saved}{then}")
+
+    def _grow_back(self, e: Entry, attempt: Attempt, step: int) -> None:
+        """At a checkpoint of a re-planned job: if the spec's shape can be placed on the idle workers and this
+        attempt's own, end the attempt (it has committed the checkpoint) so that the next runs at that shape."""
+        spec = e.job_spec
+        if e.shape is None or attempt.regrow or attempt.failure or attempt.stopped or step >= spec.steps:
+            return
+        mine = {r: self.workers[r] for r in attempt.ranks if r in self.workers}
+        if elastic.place(spec.topology.world, {**self._ready(e), **mine}) is None:
+            return
+        attempt.regrow = True
+        self._log(e, f"{_change(attempt.topology, spec.topology)}: enough workers are registered; ending this "
+                     f"attempt at checkpoint step-{step}")
+        self._kill(attempt, COMMIT_GRACE_S)
 
     def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
         """Restart the job, or fail it: decided by the failure's fields (cause, exit code, same_as)."""
@@ -672,6 +849,14 @@ class Supervisor:
     def _log(self, e: Entry, line: str) -> None:
         self.say(f"job {e.record.name}: {line}")
         self._emit(e, ("log", line))
+
+
+def _change(old: Topology, new: Topology) -> str:
+    """'stage count 3 -> 2', 'replicas 2 -> 1', or both."""
+    parts = [f"replicas {old.replicas} -> {new.replicas}"] if old.replicas != new.replicas else []
+    if old.stages != new.stages:
+        parts.append(f"stage count {old.stages} -> {new.stages}")
+    return ", ".join(parts)
 
 
 def final_loss(job: JobRecord) -> str:

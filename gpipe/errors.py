@@ -7,6 +7,7 @@ from gpipe.contract import Cause, StageError
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job ran and failed: a stage raised, a worker died, a wait timed out
 EXIT_BAD_INPUT = 2  # a bad spec, flag or file: nothing was started
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: `run` checkpointed at a step boundary and stopped; `run --resume` goes on
 
 
 class GpipeError(Exception):
@@ -19,6 +20,12 @@ class SpecError(GpipeError):
     """The job spec (or a flag) is wrong; nothing was started."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class Preempted(GpipeError):
+    """`run` got SIGTERM: the job checkpointed at its next step boundary (or kept its last good checkpoint)."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 class JobFailed(GpipeError):

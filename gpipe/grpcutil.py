@@ -21,6 +21,15 @@ SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout
                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
                     ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 0)]
 MAX_RANK = 4095  # ranks a worker may register: 0 ... MAX_RANK
+# A SIGTERM's grace (serve's and gpipe-worker's --grace-s, Leave's grace_s): under Kubernetes' default 30 s.
+DEFAULT_GRACE_S, MIN_GRACE_S, MAX_GRACE_S = 25.0, 1.0, 3600.0
+
+
+def check_grace(seconds: float, flag: str = "--grace-s") -> float:
+    """`seconds` if it is a grace in range; else SpecError naming `flag` and the range (nan too)."""
+    if not MIN_GRACE_S <= seconds <= MAX_GRACE_S:
+        raise SpecError(f"{flag}: {seconds} is outside {MIN_GRACE_S:g}..{MAX_GRACE_S:g} seconds")
+    return seconds
 CLIENT_TOKEN_ENV, WORKER_TOKEN_ENV = "GPIPE_TOKEN", "GPIPE_WORKER_TOKEN"
 
 

@@ -14,6 +14,8 @@ from gpipe.show import short
 from gpipe.v1 import jobs_pb2 as jpb
 from gpipe.v1 import workers_pb2 as wpb
 
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs' page_size: 0 means the default
+
 
 class JobState(StrEnum):
     PENDING = "PENDING"
@@ -22,6 +24,7 @@ class JobState(StrEnum):
     FAILED = "FAILED"
     STOPPED = "STOPPED"
     RESTARTING = "RESTARTING"
+    PREEMPTED = "PREEMPTED"  # checkpointed on a SIGTERM (a worker's or serve's): waits for its workers, then resumes
 
     @property
     def ended(self) -> bool:

@@ -173,11 +173,15 @@ class Template:
                 elif "exit" in m and m["exit"] in self.children:
                     self.children.pop(m["exit"])._end(m["code"])
         finally:  # the template ended: so did every process it forked (they die with it)
+            # Whoever awaits these gets the error; one that stopped waiting (cancelled: its owner is
+            # ending) must not have it logged as never retrieved: .exception() marks it seen.
             if not ready.done():
                 ready.set_exception(OSError("the template process ended before it was ready"))
+                ready.exception()
             for f in self.pending:
                 if not f.done():
                     f.set_exception(OSError("the template process ended"))
+                    f.exception()
             self.pending.clear()
             for child in self.children.values():  # they die with it; killed here too, and ended once gone
                 child.kill()

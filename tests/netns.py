@@ -28,12 +28,12 @@ _RUN_NETNS = Path("/run/netns")
 _MOUNTED_BEFORE = os.path.ismount(_RUN_NETNS)
 
 
-def skip_reason() -> str | None:
+def skip_reason(prefix: str = "gp") -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2 (`ip`) is not installed"
-    probe = f"gpprobe-{uuid.uuid4().hex[:6]}"
+    probe = f"{prefix}probe-{uuid.uuid4().hex[:6]}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode:
         return f"cannot create a network namespace: {r.stderr.strip()}"
@@ -64,11 +64,12 @@ def _free_subnet() -> ipaddress.IPv4Network:
 class Hosts:
     """`n` hosts: host i has address `addr(i)`; `spawn(i, argv, env, log)` runs a process there."""
 
-    def __init__(self, n: int):
-        self.n, self.tag = n, uuid.uuid4().hex[:6]
+    def __init__(self, n: int, prefix: str = "gp"):
+        """`prefix` (2-4 characters) starts the names of the namespaces and links made."""
+        self.n, self.tag = n, prefix + uuid.uuid4().hex[:6]
         self.subnet = _free_subnet()
-        self.bridge_ns = f"gp{self.tag}-br"
-        self.ns = [f"gp{self.tag}-{i}" for i in range(n)]
+        self.bridge_ns = f"{self.tag}-br"
+        self.ns = [f"{self.tag}-{i}" for i in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.made: list[str] = []
 
@@ -84,7 +85,7 @@ class Hosts:
             for i, ns in enumerate(self.ns):
                 _ip("netns", "add", ns)
                 self.made.append(ns)
-                host, port = f"gp{self.tag}h{i}", f"gp{self.tag}p{i}"  # <= 15 characters
+                host, port = f"{self.tag}h{i}", f"{self.tag}p{i}"  # <= 15 characters
                 _ip("link", "add", host, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/{self.subnet.prefixlen}", "dev", host)
                 _ip("-n", ns, "link", "set", host, "up")
@@ -101,10 +102,10 @@ class Hosts:
 
     def cut(self, i: int) -> None:
         """Host i loses its link (as a pulled cable): nothing gets in or out until `mend`."""
-        _ip("-n", self.bridge_ns, "link", "set", f"gp{self.tag}p{i}", "down")
+        _ip("-n", self.bridge_ns, "link", "set", f"{self.tag}p{i}", "down")
 
     def mend(self, i: int) -> None:
-        _ip("-n", self.bridge_ns, "link", "set", f"gp{self.tag}p{i}", "up")
+        _ip("-n", self.bridge_ns, "link", "set", f"{self.tag}p{i}", "up")
 
     def block(self, i: int, j: int) -> None:
         """Hosts i and j no longer reach each other (a blackhole route each way); both reach the rest."""

@@ -209,16 +209,24 @@ def split(batch: Any, chunks: int) -> list[Any]:
 
 
 def evaluate(spec: dict[str, Any], state: dict[str, torch.Tensor],
-             cuts: list[int] | None = None) -> tuple[float, int]:
+             cuts: list[int] | None = None, pipelined: bool = False) -> tuple[float, int]:
     """One-device evaluation of the weights `state` on the spec's eval data, in eval mode, without gradients:
     the mean loss over the samples (each batch's loss times its size), and the sample count.
 
     Batch b is items b*B ... b*B+B-1 of the eval set in order (the last may be shorter); `batches` limits them.
     With bf16 or fp16 the forward runs under autocast, rounded at `cuts` as in `train`, the loss in float32.
+    With `pipelined`, each batch goes through gpipe.Pipeline cut at `cuts` (the spec's chunks, precision and
+    deferred BatchNorm), as a user of the in-process API evaluates.
     """
     model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))
     model.load_state_dict(state)
     model.eval()
+    pipe = None
+    if pipelined:
+        model.train()  # the pipeline evaluates in eval mode whatever the model's, and leaves the mode as it was
+        pipe = Pipeline(model, cuts or [len(model)], chunks=spec.get("chunks", 1),
+                        precision=spec.get("precision", "fp32"),
+                        deferred_batch_norm=spec.get("deferred_batch_norm", False), timeout_s=60)
     e = spec["eval"]
     data = resolve(e["data"]["factory"])(**e["data"].get("args", {}))
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
@@ -229,8 +237,11 @@ def evaluate(spec: dict[str, Any], state: dict[str, torch.Tensor],
         for b in range(e.get("batches") or -(-n // size)):
             items = [data[i] for i in range(b * size, min((b + 1) * size, n))]
             x, y = collate(items)
-            total += float(loss_fn(_autocast_forward(spec, model, x, cuts), y)) * len(items)
+            out = pipe(x).float() if pipe is not None else _autocast_forward(spec, model, x, cuts)
+            total += float(loss_fn(out, y)) * len(items)
             samples += len(items)
+    if pipe is not None:
+        pipe.close()
     return total / samples, samples
 
 

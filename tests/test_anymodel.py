@@ -1,8 +1,8 @@
 """Any nn.Module, not only nn.Sequential (gpipe.capture): Hugging Face causal LMs and hand-written modules,
 split by name or at their repeated blocks, tied weights kept tied, against one device on the same micro-batches.
 
-These run through gpipe.Pipeline (the service's stages as threads); the service's own path, real processes
-over gloo, is tests/test_anymodel_service.py.
+Most run through gpipe.Pipeline (the service's stages as threads); the service's own path, real processes
+over gloo, is the `run`s at the end of this file.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def call(s: Service, method: str, request: Message | bytes, token: str | None = 
 
     token "" means the right one for the service.
     """
-    service = "WorkerService" if method in ("Register", "Heartbeat", "Commands") else "JobService"
+    service = "WorkerService" if method in ("Register", "Heartbeat", "Commands", "Leave") else "JobService"
     if token == "":
         token = WORKER if service == "WorkerService" else CLIENT
     payload = request if isinstance(request, bytes) else request.SerializeToString()
@@ -246,6 +246,14 @@ ROWS = [
                  id="beat-attempt-newline"),
     pytest.param(Row("Commands", W.CommandsRequest(worker_id="f" * 32), NF, "worker_id"), id="commands-unknown"),
     pytest.param(Row("Commands", W.CommandsRequest(worker_id="x" * 100), IA, "worker_id"), id="commands-id-100"),
+    pytest.param(Row("Leave", W.LeaveRequest(worker_id="f" * 32, grace_s=25), NF, "worker_id"), id="leave-unknown"),
+    pytest.param(Row("Leave", W.LeaveRequest(worker_id="../x", grace_s=25), IA, "worker_id"), id="leave-id-path"),
+    pytest.param(Row("Leave", W.LeaveRequest(worker_id="f" * 32, grace_s=0), IA, "grace_s"), id="leave-grace-0"),
+    pytest.param(Row("Leave", W.LeaveRequest(worker_id="f" * 32, grace_s=float("nan")), IA, "grace_s"),
+                 id="leave-grace-nan"),
+    pytest.param(Row("Leave", W.LeaveRequest(worker_id="f" * 32, grace_s=3601), IA, "grace_s"), id="leave-grace-3601"),
+    pytest.param(Row("Leave", W.LeaveRequest(worker_id="f" * 32, grace_s=25), PD, "worker token", CLIENT),
+                 id="leave-client-token"),
     pytest.param(Row("ListJobs", J.ListJobsRequest(page_size=-1), IA, "page_size"), id="list-page-negative"),
     pytest.param(Row("ListJobs", J.ListJobsRequest(page_size=1001), IA, "page_size"), id="list-page-1001"),
     pytest.param(Row("ListJobs", J.ListJobsRequest(page_token="no-such-job"), IA, "page_token"), id="list-token"),

@@ -402,6 +402,9 @@ def test_example_job_submits_the_configmap_spec_and_follows_it(tmp_path: Path):
     _, pod, c, f = workload(render("example"), "Job", "gpipe-example", "submit")
     assert pod["restartPolicy"] == "Never"
     assert positionals(c)[:2] == ["gpipe-coordinator", "submit"] and "--follow" in f
+    # A retried pod (the first lost serve mid-follow: exit 1) follows the job the first one submitted,
+    # rather than exit 2 (a job of that name exists), which podFailurePolicy makes final.
+    assert "--attach" in f and f["--attach"] is None
     path = positionals(c)[2]
     assert source_of(pod, c, path) == ("configMap", "gpipe-example-job", "job.yaml")
     api = one(render("overlays/cpu"), "Service", "gpipe-coordinator")

@@ -52,7 +52,7 @@ def test_the_readme_s_job_is_a_valid_spec():
 def test_the_readme_s_service_walkthrough_works_as_written_after_make_demo(cli):
     """The README's service block, each line as written (its port substituted), in a folder like a checkout
     after `make demo`: this checkout's .venv, examples/ and the demo's gpipe-state/charlm. To keep the test
-    short, the copy of examples/charlm.yaml trains 20 steps, not 200, and checkpoints every 10."""
+    short, the copy of examples/charlm.yaml trains 10 steps, not 200, and checkpoints every 5."""
     if not {0, 1} <= os.sched_getaffinity(0):
         pytest.skip("the walkthrough pins its workers to cores 0 and 1")
     block, = (b for b in blocks(README.read_text(), "sh") if "gpipe-coordinator serve" in b)
@@ -65,7 +65,7 @@ def test_the_readme_s_service_walkthrough_works_as_written_after_make_demo(cli):
     charlm = here / "examples" / "charlm.yaml"
     text = charlm.read_text()
     assert "\nsteps: 200\n" in text and "\ncheckpoint_every: 50 " in text
-    charlm.write_text(text.replace("\nsteps: 200\n", "\nsteps: 20\n").replace("\ncheckpoint_every: 50 ", "\ncheckpoint_every: 10 "))
+    charlm.write_text(text.replace("\nsteps: 200\n", "\nsteps: 10\n").replace("\ncheckpoint_every: 50 ", "\ncheckpoint_every: 5 "))
     demo = here / "gpipe-state" / "charlm"
     demo.mkdir(parents=True)
     (demo / "metrics.jsonl").write_text('{"step": 0}\n')  # what make demo left
@@ -90,9 +90,9 @@ def test_the_readme_s_service_walkthrough_works_as_written_after_make_demo(cli):
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=30)
     assert r.returncode == 0, r.stderr[-3000:] + (cli.tmp / "bg0.log").read_text()[-3000:]
-    assert re.search(r"charlm: SUCCEEDED: 20/20 steps, final loss \d+\.\d{4}; weights in ", r.stderr), r.stderr
-    steps = re.findall(r"^step (\d+)/20  loss ", r.stdout, re.M)
-    assert steps == [str(n) for n in range(1, 21)], r.stdout[-2000:]
-    assert re.search(r"^checkpoint step-10: ", r.stdout, re.M) and r.stdout.splitlines()[-1].startswith("SUCCEEDED")
+    assert re.search(r"charlm: SUCCEEDED: 10/10 steps, final loss \d+\.\d{4}; weights in ", r.stderr), r.stderr
+    steps = re.findall(r"^step (\d+)/10  loss ", r.stdout, re.M)
+    assert steps == [str(n) for n in range(1, 11)], r.stdout[-2000:]
+    assert re.search(r"^checkpoint step-5: ", r.stdout, re.M) and r.stdout.splitlines()[-1].startswith("SUCCEEDED")
     assert (here / "gpipe-service" / "charlm" / "model.safetensors").exists()
     assert (demo / "metrics.jsonl").read_text() == '{"step": 0}\n'  # the demo's outputs untouched

@@ -127,6 +127,28 @@ def test_a_stage_that_raises_fails_the_run_naming_it_with_its_fields(tmp_path):
     assert "stage 1 (layers 1-2) failed at step 1: ValueError: boom after 4 forwards" in str(failed.value)
 
 
+def test_a_preemption_stops_at_the_first_step_not_yet_sent_with_a_checkpoint_that_resumes_as_uninterrupted(tmp_path):
+    spec = job(steps=8, checkpoint_every=100, eval={"data": {**REGRESSION, "batch_size": 8}, "every": 4})
+    plan = plan_of(spec)
+    steps: list[StepMetrics] = []
+    evals: list[EvalMetrics] = []
+    run = Run(plan, steps.append, on_eval=lambda m, w: evals.append(m))
+    run.preempted = lambda: len(steps) >= 2  # asked once step 1 has ended: steps 2 and 3 are sent already
+    writer = checkpoint.Writer(checkpoint.folder(tmp_path / "a"), 2, lambda *a: None)
+    run.build(local_stages(plan, 0))
+    run.train(0, writer.submit)
+    writer.close()
+    assert run.stop_after == 3 and [m.step for m in steps] == [0, 1, 2, 3]  # the steps in flight, then no more
+    assert checkpoint.committed(checkpoint.folder(tmp_path / "a")) == [4]  # checkpoint_every is 100
+    assert not evals  # the evaluation due after step 4 is the next attempt's, where it resumes
+    StageServer.close_all()
+    ck = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "a"), 4))
+    steps, evals = drive(plan_of(spec), tmp_path / "b", resume=ck)
+    assert [m.step for m in steps] == [4, 5, 6, 7]  # nothing before the checkpoint runs again
+    assert [m.step for m in evals] == [3, 7]  # after steps 4 and 8, counted from 1: each once
+    assert worst(model_weights(tmp_path / "b", 8), reference.train(spec)) <= 1e-5
+
+
 # -- virtual stages: several model chunks per worker ----------------------------------------------------------
 
 VIRTUAL = {

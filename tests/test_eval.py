@@ -201,19 +201,18 @@ def test_eval_loss_with_deferred_batch_norm_equals_one_device(cli):
     assert_one_device(spec, evals)
 
 
-@pytest.mark.multiprocess
-def test_bf16_evaluation_runs_under_the_training_autocast(cli):
-    """precision: bf16 evaluates under autocast too: the eval loss of the final weights equals one-device
-    autocast evaluation of them (rounded at the same cut) to within 1e-3, and differs from float32's."""
+def test_bf16_evaluation_runs_under_the_training_autocast():
+    """precision: bf16 evaluates under autocast too: the pipelined eval loss of trained weights equals one-device
+    autocast evaluation of them (rounded at the same cut) to within 1e-3, and differs from float32's. (The
+    service's evaluation runs the same Stage.evaluate over c10d: the `runs` above and the tests below.)"""
     spec = job(model={"factory": "mlp", "args": {"width": 16, "depth": 3, "in_features": 8, "out_features": 8}},
                precision="bf16", steps=2, keep_best=False)
-    evals = run_evals(cli, spec)
-    out = cli.tmp / "st" / "e"
-    weights, cuts = load_file(out / "model.safetensors"), json.loads((out / "plan.json").read_text())["balance"]
+    weights, cuts = reference.train(spec), [2, 2]
+    got, samples = reference.evaluate(spec, weights, cuts, pipelined=True)
     want, _ = reference.evaluate(spec, weights, cuts)
     fp32, _ = reference.evaluate({**spec, "precision": "fp32"}, weights)
-    assert abs(evals[-1]["eval_loss"] - want) < 1e-3, (evals[-1]["eval_loss"], want, fp32)
-    assert abs(evals[-1]["eval_loss"] - fp32) > abs(evals[-1]["eval_loss"] - want)
+    assert samples == 30 and abs(got - want) < 1e-3, (got, want, fp32)
+    assert abs(got - fp32) > abs(got - want)
 
 
 @pytest.mark.multiprocess
@@ -232,16 +231,16 @@ def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
     assert max_diff(with_eval, without) < 1e-6  # CUDA kernels may differ in the last bit between runs
 
 
-@pytest.mark.multiprocess
-def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_device(cli):
+def test_eval_loss_of_a_model_with_skip_connections_across_stages_equals_one_device():
     """Eval micro-batches travel on the activation and skip channels (int64 tensors among them), past a stage."""
     data = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}
     spec = job(model={"factory": "tests.models:skip_mlp", "args": {"width": 16, "skip_width": 24}}, stages=3,
                balance=[1, 2, 3], steps=2, keep_best=False, data={**data, "batch_size": 10},
                eval={"data": {**data, "args": {**data["args"], "n": 25, "seed": 2}, "batch_size": 10}, "every": 1})
-    evals = run_evals(cli, spec)
-    assert [m["step"] for m in evals] == [0, 1] and evals[0]["eval_samples"] == 25
-    assert_one_device(spec, evals)
+    weights = reference.train(spec)
+    got, samples = reference.evaluate(spec, weights, [1, 2, 3], pipelined=True)
+    want, _ = reference.evaluate(spec, weights)
+    assert samples == 25 and abs(got - want) < 1e-5, (got, want)
 
 
 @pytest.mark.multiprocess

@@ -66,7 +66,7 @@ def test_a_scrape_shows_the_jobs_and_workers(cli):
         s.start_serve("--metrics-port", str(metrics_port))
         got = scrape(url)
         assert got["gpipe_jobs"] == {(state,): 0 for state in
-                                     ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "RESTARTING")}
+                                     ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "RESTARTING", "PREEMPTED")}
         assert got["gpipe_workers"] == {("idle",): 0, ("busy",): 0, ("lost",): 0}
         s.start_worker(0)
         s.start_worker(1)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.errors import EXIT_PREEMPTED
 from tests.conftest import tagged_pids, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -90,11 +91,11 @@ def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
     assert detected < 10
 
 
-def _stop_coordinator_mid_run(cli, stop) -> tuple[subprocess.Popen, str]:
+def _stop_coordinator_mid_run(cli, stop, state: str = "state") -> tuple[subprocess.Popen, str]:
     """Start a long run, wait for a step, stop the coordinator with `stop`, and check its workers go too."""
     path = cli.write(spec(model=SLOW, steps=500))
-    out = cli.tmp / "state" / "f"
-    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+    out = cli.tmp / state / "f"
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / state), "--no-progress") as p:
         wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
         workers = [_worker_pid(cli.tag, k) for k in (0, 1)]
         assert all(workers)
@@ -106,6 +107,9 @@ def _stop_coordinator_mid_run(cli, stop) -> tuple[subprocess.Popen, str]:
 
 def test_coordinator_stopped_takes_its_workers_along(cli):
     p, err = _stop_coordinator_mid_run(cli, lambda p: p.send_signal(signal.SIGTERM))
+    assert p.returncode == EXIT_PREEMPTED, err  # checkpointed at a step boundary first (test_preempt)
+    assert err.strip().splitlines()[-1].startswith("error: preempted: run got SIGTERM"), err
+    p, err = _stop_coordinator_mid_run(cli, lambda p: p.send_signal(signal.SIGINT), "other")
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted"
 

@@ -65,9 +65,11 @@ ROUNDED = "3stages-transformer-1f1b-except_last"
 # Real processes: skips across cuts, and a Transformer whose values at the cuts are rounded. The rest of the
 # matrix (schedules, checkpointing, dropout, adam with clipping) runs through gpipe.Pipeline in
 # tests/test_pipeline.py.
+SKIPS_BF16 = job(stages=3, balance=[1, 2, 3], model=SKIPS, activation_checkpoint="always")
 BF16 = {
-    # skip connections from stage 0 to stage 2 (over stage 1; one of them int64) and from stage 1 to stage 2
-    "3stages-skips-checkpoint": job(stages=3, balance=[1, 2, 3], model=SKIPS, activation_checkpoint="always"),
+    # skip connections from stage 0 to stage 2 (over stage 1; one of them int64) and from stage 1 to stage 2;
+    # its run also counts the bytes that cross (test_cuts_carry_half_the_bytes_of_fp32)
+    "3stages-skips-checkpoint": SKIPS_BF16,
     # a Transformer LM whose float32 values at the cuts (a positional encoding's sum, the encoder layers'
     # outputs) are rounded to bf16 there, as one-device autocast does not
     ROUNDED: job(stages=3, balance=[2, 2, 2], chunks=3, schedule="1f1b", activation_checkpoint="except_last",
@@ -77,10 +79,13 @@ BF16 = {
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(BF16))
-def test_bf16_weights_equal_one_device_autocast(cli, name):
+def test_bf16_weights_equal_one_device_autocast(cli):
+    check_bf16(cli, ROUNDED, run(cli, BF16[ROUNDED], "--no-progress")[0])
+
+
+def check_bf16(cli, name: str, out: Path) -> None:
+    """The weights of `BF16[name]`'s run in `out` equal one-device autocast's."""
     spec = BF16[name]
-    out, _ = run(cli, spec, "--no-progress")
     got = load_file(out / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in got.values())  # the weights stay fp32
     # One device, the forward under autocast, its float32 values rounded to bf16 where the job cuts the model
@@ -103,14 +108,15 @@ def test_bf16_weights_equal_one_device_autocast(cli, name):
 
 
 @pytest.mark.multiprocess
-def test_cuts_carry_half_the_bytes_of_fp32(cli):
+def test_cuts_carry_half_the_bytes_of_fp32_and_skips_in_bf16_equal_one_device_autocast(cli):
     # Activations forward, gradients backward and the skip connections: each bf16 cut moves half the bytes.
-    spec = job(stages=3, balance=[1, 2, 3], model=SKIPS, steps=1)
     sent = {}
-    for precision in ("fp32", "bf16"):  # fp16 casts the same tensors (Precision.cut: test_a_cut_casts_float32_only...)
-        out, _ = run(cli, {**spec, "name": precision, "precision": precision}, "--no-progress")
-        [m] = metrics(out)
+    # fp16 casts the same tensors (Precision.cut: test_a_cut_casts_float32_only...)
+    for precision, spec in (("fp32", {**SKIPS_BF16, "steps": 1, "precision": "fp32"}), ("bf16", SKIPS_BF16)):
+        out, _ = run(cli, {**spec, "name": precision}, "--no-progress")
+        m = metrics(out)[0]
         sent[precision] = {(s["stage"], ch): n for s in m["stages"] for ch, n in s["sent_bytes"].items()}
+    check_bf16(cli, "3stages-skips-checkpoint", out)
     assert len(sent["fp32"]) == 8 and all(n > 0 for n in sent["fp32"].values())
     # Stage 0's skips to stage 2 are s (24 floats a sample) and ids (an int64 a sample, unchanged); 8 samples.
     mixed = (0, "skips to stage 2")
@@ -207,7 +213,7 @@ def test_a_bad_precision_is_one_line_naming_it(cli, value):
     assert not (cli.tmp / "state").exists()
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16"])  # fp16's check is the same line of Precision's
 def test_a_precision_the_device_lacks_is_bad_input(cli, precision):
     # Every process of the run (the CLI, the attempt, the workers) gets a torch without autocast on the CPU,
     # as on a device that lacks it: the plan refuses the job before any stage starts.

@@ -79,10 +79,10 @@ def test_the_progress_line_shows_each_replicas_step_time(capsys):
 # recomputation, skips, deferred BatchNorm and bf16 with replicas run through gpipe.Pipeline in
 # tests/test_pipeline.py.
 CASES = {
-    # 2 replicas x 2 stages, dropout (seeded by the global micro-batch index), momentum, clipping after the sum
-    "2x2-dropout-clip": job(model=DROPOUT, stages=2, replicas=2, chunks=2, clip_grad_norm=0.2),
-    # zb-h1: each stage's gradient buckets are summed as its last W (not B) finishes
-    "2x2-zb-h1-except_last-clip": job(model=DROPOUT, stages=2, replicas=2, chunks=3, clip_grad_norm=0.2,
+    # 2 replicas x 2 stages, dropout (seeded by the global micro-batch index), momentum, clipping after the sum;
+    # zb-h1: each stage's gradient buckets are summed as its last W (not B) finishes (the other schedules'
+    # replicas run in the tests below)
+    "2x2-zb-h1-dropout-except_last-clip": job(model=DROPOUT, stages=2, replicas=2, chunks=3, clip_grad_norm=0.2,
                                       schedule="zb-h1", activation_checkpoint="except_last"),
 }
 

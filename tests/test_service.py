@@ -130,12 +130,13 @@ class Service:
                               "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
-    def start_worker(self, rank: int) -> None:
+    def start_worker(self, rank: int, *extra: str) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
         cores = sorted(os.sched_getaffinity(0))
         self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
-                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth()])
+                                      "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth(),
+                                      *extra])
         self.wait_for(lambda: self.log("serve").count(f"worker for rank {rank} registered") > before,
                       f"rank {rank} to register")
 
@@ -316,6 +317,35 @@ def test_bad_spec_is_rejected_naming_the_field_and_touches_no_worker(shared):
     assert r.returncode == 2 and "a job named 'dup' exists already" in r.stderr
     r = shared.client("status", "nosuchjob")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "'nosuchjob'" in r.stderr
+
+
+@pytest.mark.multiprocess
+def test_attach_follows_the_same_job_submitted_before_and_refuses_another_of_its_name(shared):
+    """A Kubernetes Job's next pod (its first lost serve mid-follow) submits again: with --attach it follows
+    the job its first pod submitted, to that job's end and exit code."""
+    folder = shared.tmp / "attach"
+    folder.mkdir()
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job("attached", model=SLOW, steps=40)))
+    assert shared.client("submit", str(path)).returncode == 0
+    r = shared.client("submit", str(path), "--follow", "--attach", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "following it" in r.stderr and r.stderr.count("attached: SUCCEEDED") == 1, r.stderr
+    assert "40/40" in shared.client("status", "attached").stdout
+    # Ended: --attach shows its end at once, and exits by it.
+    r = shared.client("submit", str(path), "--follow", "--attach", "--no-progress", timeout=60)
+    assert r.returncode == 0 and "SUCCEEDED" in r.stderr, r.stderr
+    # Without --attach, or with another spec or other code under that name: exit 2, nothing changes.
+    assert shared.client("submit", str(path)).returncode == 2
+    path.write_text(yaml.safe_dump(job("attached", model=SLOW, steps=41)))
+    r = shared.client("submit", str(path), "--attach")
+    assert r.returncode == 2 and "another spec" in r.stderr, r.stderr
+    path.write_text(yaml.safe_dump(job("attached", model=SLOW, steps=40)))
+    (folder / "more.py").write_text("x = 1\n")
+    r = shared.client("submit", str(path), "--attach")
+    assert r.returncode == 2 and "other code" in r.stderr, r.stderr
+    assert shared.client("submit", "--resume", "attached", "--attach").returncode == 2
+    assert shared.client("status", "attached").stdout.count("SUCCEEDED") == 2   # its state line and history
 
 
 @pytest.mark.multiprocess
@@ -693,7 +723,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
         _, err = follower.communicate(timeout=30)
     assert code == 0 and "Traceback" not in service.log("serve"), service.log("serve")[-2000:]
     assert follower.returncode == 1 and "the coordinator is stopping" in err, err  # told, not cut off
-    assert json.loads((out / "job.json").read_text())["state"] == "RUNNING"  # for the next serve to resume
+    assert json.loads((out / "job.json").read_text())["state"] == "PREEMPTED"  # for the next serve to resume
     print(f"serve with a running attempt: exit {code} {took:.2f}s after SIGTERM")
 
     # Started again, it resumes the job once the workers are back; then a worker in the job, and one idle.
@@ -703,7 +733,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
     code, took = sigterm(service, "worker1")
     assert code == 0 and "Traceback" not in service.log("worker1"), service.log("worker1")[-2000:]
     print(f"a worker in a running job: exit {code} {took:.2f}s after SIGTERM")
-    service.wait_for(lambda: "RESTARTING" in service.client("status", "term").stdout, "the job to restart", 30)
+    service.wait_for(lambda: "PREEMPTED" in service.client("status", "term").stdout, "the job to wait", 30)
     code, took = sigterm(service, "worker0")
     assert code == 0 and "Traceback" not in service.log("worker0")
     print(f"an idle worker: exit {code} {took:.2f}s after SIGTERM")

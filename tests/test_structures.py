@@ -23,8 +23,9 @@ DICTS = {"factory": "tests.models:dict_items", "args": {"n": 40, "width": 16}}
 SEQ = {"factory": "tests.models:seq_model", "args": {}}
 SENTENCES = {"factory": "tests.models:sentences", "args": {}, "collate": "gpipe.builtins:pad_collate"}
 
-# Real processes, one case per kind of structure: the same models through gpipe.Pipeline, under every
-# schedule and checkpointing mode, are in tests/test_pipeline.py.
+# The same models through gpipe.Pipeline, under every schedule and checkpointing mode, are in
+# tests/test_pipeline.py. Real processes: the dict case here; padded sequences whose length changes step to
+# step cross the c10d cut in the masked charlm example's run below.
 CASES = {
     # a dict input {"x", "mask"}; bool and int tensors, None and scalars cross every cut
     "dict-mask-1f1b-except_last": job(model=MASKED, stages=2, chunks=4, schedule="1f1b",
@@ -37,7 +38,7 @@ CASES = {
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", ["dict-mask-1f1b-except_last"])
 def test_structures_cross_cuts_as_on_one_device(cli, name):
     train_and_compare(cli, name, CASES[name])
 

@@ -44,6 +44,7 @@ class FakeAttempt:
         self.queue: asyncio.Queue[report.Report | None] = asyncio.Queue()
         self.code: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.killed = False
+        self.preempted = False  # asked to stop at the next step boundary
 
     async def reports(self) -> AsyncIterator[report.Report]:
         while (r := await self.queue.get()) is not None:
@@ -66,6 +67,9 @@ class FakeAttempt:
 
     def last_words(self) -> str:
         return self.words
+
+    def preempt(self) -> None:
+        self.preempted = True
 
     words = ""
 
@@ -503,3 +507,84 @@ def test_last_words_are_read_from_the_end_of_a_real_log(tmp_path):
                    '  File "a.py", line 1\nMemoryError: the last one\n[W1123 socket.cpp] a warning\n')
     assert last_error_line(log) == "MemoryError: the last one"
     assert last_error_line(tmp_path / "missing.log") == "" and last_error_line(None) == ""
+
+
+async def started(h: Harness, job: JobRecord) -> FakeAttempt:
+    """The job's attempt, driving its stages (it reported Master)."""
+    h.register(0, 1)
+    await h.settle()
+    a = h.attempts[-1]
+    a.queue.put_nowait(report.Master("127.0.0.1:1234", "0" * 32))
+    await h.settle()
+    assert job.state == JobState.RUNNING
+    return a
+
+
+async def test_a_preempted_worker_has_its_attempt_checkpoint_and_the_job_waits_preempted_for_the_rank(h):
+    job = h.submit(restart_timeout_s=5)
+    a = await started(h, job)
+    assert h.sup.preempt_worker(h.workers[1].id, 25.0) is True
+    assert a.preempted and not a.killed  # asked to stop at the next step boundary, not killed
+    a.queue.put_nowait(report.Checkpoint(3, "/x/step-3", 10, 0.1, 0.0))
+    a.end(0, report.Preempted(3))
+    await h.settle()
+    assert job.state == JobState.PREEMPTED and job.checkpoint_step == 3 and job.restarts == 0
+    assert "stage 1's worker was preempted (SIGTERM); checkpoint step-3" in job.history[-1].message
+    # The leaving worker gets no attempt, though it is still registered and idle; nor does time fail the job.
+    h.clock.advance(60)
+    h.beat(0, 1)
+    h.sup.tick()
+    await h.settle()
+    assert len(h.attempts) == 1 and job.state == JobState.PREEMPTED
+    h.sup.drop(h.workers[1], "stage 1's worker disconnected")  # the daemon exits
+    h.register(1)  # and comes back
+    h.beat(0)
+    await h.settle()
+    assert job.state == JobState.RUNNING and len(h.attempts) == 2 and h.attempts[1].launch.resume
+    assert h.sup.preempt_worker("nosuchworker", 25.0) is None
+
+
+async def test_a_preemption_whose_checkpoint_misses_the_grace_falls_back_to_the_last_good_one(h):
+    job = h.submit()
+    a = await started(h, job)
+    job.checkpoint_step = 2
+    h.sup.preempt_worker(h.workers[0].id, 5.0)
+    h.clock.advance(4)
+    h.beat(0, 1)
+    h.sup.tick()
+    assert not a.killed
+    h.clock.advance(2)
+    h.beat(0, 1)
+    h.sup.tick()
+    await h.settle()
+    assert a.killed and job.state == JobState.PREEMPTED and job.restarts == 0
+    last = job.history[-1].message
+    assert "did not finish within the grace" in last and "falling back to checkpoint step-2" in last, last
+
+
+async def test_an_attempt_preempted_before_it_drives_is_killed_and_a_disk_error_still_fails_the_job(h):
+    job = h.submit()
+    h.register(0, 1)
+    await h.settle()
+    h.sup.preempt_all("the coordinator is stopping (SIGTERM)", 25.0)
+    await h.settle()
+    assert h.attempts[0].killed and job.state == JobState.PREEMPTED  # nothing newer than its checkpoint to save
+    h.beat(0, 1)
+    await h.settle()
+    assert len(h.attempts) == 1  # draining: nothing starts
+
+    other = Harness()
+    job2 = other.submit()
+    a = await started(other, job2)
+    other.sup.preempt_worker(other.workers[0].id, 25.0)
+    a.end(1, report.Failed("checkpoint: writing /x: No space left on device (ENOSPC)", 1, Cause.DISK))
+    await other.settle()
+    assert job2.state == JobState.FAILED and "ENOSPC" in job2.history[-1].message
+
+
+async def test_run_preempts_a_waiting_job_and_a_stop_ends_a_preempted_one(h):
+    job = h.submit()
+    h.sup.preempt_waiting("j", "run got SIGTERM")
+    assert job.state == JobState.PREEMPTED and "run got SIGTERM while pending" in job.history[-1].message
+    await h.sup.stop("j")
+    assert job.state == JobState.STOPPED

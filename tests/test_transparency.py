@@ -31,26 +31,19 @@ def job(**kw) -> dict:
 # checkpointing mode and balance, Transformers, micro-batches of one) does not take: the coordinator's data
 # stream (shuffled, wrapping around mid-step), balance by time and by memory, clipping across processes.
 CASES = {
-    # balanced by measured time; 20 items, 8 a step: the data wraps around mid-step, reshuffled each epoch
-    "2stages-shuffle-wraparound": job(
-        stages=2, balance="by_time", chunks=4, steps=6, data={**REGRESSION, "args": {**REGRESSION["args"], "n": 20},
-                                                           "batch_size": 8, "shuffle": True},
-    ),
-    # uneven micro-batches (10 = 4+3+3), uneven balance, adam, global clipping across stages
-    "3stages-uneven-adam-clip": job(
-        stages=3, balance=[2, 1, 3], chunks=3, data={**REGRESSION, "batch_size": 10},
-        optimizer={"name": "adam", "lr": 0.01}, clip_grad_norm=0.5,
+    # balanced by measured time; 20 items, 7 a step: the data wraps around mid-step, reshuffled each epoch;
+    # uneven micro-batches (7 = 3+2+2), adam, global clipping across stages, and zb-h1's backward split into
+    # B and W across processes
+    "3stages-by_time-zb-h1-shuffle-wraparound-uneven-adam-clip": job(
+        stages=3, balance="by_time", chunks=3, schedule="zb-h1", steps=6, clip_grad_norm=0.5,
+        data={**REGRESSION, "args": {**REGRESSION["args"], "n": 20}, "batch_size": 7, "shuffle": True},
+        optimizer={"name": "adam", "lr": 0.01},
     ),
     # four stages balanced by memory, 1f1b, dropout, recomputed activations
     "4stages-1f1b-dropout-checkpoint": job(
         stages=4, chunks=4, schedule="1f1b", activation_checkpoint="always", balance="by_memory",
         model={"factory": "tests.models:mlp_dropout", "args": {"width": 16, "depth": 3}},
         optimizer={"name": "adamw", "lr": 0.01},
-    ),
-    # zb-h1: the backward split into B and W across processes; uneven micro-batches (7 = 3+2+2), clipping
-    "3stages-zb-h1-uneven-clip": job(
-        stages=3, balance=[2, 2, 2], chunks=3, schedule="zb-h1", data={**REGRESSION, "batch_size": 7},
-        clip_grad_norm=0.5, steps=3,
     ),
 }
 

@@ -124,6 +124,10 @@ class Agent:
             self.on_change()
         await self.prestart()
 
+    def running(self) -> bool:
+        """Whether an attempt process is alive."""
+        return self.child is not None and self.child.returncode is None
+
     def status(self) -> tuple[str, bool, int, str]:
         """(attempt id, whether its process ended, its exit code, its last error line)."""
         ended = self.exit_code is not None

@@ -12,6 +12,11 @@ communicator is thrown away with it.
 
 A rank held by a live worker is refused (ALREADY_EXISTS): the daemon waits
 with backoff until it is free.
+
+SIGTERM (a pod eviction, a spot reclaim) is a preemption: the daemon tells the
+coordinator (Leave), whose job checkpoints at its next step boundary and ends
+the attempt; once its attempt process has ended, or `--grace-s` (default 25 s)
+has passed, the daemon exits 0. SIGINT stops it at once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -40,6 +46,7 @@ BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
 CODE_FETCH_TIMEOUT_S = 300.0  # a job's code archive, at most serve's --max-code-mib
 CODE_KEPT = 16  # jobs' code archives kept in --log-dir/code, the newest
+LEAVE_CALL_TIMEOUT_S = 5.0  # telling the coordinator of a SIGTERM
 
 
 class Daemon:
@@ -52,6 +59,8 @@ class Daemon:
         self.changed = asyncio.Event()  # the attempt process ended or was killed: heartbeat at once
         self.log_dir = Path(a.log_dir)
         self.failures = 0  # since the last registration: picks the backoff
+        self.session: tuple[workers_pb2_grpc.WorkerServiceStub, str] | None = None  # while registered
+        self.leaving = False  # SIGTERM: a session that ends is not followed by another
 
     def _changed(self) -> None:
         self.changed.set()
@@ -59,7 +68,7 @@ class Daemon:
     async def run(self) -> None:
         await self.template.start()
         await self.agent.prestart()
-        while True:
+        while not self.leaving:
             try:
                 await self._session()
             except grpc.RpcError as e:
@@ -88,6 +97,7 @@ class Daemon:
                 rank=self.a.rank, host=self.a.host, device=self.a.device, hostname=socket.gethostname(),
                 cores=self.a.cores, threads=self.a.threads))
             self.failures = 0
+            self.session = stub, reg.worker_id
             self._say(f"registered as rank {self.a.rank} with {self.a.coordinator}")
             tasks = [asyncio.ensure_future(self._commands(stub, reg.worker_id)),
                      asyncio.ensure_future(self._heartbeat(stub, reg.worker_id, reg.heartbeat_interval_s))]
@@ -96,9 +106,42 @@ class Daemon:
                 for t in done:
                     t.result()  # the failure that ended the session
             finally:
+                self.session = None
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def leave(self, grace_s: float, stop: asyncio.Event) -> None:
+        """Preempted (SIGTERM): tell the coordinator, then wait, within `grace_s` (or until `stop`), for the
+        attempt process to end once its job has checkpointed; commands and heartbeats go on meanwhile."""
+        t0 = time.monotonic()
+        self.leaving = True
+        session = self.session
+        if session is None:
+            self._say("SIGTERM: not registered: leaving")
+            return
+        stub, worker_id = session
+        try:
+            r = await stub.Leave(workers_pb2.LeaveRequest(worker_id=worker_id, grace_s=grace_s),
+                                 timeout=min(LEAVE_CALL_TIMEOUT_S, grace_s))
+        except grpc.RpcError as e:
+            self._say(f"SIGTERM: could not tell the coordinator ({grpcutil.describe(e, self.a.coordinator)}): "
+                      "leaving")
+            return
+        if not r.checkpointing:
+            self._say("SIGTERM: in no attempt: leaving")
+            return
+        self._say(f"SIGTERM: preempted: the job checkpoints at its next step boundary (grace {grace_s:g}s)")
+        while self.agent.running() and not stop.is_set():
+            left = grace_s - (time.monotonic() - t0)
+            if left <= 0:
+                self._say(f"the attempt did not end within the grace ({grace_s:g}s): leaving anyway; the job "
+                          "resumes from its last good checkpoint")
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.1)):
+                    await stop.wait()
+        self._say(f"the attempt ended {time.monotonic() - t0:.2f}s after SIGTERM: leaving")
 
     async def _commands(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str) -> None:
         async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=worker_id)):
@@ -173,12 +216,15 @@ async def _main(a: argparse.Namespace, token: str | None) -> None:
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"gpipe-worker[{a.rank}]: data-plane address {a.address_note}", file=sys.stderr, flush=True)
     d = Daemon(a, token)
-    stop = asyncio.Event()
+    stop, term = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, term.set)
     task = asyncio.create_task(d.run())
-    done, _ = await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait([task, asyncio.create_task(stop.wait()), asyncio.create_task(term.wait())],
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if term.is_set() and task not in done:
+        await d.leave(a.grace_s, stop)
     task.cancel()
     await d.agent.close()
     await d.template.close()
@@ -207,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-token-file", "--auth-token-file", default=None,
                    help="the worker token, serve's --worker-token-file (default: env GPIPE_WORKER_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA certificate of the coordinator's TLS")
+    p.add_argument("--grace-s", type=float, default=grpcutil.DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="on SIGTERM, how long to wait for the job to checkpoint at its next step boundary before "
+                        f"exiting ({grpcutil.MIN_GRACE_S:g}-{grpcutil.MAX_GRACE_S:g}; default "
+                        f"{grpcutil.DEFAULT_GRACE_S:g}, under Kubernetes' 30 s terminationGracePeriodSeconds)")
     a = p.parse_args(argv)
     try:
         if a.rank is None:
@@ -218,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GpipeError(f"--rank: must be 0-{grpcutil.MAX_RANK}, got {a.rank}")
         if not a.coordinator:
             raise GpipeError("--coordinator HOST:PORT is required (or env GPIPE_COORDINATOR)")
+        grpcutil.check_grace(a.grace_s)
         a.cores = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
         a.threads = threads_for(a.cores)
         if a.device != "cpu" and not a.device.startswith("cuda"):

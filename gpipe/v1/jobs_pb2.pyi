@@ -16,6 +16,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[JobState]
     STOPPED: _ClassVar[JobState]
     RESTARTING: _ClassVar[JobState]
+    PREEMPTED: _ClassVar[JobState]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 RUNNING: JobState
@@ -23,6 +24,7 @@ SUCCEEDED: JobState
 FAILED: JobState
 STOPPED: JobState
 RESTARTING: JobState
+PREEMPTED: JobState
 
 class StateChange(_message.Message):
     __slots__ = ("state", "time_unix", "message")

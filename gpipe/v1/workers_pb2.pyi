@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id", "grace_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    grace_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("checkpointing",)
+    CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    checkpointing: bool
+    def __init__(self, checkpointing: _Optional[bool] = ...) -> None: ...
+
 class GetCodeRequest(_message.Message):
     __slots__ = ("worker_id", "sha256")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

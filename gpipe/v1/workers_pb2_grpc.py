@@ -54,6 +54,11 @@ class WorkerServiceStub:
                 request_serializer=gpipe_dot_v1_dot_workers__pb2.GetCodeRequest.SerializeToString,
                 response_deserializer=gpipe_dot_v1_dot_workers__pb2.CodePiece.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/gpipe.v1.WorkerService/Leave',
+                request_serializer=gpipe_dot_v1_dot_workers__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=gpipe_dot_v1_dot_workers__pb2.LeaveResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -93,6 +98,17 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """This worker is going away within grace_s (it got SIGTERM: a pod eviction,
+        a spot reclaim). Its attempt, if any, checkpoints at the next step
+        boundary and ends, and its job waits PREEMPTED for the rank to come back;
+        no attempt is given to this worker again. Past grace_s the attempt is
+        killed and the job resumes from its last good checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +131,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetCode,
                     request_deserializer=gpipe_dot_v1_dot_workers__pb2.GetCodeRequest.FromString,
                     response_serializer=gpipe_dot_v1_dot_workers__pb2.CodePiece.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=gpipe_dot_v1_dot_workers__pb2.LeaveRequest.FromString,
+                    response_serializer=gpipe_dot_v1_dot_workers__pb2.LeaveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +246,33 @@ class WorkerService:
             '/gpipe.v1.WorkerService/GetCode',
             gpipe_dot_v1_dot_workers__pb2.GetCodeRequest.SerializeToString,
             gpipe_dot_v1_dot_workers__pb2.CodePiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpipe.v1.WorkerService/Leave',
+            gpipe_dot_v1_dot_workers__pb2.LeaveRequest.SerializeToString,
+            gpipe_dot_v1_dot_workers__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
