@@ -6,8 +6,8 @@ The model is bench/step_time.py's, 8 x (Linear(1024)+ReLU), batch 256 in
 --chunks micro-batches, on 2 workers: a thread each in this process, torch on
 one intra-op thread (the workers' threads run on the machine's cores at once:
 torch lets go of the GIL in its kernels). interleaved-1f1b and zbv cut the
-model into 4 chunks of 2 layers, 2 on each worker; only gpipe.Pipeline runs
-them (the service's workers hold one stage each). "One thread" does the same
+model into 4 chunks of 2 layers, 2 on each worker (bench/step_time.py runs
+every schedule in the service's processes). "One thread" does the same
 micro-batched work in one thread. Each round runs every contender once,
 interleaved; the figures are medians over rounds of each run's median step.
 A worker's measured bubble is the share of the step its chunks were not

@@ -5,10 +5,14 @@
 The model is 8 x (Linear(1024)+ReLU), batch 256 in 8 (or --chunks)
 micro-batches, 2 stages, one thread per stage (each process pinned to its own
 core). gpipe runs its schedules gpipe, 1f1b and zb-h1 (the backward split into
-B and W), and reports each one's measured bubble (the stages' idle share of
-the step, from metrics.jsonl); the peer runs its ScheduleGPipe, Schedule1F1B,
-and, on 4 chunks of 2 layers (2 per rank), ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble. Each round runs every contender once, interleaved, and the figures are
+B and W), and on 4 model chunks of 2 layers (2 per worker) interleaved-1f1b and
+zbv, and reports each one's measured bubble (the workers' idle share of the
+step, from metrics.jsonl) beside the bubble its schedule leaves at the costs
+its actions measured (gpipe.schedule.timing: each stage's median F, B and W,
+with no transfer or step overhead); the difference is what the run adds. The
+peer runs its ScheduleGPipe, Schedule1F1B, and, on 4 chunks of 2 layers (2 per
+rank), ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and
+ScheduleZBVZeroBubble. Each round runs every contender once, interleaved, and the figures are
 medians over rounds of each run's median step time, since absolute times on
 these machines drift twofold between runs. Ratios are speed-ups over one
 process doing the same micro-batched work; the ideal is P*M/(M+P-1).
@@ -33,6 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH, DEPTH, BATCH, CHUNKS, STAGES = 1024, 8, 256, 8, 2
+VIRTUAL = ("interleaved-1f1b", "zbv")  # gpipe's schedules of 2 model chunks per worker
 
 
 def env() -> dict[str, str]:
@@ -82,11 +87,12 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
                 chunks: int = CHUNKS) -> list[dict[str, Any]]:
     """The metrics of `steps` steps of gpipe (after 3 warm-up steps)."""
     name = f"bench-{schedule}-{replicas}x{stages}-{chunks}"
+    virtual = 2 if schedule in VIRTUAL else 1  # model chunks per worker
     spec = {
         "name": name,
         "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": DEPTH, "head": False}},
         "stages": stages, "replicas": replicas, "chunks": chunks // replicas, "schedule": schedule,
-        "balance": [DEPTH // stages] * stages,
+        "virtual_stages": virtual, "balance": [DEPTH // (stages * virtual)] * (stages * virtual),
         "data": {"factory": "random_regression",
                  "args": {"n": BATCH, "in_features": WIDTH, "out_features": WIDTH}, "batch_size": BATCH},
         "loss": "mse", "optimizer": {"name": "sgd", "lr": 1e-3}, "steps": steps + 3,
@@ -102,6 +108,24 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
     return [json.loads(x) for x in lines[3:]]
 
 
+def costed_bubble(schedule: str, steps: list[dict[str, Any]], chunks: int) -> float:
+    """The bubble `schedule` leaves at the costs its actions took in `steps` (each model chunk's median F, B and
+    W over the steps and micro-batches), with instant transfers and no step overhead (gpipe.schedule.timing)."""
+    from gpipe import schedule as schedules
+
+    workers, virtual = STAGES, 2 if schedule in VIRTUAL else 1
+    took: dict[tuple[int, str], list[float]] = {}
+    for step in steps:
+        for s in step["stages"]:
+            for kind, _, a, b in s["timeline"]:
+                took.setdefault((s["stage"], kind), []).append(b - a)
+    median = {key: statistics.median(v) for key, v in took.items()}
+    runs = schedules.timing(schedule, workers, chunks, virtual, lambda k, a: median[
+        (schedules.model_chunk(schedule, k, a.chunk, workers), a.kind)])
+    end = max(e for row in runs for *_, e in row)
+    return 1 - sum(e - b for row in runs for _, b, e in row) / (workers * end)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -110,12 +134,14 @@ def main() -> None:
     a = ap.parse_args()
     m = a.chunks
     bubbles: dict[str, list[float]] = {}
+    costed: dict[str, list[float]] = {}
 
     def ours(schedule: str) -> Callable[[Path], float]:
         def run(tmp: Path) -> float:
             steps = gpipe_steps(schedule, a.steps, tmp, chunks=m)
             bubbles.setdefault(f"gpipe {schedule}", []).append(
                 statistics.median(float(x["bubble_fraction"]) for x in steps))
+            costed.setdefault(f"gpipe {schedule}", []).append(costed_bubble(schedule, steps, m))
             return statistics.median(float(x["step_time_s"]) for x in steps)
         return run
 
@@ -124,6 +150,8 @@ def main() -> None:
         "gpipe gpipe": ours("gpipe"),
         "gpipe 1f1b": ours("1f1b"),
         "gpipe zb-h1": ours("zb-h1"),
+        "gpipe interleaved-1f1b": ours("interleaved-1f1b"),
+        "gpipe zbv": ours("zbv"),
         "torch.pipelining ScheduleGPipe": lambda tmp: run_pipelining("gpipe", a.steps, m),
         "torch.pipelining Schedule1F1B": lambda tmp: run_pipelining("1f1b", a.steps, m),
         "torch.pipelining ScheduleInterleaved1F1B": lambda tmp: run_pipelining("interleaved-1f1b", a.steps, m),
@@ -141,10 +169,11 @@ def main() -> None:
     base = statistics.median(times["one process"])
     print(f"\n{STAGES} stages, {m} micro-batches, batch {BATCH}, {DEPTH} x Linear({WIDTH})+ReLU; "
           f"ideal speed-up {ideal:.3f}; median of {a.rounds} rounds")
-    print(f"{'contender':46} {'step ms':>8} {'speed-up':>9} {'of ideal':>9} {'bubble':>7}")
+    print(f"{'contender':46} {'step ms':>8} {'speed-up':>9} {'of ideal':>9} {'bubble':>7} {'costed':>7}")
     for name, ts in times.items():
         t = statistics.median(ts)
-        bubble = f"{statistics.median(bubbles[name]):7.3f}" if name in bubbles else ""
+        bubble = f"{statistics.median(bubbles[name]):7.3f} {statistics.median(costed[name]):7.3f}" \
+            if name in bubbles else ""
         print(f"{name:46} {t * 1e3:8.1f} {base / t:9.3f} {base / t / ideal:9.3f} {bubble}")
     best = {who: min((statistics.median(ts), name) for name, ts in times.items() if name.startswith(who))
             for who in ("gpipe", "torch.pipelining")}
@@ -154,8 +183,10 @@ def main() -> None:
                        ("gpipe 1f1b", "torch.pipelining Schedule1F1B"),
                        ("gpipe zb-h1", "gpipe 1f1b"), ("gpipe zb-h1", "torch.pipelining Schedule1F1B")):
         print(f"{fast} / {slow}: {statistics.median(times[slow]) / statistics.median(times[fast]):.3f}x")
-    zb, one = statistics.median(bubbles["gpipe zb-h1"]), statistics.median(bubbles["gpipe 1f1b"])
-    print(f"measured bubble, zb-h1 / 1f1b: {zb / one:.3f}")
+    for name in ("gpipe zb-h1", "gpipe zbv", "gpipe interleaved-1f1b"):
+        ratio = statistics.median(bubbles[name]) / statistics.median(bubbles["gpipe 1f1b"])
+        at_cost = statistics.median(costed[name]) / statistics.median(costed["gpipe 1f1b"])
+        print(f"bubble, {name.removeprefix('gpipe ')} / 1f1b: measured {ratio:.3f}, at the measured costs {at_cost:.3f}")
 
 
 if __name__ == "__main__":

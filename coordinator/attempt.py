@@ -184,7 +184,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     tell(report.Master(f"{a.host}:{port}", secret))
     threads = sorted({p.threads for p in placement})
     copies = f"{spec.replicas} replicas x " if spec.replicas > 1 else ""
-    tell(report.Log(f"{copies}{spec.stages} stages, balance {plan.balance}, {spec.chunks} micro-batches, "
+    virtual = f" x {spec.virtual_stages} model chunks" if spec.virtual_stages > 1 else ""
+    tell(report.Log(f"{copies}{spec.stages} stages{virtual}, balance {plan.balance}, {spec.chunks} micro-batches, "
                     f"schedule {spec.schedule}, {'/'.join(map(str, threads))} thread(s) per stage"))
     write_plan(out, plan, [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
                            for k, p in enumerate(placement)])

@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
             for k in range(len(plan.balance)):
-                print(f"  stage {k}: {plan.stage_parameters(k):,} parameters: {', '.join(plan.stage_modules(k))}")
+                # with virtual stages, a model chunk, on the worker that holds it
+                on = f" (rank {spec.topology.worker_of(k)})" if spec.virtual_stages > 1 else ""
+                print(f"  stage {k}{on}: {plan.stage_parameters(k):,} parameters: {', '.join(plan.stage_modules(k))}")
             for line in plan.cut_lines():
                 print(f"  {line}")
             return 0

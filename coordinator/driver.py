@@ -43,6 +43,7 @@ from gpipe.files import atomic_write
 from gpipe.show import first_line
 from gpipe.state import model_key
 from gpipe.topology import Topology
+from gpipe.turns import TurnAborted
 
 T = TypeVar("T")
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
@@ -69,8 +70,9 @@ class Run:
 
     @property
     def topology(self) -> Topology:
-        """Which rank serves which stage of which replica."""
-        return self.spec.topology
+        """The stages the driver drives, by slot: each replica's model chunks (a stage each, or virtual_stages
+        of them on each worker: gpipe.topology); with one chunk a worker, the slots are the ranks."""
+        return self.spec.topology.chunks()
 
     # -- answers -------------------------------------------------------------------------------------
 
@@ -78,14 +80,17 @@ class Run:
         """'stage 1 (layers 2-3)', with 'of replica R' when there are replicas."""
         start, end = self.plan.bounds[self.topology.stage_of(rank)]
         layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
+        if self.spec.virtual_stages > 1:  # a model chunk, on the worker that holds it
+            workers = self.spec.topology
+            return f"model chunk {self.topology.stage_of(rank)} ({layers}) on {workers.name(workers.worker_of(rank))}"
         return f"{self.topology.name(rank)} ({layers})"
 
     def _blame(self, rank: int, cause: Cause, message: str, step: int | None = None,
                type_: str = "") -> StageError:
-        """A failure of worker `rank` seen from here (lost contact, a wait that ran out)."""
+        """A failure of the worker of slot `rank` seen from here (lost contact, a wait that ran out)."""
         top = self.topology
-        return StageError(cause=cause, type=type_, message=message, rank=rank, stage=top.stage_of(rank),
-                          replica=top.replica_of(rank), step=step)
+        return StageError(cause=cause, type=type_, message=message, rank=self.spec.topology.worker_of(rank),
+                          stage=top.stage_of(rank), replica=top.replica_of(rank), step=step)
 
     def _result(self, what: str, rank: int, fut: Future, kind: type[T], step: int | None = None) -> T:
         """Worker `rank`'s answer, of type `kind`; JobFailed naming its stage if it failed or was lost."""
@@ -197,7 +202,14 @@ class Run:
                 pending[issued], results[issued] = self._issue(data, issued, on_snapshot is not None, watch), {}
                 issued += 1
             s, rank = watch.next(finished, timed_out)
-            results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
+            try:
+                results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
+            except JobFailed as e:
+                if e.error is None or e.error.type != TurnAborted.__name__:
+                    raise
+                # A model chunk that gave up because another chunk of its worker failed: that chunk's own answer
+                # (on its way) names the failure. Until it comes, this one is not counted as answered.
+                continue
             while finished in results and len(results[finished]) == top.world:
                 per_rank = results.pop(finished)
                 del pending[finished]
@@ -223,7 +235,7 @@ class Run:
             shards = data.shards(step)  # per replica: (inputs, targets, sizes) of its micro-batches
         except Exception as e:  # the job's data set or collate, on a later batch than the plan checked
             raise JobFailed(f"data: step {step}: {first_line(e)}", error=StageError.of(e, None, step)) from None
-        lr, last = lr_at(spec, step), spec.stages - 1
+        lr, last = lr_at(spec, step), top.stages - 1
         keep = snapshots and self.snapshot_after(step)
         futs: dict[int, Future] = {}
         for rank in top.ranks():

@@ -137,7 +137,8 @@ class LocalStage:
 
 
 def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[StageHandle]:
-    """Every rank's stage of `plan` in this process, each on its executor thread, linked in memory; by rank.
+    """Every rank's stage (every model chunk's) of `plan` in this process, each on its executor thread, linked in
+    memory; by rank (slot: gpipe.topology).
 
     What `run` and the service run in worker processes over torch RPC and c10d, without them: the same
     stage servers, the same driver (tests; close them with StageServer.close_all()).
@@ -145,15 +146,18 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     from gpipe.contract import StageConfig
     from gpipe.rng import SharedGenerators
     from gpipe.transport import Hub
+    from gpipe.turns import Turns
     from gpipe.worker.stage_server import StageServer
 
-    spec, top = plan.spec, plan.spec.topology
+    spec, workers = plan.spec, plan.spec.topology
+    top = workers.chunks()  # a stage per model chunk; with virtual stages, a worker's chunks take turns
     hub, rng = Hub(top.stages, top.replicas, spec.step_timeout_s), SharedGenerators()
+    turns = {rank: Turns() for rank in workers.ranks()} if spec.virtual_stages > 1 else {}
     handles: list[StageHandle] = []
-    for rank in top.ranks():
-        stage, replica = top.stage_of(rank), top.replica_of(rank)
+    for slot in top.ranks():
+        stage, replica = top.stage_of(slot), top.replica_of(slot)
         cfg = StageConfig.of(plan, stage, replica, device, "", 0)
         server = StageServer(asdict(cfg), None, first_step, transport=hub.transport(stage, replica, torch.device(device)),
-                             shared_rng=rng)
+                             shared_rng=rng, turns=turns.get(workers.worker_of(slot)))
         handles.append(LocalStage(server))
     return handles

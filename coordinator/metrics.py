@@ -55,13 +55,12 @@ OnEval = Callable[[EvalMetrics, dict[str, torch.Tensor] | None], None]
 def step_metrics(plan: Plan, step: int, per_rank: dict[int, StepResult], step_time: float,
                  attempt: int) -> StepMetrics:
     """One step's figures out of every worker's answer (by rank)."""
-    spec, top = plan.spec, plan.spec.topology
-    last = spec.stages - 1
+    spec, top = plan.spec, plan.spec.topology.chunks()  # by slot: a stage (model chunk) of a replica
+    last = top.stages - 1
     # Each replica's last stage summed its shard's losses, each weighted by its micro-batch's size.
     loss = sum(per_rank[top.rank(r, last)].loss_sum or 0.0 for r in range(top.replicas)) / spec.data.batch_size
     results = [per_rank[rank] for rank in top.ranks()]
-    busy = sum(s.busy_s for s in results)
-    span = sum(s.busy_s + s.idle_s for s in results)
+    busy, span = busy_and_span(results)
     scaler = per_rank[top.rank(0, last)]  # fp16: one scale for the job, the same on every rank
     return StepMetrics(
         step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
@@ -79,6 +78,15 @@ def step_span(per_stage: dict[int, StepResult]) -> float:
     return max(s.busy_s + s.idle_s for s in per_stage.values())
 
 
+def busy_and_span(results: list[StepResult]) -> tuple[float, float]:
+    """The stages' busy seconds, and the workers' seconds they were part of: a worker that holds several model
+    chunks (virtual stages) counts its step once, its chunks' busy time together, so the bubble is its idle time."""
+    spans: dict[int, float] = {}
+    for s in results:
+        spans[s.rank] = max(spans.get(s.rank, 0.0), s.busy_s + s.idle_s)
+    return sum(s.busy_s for s in results), sum(spans.values())
+
+
 def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, Any]]:
     """Per replica, out of its stages' answers (by rank): its step time (its slowest stage's, the optimizer
     step included), its stages' busy seconds, its bubble, and the longest any of its stages waited for the
@@ -86,7 +94,7 @@ def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, 
     out = []
     for r in range(top.replicas):
         own = [results[rank] for rank in top.replica_ranks(r)]
-        busy, span = sum(s.busy_s for s in own), sum(s.busy_s + s.idle_s for s in own)
+        busy, span = busy_and_span(own)
         out.append({"replica": r, "step_time_s": max(s.busy_s + s.idle_s for s in own), "busy_s": busy,
                     "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0,
                     "reduce_s": max(s.reduce_s or 0.0 for s in own)})
@@ -96,36 +104,46 @@ def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, 
 SIMULATED_MAX = 1 << 14  # stages x chunks up to which plan.json lists the actions (a tenth of a second)
 
 
-def schedule_plan(name: str, stages: int, chunks: int) -> dict[str, Any]:
-    """A schedule as plan.json shows it: each stage's actions in order (F forward, B backward, W the weights'
-    gradients of a split backward), and the simulator's bubble and micro-batches in flight (gpipe.schedule).
+def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1) -> dict[str, Any]:
+    """A schedule as plan.json shows it: each worker's actions in order (F forward, B backward, W the weights'
+    gradients of a split backward; F3.1: micro-batch 3 on the worker's chunk 1), the model chunks each worker
+    holds (with virtual stages), and the simulator's bubble and micro-batches in flight (gpipe.schedule).
     Past SIMULATED_MAX actions, the name only."""
-    if stages * chunks > SIMULATED_MAX:
+    if stages * chunks * virtual > SIMULATED_MAX:
         return {"name": name}
-    sim = schedule.simulate(name, stages, chunks)
-    return {"name": name, "actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks)))
-                                      for k in range(stages)],
-            "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
+    sim = schedule.simulate(name, stages, chunks, virtual)
+    out: dict[str, Any] = {"name": name}
+    if virtual > 1:
+        out |= {"virtual_stages": virtual,
+                "chunks": [[schedule.model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
+    return out | {"actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks, virtual)))
+                              for k in range(stages)],
+                  "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
-    """plan.json: the balance, what it was chosen by, where each stage runs (replica 0's copy), and every
-    worker by rank: its replica, stage and placement (`placement`, by rank)."""
+    """plan.json: the balance, what it was chosen by, where each stage (model chunk) runs (replica 0's copy),
+    and every worker by rank: its replica, stage, model chunks and placement (`placement`, by rank)."""
     spec, top = plan.spec, plan.spec.topology
+    slots = top.chunks()
+    held: dict[int, list[int]] = {}  # rank -> the model chunks it holds
+    for slot in slots.ranks():
+        held.setdefault(top.worker_of(slot), []).append(slots.stage_of(slot))
     atomic_write_json(out / "plan.json", {
         "balance": plan.balance,
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "replicas": spec.replicas,
-        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks),
+        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages),
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
              "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),
              **({"receives": cut} if (cut := plan.cut_lines()[k - 1:k] if k else []) else {}),
-             **placement[k]}
+             **({"rank": top.worker_of(k)} if spec.virtual_stages > 1 else {}), **placement[top.worker_of(k)]}
             for k, b in enumerate(plan.bounds)
         ],
-        "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n), **placement[n]}
+        "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n),
+                     **({"chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n]}
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
     })

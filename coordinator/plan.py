@@ -225,13 +225,15 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
                                 "model built on the meta device does not hold; use init exact")
             return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
     layers = len(model)
-    if spec.stages > layers:
+    if spec.model_chunks > layers:
         what = "layers" if captured is None else f"blocks ({captured.blocks})"
-        raise SpecError(f"stages: {spec.stages} stages but the model has only {layers} {what}")
+        cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
+            f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
+        raise SpecError(f"stages: {cut} but the model has only {layers} {what}")
     skips = probe(model, xs[0], ys[0], loss_fn) if spec.probe and captured is None else {}
     if captured is not None and spec.probe:
         _probe_captured(model, xs[0], ys[0], loss_fn)
-    fits = balance_of is not None and len(balance_of) == spec.stages and sum(balance_of) == layers
+    fits = balance_of is not None and len(balance_of) == spec.model_chunks and sum(balance_of) == layers
     if captured is not None and spec.model.split_points:
         balance, costs, by = capture.balance_of_cuts(captured.cuts, layers), None, "spec"
     elif isinstance(spec.balance, str) and fits:
@@ -417,13 +419,14 @@ def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.dev
             if spec.balance == "by_time":
                 costs = balance.time_costs(model, sample, device, threads)
             else:
-                in_flight = max(schedule.simulate(spec.schedule, spec.stages, spec.chunks).max_in_flight)
+                in_flight = max(schedule.simulate(spec.schedule, spec.stages, spec.chunks,
+                                                  spec.virtual_stages).max_in_flight)
                 costs = balance.memory_costs(model, sample, device, spec.optimizer.name,
                                              spec.optimizer.momentum, in_flight)
         except Exception as e:
             raise SpecError(f"balance: {spec.balance} could not run the model on a sample micro-batch: "
                             f"{type(e).__name__}: {e}") from None
-    return balance.partition(costs, spec.stages), costs
+    return balance.partition(costs, spec.model_chunks), costs
 
 
 def _shared_parameters(model: nn.Sequential, balance: list[int]) -> str | None:

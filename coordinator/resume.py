@@ -30,7 +30,8 @@ def checkpoint_meta(plan: Plan, step: int) -> dict[str, Any]:
     spec = plan.spec
     batch, n = spec.data.batch_size, len(plan.dataset)  # type: ignore[arg-type]  # torch's Dataset type has no __len__; the plan checked it
     return {
-        "job": spec.name, "steps": spec.steps, "stages": spec.stages, "balance": plan.balance,
+        "job": spec.name, "steps": spec.steps, "stages": spec.stages, "virtual_stages": spec.virtual_stages,
+        "schedule": spec.schedule, "balance": plan.balance,
         "replicas": spec.replicas,  # taken from replica 0: one copy of each stage; it resumes with any count
         "data": {"next_step": step, "samples_seen": step * batch, "epoch": step * batch // n,
                  "offset": step * batch % n, "dataset_len": n, "batch_size": batch, "shuffle": spec.data.shuffle},
@@ -82,7 +83,7 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
             if key.startswith(OPTIM):
                 param, _, what = key.removeprefix(OPTIM).rpartition("/")
                 optim.setdefault(param, []).append((j, key, what))
-    same = len(ck.shards) == plan.spec.stages
+    same = len(ck.shards) == plan.spec.model_chunks
     extra = {}
     if plan.spec.precision == "fp16" and (saved := ck.shards[0].json_state.get(LOSS_SCALE)) is not None:
         try:  # the job's one loss scale, the same on every stage: a resumed fp16 job goes on with it
@@ -90,7 +91,7 @@ def resume_parts(plan: Plan, ck: checkpoint.Loaded) -> list[streaming.StageSlice
         except ValueError as e:
             raise SpecError(f"{where}: {e}") from None
     slices = []
-    for k in range(plan.spec.stages):
+    for k in range(plan.spec.model_chunks):
         part = streaming.StageSlice()
         mine: dict[str, Any] = {}
         for name, initial in plan.stage_state(k).items():
@@ -121,7 +122,7 @@ def weight_parts(plan: Plan) -> list[streaming.StageSlice]:
     """Per stage: where its tensors are in model.weights (found by the model's names: Plan.weight_name), and what
     the file does not hold (non-persistent buffers: the plan's own). A tied weight's holders read the same one."""
     slices = []
-    for k in range(plan.spec.stages):
+    for k in range(plan.spec.model_chunks):
         part = streaming.StageSlice(json_state=None)
         for key, initial in plan.stage_state(k).items():
             name = plan.weight_name(key)

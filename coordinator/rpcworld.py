@@ -76,10 +76,13 @@ class RpcWorld:
                 "check that these addresses reach one another (gpipe-worker --host sets a worker's)")
 
     def stages(self, first_step: int) -> list[StageHandle]:
-        """Create every rank's stage on its worker (its layers only: the rest comes in pieces); by rank."""
+        """Create every rank's stage on its worker (its layers only: the rest comes in pieces); by rank. With
+        virtual stages, a stage per model chunk, by slot (gpipe.topology), virtual_stages of them on each worker."""
         spec, top = self.spec, self.topology
-        for rank in top.ranks():
-            cfg = StageConfig.of(self.plan, top.stage_of(rank), top.replica_of(rank), self.device_of(rank),
+        slots = top.chunks()
+        for slot in slots.ranks():
+            rank = top.worker_of(slot)
+            cfg = StageConfig.of(self.plan, slots.stage_of(slot), slots.replica_of(slot), self.device_of(rank),
                                  self.store_host, self.store_port)
             args = (asdict(cfg), None, first_step)
             self.rrefs.append(rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s))

@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
+from gpipe import schedule as schedules
 from gpipe.coordinator import boundedyaml
 from gpipe.errors import SpecError
 from gpipe.optim import OptimizerName
@@ -51,6 +52,7 @@ MAX_NODES = 250_000  # scalars and collections, every alias expanded
 # The numbers in it.
 MAX_STEPS = 10**9  # steps, and every count of steps; well inside int64 on the wire
 MAX_STAGES = 64
+MAX_VIRTUAL_STAGES = 16  # model chunks per worker (interleaved-1f1b)
 MAX_REPLICAS = 64
 MAX_WORKERS = 256  # replicas x stages: ranks of one c10d world (and one RPC world, with the coordinator)
 MAX_CHUNKS = 4096
@@ -335,12 +337,21 @@ class JobSpec(_Spec):
         "micro-batch) or by_memory (weights, optimizer state and activations in flight).",
     )
     chunks: Annotated[StrictInt, Range(1, MAX_CHUNKS)] = Field(default=1, description="Micro-batches per step.")
-    schedule: Literal["gpipe", "1f1b", "zb-h1"] = Field(
+    schedule: Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"] = Field(
         default="gpipe",
         description="gpipe: all forwards, then all backwards. 1f1b: one forward, one backward; "
         "stage k keeps at most stages-k micro-batches in flight. zb-h1: 1f1b with each backward "
         "split into B (the inputs' gradients) and W (the weights', later, filling the drain): "
-        "about a third of 1f1b's bubble, at most `stages` micro-batches in flight on any stage.",
+        "about a third of 1f1b's bubble, at most `stages` micro-batches in flight on any stage. "
+        "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (chunk c on worker "
+        "c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
+        "virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the backward split "
+        "as zb-h1's: about no bubble at 1f1b's activation memory.",
+    )
+    virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
+        default=1,
+        description="Model chunks per worker, for interleaved-1f1b (any) and zbv (2): the model is cut into "
+        "stages x virtual_stages chunks, and balance lists that many layer counts, in model order.",
     )
     activation_checkpoint: Literal["always", "except_last", "never"] = Field(
         default="never",
@@ -494,23 +505,15 @@ class JobSpec(_Spec):
             raise ValueError(f"{v!r} is not cross_entropy, mse or 'module:function'")
         return v
 
-    @field_validator("schedule", mode="before")
-    @classmethod
-    def _built_schedules(cls, v: Any) -> Any:
-        """The schedules that hold several model chunks per worker are not in the service yet."""
-        if v in ("interleaved-1f1b", "zbv"):
-            raise ValueError(f"{v} (several model chunks per worker) runs in gpipe.Pipeline only for now; the "
-                             "service's workers hold one stage each")
-        return v
-
     @model_validator(mode="before")
     @classmethod
     def _stages_follow_split_points(cls, data: Any) -> Any:
-        """stages may be left out with model.split_points: one more than they are."""
+        """stages may be left out with model.split_points: one more than they are (divided by virtual_stages)."""
         if isinstance(data, dict) and "stages" not in data and isinstance(data.get("model"), dict):
-            points = data["model"].get("split_points")
-            if isinstance(points, list) and points:
-                return {**data, "stages": len(points) + 1}
+            points, virtual = data["model"].get("split_points"), data.get("virtual_stages", 1)
+            if isinstance(points, list) and points and type(virtual) is int and virtual >= 1 \
+                    and (len(points) + 1) % virtual == 0:
+                return {**data, "stages": (len(points) + 1) // virtual}
         return data
 
     @model_validator(mode="before")
@@ -523,15 +526,17 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        self._check_virtual_stages()
         if self.model.split_points is not None:
-            if self.stages != len(self.model.split_points) + 1:
-                raise ValueError(f"stages: {self.stages} stages but model.split_points cuts the model into "
-                                 f"{len(self.model.split_points) + 1}")
+            if self.model_chunks != len(self.model.split_points) + 1:
+                raise ValueError(f"stages: {self.stages} stages x {self.virtual_stages} virtual_stages but "
+                                 f"model.split_points cuts the model into {len(self.model.split_points) + 1}")
             if isinstance(self.balance, list):
                 raise ValueError("balance: model.split_points cuts the model already; leave balance out")
-        if isinstance(self.balance, list) and len(self.balance) != self.stages:
+        if isinstance(self.balance, list) and len(self.balance) != self.model_chunks:
+            chunks = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
             raise ValueError(
-                f"balance: has {len(self.balance)} entries but stages is {self.stages}"
+                f"balance: has {len(self.balance)} entries but stages{chunks} is {self.model_chunks}"
             )
         if self.trace_step is not None:
             if self.trace_step > self.steps:
@@ -560,9 +565,25 @@ class JobSpec(_Spec):
                                  f"{self.stages}")
             if self.model.split_points is not None:
                 raise ValueError("elastic: model.split_points fixes the stage count; cut by balance instead")
+            if self.virtual_stages > 1:
+                raise ValueError("elastic: re-plans a worker per stage; not with virtual_stages (several model "
+                                 "chunks per worker)")
         if self.keep_best and self.eval is None:
             raise ValueError("keep_best: needs an eval section (the best is the lowest eval loss)")
         return self
+
+    def _check_virtual_stages(self) -> None:
+        if self.virtual_stages > 1 and self.schedule not in schedules.VIRTUAL:
+            raise ValueError(f"virtual_stages: {self.virtual_stages} model chunks per worker need schedule "
+                             f"{' or '.join(schedules.VIRTUAL)}, not {self.schedule}")
+        if self.schedule == "zbv" and self.virtual_stages != 2:
+            raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {self.virtual_stages}")
+        if self.schedule == "interleaved-1f1b" and self.virtual_stages > 1 and self.chunks % self.stages:
+            raise ValueError(f"chunks: interleaved-1f1b runs the micro-batches in rounds of the {self.stages} "
+                             f"workers: {self.chunks} is not a multiple of {self.stages}")
+        if self.model_chunks > MAX_STAGES:
+            raise ValueError(f"virtual_stages: {self.stages} stages x {self.virtual_stages} is {self.model_chunks} "
+                             f"model chunks, over the {MAX_STAGES} a job may have")
 
     def _check_replicas(self) -> None:
         if self.replicas * self.stages > MAX_WORKERS:
@@ -580,7 +601,14 @@ class JobSpec(_Spec):
     @property
     def topology(self) -> Topology:
         """Which worker rank serves which stage of which replica (gpipe.topology)."""
-        return Topology(self.stages, self.replicas)
+        if self.virtual_stages == 1:  # the schedule places nothing: the shape alone (as elastic's re-plans are)
+            return Topology(self.stages, self.replicas)
+        return Topology(self.stages, self.replicas, self.virtual_stages, self.schedule)
+
+    @property
+    def model_chunks(self) -> int:
+        """The pieces the model is cut into: a stage's each, or virtual_stages per worker."""
+        return self.stages * self.virtual_stages
 
     def reshaped(self, stages: int, replicas: int) -> JobSpec:
         """This job on `replicas` x `stages` workers with the same micro-batches (gpipe.coordinator.elastic):

@@ -19,20 +19,38 @@ CATEGORY = {"F": "forward", "B": "backward", "W": "weight gradients"}
 COLOR = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
-def _actions(step: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
-    """(row, kind, micro-batch, start s, end s) on a clock shared by the stages; a row per worker, by rank."""
+def _rows(step: dict[str, Any]) -> list[int]:
+    """The row of each stage: its own, or with virtual stages (several model chunks a worker), its worker's."""
+    ranks = [s.get("rank") for s in step["stages"]]
+    if None in ranks or len(set(ranks)) == len(ranks):
+        return list(range(len(ranks)))
+    order = list(dict.fromkeys(ranks))
+    return [order.index(r) for r in ranks]
+
+
+def _actions(step: dict[str, Any]) -> list[tuple[int, str, float, float]]:
+    """(row, name, start s, end s) on a clock shared by the stages; a row per worker, by rank. An action is
+    named by its kind and micro-batch (F3), and with virtual stages its model chunk (F3c2)."""
     t0 = min(s["start_unix"] for s in step["stages"])
+    rows = _rows(step)
+    chunked = len(set(rows)) < len(rows)
     out = []
-    for row, s in enumerate(step["stages"]):
+    for row, s in zip(rows, step["stages"], strict=True):
         off = s["start_unix"] - t0
         for kind, mb, a, b in s["timeline"]:
-            out.append((row, kind, mb, off + a, off + b))
+            out.append((row, f"{kind}{mb}" + (f"c{s['stage']}" if chunked else ""), off + a, off + b))
     return out
 
 
 def _labels(step: dict[str, Any]) -> list[str]:
-    """'stage 1' per row, or 'replica 1 stage 0' when the job has replicas."""
-    stages = step["stages"]
+    """'stage 1' per row, or 'replica 1 stage 0' when the job has replicas; with virtual stages, a worker's
+    row lists its model chunks: 'rank 0: chunks 0, 3'."""
+    stages, rows = step["stages"], _rows(step)
+    if len(set(rows)) < len(rows):
+        held: dict[int, list[str]] = {}
+        for row, s in zip(rows, stages, strict=True):
+            held.setdefault(row, []).append(str(s["stage"]))
+        return [f"rank {stages[rows.index(r)]['rank']}: chunks {', '.join(held[r])}" for r in sorted(held)]
     if any(s.get("replica", 0) for s in stages):
         return [f"replica {s.get('replica', 0)} stage {s['stage']}" for s in stages]
     return [f"stage {s['stage']}" for s in stages]
@@ -45,11 +63,11 @@ def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
     ]
     for row, label in enumerate(_labels(step)):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": row, "args": {"name": label}})
-    for stage, kind, mb, a, b in _actions(step):
+    for row, name, a, b in _actions(step):
         events.append({
-            "ph": "X", "pid": 0, "tid": stage, "name": f"{kind}{mb}",
-            "cat": CATEGORY.get(kind, kind),
-            "ts": a * 1e6, "dur": (b - a) * 1e6, "args": {"micro_batch": mb},
+            "ph": "X", "pid": 0, "tid": row, "name": name,
+            "cat": CATEGORY.get(name[0], name[0]),
+            "ts": a * 1e6, "dur": (b - a) * 1e6, "args": {"micro_batch": int(name[1:].split("c")[0])},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -63,15 +81,15 @@ def draw_png(step: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     actions = _actions(step)
-    stages = len(step["stages"])
+    labels = _labels(step)
     end = max(b for *_, b in actions) if actions else 1.0
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(actions) * 0.25)), 0.6 * stages + 1.4))
-    for stage, kind, mb, a, b in actions:
-        color = COLOR.get(kind, "#8C8C8C")
-        ax.barh(stage, (b - a) * 1e3, left=a * 1e3, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(actions) * 0.25)), 0.6 * len(labels) + 1.4))
+    for row, name, a, b in actions:
+        color = COLOR.get(name[0], "#8C8C8C")
+        ax.barh(row, (b - a) * 1e3, left=a * 1e3, height=0.8, color=color, edgecolor="black", linewidth=0.4)
         if (b - a) / end > 0.012:
-            ax.text((a + b) / 2 * 1e3, stage, f"{kind}{mb}", ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(stages), _labels(step))
+            ax.text((a + b) / 2 * 1e3, row, name, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlim(0, end * 1e3)
     ax.set_xlabel("ms since the step started")

@@ -13,16 +13,18 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from gpipe.schedule import place
+
 if TYPE_CHECKING:
     from gpipe.coordinator.plan import Plan
 
 # Every JobSpec field is one of three kinds (StageConfig.of checks, so that a new one cannot be forgotten):
 # copied to the StageConfig field of the same name,
-SAME_AS_SPEC = ("stages", "loss", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
+SAME_AS_SPEC = ("virtual_stages", "loss", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
                 "step_timeout_s", "start_timeout_s", "deferred_batch_norm", "replicas", "init", "init_hook",
                 "precision")
 # read into StageConfig fields of other names (StageConfig.of),
-DERIVED_FROM_SPEC = ("model", "optimizer", "data", "loss_scale", "eval", "steps")
+DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval", "steps")
 # or the coordinator's alone: the stages never see it.
 COORDINATOR_ONLY = ("name", "balance", "probe", "lr_schedule", "device", "log_every", "trace_step",
                     "checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout_s", "peer_timeout_s",
@@ -63,8 +65,8 @@ class StageConfig:
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
     replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
-    # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv; gpipe.Pipeline only): `stage` is then the
-    # model chunk, of `stages` chunks, on the worker gpipe.schedule.place says (gpipe.turns).
+    # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv): `stage` is then the model chunk, of
+    # `stages` chunks, on the worker gpipe.schedule.place says (gpipe.turns).
     virtual_stages: int = 1
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
@@ -83,9 +85,19 @@ class StageConfig:
     tied: list[tuple[list[str], list[int]]] = field(default_factory=list)
 
     @property
+    def workers(self) -> int:
+        """Workers per replica: one per stage, or one per `virtual_stages` model chunks."""
+        return self.stages // self.virtual_stages
+
+    @property
+    def worker(self) -> int:
+        """The worker of this replica holding this stage (model chunk) (gpipe.schedule.place)."""
+        return place(self.schedule, self.stage, self.workers)[0] if self.virtual_stages > 1 else self.stage
+
+    @property
     def rank(self) -> int:
         """The worker rank serving this stage of this replica (gpipe.topology)."""
-        return self.replica * self.stages + self.stage
+        return self.replica * self.workers + self.worker
 
     @classmethod
     def of(cls, plan: Plan, stage: int, replica: int, device: str, store_host: str, store_port: int) -> StageConfig:
@@ -115,7 +127,7 @@ class StageConfig:
             "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
             "steps": evals.steps if first else 0,
             "capture": plan.capture_args(), "tied": plan.tied_stages(),
-            "virtual_stages": 1,  # the service's workers hold one model chunk each (the spec refuses more)
+            "stages": spec.model_chunks,  # a Stage per model chunk; virtual_stages of them on each worker
         }
         if unset := {f.name for f in fields(cls)} - set(values):
             raise TypeError(f"StageConfig.{sorted(unset)[0]}: StageConfig.of does not set it")
@@ -148,7 +160,7 @@ class StepResult:
 
     def metrics(self) -> dict[str, Any]:
         """This stage's entry in a metrics.jsonl line."""
-        out: dict[str, Any] = {"stage": self.stage, "replica": self.replica}
+        out: dict[str, Any] = {"stage": self.stage, "replica": self.replica, "rank": self.rank}
         if self.reduce_s is not None:
             out["reduce_s"] = self.reduce_s
         out |= {"busy_s": self.busy_s, "idle_s": self.idle_s,

@@ -9,17 +9,38 @@ device, without sampling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
 
 class ActivationMeter:
+    """Counts the activations of a stage, or of the model chunks of a worker (gpipe.turns), which share one: a
+    lock keeps their counts apart from one another's threads."""
+
     def __init__(self, params: Sequence[torch.Tensor]):
         self._skip = {p.untyped_storage().data_ptr() for p in params}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
+        self._lock = threading.Lock()
         self.current = 0
         self.peak = 0
+        self._releasing = False
+
+    def skip(self, params: Sequence[torch.Tensor]) -> None:
+        """Count `params` not (the weights of another chunk that shares this meter)."""
+        self._skip |= {p.untyped_storage().data_ptr() for p in params}
+
+    @contextlib.contextmanager
+    def releasing(self) -> Iterator[None]:
+        """A context under which a saved tensor that is unpacked is dropped: its storage is freed, and no longer
+        counted, once nothing else holds it (gpipe.split_backward: what W will not unpack, after B)."""
+        self._releasing = True
+        try:
+            yield
+        finally:
+            self._releasing = False
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -29,20 +50,22 @@ class ActivationMeter:
         return _Held(self, t)
 
     def _add(self, ptr: int, nbytes: int) -> None:
-        entry = self._live.get(ptr)
-        if entry is None:
-            self._live[ptr] = [nbytes, 1]
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        else:
-            entry[1] += 1
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None:
+                self._live[ptr] = [nbytes, 1]
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
+            else:
+                entry[1] += 1
 
     def _drop(self, ptr: int) -> None:
-        entry = self._live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._live[ptr]
-            self.current -= entry[0]
+        with self._lock:
+            entry = self._live[ptr]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._live[ptr]
+                self.current -= entry[0]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """A context under which autograd's saved tensors are counted."""
@@ -50,14 +73,15 @@ class ActivationMeter:
 
 
 class _Held:
-    __slots__ = ("tensor", "_meter", "_ptr")
+    __slots__ = ("tensor", "_meter", "_ptr", "_owner")
 
     def __init__(self, meter: ActivationMeter, t: torch.Tensor):
         # Detached: a saved output (ReLU's) would otherwise hold its own grad_fn, which holds this handle: a
         # cycle through autograd's nodes that nothing frees once a backward keeps the graph (retain_graph, as
         # the split backward's B does: gpipe.split_backward).
-        self.tensor = t.detach()
+        self.tensor: torch.Tensor | None = t.detach()
         self._meter: ActivationMeter | None = None
+        self._owner = meter
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in meter._skip:
@@ -65,7 +89,18 @@ class _Held:
             meter._add(ptr, storage.nbytes())
 
     def unpack(self) -> torch.Tensor:
-        return self.tensor
+        t = self.tensor
+        if t is None:
+            raise RuntimeError("a saved tensor released after the split backward's B was needed again")
+        if self._owner._releasing:  # unpacked to be let go (ActivationMeter.releasing)
+            self.tensor = None
+            self._del()
+        return t
+
+    def _del(self) -> None:
+        if self._meter is not None:
+            self._meter._drop(self._ptr)
+            self._meter = None
 
     def __del__(self) -> None:
         if self._meter is not None:

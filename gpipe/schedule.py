@@ -246,10 +246,28 @@ def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulatio
     """
     plans = [build(name, k, stages, chunks, virtual) for k in range(stages)]
     split = [splits_backward(plan) for plan in plans]
+    runs = timing(name, stages, chunks, virtual, lambda k, a: cost(a.kind, split[k]))
+    ticks = int(max((end for row in runs for _, _, end in row), default=0))
+    timeline: list[list[Action | None]] = []
+    for row in runs:
+        cells: list[Action | None] = [None] * ticks
+        for a, start, end in row:
+            cells[int(start):int(end)] = [a] * int(end - start)
+        timeline.append(cells)
+    return Simulation(ticks, timeline, [_held(plan, s) for plan, s in zip(plans, split, strict=True)])
+
+
+def timing(name: str, stages: int, chunks: int, virtual: int,
+           length: Callable[[int, Action], float]) -> list[list[tuple[Action, float, float]]]:
+    """Per worker, (action, start, end) of each of its actions, in order, where action `a` of worker k takes
+    `length(k, a)` (simulate's rules, with any lengths: measured ones give the bubble a schedule leaves with
+    the stages' real costs, transfers and per-step overheads left out). The bubble is 1 - (the sum of the
+    lengths) / (workers x the latest end)."""
+    plans = [build(name, k, stages, chunks, virtual) for k in range(stages)]
     pos = [0] * stages
-    free = [0] * stages  # the tick each worker's last action ended
-    done: dict[tuple[int, Action], int] = {}  # (worker, action) -> the tick it ended
-    timeline: list[list[Action | None]] = [[] for _ in range(stages)]
+    free = [0.0] * stages  # when each worker's last action ended
+    done: dict[tuple[int, Action], float] = {}  # (worker, action) -> when it ended
+    runs: list[list[tuple[Action, float, float]]] = [[] for _ in range(stages)]
     while any(p < len(plan) for p, plan in zip(pos, plans, strict=True)):
         moved = False
         for k in range(stages):
@@ -258,18 +276,14 @@ def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulatio
                 dep = _dependency(name, k, a, stages, virtual)
                 if dep is not None and dep not in done:
                     break
-                start = max(free[k], done[dep] if dep is not None else 0)
-                length = cost(a.kind, split[k])
-                timeline[k] += [None] * (start - free[k]) + [a] * length
-                free[k] = done[(k, a)] = start + length
+                start = max(free[k], done[dep] if dep is not None else 0.0)
+                free[k] = done[(k, a)] = start + length(k, a)
+                runs[k].append((a, start, free[k]))
                 pos[k] += 1
                 moved = True
         if not moved:
             raise RuntimeError(f"{name}: deadlock, stages waiting at {pos}")
-    ticks = max(free, default=0)
-    for row in timeline:
-        row += [None] * (ticks - len(row))
-    return Simulation(ticks, timeline, [_held(plan, s) for plan, s in zip(plans, split, strict=True)])
+    return runs
 
 
 def _held(actions: list[Action], split: bool) -> int:

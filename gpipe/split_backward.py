@@ -24,12 +24,22 @@ upper one: there the lower node's kept gradient replaces whatever arrives, so
 the sum is still one backward's (the input path between them then runs again:
 the one case that computes twice). An output that does not depend on any input
 (the first stage's, whose inputs want no gradient) goes backward whole in W.
+
+What W needs of the graph is the split nodes and what lies below them toward
+the weights; but a split node keeps every node below it alive, on the input
+path too (attention's saved queries and keys, a ReLU's mask, the loss's
+log-probabilities), with what they saved. So B unpacks the tensors saved by the
+input path's other nodes under `releasing`, which drops what is unpacked (the
+stage's gpipe.memory.ActivationMeter, which packed them): between B and W a
+micro-batch then holds only its weights' inputs, as the zero-bubble paper counts
+it. (Not in the weight-used-twice case, whose W runs part of the input path.)
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -133,11 +143,14 @@ class WeightGradients:
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> WeightGradients:
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                   releasing: Callable[[], AbstractContextManager[None]] | None = None) -> WeightGradients:
     """B: the gradients of `inputs` (tensors that require grad) from `roots` with `grads` (None: ones, for a
     scalar loss), put in each input's `.grad`; returns W, the weights' part, to run later.
 
-    `params` are the weights (leaves) whose gradients W adds to their `.grad`.
+    `params` are the weights (leaves) whose gradients W adds to their `.grad`. `releasing`, when given, is a
+    context under which unpacking a saved tensor drops it: B then drops what the nodes W does not run saved
+    (see the module's docstring).
     """
     pairs = [(t, g) for t, g in zip(roots, grads, strict=True) if t.requires_grad]
     inputs = [t for t in inputs if t.requires_grad]
@@ -176,4 +189,25 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         if d is not None:
             t.grad = d if t.grad is None else t.grad + d
     whole = [(t, d) for t, d in pairs if _node(t) not in on_input_path]
+    if releasing is not None and not whole and all(len(g.splits) == 1 for g in groups):
+        splits = {s for g in groups for s in g.splits}
+        with releasing():
+            for node in on_input_path - splits:
+                _unpack_saved(node)
     return WeightGradients(groups, whole, params)
+
+
+_SAVED: dict[type, list[str]] = {}  # per kind of autograd node: the attributes its saved values are read by
+
+
+def _unpack_saved(node: Node) -> None:
+    """Unpack every tensor autograd's node `node` saved for its backward (its `_saved_*` attributes)."""
+    names = _SAVED.get(type(node))
+    if names is None:
+        names = _SAVED[type(node)] = [n for n in dir(node) if n.startswith("_saved_")
+                                      and not n.endswith(("_sym_sizes", "_sym_strides"))]
+    for name in names:
+        try:
+            getattr(node, name)
+        except RuntimeError:  # not unpackable (freed already)
+            continue

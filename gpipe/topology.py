@@ -19,11 +19,19 @@ place. Process groups of the data plane (one c10d world of R*P ranks):
 - the default group, every rank: what all of them must agree on.
 
 The RPC world has the coordinator at RPC rank 0 and worker rank N at N+1.
+
+With `virtual` model chunks per worker (schedules interleaved-1f1b and zbv),
+a replica's model is cut into stages x virtual chunks, and the worker of each
+is gpipe.schedule.place's (chunk c on worker c mod stages; zbv's V puts the
+second half back down): `chunks()` numbers the (replica, chunk) slots as the
+ranks number workers, and `worker_of` maps a slot to the rank holding it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gpipe import schedule
 
 
 def rpc_name(rank: int) -> str:
@@ -35,6 +43,18 @@ def rpc_name(rank: int) -> str:
 class Topology:
     stages: int
     replicas: int = 1
+    virtual: int = 1  # model chunks per worker
+    schedule: str = ""  # the job's: where each model chunk sits (gpipe.schedule.place)
+
+    def chunks(self) -> Topology:
+        """The (replica, model chunk) slots, numbered as ranks are: slot replica*stages*virtual + chunk."""
+        return Topology(self.stages * self.virtual, self.replicas)
+
+    def worker_of(self, slot: int) -> int:
+        """The rank of the worker holding slot `slot` of `chunks()` (the slot itself with one chunk a worker)."""
+        per = self.stages * self.virtual
+        replica, chunk = divmod(slot, per)
+        return self.rank(replica, schedule.place(self.schedule, chunk, self.stages)[0])
 
     @property
     def world(self) -> int:

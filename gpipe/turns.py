@@ -1,64 +1,111 @@
-"""Several model chunks on one worker: a Stage per chunk, on a thread each, taking turns in the worker's order.
+"""Several model chunks on one worker: a Stage per chunk, whose actions one thread runs in the worker's order.
 
-An interleaved schedule (gpipe.schedule: interleaved-1f1b) gives a worker
+An interleaved schedule (gpipe.schedule: interleaved-1f1b, zbv) gives a worker
 `virtual` model chunks and one order of actions over all of them. Each chunk
 is a Stage of its own (its layers, its lanes to the chunks before and after
-it, its reductions at the step's end, all unchanged), and the worker's order
-is kept by `Turns`: a chunk's stage runs its n-th action of the worker's
-order only once the worker's action n-1 (on whichever chunk) has ended. So
-the worker computes one action at a time, in the schedule's order, exactly as
-one thread would, while each chunk's end-of-step reductions (which wait on
-the other stages) run on their own threads and cannot deadlock each other.
+it, its reductions at the step's end, all unchanged), on a thread of its own.
+`Turns` joins them for a step's actions: each chunk's thread hands in its
+actions with their places in the worker's order, and the last to arrive runs
+all of them, in that order, one at a time, as one thread of the worker would
+(no hand-off between threads at each action, which on a busy machine costs a
+scheduler's time slice each); the others wait for it. Then each chunk's
+end-of-step reductions (which wait on the other stages) run on its own
+thread again, so they cannot deadlock each other. The chunks also share the
+worker's activation meter (gpipe.memory), so a step's activation peak is the
+worker's, all its chunks' together.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+
+from gpipe.memory import ActivationMeter
+
+Work = Sequence[tuple[int, Callable[[], None]]]  # (place in the worker's order, the action) of one chunk
 
 
 class TurnAborted(RuntimeError):
-    """Another chunk of the worker failed: its turn will never end."""
+    """Another chunk of the worker failed: its actions will not run."""
 
 
 class Turns:
-    """The position in one worker's order of actions, shared by the stages of its chunks."""
+    """One worker's step of actions over its chunks (see the module's docstring), and their meter."""
 
     def __init__(self) -> None:
+        self.meter = ActivationMeter([])  # each chunk's stage adds its weights to what it skips
+        self.members = 0  # the chunks (stages) that joined: each hands in its actions every step
         self._cond = threading.Condition()
-        self._next = 0
+        self._parts: list[Work] = []
+        self._round = 0  # steps (or eval batches) whose actions have run
+        self._error: tuple[int, BaseException] | None = None  # the last round's: which part failed, and how
         self._failed = False
 
-    def reset(self) -> None:
-        """A new step (or eval batch) begins at the worker's first action."""
+    def join(self) -> None:
+        """A chunk's stage takes part in every step from now on."""
         with self._cond:
-            self._next, self._failed = 0, False
+            self.members += 1
+
+    def reset(self) -> None:
+        """A new step (or eval batch) begins: forget a failed one's."""
+        with self._cond:
+            self._parts, self._error, self._failed = [], None, False
 
     def fail(self) -> None:
-        """A chunk failed: every chunk waiting for its turn gives up."""
+        """A chunk failed outside its actions: every chunk waiting here gives up."""
         with self._cond:
             self._failed = True
             self._cond.notify_all()
 
-    @contextmanager
-    def turn(self, n: int, timeout: float, what: str) -> Iterator[None]:
-        """Wait (at most `timeout` seconds) until action `n` of the worker's order is next, run the body, then
-        hand the turn on to action n+1 (also when the body raised: the step fails either way)."""
-        deadline = time.monotonic() + timeout
+    def run(self, work: Work, timeout: float, what: str) -> None:
+        """Hand in this chunk's actions of a step; return once every chunk's have run, in the worker's order.
+
+        Waits at most `timeout` seconds for the other chunks to hand theirs in, and then `timeout` per action
+        for them to run (each action's own waits are bounded by it). The chunk whose action raised raises
+        its error; the others TurnAborted.
+        """
         with self._cond:
-            while self._next != n and not self._failed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"waited {timeout:.0f} s for the worker's action {n} ({what}): its action "
-                                       f"{self._next} on another chunk has not ended")
-                self._cond.wait(left)
             if self._failed:
                 raise TurnAborted(f"{what}: another chunk of the worker failed")
+            mine, round_ = len(self._parts), self._round
+            self._parts.append(work)
+            if len(self._parts) < self.members:
+                self._wait(lambda: len(self._parts) == self.members or self._round != round_, timeout,
+                           f"the worker's other chunks to start the step ({what})")
+                waiting = sum(len(p) for p in self._parts)
+                self._wait(lambda: self._round != round_, timeout * (waiting + 1),
+                           f"the worker's actions of the step to run ({what})")
+                return self._outcome(mine, what)
+            parts, self._parts = self._parts, []
+        failed: tuple[int, BaseException] | None = None
         try:
-            yield
+            for _, part, action in sorted((n, i, a) for i, p in enumerate(parts) for n, a in p):
+                try:
+                    action()
+                except BaseException as e:
+                    failed = (part, e)
+                    break
         finally:
             with self._cond:
-                self._next = n + 1
+                self._error, self._round = failed, self._round + 1
                 self._cond.notify_all()
+        self._outcome(mine, what)
+
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self._failed:
+                raise TurnAborted(f"gave up waiting for {what}: another chunk of the worker failed")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            self._cond.wait(left)
+
+    def _outcome(self, mine: int, what: str) -> None:
+        if self._error is None:
+            return
+        part, e = self._error
+        if part == mine:
+            raise e
+        raise TurnAborted(f"{what}: another chunk of the worker failed ({type(e).__name__}: {e})")

@@ -62,12 +62,12 @@ def result(**kw: object) -> StepResult:
 
 
 def test_a_step_result_gives_the_metrics_line_entry_in_its_order():
-    assert list(result().metrics()) == ["stage", "replica", "busy_s", "idle_s", "activation_peak_bytes",
+    assert list(result().metrics()) == ["stage", "replica", "rank", "busy_s", "idle_s", "activation_peak_bytes",
                                         "peak_memory_bytes", "start_unix", "timeline", "sent_bytes",
                                         "received_bytes"]
     full = result(reduce_s=0.1, loss_scale=8.0, skipped=False, snapshot={"x": 1}, snapshot_s=0.2,
                   snapshot_wait_s=0.0).metrics()
-    assert list(full) == ["stage", "replica", "reduce_s", "busy_s", "idle_s", "activation_peak_bytes",
+    assert list(full) == ["stage", "replica", "rank", "reduce_s", "busy_s", "idle_s", "activation_peak_bytes",
                           "peak_memory_bytes", "start_unix", "timeline", "sent_bytes", "received_bytes", "skipped",
                           "snapshot_s", "snapshot_wait_s"]
     assert json.loads(json.dumps(full))["timeline"] == [["F", 0, 0.0, 0.1]]
@@ -99,7 +99,7 @@ def run_of(stages: int, replicas: int):  # a driver.Run with only what its waits
     from gpipe.topology import Topology
 
     run = object.__new__(Run)
-    run.spec = SimpleNamespace(stages=stages, topology=Topology(stages, replicas))
+    run.spec = SimpleNamespace(stages=stages, virtual_stages=1, topology=Topology(stages, replicas))
     run.plan = SimpleNamespace(bounds=[(2 * k, 2 * k + 2) for k in range(stages)])
     return run
 

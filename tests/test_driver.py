@@ -147,3 +147,49 @@ def test_a_preemption_stops_at_the_first_step_not_yet_sent_with_a_checkpoint_tha
     assert [m.step for m in steps] == [4, 5, 6, 7]  # nothing before the checkpoint runs again
     assert [m.step for m in evals] == [3, 7]  # after steps 4 and 8, counted from 1: each once
     assert worst(model_weights(tmp_path / "b", 8), reference.train(spec)) <= 1e-5
+
+
+# -- virtual stages: several model chunks per worker ----------------------------------------------------------
+
+VIRTUAL = {
+    # 2 workers x 2 chunks, chunk c on worker c mod 2; 4 micro-batches (a multiple of the workers)
+    "interleaved-1f1b": job(stages=2, virtual_stages=2, balance=[2, 2, 1, 2], chunks=4, data={**REGRESSION,
+                            "batch_size": 11}, schedule="interleaved-1f1b"),
+    # zbv: worker 0 holds chunks 0 and 3, worker 1 chunks 1 and 2 (a cut within a worker); 3 micro-batches
+    "zbv": job(stages=2, virtual_stages=2, balance=[2, 1, 2, 2], schedule="zbv", activation_checkpoint="always"),
+}
+
+
+@pytest.mark.parametrize("name", list(VIRTUAL))
+def test_virtual_stages_over_local_stages_train_as_one_device_and_resume_under_1f1b(tmp_path, name):
+    held_out = {"factory": "random_regression", "args": {"n": 10, "in_features": 16, "out_features": 16, "seed": 9},
+                "batch_size": 4}
+    spec = {**VIRTUAL[name], "checkpoint_every": 2, "eval": {"data": held_out, "every": 2}}
+    steps, evals = drive(plan_of({**spec, "steps": 2}), tmp_path / "a")
+    want, n = reference.evaluate(spec, reference.train({**spec, "steps": 2}))  # each chunk forward in eval mode
+    assert [m.step for m in evals] == [1] and evals[0].eval_samples == n == 10
+    assert abs(evals[0].eval_loss - want) < 1e-5
+    # a stage per model chunk, each with its worker's rank; the bubble counts each worker's step once
+    assert [(s["stage"], s["rank"]) for s in steps[0].stages] == \
+        ([(0, 0), (1, 1), (2, 0), (3, 1)] if name != "zbv" else [(0, 0), (1, 1), (2, 1), (3, 0)])
+    assert all(0 <= m.bubble_fraction < 1 for m in steps)
+    kinds = "BFW" if name == "zbv" else "BF"
+    assert all(sorted({a for a, *_ in s["timeline"]}) == list(kinds) for s in steps[0].stages)
+    ck = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path / "a"), 2))
+    assert len(ck.shards) == 4  # a shard per model chunk
+    resumed = {**spec, "virtual_stages": 1, "schedule": "1f1b", "stages": 3, "balance": [2, 3, 2]}
+    steps, _ = drive(plan_of(resumed), tmp_path / "b", resume=ck)
+    assert [m.step for m in steps] == [2, 3]
+    assert worst(model_weights(tmp_path / "b", 4), reference.train(spec)) <= 1e-5
+
+
+def test_a_model_chunk_that_raises_fails_the_run_naming_it_not_the_chunk_beside_it(tmp_path):
+    # FailAfter (layer 2: model chunk 2, on worker 0 beside chunk 0) raises on its 4th forward: step 0's last.
+    spec = job(model={"factory": "tests.models:failing_mlp", "args": {"width": 16, "calls": 4}}, stages=2,
+               virtual_stages=2, schedule="interleaved-1f1b", balance=[1, 1, 1, 1], chunks=4, clip_grad_norm=None,
+               activation_checkpoint="never", data={**REGRESSION, "batch_size": 8})
+    with pytest.raises(JobFailed) as failed:
+        drive(plan_of(spec), tmp_path)
+    e = failed.value.error
+    assert e is not None and e.cause is Cause.RAISED and (e.stage, e.rank, e.step) == (2, 0, 0)
+    assert "model chunk 2 (layer 2) on stage 0 failed at step 0: ValueError: boom after 4 forwards" in str(failed.value)

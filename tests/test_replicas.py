@@ -225,24 +225,33 @@ def test_serve_waits_for_every_rank_of_every_replica_then_equals_one_device(cli)
 def test_a_worker_of_the_second_replica_killed_mid_run_resumes_to_the_same_weights(cli):
     """SIGKILL stage 1 of replica 1 (rank 3) after step 3: the supervisor names it, restarts every rank from
     the last checkpoint, and the job ends with one device's weights."""
-    from tests.test_resume import Lines, metrics
+    from tests.test_resume import metrics
 
     slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
     spec = {**job(model=slow, stages=2, replicas=2, chunks=2, steps=10, checkpoint_every=2), "name": "t"}
     out = cli.tmp / "state" / "t"
-    with cli.running("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
-        lines = Lines(p)
-        wait_for(lambda: len(metrics(out)) > 3, 90, "step 3")
-        pid = next((pid for pid in tagged_pids(cli.tag) if _log_of(pid).endswith("/replica-1-stage-1.log")), None)
-        assert pid, "no worker process found for replica 1's stage 1"
-        os.kill(pid, signal.SIGKILL)
-        p.wait(timeout=120)
-        err = lines.text()
-    assert p.returncode == 0, err
+    err = kill_mid_run(cli, spec, "replica-1-stage-1.log")
     assert "stage 1 of replica 1's worker (rank 3) process died (signal SIGKILL)" in err, err
     assert "restart 1 of 3" in err
     assert any(m["attempt"] == 2 for m in metrics(out))
     assert worst(load_file(out / "model.safetensors"), reference.train(spec)) <= 1e-5
+
+
+def kill_mid_run(cli, spec: dict, log: str) -> str:
+    """`run` spec; after step 3, SIGKILL the worker whose log is `log`; the run's stderr once it succeeded."""
+    from tests.test_resume import Lines, metrics
+
+    out = cli.tmp / "state" / spec["name"]
+    with cli.running("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
+        lines = Lines(p)
+        wait_for(lambda: len(metrics(out)) > 3, 90, "step 3")
+        pid = next((pid for pid in tagged_pids(cli.tag) if _log_of(pid).endswith(f"/{log}")), None)
+        assert pid, f"no worker process found writing {log}"
+        os.kill(pid, signal.SIGKILL)
+        p.wait(timeout=120)
+        err = lines.text()
+    assert p.returncode == 0, err
+    return err
 
 
 def _log_of(pid: int) -> str:

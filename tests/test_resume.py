@@ -301,21 +301,27 @@ def test_a_killed_run_resumes_with_run_resume(cli):
 
 
 @pytest.mark.multiprocess
-def test_a_checkpoint_fits_another_balance_schedule_and_a_longer_run(cli, finished):
-    # The same job (2 stages, [2, 2], gpipe) resumed on 3 stages with zb-h1, for 4 more steps: the names in a
-    # checkpoint are the un-partitioned model's, so each new stage takes its slice of weights and optimizer
+@pytest.mark.parametrize(("change", "cut"), [
+    ({"stages": 3, "balance": [1, 2, 1], "schedule": "zb-h1"}, "3 stages, balance [1, 2, 1]"),
+    # 2 workers of 2 model chunks each, a V: worker 0 takes the first and the last layer's slices
+    ({"stages": 2, "virtual_stages": 2, "balance": [1, 1, 1, 1], "schedule": "zbv"},
+     "2 stages x 2 model chunks, balance [1, 1, 1, 1]"),
+], ids=["3stages-zb-h1", "2x2-zbv"])
+def test_a_checkpoint_fits_another_balance_schedule_and_a_longer_run(cli, finished, change, cut):
+    # The same job (2 stages, [2, 2], gpipe) resumed with another cut and schedule, for 4 more steps: the names
+    # in a checkpoint are the un-partitioned model's, so each new stage takes its slice of weights and optimizer
     # state, and no schedule is in it. (That the spec's balance wins over the checkpoint's with as many stages
     # as before is the plan's: test_balance.)
-    balance = [1, 2, 1]
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
-    longer = {**s, "stages": len(balance), "balance": balance, "steps": 14, "schedule": "zb-h1"}
+    longer = {**s, **change, "steps": 14}
     r = cli.run("run", str(cli.write(longer)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
     assert r.returncode == 0, r.stderr
-    assert "r: resuming from checkpoint step-10 " in r.stderr and f"{len(balance)} stages, balance {balance}" in r.stderr
+    assert "r: resuming from checkpoint step-10 " in r.stderr and cut in r.stderr
     out = cli.tmp / "state" / "r"
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["balance"] == balance and plan["balance_by"] == "spec" and plan["schedule"]["name"] == "zb-h1"
+    assert plan["balance"] == change["balance"] and plan["balance_by"] == "spec"
+    assert plan["schedule"]["name"] == change["schedule"]
     assert [m["step"] for m in metrics(out) if m["attempt"] == 2] == [10, 11, 12, 13]
     assert max_diff(load_file(out / "model.safetensors"), reference.train(longer)) <= 1e-6
 

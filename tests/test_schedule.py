@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe.schedule import Action, build, model_chunk, place, simulate
+from gpipe.schedule import (
+    Action,
+    build,
+    cost,
+    model_chunk,
+    place,
+    simulate,
+    splits_backward,
+    timing,
+)
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
@@ -124,3 +133,26 @@ def test_zbv_runs_each_chunk_once_in_a_v_and_all_but_removes_the_bubble(p, m):
         # At most 2P chunks' micro-batches in flight: P stages' worth, what 1f1b's stage 0 holds.
         assert sim.max_in_flight == [2 * p] * p
     assert sim.bubble_fraction <= simulate("1f1b", p, m).bubble_fraction
+
+
+@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)])
+def test_timing_at_the_tick_costs_is_the_simulators_timeline(name, virtual):
+    sim = simulate(name, 2, 4, virtual)
+    split = splits_backward(build(name, 0, 2, 4, virtual))
+    runs = timing(name, 2, 4, virtual, lambda k, a: cost(a.kind, split))
+    assert max(end for row in runs for *_, end in row) == sim.ticks
+    for k, row in enumerate(runs):
+        assert [sim.timeline[k][int(start)] for _, start, _ in row] == [a for a, _, _ in row]
+
+
+def test_zb_h1_takes_the_least_step_a_bottleneck_stage_allows():
+    """bench/README (n): at 2 stages of 4 Linear layers, stage 0 computes no input gradient for its first layer (11
+    matmuls a micro-batch: F 4, W 7, an empty B) and stage 1 12 (F 4, B 4, W 4); a step can be no shorter than
+    stage 1's 12M after stage 0's first forward, and zb-h1's is that; 1f1b's waits longer in the drain."""
+    zb = {(0, "F"): 4, (0, "B"): 0, (0, "W"): 7, (1, "F"): 4, (1, "B"): 4, (1, "W"): 4}
+    whole = {(0, "F"): 4, (0, "B"): 7, (1, "F"): 4, (1, "B"): 8}
+    for m in (4, 8):
+        end = max(e for row in timing("zb-h1", 2, m, 1, lambda k, a: zb[k, a.kind]) for *_, e in row)
+        assert end == 12 * m + 4
+        end = max(e for row in timing("1f1b", 2, m, 1, lambda k, a: whole[k, a.kind]) for *_, e in row)
+        assert end == 12 * m + 4 + 7  # stage 0's last backward after stage 1's

@@ -78,14 +78,17 @@ def test_b_then_w_equals_one_backward_and_computes_nothing_twice(name, make, inp
     split = copy.deepcopy(plain)
     x = torch.randn(3, 4)
     xp, xs = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
-    yp, ys = plain(xp), split(xs)
+    meter = ActivationMeter(list(split.parameters()))
+    yp = plain(xp)
+    with meter.hooks():  # B lets go of what W will not use (gpipe.memory.ActivationMeter.releasing)
+        ys = split(xs)
     yp, ys = (yp if isinstance(yp, tuple) else (yp,)), (ys if isinstance(ys, tuple) else (ys,))
     grads = [torch.randn_like(t) for t in yp]
     whole, b, w = Matmuls(), Matmuls(), Matmuls()
     with whole:
         torch.autograd.backward(list(yp), grads)
     with b:
-        weights = backward_input(list(ys), grads, [xs], list(split.parameters()))
+        weights = backward_input(list(ys), grads, [xs], list(split.parameters()), meter.releasing)
     assert all(p.grad is None for p in split.parameters())  # B touches no weight
     if input_grad:
         assert torch.equal(xs.grad, xp.grad)
@@ -132,3 +135,28 @@ def test_w_frees_the_activations_b_kept():
         weights.run()
         del weights, x
         assert meter.current == 0
+
+
+def test_b_lets_go_of_what_w_does_not_use():
+    """Between B and W a micro-batch holds its weights' inputs only: attention's saved queries, keys and values,
+    and the loss's log-probabilities, go at B (a split node keeps every node below it alive, with what it
+    saved); the gradients are the same to the bit."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), nn.Linear(16, 50))
+    x, target = torch.randn(4, 8, 16), torch.randint(0, 50, (32,))
+    kept, got = [], []
+    for release in (False, True):
+        model = copy.deepcopy(plain)
+        meter = ActivationMeter(list(model.parameters()))
+        xs = x.clone().requires_grad_()
+        with meter.hooks():
+            loss = nn.functional.cross_entropy(model(xs).flatten(0, 1), target)
+        weights = backward_input([loss], [None], [xs], list(model.parameters()), meter.releasing if release else None)
+        del loss
+        kept.append(meter.current)
+        weights.run()
+        del weights
+        assert meter.current == 0
+        got.append([xs.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+    assert kept[1] < 0.8 * kept[0], kept

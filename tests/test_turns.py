@@ -1,4 +1,5 @@
-"""gpipe.turns: the chunks of one worker run its actions in order, one at a time; every wait is bounded."""
+"""gpipe.turns: the chunks of one worker run their actions in its order, one at a time, on one thread; every
+wait is bounded, and a failure reaches every chunk."""
 
 from __future__ import annotations
 
@@ -9,37 +10,66 @@ import pytest
 from gpipe.turns import TurnAborted, Turns
 
 
-def test_threads_run_in_the_workers_order_whatever_order_they_start_in():
-    turns, ran = Turns(), []
+def chunks(turns: Turns, parts: list[list[int]], ran: list, step: int = 0, fail_at: int | None = None):
+    """A thread per chunk, each handing in its actions (places in the worker's order); what each raised."""
+    raised: dict[int, BaseException] = {}
 
-    def chunk(positions: list[int]) -> None:
-        for n in positions:
-            with turns.turn(n, 5.0, f"action {n}"):
-                ran.append(n)
+    def act(n: int) -> None:
+        if n == fail_at:
+            raise ValueError(f"boom at {n}")
+        ran.append((step, n, threading.get_ident()))
 
-    threads = [threading.Thread(target=chunk, args=(p,)) for p in ([1, 2, 5], [0, 3, 4])]
+    def chunk(i: int) -> None:
+        try:
+            turns.run([(n, lambda n=n: act(n)) for n in parts[i]], 5.0, f"chunk {i}")
+        except BaseException as e:
+            raised[i] = e
+
+    threads = [threading.Thread(target=chunk, args=(i,)) for i in range(len(parts))]
     for t in reversed(threads):
         t.start()
     for t in threads:
         t.join(10)
-    assert ran == [0, 1, 2, 3, 4, 5]
+    return raised
 
 
-def test_a_turn_that_never_comes_names_what_waited_and_what_it_waited_behind():
+def test_one_thread_runs_every_chunks_actions_in_the_workers_order_step_after_step():
+    turns, ran = Turns(), []
+    turns.join()
+    turns.join()
+    for step in range(3):  # no reset between steps (the service's stages are driven step by step)
+        assert chunks(turns, [[1, 2, 5], [0, 3, 4]], ran, step) == {}
+    assert [(s, n) for s, n, _ in ran] == [(s, n) for s in range(3) for n in range(6)]
+    assert all(len({t for s2, _, t in ran if s2 == s}) == 1 for s in range(3))  # one thread a step
+
+
+def test_the_chunk_whose_action_failed_raises_its_error_and_the_others_give_up():
+    turns, ran = Turns(), []
+    turns.join()
+    turns.join()
+    raised = chunks(turns, [[0, 2], [1, 3]], ran, fail_at=2)
+    assert [n for _, n, _ in ran] == [0, 1]  # nothing after the failed action runs
+    assert isinstance(raised[0], ValueError) and isinstance(raised[1], TurnAborted)
+    assert "another chunk of the worker failed (ValueError: boom at 2)" in str(raised[1])
+
+
+def test_a_chunk_that_never_comes_is_named_after_the_deadline():
     turns = Turns()
-    with pytest.raises(TimeoutError, match=r"action 2 \(F0.1 of model chunk 3\): its action 0 on another chunk"):
-        with turns.turn(2, 0.05, "F0.1 of model chunk 3"):
-            pass
+    turns.join()
+    turns.join()
+    with pytest.raises(TimeoutError, match=r"the worker's other chunks to start the step \(chunk 3\)"):
+        turns.run([(0, lambda: None)], 0.05, "chunk 3")
 
 
 def test_a_failed_chunk_ends_the_others_waits_at_once():
     turns = Turns()
+    turns.join()
+    turns.join()
     caught: list[BaseException] = []
 
     def waiter() -> None:
         try:
-            with turns.turn(1, 30.0, "B0"):
-                pass
+            turns.run([(1, lambda: None)], 30.0, "B0")
         except TurnAborted as e:
             caught.append(e)
 
@@ -49,5 +79,4 @@ def test_a_failed_chunk_ends_the_others_waits_at_once():
     t.join(5)
     assert not t.is_alive() and caught
     turns.reset()  # the next step starts afresh
-    with turns.turn(0, 1.0, "F0"):
-        pass
+    assert chunks(turns, [[0], [1]], []) == {}

@@ -203,11 +203,29 @@ class Stage:
         # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
         self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.stage for k in keys}
         self.shared_rng = shared_rng
-        self.turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
+        self._turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
-        self.transport = transport if transport is not None else C10dTransport(cfg, self.device)
+        if transport is None:
+            transport = C10dTransport(cfg, self.device)
+            if cfg.virtual_stages > 1:  # the model chunks of this worker process take turns, and share its RNG
+                self.turns, self.shared_rng = transport.world.turns, transport.world.rng
+        self.transport = transport
         self._link()
+
+    @property
+    def turns(self) -> Turns | None:
+        return self._turns
+
+    @turns.setter
+    def turns(self, turns: Turns | None) -> None:
+        """With virtual stages: this model chunk takes turns with its worker's others, and counts its activations
+        with theirs (their meter)."""
+        self._turns = turns
+        if turns is not None:
+            turns.join()
+            turns.meter.skip(list(self.layers.parameters()))
+            self.meter = turns.meter
 
     def _link(self) -> None:
         """This stage's lanes to its neighbours (and the stages its skip connections reach), and the reducer of
@@ -319,13 +337,12 @@ class Stage:
 
     def _actions(self, chunks: int) -> tuple[list[schedule.Action], list[int] | None]:
         """This stage's actions of a step, in order; with virtual stages (a model chunk of a worker that holds
-        several: gpipe.turns), also each one's position in the worker's order."""
+        several: gpipe.turns), also each one's place in the worker's order."""
         cfg = self.cfg
         if cfg.virtual_stages == 1:
             return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
-        workers = cfg.stages // cfg.virtual_stages
-        worker, chunk = schedule.place(cfg.schedule, cfg.stage, workers)
-        order = schedule.build(cfg.schedule, worker, workers, chunks, cfg.virtual_stages)
+        chunk = schedule.place(cfg.schedule, cfg.stage, cfg.workers)[1]
+        order = schedule.build(cfg.schedule, cfg.worker, cfg.workers, chunks, cfg.virtual_stages)
         mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
         return [a for _, a in mine], [n for n, _ in mine]
 
@@ -335,32 +352,31 @@ class Stage:
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
-        `positions`: each action's place in its worker's order, whose turn it waits for (gpipe.turns).
+        `positions`: each action's place in its worker's order: the worker's chunks' actions then run together,
+        in that order, on one thread (gpipe.turns).
         """
         p.split = schedule.splits_backward(actions)
         final = "W" if p.split else "B"  # the action whose gradients are the step's last
         last_backward = max((i for i, a in enumerate(actions) if a.kind == final), default=-1)
-        for n, action in enumerate(actions):
+
+        def act(n: int) -> None:
+            action = actions[n]
             if n == last_backward and self.grad_sum is not None:
                 self.grad_sum.arm()  # this backward's gradients are final: sum them across replicas as they come
-            with self._turn(positions[n] if positions is not None else None, action, p):
-                p.computing_from = time.perf_counter()
-                self.ACTIONS[action.kind](self, action.micro_batch, p)
-                end = time.perf_counter()
+            self._doing("computing")
+            p.computing_from = time.perf_counter()
+            self.ACTIONS[action.kind](self, action.micro_batch, p)
+            end = time.perf_counter()
             p.busy += end - p.computing_from
             p.timeline.append((action.kind, action.micro_batch, p.computing_from - t_start, end - t_start))
 
-    @contextlib.contextmanager
-    def _turn(self, position: int | None, action: schedule.Action, p: Pass) -> Iterator[None]:
-        """With virtual stages: wait for the worker's turn at `position` (not busy time), hand it on after."""
-        if position is None or self.turns is None:
-            yield
+        if positions is None or self.turns is None:
+            for n in range(len(actions)):
+                act(n)
             return
-        what = f"{action!r} of model chunk {self.cfg.stage}"
-        self._doing("waiting", f"the worker's turn for {what}")
-        with self.turns.turn(position, self.cfg.step_timeout_s, what):
-            self._doing("computing")
-            yield
+        self._doing("waiting", "the worker's other model chunks")
+        work = [(at, lambda n=n: act(n)) for n, at in enumerate(positions)]  # n bound per action
+        self.turns.run(work, self.cfg.step_timeout_s, f"model chunk {self.cfg.stage}")
 
     def _forward(self, mb: int, p: Pass) -> None:
         """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
@@ -437,7 +453,8 @@ class Stage:
             pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads)))
         if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
             inputs = [t for t in structure.tensors((x, arrived)) if t.requires_grad]
-            p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params)
+            p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params,
+                                           self.meter.releasing)
         elif pairs:  # (torch.autograd.backward: Tensor.backward is unannotated.)
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         del y, held_x, stashed, skip_grads, pairs

@@ -34,6 +34,7 @@ from gpipe.rng import SharedGenerators
 from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.transport import Transport
+from gpipe.turns import Turns
 from gpipe.worker.stage import Stage, build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
@@ -108,15 +109,16 @@ class StageServer:
 
     def __init__(self, cfg: dict[str, Any], weights: dict[str, torch.Tensor] | None, first_step: int = 0,
                  resume: StageState | None = None, transport: Transport | None = None,
-                 shared_rng: SharedGenerators | None = None):
+                 shared_rng: SharedGenerators | None = None, turns: Turns | None = None):
         """Build the stage (and join the stages' data plane); its steps start at `first_step`.
 
         `weights` are its parameters and buffers; `resume`, when resuming, the
         checkpoint's optimizer and RNG state. With no `weights`, only the layers
         are built now (initialised here with init per_layer): their weights and
         a checkpoint's state come in pieces (expect, receive), and start() builds
-        the rest. A failure is kept for built() or start(). `transport` and `shared_rng`: a stage linked in
-        memory to stages that are threads of this process (coordinator.handle.LocalStage); c10d by default.
+        the rest. A failure is kept for built() or start(). `transport`, `shared_rng` and `turns` (a model chunk's
+        worker's, with virtual stages): a stage linked in memory to stages that are threads of this process
+        (coordinator.handle.LocalStage); c10d by default.
         """
         self.stage: Stage | None = None
         self.error: StageError | None = None
@@ -127,18 +129,24 @@ class StageServer:
         self._incoming: Incoming | None = None
         self._outbox = Outbox()
         self._cfg = config
-        self._transport, self._shared_rng = transport, shared_rng
+        self._transport, self._shared_rng, self._turns = transport, shared_rng, turns
         StageServer.live.append(self)
         try:
             if weights is None:
                 self._incoming = Incoming(build_layers(self._cfg, None, torch.device(self._cfg.device)))
                 return
-            self.stage = Stage(config, weights, resume, self._transport, shared_rng=self._shared_rng)
+            self.stage = self._build(weights, resume)
         except BaseException as e:
             self.error = self._failure(e)
             return
         self._thread = threading.Thread(target=self._run, name="stage-executor", daemon=True)
         self._thread.start()
+
+    def _build(self, state: dict[str, torch.Tensor] | torch.nn.Sequential, resume: StageState | None) -> Stage:
+        stage = Stage(self._cfg, state, resume, self._transport, shared_rng=self._shared_rng)
+        if self._turns is not None:
+            stage.turns = self._turns
+        return stage
 
     def _failure(self, e: BaseException, step: int | None = None) -> StageError:
         """What goes back to the coordinator for `e`; its traceback goes to the worker's log."""
@@ -175,7 +183,7 @@ class StageServer:
             return self._refusal("the stage has started already")
         try:
             resume = incoming.finish(json_state, weights_sent)
-            self.stage = Stage(self._cfg, incoming.layers, resume, self._transport, shared_rng=self._shared_rng)
+            self.stage = self._build(incoming.layers, resume)
         except BaseException as e:
             self.error = self._failure(e)
             return self.error
