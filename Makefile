@@ -30,7 +30,7 @@ typecheck: setup
 
 # TEST_WORKERS pytest-xdist processes share the tests (most of a test's time is its processes starting
 # and waiting); tests that share a module's serve stay on one (tests/conftest.py). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 5  # on 2 cores: many tests mostly wait (heartbeats, grace periods, restarts)
 
 # mypy runs beside the tests (the tests' processes leave a core idle while they wait); its report follows
 # theirs, and their closing line is said again last.
