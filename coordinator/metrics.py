@@ -82,9 +82,13 @@ def busy_and_span(results: list[StepResult]) -> tuple[float, float]:
     """The stages' busy seconds, and the workers' seconds they were part of: a worker that holds several model
     chunks (virtual stages) counts its step once, its chunks' busy time together, so the bubble is its idle time."""
     spans: dict[int, float] = {}
+    busy: dict[int, float] = {}
     for s in results:
         spans[s.rank] = max(spans.get(s.rank, 0.0), s.busy_s + s.idle_s)
-    return sum(s.busy_s for s in results), sum(spans.values())
+        busy[s.rank] = busy.get(s.rank, 0.0) + s.busy_s
+    # A chunk's window is its own clock's: an action of it that another chunk's turn ran may fall outside it,
+    # so a worker's span is at least its chunks' busy time together (its bubble is never negative).
+    return sum(busy.values()), sum(max(spans[r], busy[r]) for r in spans)
 
 
 def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, Any]]:
