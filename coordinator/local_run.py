@@ -105,8 +105,18 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
         sup.preempt_all("run got SIGTERM", grace_s)
         sup.preempt_waiting(spec.name, "run got SIGTERM")
 
+    main = asyncio.current_task()
+    interrupted = False
+
+    def interrupt() -> None:  # SIGINT (Ctrl-C): stop at once, through the loop's own signal handling
+        nonlocal interrupted
+        interrupted = True
+        if main is not None:
+            main.cancel()
+
     before = signal.getsignal(signal.SIGTERM)
     loop.add_signal_handler(signal.SIGTERM, preempted)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
     try:
         async for kind, value in sup.watch(spec.name):
             if kind == "state" and (value.state.ended or value.state == JobState.PREEMPTED and sup.draining):
@@ -116,7 +126,12 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
             if kind == "eval":
                 evals.append(value)
             follower.show(kind, value)
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        raise KeyboardInterrupt from None  # the CLI says "interrupted", exit 130
     finally:
+        loop.remove_signal_handler(signal.SIGINT)
         loop.remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGTERM, before)  # the CLI's (asyncio leaves SIG_DFL)
         follower.close()
