@@ -34,7 +34,7 @@ from gpipe.rng import SharedGenerators
 from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.transport import Transport
-from gpipe.turns import Turns
+from gpipe.turns import TurnAborted, Turns
 from gpipe.worker.stage import Stage, build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
@@ -149,8 +149,10 @@ class StageServer:
         return stage
 
     def _failure(self, e: BaseException, step: int | None = None) -> StageError:
-        """What goes back to the coordinator for `e`; its traceback goes to the worker's log."""
-        traceback.print_exception(e)
+        """What goes back to the coordinator for `e`; its traceback goes to the worker's log (not for a chunk
+        stopped because another chunk of its worker failed: that chunk's own traceback is the one logged)."""
+        if not isinstance(e, TurnAborted):
+            traceback.print_exception(e)
         return StageError.of(e, self._cfg, step)
 
     def _refusal(self, why: str) -> StageError:
