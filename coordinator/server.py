@@ -284,20 +284,20 @@ class Coordinator:
     async def _validate(self, spec_yaml: str, code_dir: Path | None) -> None:
         """The checks that need the model and the data, in a throwaway process: user code stays out of here.
 
-        It gets none of serve's secrets: no token in its environment, no file or socket of serve's open;
-        its memory is bounded (--validate-memory-mib), its time by VALIDATE_TIMEOUT_S.
+        The process is `gpipe-coordinator validate`, forked from the attempts' template (torch imported
+        once, not per submission). It gets none of serve's secrets: no token in its environment, no file or
+        socket of serve's open; its memory is bounded (--validate-memory-mib), its time by VALIDATE_TIMEOUT_S.
         """
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         with tempfile.TemporaryDirectory() as d:
             path, err_path = Path(d) / "job.yaml", Path(d) / "stderr"
             path.write_text(spec_yaml)
             with err_path.open("wb") as err:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "gpipe.coordinator.cli", "validate", str(path),
-                    "--memory-mib", str(self.validate_memory_mib), *(["--code-dir", str(code_dir)] if code_dir else []),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err,
-                    env=env, close_fds=True,
-                )
+                proc = await self.template.spawn(
+                    "gpipe.coordinator.cli",
+                    ["validate", str(path), "--memory-mib", str(self.validate_memory_mib),
+                     *(["--code-dir", str(code_dir)] if code_dir else [])],
+                    env, stderr=err.fileno())
             try:
                 async with asyncio.timeout(VALIDATE_TIMEOUT_S):
                     await _unless(self.stopping, proc.wait())

@@ -14,6 +14,10 @@ attempt process is a PrefixStore under it (`use_secret`): our keys cannot be
 guessed, and a stranger's keys are never read as ours. What keeps strangers
 out is the network: these ports listen on the cluster address only, live
 only for their attempt, and the deployment's NetworkPolicy fences them.
+
+The address helpers need no torch: serve and the worker daemon use them and
+never import torch themselves (it costs about a second of CPU at start);
+torch.distributed is imported by the first store or RPC call.
 """
 
 from __future__ import annotations
@@ -29,9 +33,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
-import torch.distributed as dist
-
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
 _SIOCGIFADDR = 0x8915
@@ -128,8 +131,22 @@ def _attempt_secret() -> str:
     return _secret
 
 
+def _register() -> None:
+    """Register the gpipe:// rendezvous with torch.distributed (once)."""
+    import torch.distributed as dist
+
+    if not _registered:
+        dist.register_rendezvous_handler("gpipe", _rendezvous)  # type: ignore[no-untyped-call]  # unannotated in torch
+        _registered.append(True)
+
+
+_registered: list[bool] = []
+
+
 def bound_store(host: str, timeout: float, sock: socket.socket | None = None) -> tuple[dist.Store, int]:
     """A TCPStore master listening on `host` only (on `sock`, if given), under the secret; returns it and its port."""
+    import torch.distributed as dist
+
     secret = _attempt_secret()
     sock = sock or listen(host)
     port = sock.getsockname()[1]
@@ -152,6 +169,8 @@ REACHED_KEY = "reached/"  # + stage: its worker reached the rendezvous, from thi
 
 def client_store(host: str, port: int, timeout: float) -> dist.Store:
     """A client of the store at host:port, under the secret."""
+    import torch.distributed as dist
+
     secret = _attempt_secret()
     return dist.PrefixStore(secret, dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout)))
 
@@ -170,8 +189,6 @@ def _rendezvous(
     raise RuntimeError("gpipe:// rendezvous cannot re-rendezvous; start a new attempt")
 
 
-dist.register_rendezvous_handler("gpipe", _rendezvous)  # type: ignore[no-untyped-call]  # unannotated in torch
-
 
 def rpc_options(master: str, timeout: float) -> TensorPipeRpcBackendOptions:
     """RPC options for the gpipe:// rendezvous at `master`.
@@ -181,6 +198,7 @@ def rpc_options(master: str, timeout: float) -> TensorPipeRpcBackendOptions:
     """
     import torch.distributed.rpc as rpc
 
+    _register()  # rpc.init_rpc resolves gpipe:// through the handler
     return rpc.TensorPipeRpcBackendOptions(
         init_method=f"gpipe://{master}", rpc_timeout=timeout, num_worker_threads=8,
         _transports=["uv"], _channels=["basic"],

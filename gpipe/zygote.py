@@ -193,9 +193,10 @@ class Template:
                 self.sock = None
 
     async def spawn(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool = False,
-                    stdout: bool = False, limit: int = 1 << 16) -> Child:
+                    stdout: bool = False, limit: int = 1 << 16, stderr: int = 2) -> Child:
         """`python -m module *args` with `env`: forked from the template when it runs, else started anew.
-        `stdin`, `stdout`: a pipe to write to, from which to read (else /dev/null); stderr is this process's."""
+        `stdin`, `stdout`: a pipe to write to, from which to read (else /dev/null); `stderr`: a descriptor
+        of this process's to write to (default: this process's stderr)."""
         if time.monotonic() >= self.not_before:
             try:
                 await self.start()
@@ -203,17 +204,17 @@ class Template:
                     raise OSError("no template process")
                 async with asyncio.timeout(READY_TIMEOUT_S):
                     await asyncio.shield(self.ready)
-                return await self._fork(module, args, env, stdin, stdout, limit)
+                return await self._fork(module, args, env, stdin, stdout, limit, stderr)
             except (OSError, TimeoutError):
                 self.kill_now()
                 self.not_before = time.monotonic() + COOL_OFF_S
         pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
-            start_new_session=True, env=dict(env), limit=limit)
+            stderr=None if stderr == 2 else stderr, start_new_session=True, env=dict(env), limit=limit)
 
     async def _fork(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool, stdout: bool,
-                    limit: int) -> Forked:
+                    limit: int, stderr: int) -> Forked:
         loop = asyncio.get_running_loop()
         close, keep = [], []  # the child's ends, sent and closed here; ours
         try:
@@ -229,7 +230,7 @@ class Template:
                 raise OSError(f"a request of {len(request)} bytes is over {MAX_REQUEST}")
             assert self.sock is not None
             pid_f: asyncio.Future[Forked] = loop.create_future()
-            socket.send_fds(self.sock, [request], [*close, 2])  # a datagram on a local socketpair: never blocks
+            socket.send_fds(self.sock, [request], [*close, stderr])  # a datagram on a local socketpair: never blocks
             self.pending.append(pid_f)
         except BaseException:
             for fd in keep:

@@ -128,6 +128,12 @@ class Daemon:
             self._say(f"SIGTERM: could not tell the coordinator ({grpcutil.describe(e, self.a.coordinator)}): "
                       "leaving")
             return
+        except asyncio.CancelledError:  # the call, not this task: the session's channel closed under it
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            self._say("SIGTERM: could not tell the coordinator (the connection closed): leaving")
+            return
         if not r.checkpointing:
             self._say("SIGTERM: in no attempt: leaving")
             return
