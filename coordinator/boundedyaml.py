@@ -112,6 +112,8 @@ def load(text: object, *, source: str, max_bytes: int, max_depth: int, max_nodes
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "maximum nesting depth" in problem:  # libyaml's own cap (PyYAML >= 6.0.4), met while it scans ahead
+            raise SpecError(f"{source}: nested deeper than {max_depth} levels") from None
         raise SpecError(f"{source}: not valid YAML{_where(mark)}: {one_line(problem)}") from None
     except (ValueError, TypeError, RecursionError, MemoryError) as e:  # none expected: bounded above
         raise SpecError(f"{source}: not valid YAML: {type(e).__name__}") from None
