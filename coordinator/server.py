@@ -55,7 +55,7 @@ from gpipe.files import atomic_write_json, naming
 from gpipe.serde import SHA256_RE, Abort, JobRecord, JobState, Join, StateChange
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
-from gpipe.zygote import Template
+from gpipe.zygote import COORDINATOR_PRELOAD, Template
 
 VALIDATE_TIMEOUT_S = 120.0
 MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range
@@ -182,7 +182,7 @@ class Coordinator:
         self.validate_memory_mib = validate_memory_mib or default_validate_memory_mib()
         self.table = JobTable(state_dir)
         # Attempt processes fork from a template that imported torch once (gpipe.zygote); it keeps no token.
-        self.template = Template(os.environ, hidden=SECRET_ENV)
+        self.template = Template(os.environ, preload=COORDINATOR_PRELOAD, hidden=SECRET_ENV)
         self.sup = Supervisor(ProcessLauncher(state_dir, host,
                                               lambda name: state_dir / name / "logs" / "coordinator.log",
                                               template=self.template),

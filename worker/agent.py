@@ -16,12 +16,12 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gpipe.proc import child_env, last_error_line
 from gpipe.serde import Join
-from gpipe.zygote import Child, Template
+from gpipe.zygote import PRELOAD, Child, Template
 
 # A stage allocates activation-sized buffers every micro-batch (received tensors,
 # outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
@@ -37,10 +37,12 @@ from gpipe.zygote import Child, Template
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
-def worker_template(env: dict[str, str], threads: int, hidden: tuple[str, ...] = ()) -> Template:
+def worker_template(env: dict[str, str], threads: int, hidden: tuple[str, ...] = (),
+                    preload: Iterable[str] = PRELOAD) -> Template:
     """The template a worker's attempt processes fork from (gpipe.zygote), started with what they start with:
-    glibc's malloc settings and the worker's threads (numpy's BLAS sizes its pool from them at import)."""
-    return Template(dict(env, **MALLOC_ENV, OMP_NUM_THREADS=str(threads)), hidden=hidden)
+    glibc's malloc settings and the worker's threads (numpy's BLAS sizes its pool from them at import).
+    `preload`: what its forks import (`run`'s template also forks the coordinator's attempt)."""
+    return Template(dict(env, **MALLOC_ENV, OMP_NUM_THREADS=str(threads)), preload=preload, hidden=hidden)
 
 
 class Agent:

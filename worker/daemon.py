@@ -41,6 +41,7 @@ from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_erro
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent, worker_template
 from gpipe.worker.cores import parse_cores, threads_for
+from gpipe.zygote import WORKER_PRELOAD
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight
@@ -53,7 +54,7 @@ class Daemon:
     def __init__(self, a: argparse.Namespace, token: str | None):
         self.a, self.token = a, token
         # Attempt processes fork from a template that imported torch once (gpipe.zygote); it keeps no token.
-        self.template = worker_template(dict(os.environ), a.threads,
+        self.template = worker_template(dict(os.environ), a.threads, preload=WORKER_PRELOAD,
                                         hidden=(grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV))
         self.agent = Agent(a.host, a.cores, a.threads, on_change=self._changed, template=self.template)
         self.changed = asyncio.Event()  # the attempt process ended or was killed: heartbeat at once
