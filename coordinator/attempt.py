@@ -47,7 +47,6 @@ from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
-from gpipe.topology import Topology
 
 # Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
@@ -137,7 +136,8 @@ def _shaped(a: argparse.Namespace, spec: JobSpec) -> JobSpec:
         return spec
     from gpipe.coordinator.elastic import describe, shapes
 
-    want = Topology(spec.stages if a.stages is None else a.stages, spec.replicas if a.replicas is None else a.replicas)
+    want = spec.topology_at(spec.stages if a.stages is None else a.stages,
+                            spec.replicas if a.replicas is None else a.replicas)
     if want not in shapes(spec):
         raise SpecError(f"--stages/--replicas: {describe(want)} is not a shape this job may re-plan onto "
                         "(elastic: the same micro-batches on fewer replicas, then down to min_stages)")

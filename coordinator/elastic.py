@@ -17,6 +17,12 @@ is kept (a replica that goes takes its micro-batches to the others, in the
 same order: gpipe.coordinator.data), and a shape whose cut of the batch would
 differ (a batch that does not split evenly) is passed over. So the weights
 are those of one uninterrupted run.
+
+With `virtual_stages: V` each worker still holds V model chunks, placed by the
+schedule: a shape of S stages cuts the model into S x V chunks, resumed from
+the checkpoint as any resume onto another cut is. interleaved-1f1b runs a
+replica's micro-batches in rounds of S, so a shape where they are not a
+multiple of S is passed over too.
 """
 
 from __future__ import annotations
@@ -52,12 +58,16 @@ def shapes(spec: JobSpec) -> Iterator[Topology]:
         return total % replicas == 0 and total // replicas <= MAX_CHUNKS \
             and micro_batch_sizes(spec.data.batch_size, replicas, total // replicas) == want
 
+    def rounds(stages: int, replicas: int) -> bool:  # interleaved-1f1b's rounds of `stages` micro-batches
+        return spec.schedule != "interleaved-1f1b" or spec.virtual_stages == 1 or (total // replicas) % stages == 0
+
     for replicas in range(spec.replicas - 1, 0, -1):
-        if same(replicas):
-            yield Topology(spec.stages, replicas)
+        if same(replicas) and rounds(spec.stages, replicas):
+            yield spec.topology_at(spec.stages, replicas)
     if same(1):  # then one replica, on fewer stages
         for stages in range(spec.stages - 1, spec.elastic.min_stages - 1, -1):
-            yield Topology(stages, 1)
+            if rounds(stages, 1):
+                yield spec.topology_at(stages, 1)
 
 
 def shape_for(spec: JobSpec, workers: int) -> Topology | None:

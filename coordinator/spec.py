@@ -472,7 +472,8 @@ class JobSpec(_Spec):
         default=None, description="serve: a rank lost for good (past restart_timeout_s, no idle worker to take "
         "its place) re-plans the job onto the workers that remain, resuming from its last good checkpoint: "
         "fewer replicas first, then fewer stages down to min_stages (balance by_params where a list no longer "
-        "fits); the same micro-batches, so the same weights. It grows back to `stages` at the first checkpoint "
+        "fits; with virtual_stages, each worker keeps its model chunks); the same micro-batches, so the same "
+        "weights. It grows back to `stages` at the first checkpoint "
         "after enough workers are registered again. none: a lost rank is waited for, then the job fails.",
     )
     keep_best: bool = Field(
@@ -565,9 +566,6 @@ class JobSpec(_Spec):
                                  f"{self.stages}")
             if self.model.split_points is not None:
                 raise ValueError("elastic: model.split_points fixes the stage count; cut by balance instead")
-            if self.virtual_stages > 1:
-                raise ValueError("elastic: re-plans a worker per stage; not with virtual_stages (several model "
-                                 "chunks per worker)")
         if self.keep_best and self.eval is None:
             raise ValueError("keep_best: needs an eval section (the best is the lowest eval loss)")
         return self
@@ -601,9 +599,14 @@ class JobSpec(_Spec):
     @property
     def topology(self) -> Topology:
         """Which worker rank serves which stage of which replica (gpipe.topology)."""
-        if self.virtual_stages == 1:  # the schedule places nothing: the shape alone (as elastic's re-plans are)
-            return Topology(self.stages, self.replicas)
-        return Topology(self.stages, self.replicas, self.virtual_stages, self.schedule)
+        return self.topology_at(self.stages, self.replicas)
+
+    def topology_at(self, stages: int, replicas: int) -> Topology:
+        """This job's topology on `replicas` x `stages` workers: each still holds virtual_stages model chunks,
+        placed by the schedule (an elastic re-plan's shape)."""
+        if self.virtual_stages == 1:  # the schedule places nothing: the shape alone
+            return Topology(stages, replicas)
+        return Topology(stages, replicas, self.virtual_stages, self.schedule)
 
     @property
     def model_chunks(self) -> int:
@@ -616,7 +619,8 @@ class JobSpec(_Spec):
         if (stages, replicas) == (self.stages, self.replicas):
             return self
         chunks = self.chunks * self.replicas // replicas
-        balance = self.balance if not isinstance(self.balance, list) or len(self.balance) == stages else "by_params"
+        fits = not isinstance(self.balance, list) or len(self.balance) == stages * self.virtual_stages
+        balance = self.balance if fits else "by_params"
         return self.model_copy(update={"stages": stages, "replicas": replicas, "chunks": chunks, "balance": balance})
 
     def one_replica(self) -> JobSpec:

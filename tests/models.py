@@ -74,8 +74,9 @@ class Slow(nn.Module):
         return x
 
 
-def slow_mlp(width: int = 8, seconds: float = 0.05) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(width, width), Slow(seconds), nn.Linear(width, width), Slow(seconds))
+def slow_mlp(width: int = 8, seconds: float = 0.05, blocks: int = 2) -> nn.Sequential:
+    """`blocks` x (Linear, Slow(seconds))."""
+    return nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), Slow(seconds))])
 
 
 SHARED: list[object] = []  # shared_hog's mappings, held for the life of the process

@@ -61,6 +61,25 @@ def test_shapes_drop_replicas_before_stages_and_keep_the_micro_batches():
     assert list(elastic.shapes(parse_spec(spec_text()))) == [Topology(3, 1)]  # not elastic: the spec's only
 
 
+def test_shapes_keep_each_worker_s_model_chunks_and_interleaved_rounds():
+    """With virtual_stages, every shape still holds V chunks a worker, placed by the schedule; interleaved-1f1b
+    passes over a shape whose micro-batches per replica are not a multiple of its stages."""
+    mlp = "model: {factory: mlp, args: {depth: 4}}"
+    six = "model: {factory: mlp, args: {depth: 8}}"  # 9 layers: 3 stages x 2 chunks
+    zbv = parse_spec(spec_text(replicas=2, schedule="zbv", virtual_stages=2, elastic="{min_stages: 2}",
+                               balance=[2, 1, 1, 2, 1, 2]).replace(mlp, six))
+    assert list(elastic.shapes(zbv)) == [Topology(3, 2, 2, "zbv"), Topology(3, 1, 2, "zbv"), Topology(2, 1, 2, "zbv")]
+    assert elastic.shape_for(zbv, 2) == Topology(2, 1, 2, "zbv")
+    assert zbv.reshaped(2, 1).topology == Topology(2, 1, 2, "zbv")
+    assert zbv.reshaped(2, 1).balance == "by_params" and zbv.reshaped(3, 1).balance == [2, 1, 1, 2, 1, 2]
+    # 2 replicas x 3 micro-batches: one replica runs 6, in rounds of 3 stages or of 2; 3 alone do not split in 2s
+    interleaved = spec_text(replicas=2, chunks=3, schedule="interleaved-1f1b", virtual_stages=2,
+                            elastic="{min_stages: 2}").replace(mlp, six).replace("batch_size: 8", "batch_size: 12")
+    assert [(t.replicas, t.stages) for t in elastic.shapes(parse_spec(interleaved))] == [(2, 3), (1, 3), (1, 2)]
+    alone = parse_spec(interleaved.replace("replicas: 2", "replicas: 1"))
+    assert [(t.replicas, t.stages) for t in elastic.shapes(alone)] == [(1, 3)]
+
+
 def test_fewer_replicas_train_the_same_micro_batches_to_the_same_weights():
     """The math of a re-plan: replicas 2 x chunks 2 on one device equals replicas 1 x chunks 4 bit for bit
     (dropout seeded by each micro-batch's index), and so does a 2-stage pipeline of that shape, to rounding;
@@ -200,12 +219,12 @@ def port_in_range() -> int:
     pytest.fail(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
-def elastic_job(name: str, **kw: object) -> dict[str, Any]:
+def elastic_job(name: str, **kw: Any) -> dict[str, Any]:
     """A slow 3-stage job (seconds per step) that may shrink to 2 stages."""
     fields: dict[str, Any] = {"stages": 3, "balance": [2, 1, 1], "steps": 30, "checkpoint_every": 4,
-                              "restart_timeout_s": 2, "elastic": {"min_stages": 2}}
-    return job(name, model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               **(fields | kw))
+                              "restart_timeout_s": 2, "elastic": {"min_stages": 2},
+                              "model": {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}}
+    return job(name, **(fields | kw))
 
 
 def start_workers(s: Service, *ranks: int) -> None:
@@ -259,7 +278,9 @@ def same_weights(out: Path, spec: dict[str, Any]) -> float:
 @pytest.mark.timeout(300)  # its waits allow for a loss in the middle of a checkpoint (COMMIT_GRACE_S)
 def test_a_rank_away_past_restart_timeout_shrinks_the_job_and_it_grows_back_to_the_same_weights(three):
     s = three
-    spec = elastic_job("shrink", steps=48)
+    # zbv: each worker holds 2 model chunks, a V (3 workers, 6 chunks; then 2 workers, 4 chunks)
+    spec = elastic_job("shrink", steps=48, schedule="zbv", virtual_stages=2, balance=[1] * 6,
+                       model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.013, "blocks": 3}})
     out = s.state / "shrink"
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
     # Right after a checkpoint, so that none is being taken: a loss in the middle of one leaves the attempt up to
@@ -305,8 +326,9 @@ def test_a_rank_away_past_restart_timeout_shrinks_the_job_and_it_grows_back_to_t
 @pytest.mark.multiprocess
 def test_a_spare_worker_takes_the_lost_rank_s_place_at_once(three):
     s = three
-    spec = job("spare", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               steps=20, checkpoint_every=4, restart_timeout_s=60)  # 2 stages: rank 2 is idle, a spare
+    # Steps of about 0.2 s: the kill at step 5 lands seconds before the last step, on a loaded machine too
+    spec = job("spare", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}},
+               steps=32, checkpoint_every=4, restart_timeout_s=60)  # 2 stages: rank 2 is idle, a spare
     out = s.state / "spare"
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
     s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)
@@ -325,8 +347,10 @@ def test_a_spare_worker_takes_the_lost_rank_s_place_at_once(three):
 def test_a_lost_replica_s_micro_batches_go_to_the_one_that_remains_to_the_same_weights(three):
     s = three
     start_workers(s, 3)  # 2 replicas x 2 stages: ranks 0-3, no spare
-    spec = job("halved", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               replicas=2, steps=20, checkpoint_every=4, restart_timeout_s=2, elastic={"min_stages": 2})
+    # Steps of about 0.2 s: the kill at step 5 lands seconds before the last step, on a loaded machine too (with
+    # steps of 0.08 s, a CI run under load saw the job end before the kill)
+    spec = job("halved", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}},
+               replicas=2, steps=32, checkpoint_every=4, restart_timeout_s=2, elastic={"min_stages": 2})
     out = s.state / "halved"
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
     s.wait_for(lambda: len(steps_of(out)) > 5, "step 5", 90)

@@ -68,8 +68,6 @@ BAD = [
      "chunks: interleaved-1f1b runs the micro-batches in rounds of the 2 workers: 3 is not a multiple of 2"),
     ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "balance": [1, 1]},
      "balance: has 2 entries but stages x virtual_stages 2 is 4"),
-    ({"schedule": "zbv", "virtual_stages": 2, "elastic": {"min_stages": 1}},
-     "elastic: re-plans a worker per stage; not with virtual_stages"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
     ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),
     ({"optimizer__lr": -1}, "optimizer.lr: must be greater than 0 and at most 1000, got -1"),
