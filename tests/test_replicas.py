@@ -227,8 +227,9 @@ def test_a_worker_of_the_second_replica_killed_mid_run_resumes_to_the_same_weigh
     the last checkpoint, and the job ends with one device's weights."""
     from tests.test_resume import metrics
 
-    slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
-    spec = {**job(model=slow, stages=2, replicas=2, chunks=2, steps=10, checkpoint_every=2), "name": "t"}
+    # Steps of about 0.2 s: the kill after step 3 lands seconds before the last step, on a loaded machine too
+    slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
+    spec = {**job(model=slow, stages=2, replicas=2, chunks=2, steps=24, checkpoint_every=2), "name": "t"}
     out = cli.tmp / "state" / "t"
     err = kill_mid_run(cli, spec, "replica-1-stage-1.log")
     assert "stage 1 of replica 1's worker (rank 3) process died (signal SIGKILL)" in err, err

@@ -525,8 +525,9 @@ def steps_of(out) -> list[tuple[int, int]]:
 
 
 def submit_running(s: Service, name: str, after: int, **kw) -> Path:
-    """Submit a slow job `name` and wait until it has logged step `after`; its output folder."""
-    spec = job(name, model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}, **kw)
+    """Submit a slow job `name` and wait until it has logged step `after`; its output folder. Its steps take about
+    0.2 s, so that what the test does next lands seconds before the last step, on a loaded machine too."""
+    spec = job(name, model=SLOW, **kw)
     out = s.state / name
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
     s.wait_for(lambda: len(steps_of(out)) > after, f"step {after}", 90)
@@ -574,8 +575,7 @@ def test_a_lost_worker_that_comes_back_resumes_the_job_to_the_same_weights(share
     rank = random.randrange(2)
     at = random.randrange(3, 15)
     print(f"SIGKILL rank {rank}'s worker daemon after step {at}")
-    spec = job("comeback", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               steps=30, checkpoint_every=4)
+    spec = job("comeback", model=SLOW, steps=30, checkpoint_every=4)  # the kill lands seconds before the end
     out = shared.state / "comeback"
     assert shared.client("submit", str(shared.cli.write(spec))).returncode == 0
     shared.wait_for(lambda: len(steps_of(out)) > at, f"step {at}", 90)

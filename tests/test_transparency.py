@@ -189,8 +189,9 @@ def test_a_worker_of_two_model_chunks_killed_mid_run_resumes_to_the_same_weights
     from tests.test_replicas import kill_mid_run
     from tests.test_resume import metrics
 
-    slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
-    spec = job(model=slow, stages=2, virtual_stages=2, schedule="zbv", balance=[1, 1, 1, 1], chunks=3, steps=10,
+    # Steps of about 0.3 s: the kill after step 3 lands seconds before the last step, on a loaded machine too
+    slow = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
+    spec = job(model=slow, stages=2, virtual_stages=2, schedule="zbv", balance=[1, 1, 1, 1], chunks=3, steps=20,
                checkpoint_every=2)
     out = cli.tmp / "state" / "t"
     err = kill_mid_run(cli, spec, "stage-1.log")
