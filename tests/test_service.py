@@ -391,41 +391,64 @@ def run_worker(cli, *args: str, timeout: float = 60) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=timeout)
 
 
+def tls_certificate(cli) -> tuple[Path, Path] | None:
+    """A self-signed key and certificate for 127.0.0.1 (openssl), or None where openssl is missing."""
+    import shutil
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    key, cert = cli.tmp / "key.pem", cli.tmp / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpipe",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return key, cert
+
+
 @pytest.mark.multiprocess
-def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service(cli):
+def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service_over_tls(cli):
+    """The deployment's setting: both tokens, and TLS (tokens alone where openssl is missing to make a
+    certificate; every test on the shared serve uses tokens without TLS)."""
     s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
+    pair = tls_certificate(cli)
+    ca = None if pair is None else str(pair[1])
+    s.tls = [] if ca is None else ["--tls-ca", ca]  # clients and workers speak TLS
     try:
-        s.start_serve()
+        s.start_serve(*([] if pair is None else ["--tls-cert", str(pair[1]), "--tls-key", str(pair[0])]))
         s.start_worker(0)
         path = str(cli.write(job("t", stages=1, balance=[4])))
-        r = cli.run("submit", path, "--coordinator", s.address)  # no token
+        r = cli.run("submit", path, "--coordinator", s.address, *s.tls)  # no token
         assert r.returncode == 1 and "refused the call" in r.stderr and "valid client token" in r.stderr
         (cli.tmp / "wrong").write_text("not-it")
-        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "wrong"))
+        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "wrong"), *s.tls)
         assert r.returncode == 1 and "refused the call" in r.stderr
         # The worker token cannot submit, and the client token cannot register a worker.
-        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "worker-token"))
+        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "worker-token"), *s.tls)
         assert r.returncode == 1 and "a worker token cannot call this" in r.stderr, r.stderr
-        r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--worker-token-file", str(cli.tmp / "token"))
+        r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--worker-token-file", str(cli.tmp / "token"),
+                       *s.tls)
         assert r.returncode == 1 and "a client token cannot call this" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
         # Only the client token sends code; only the worker token fetches it.
-        upload = asyncio.run(call(s.address, WORKER_TOKEN, "UploadCode", iter([jobs_pb2.CodeChunk(data=b"PK")])))
+        upload = asyncio.run(call(s.address, WORKER_TOKEN, "UploadCode", iter([jobs_pb2.CodeChunk(data=b"PK")]), ca))
         assert upload == grpc.StatusCode.PERMISSION_DENIED
-        assert asyncio.run(call(s.address, None, "UploadCode", iter([]))) == grpc.StatusCode.UNAUTHENTICATED
-        fetch = asyncio.run(call(s.address, TOKEN, "GetCode", workers_pb2.GetCodeRequest(sha256="0" * 64)))
+        assert asyncio.run(call(s.address, None, "UploadCode", iter([]), ca)) == grpc.StatusCode.UNAUTHENTICATED
+        fetch = asyncio.run(call(s.address, TOKEN, "GetCode", workers_pb2.GetCodeRequest(sha256="0" * 64), ca))
         assert fetch == grpc.StatusCode.PERMISSION_DENIED
         r = s.client("submit", path, "--follow")
         assert r.returncode == 0, r.stderr
+        if ca is not None:  # plain text to a TLS port does not get through
+            r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "token"), timeout=60)
+            assert r.returncode == 1 and r.stderr.startswith("error: cannot reach the coordinator")
     finally:
         s.stop_all()
 
 
-async def call(address: str, token: str | None, method: str, request) -> grpc.StatusCode:
-    """The status of one call of `method` (JobService's or WorkerService's) with `token`."""
+async def call(address: str, token: str | None, method: str, request, tls_ca: str | None = None) -> grpc.StatusCode:
+    """The status of one call of `method` (JobService's or WorkerService's) with `token`, over TLS with `tls_ca`."""
     from gpipe import grpcutil
 
-    async with grpcutil.channel(address, token, None) as ch:
+    async with grpcutil.channel(address, token, tls_ca) as ch:
         jobs, workers = jobs_pb2_grpc.JobServiceStub(ch), workers_pb2_grpc.WorkerServiceStub(ch)
         stub = jobs if hasattr(jobs, method) else workers
         try:
@@ -491,31 +514,6 @@ def test_worker_flags(cli):
     assert r.returncode == 2 and "--cores: '4096' names cores outside" in r.stderr
     r = run("--rank", "0", "--coordinator", "127.0.0.1:1", "--host", "192.0.2.1")
     assert r.returncode == 2 and "no network interface on this machine has address 192.0.2.1" in r.stderr
-
-
-@pytest.mark.multiprocess
-def test_tls_with_a_token(cli):
-    import shutil
-
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    key, cert = cli.tmp / "key.pem", cli.tmp / "cert.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=gpipe",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    s = Service(cli, token=TOKEN, worker_token=WORKER_TOKEN)
-    s.tls = ["--tls-ca", str(cert)]  # clients and workers speak TLS
-    try:
-        s.start_serve("--tls-cert", str(cert), "--tls-key", str(key))
-        s.start_worker(0)
-        r = s.client("submit", str(cli.write(job("tls", stages=1, balance=[4]))), "--follow")
-        assert r.returncode == 0, r.stderr
-        # Plain text to a TLS port does not get through.
-        r = cli.run("list", "--coordinator", s.address, "--auth-token-file", str(cli.tmp / "token"), timeout=60)
-        assert r.returncode == 1 and r.stderr.startswith("error: cannot reach the coordinator")
-    finally:
-        s.stop_all()
 
 
 def steps_of(out) -> list[tuple[int, int]]:
@@ -673,12 +671,7 @@ def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_p
         assert r.returncode == 2 and f"--health-port: cannot listen on 0.0.0.0:{s.port}" in line, r.stderr
         # A worker's health port in use is refused just the same.
         health = free_port()
-        s.start_worker(0)
-        s.kill("worker0")
-        before = s.log("worker0").count("registered as rank 0")  # the log is appended to
-        s._spawn("worker0", ["-m", "gpipe.worker.daemon", "--rank", "0", "--coordinator", s.address,
-                             "--health-host", "127.0.0.1", "--health-port", str(health)])
-        s.wait_for(lambda: s.log("worker0").count("registered as rank 0") > before, "the worker with a health port")
+        s.start_worker(0, "--health-host", "127.0.0.1", "--health-port", str(health))
         r = run_worker(cli, "--rank", "1", "--coordinator", s.address, "--health-host", "127.0.0.1",
                        "--health-port", str(health))
         assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{health}" in r.stderr, r.stderr
