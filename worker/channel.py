@@ -20,9 +20,11 @@ with it.
 
 Sends and receives run on one thread each, so compute never waits for a send,
 and a receive is posted as soon as the previous one finished: the next
-micro-batch is usually already there when the stage needs it. Each send and
-receive waits at most the channel's timeout (the step's), whatever timeout
-the process group was formed with.
+micro-batch is usually already there when the stage needs it. The stage's
+own wait (`Receiver.get`, `Sender.flush`) has the step's deadline and names
+what it waited for. A receive is often posted before the stage asks for it, so
+the c10d wait under it has a later backstop (`backstop_s`): that deadline
+must not fire first and report gloo's words in place of ours.
 """
 
 from __future__ import annotations
@@ -126,6 +128,13 @@ def gradients(message: Any) -> list[torch.Tensor]:
     return [message] if isinstance(message, torch.Tensor) else list(message)
 
 
+def backstop_s(timeout: float) -> float:
+    """How long a send or receive on the channel's thread may wait: past the stage's deadline of `timeout`
+    seconds, counted from a later moment (the receive for the next micro-batch is posted while this one is
+    computed), so that the stage's wait always ends first."""
+    return 2 * timeout + 10.0
+
+
 def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
     work = dist.isend(t, peer, group=group)
     assert work is not None  # this process is in `group`
@@ -143,7 +152,7 @@ class Sender:
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
-        self.timeout = timedelta(seconds=timeout)
+        self.timeout = timedelta(seconds=backstop_s(timeout))
         self.bytes = 0  # tensor data handed to this channel, headers left out
         self._q: queue.Queue[tuple[int, torch.Tensor, bytes | None, list[torch.Tensor]] | None] = queue.Queue()
         self._pending = 0
@@ -205,7 +214,7 @@ class Receiver:
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
-        self.timeout = timedelta(seconds=timeout)
+        self.timeout = timedelta(seconds=backstop_s(timeout))
         self.bytes = 0  # tensor data received, headers left out
         self._todo: queue.Queue[int | None] = queue.Queue()
         self._inbox: dict[int, Any] = {}
