@@ -24,18 +24,25 @@ def _free_port() -> int:
 
 
 def _end(rank: int, port: int, out: Any) -> None:
-    """Rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a step, then asks for 1."""
+    """Rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a step, then asks for 1.
+    Rank 0 also sends on a lane that rank 1 never receives on, and flushes it."""
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        group = dist.new_group([0, 1])
+        group, unread = dist.new_group([0, 1]), dist.new_group([0, 1])
         cpu = torch.device("cpu")
         if rank == 0:
             s = Sender(1, group, cpu, "stage 0's activation", STEP_S)
             s.send(0, torch.ones(3))
             s.flush(STEP_S)
-            time.sleep(STEP_S * 2.5)  # micro-batch 1 never comes; stay up so that the peer is not gone
-            out.send(("sent", ""))
+            lost = Sender(1, unread, cpu, "stage 0's skip", STEP_S)
+            lost.send(0, torch.ones(3))
+            try:
+                lost.flush(STEP_S)
+                out.send(("sent", "micro-batch 0 of the skip"))
+            except BaseException as e:
+                out.send((type(e).__name__, str(e)))
+            time.sleep(STEP_S * 1.5)  # micro-batch 1 never comes; stay up so that the peer is not gone
             return
         r = Receiver(0, group, cpu, "stage 0's activation", STEP_S)
         r.expect(2)  # the receive of micro-batch 1 is posted as soon as 0 has arrived
@@ -54,7 +61,7 @@ def _end(rank: int, port: int, out: Any) -> None:
 
 
 @pytest.mark.multiprocess
-def test_a_receive_posted_early_times_out_on_the_stages_deadline_naming_the_micro_batch():
+def test_waits_for_a_peer_end_on_the_stages_deadline_in_our_words():
     ctx = mp.get_context("fork")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
@@ -64,11 +71,17 @@ def test_a_receive_posted_early_times_out_on_the_stages_deadline_naming_the_micr
     try:
         assert pipes[1][0].poll(30), "the receiving end said nothing in 30 s"
         kind, text = pipes[1][0].recv()
+        assert pipes[0][0].poll(30), "the sending end said nothing in 30 s"
+        sent_kind, sent_text = pipes[0][0].recv()
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join()
+    # A receive posted early (as soon as micro-batch 0 arrived) still ends on the stage's own deadline.
     assert kind == "TimeoutError", (kind, text)
     assert text.startswith("[1.0, 1.0, 1.0] ") and "waiting for stage 0's activation of micro-batch 1" in text, text
+    # A send the peer never takes: flush ends on its deadline, naming the lane.
+    assert sent_kind == "TimeoutError", (sent_kind, sent_text)
+    assert "sending stage 0's skip" in sent_text, sent_text

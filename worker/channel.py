@@ -18,22 +18,27 @@ gradients backward) on a process group of its own, so the order of operations
 on any communicator is the same on both ends: NCCL needs that, gloo is happy
 with it.
 
-Sends and receives run on one thread each, so compute never waits for a send,
-and a receive is posted as soon as the previous one finished: the next
-micro-batch is usually already there when the stage needs it. The stage's
-own wait (`Receiver.get`, `Sender.flush`) has the step's deadline and names
-what it waited for. A receive is often posted before the stage asks for it, so
-the c10d wait under it has a later backstop (`backstop_s`): that deadline
-must not fire first and report gloo's words in place of ours.
+A send is posted from the stage's own thread (c10d's isend returns at once and
+the transfer goes when the peer's receive is posted), so compute never waits
+for one; the stage waits for its sends at the step's end (`Sender.flush`).
+Receives run on a thread per channel, and a receive is posted as soon as the
+previous one finished: the next micro-batch is usually already there when the
+stage needs it. The stage's own waits (`Receiver.get`, `Sender.flush`) have
+the step's deadline and name what they waited for. A receive is often posted
+before the stage asks for it, so the c10d wait under it has a later backstop
+(`backstop_s`): that deadline must not fire first and report gloo's words in
+place of ours.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -135,12 +140,6 @@ def backstop_s(timeout: float) -> float:
     return 2 * timeout + 10.0
 
 
-def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
-    work = dist.isend(t, peer, group=group)
-    assert work is not None  # this process is in `group`
-    work.wait(timeout)
-
-
 def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
     work = dist.irecv(t, peer, group=group)
     assert work is not None
@@ -148,65 +147,69 @@ def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedel
 
 
 class Sender:
-    """Sends (micro-batch, value) pairs to `peer` in order, on a thread."""
+    """Sends (micro-batch, value) pairs to `peer` in order: each message's transfers are posted at once (c10d's
+    isend returns without waiting for the peer), and waited for at the next send (those done) and at flush."""
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
-        self.timeout = timedelta(seconds=backstop_s(timeout))
         self.bytes = 0  # tensor data handed to this channel, headers left out
-        self._q: queue.Queue[tuple[int, torch.Tensor, bytes | None, list[torch.Tensor]] | None] = queue.Queue()
-        self._pending = 0
-        self._cv = threading.Condition()
+        # Posted transfers not yet seen done: (micro-batch, the work, the tensor it reads, kept alive until then).
+        # At most one step's messages: flush empties it.
+        self._posted: collections.deque[tuple[int, dist.Work, torch.Tensor]] = collections.deque()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"send-{name}", daemon=True)
-        self._thread.start()
 
     def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
-        """Queue `obj` (see the module docstring); `grads` flags the tensors that want a gradient back.
+        """Post `obj` (see the module docstring); `grads` flags the tensors that want a gradient back.
 
-        ValueError, at once, if `obj` cannot travel.
+        ValueError, at once, if `obj` cannot travel; ConnectionError if an earlier message failed.
         """
         if self._error is not None:
             raise self._error
         header, text, leaves = encode(mb, obj, grads)
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
-        with self._cv:
-            self._pending += 1
-        self._q.put((mb, header, text, leaves))
+        parts = [header.to(self.device)]
+        if text is not None:
+            parts.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device))
+        parts += [t for t in leaves if t.numel()]
+        with self._failing(mb):
+            for t in parts:
+                work = dist.isend(t, self.peer, group=self.group)
+                assert work is not None  # this process is in `group`
+                self._posted.append((mb, work, t))
+            while self._posted and self._posted[0][1].is_completed():
+                self._posted[0][1].wait()  # raises what the transfer met
+                self._posted.popleft()
 
     def flush(self, timeout: float) -> None:
-        """Wait until everything queued has been sent."""
+        """Wait until everything posted has been sent, at most `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._pending and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
-                self._cv.wait(left)
-        if self._error is not None:
-            raise self._error
-
-    def _loop(self) -> None:
-        while (item := self._q.get()) is not None:
-            mb, header, text, leaves = item
-            try:
-                _send(header.to(self.device), self.peer, self.group, self.timeout)
-                if text is not None:
-                    _send(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device),
-                          self.peer, self.group, self.timeout)
-                for t in leaves:
-                    if t.numel():
-                        _send(t, self.peer, self.group, self.timeout)
-            except BaseException as e:  # the peer is gone: report it at the next send or flush
-                self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {e}")
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+        while self._posted:
             if self._error is not None:
-                return
+                raise self._error
+            mb, work, _ = self._posted[0]
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                work.wait(timedelta(seconds=left))
+            except BaseException as e:
+                if time.monotonic() >= deadline:  # the peer never took it: our deadline, in our words
+                    raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}") from None
+                self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {e}")
+                raise self._error from None
+            self._posted.popleft()
+
+    @contextlib.contextmanager
+    def _failing(self, mb: int) -> Iterator[None]:
+        """A transfer that fails: the peer is gone; this message and every later one report it."""
+        try:
+            yield
+        except Exception as e:
+            self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {e}")
+            raise self._error from None
 
     def close(self) -> None:
-        self._q.put(None)
+        self._posted.clear()
 
 
 class Receiver:
