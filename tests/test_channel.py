@@ -12,9 +12,45 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpipe import structure
 from gpipe.worker.channel import Receiver, Sender
 
 STEP_S = 1.0  # the step's deadline, as StageConfig.step_timeout_s
+
+
+def _messages() -> list[tuple[Any, list[bool]]]:
+    """(value, wants grad) of each message, alike in both processes: shapes that grow, shrink and repeat,
+    other dtypes, an empty tensor, a 0-d one, a structure."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return [
+        (r(4, 8), [True]),          # apart: the lane's first (capacity 0 -> 128 bytes)
+        (r(4, 8), [True]),          # packed
+        (r(2, 8), [False]),         # packed, smaller
+        (r(8, 8), [True]),          # apart, larger (-> 256)
+        (r(8, 8, dtype=torch.bfloat16), [False]),  # packed, another dtype
+        (r(0, 8), [False]),         # an empty tensor: a header alone
+        ((r(3), {"k": 5, "m": r(2, 2)}), [True, False]),  # a structure: header, description, tensors
+        (torch.tensor(True), [False]),             # packed, 0-d
+        (r(4, 8, dtype=torch.float64), [True]),    # packed (256 bytes)
+        (r(16, 8), [True]),         # apart (-> 512)
+    ]
+
+
+def _same(a: Any, b: Any, grads: list[bool]) -> str:
+    """'' if `b` (received) is `a` (sent) with the gradient flags asked, else what differs."""
+    ta, tb = structure.tensors(a), structure.tensors(b)
+    if structure.map_tensors(a, lambda t: 0) != structure.map_tensors(b, lambda t: 0) or len(ta) != len(tb):
+        return f"structure {structure.describe(b)}, sent {structure.describe(a)}"
+    for i, (x, y) in enumerate(zip(ta, tb, strict=True)):
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            return f"tensor {i}: {y.dtype} {list(y.shape)}, sent {x.dtype} {list(x.shape)}"
+        if y.requires_grad != (i < len(grads) and grads[i]):
+            return f"tensor {i}: requires_grad {y.requires_grad}"
+    return ""
 
 
 def _free_port() -> int:
@@ -24,14 +60,25 @@ def _free_port() -> int:
 
 
 def _end(rank: int, port: int, out: Any) -> None:
-    """Rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a step, then asks for 1.
-    Rank 0 also sends on a lane that rank 1 never receives on, and flushes it."""
+    """First, rank 0 sends _messages() and rank 1 compares what arrives. Then rank 0 sends micro-batch 0 only;
+    rank 1 takes it, computes for most of a step, then asks for 1. Rank 0 also sends on a lane that rank 1
+    never receives on, and flushes it."""
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        group, unread = dist.new_group([0, 1]), dist.new_group([0, 1])
+        shapes, group, unread = dist.new_group([0, 1]), dist.new_group([0, 1]), dist.new_group([0, 1])
         cpu = torch.device("cpu")
+        messages = _messages()
         if rank == 0:
+            lane = Sender(1, shapes, cpu, "messages", 30)
+            posted = []
+            isend = dist.isend
+            dist.isend = lambda t, *a, **k: posted.append(t.numel()) or isend(t, *a, **k)  # this process only
+            for mb, (value, grads) in enumerate(messages):
+                lane.send(mb, value, grads)
+            dist.isend = isend
+            lane.flush(30)
+            out.send((len(posted), str(lane._capacity.bytes)))
             s = Sender(1, group, cpu, "stage 0's activation", STEP_S)
             s.send(0, torch.ones(3))
             s.flush(STEP_S)
@@ -44,6 +91,11 @@ def _end(rank: int, port: int, out: Any) -> None:
                 out.send((type(e).__name__, str(e)))
             time.sleep(STEP_S * 1.5)  # micro-batch 1 never comes; stay up so that the peer is not gone
             return
+        into = Receiver(0, shapes, cpu, "messages", 30)
+        into.expect(len(messages))
+        wrong = [f"message {mb}: {d}" for mb, (value, grads) in enumerate(messages)
+                 if (d := _same(value, into.get(mb, 30), grads))]
+        out.send(("compared", "; ".join(wrong) + f" capacity {into._capacity.bytes}"))
         r = Receiver(0, group, cpu, "stage 0's activation", STEP_S)
         r.expect(2)  # the receive of micro-batch 1 is posted as soon as 0 has arrived
         first = r.get(0, STEP_S)
@@ -61,7 +113,7 @@ def _end(rank: int, port: int, out: Any) -> None:
 
 
 @pytest.mark.multiprocess
-def test_waits_for_a_peer_end_on_the_stages_deadline_in_our_words():
+def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits_end_in_our_words():
     ctx = mp.get_context("fork")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
@@ -69,16 +121,25 @@ def test_waits_for_a_peer_end_on_the_stages_deadline_in_our_words():
     for p in procs:
         p.start()
     try:
-        assert pipes[1][0].poll(30), "the receiving end said nothing in 30 s"
-        kind, text = pipes[1][0].recv()
-        assert pipes[0][0].poll(30), "the sending end said nothing in 30 s"
-        sent_kind, sent_text = pipes[0][0].recv()
+        said = []
+        for k in (0, 1):
+            for _ in range(2):
+                assert pipes[k][0].poll(30), f"rank {k} said nothing in 30 s"
+                said.append(pipes[k][0].recv())
+        (transfers, sent_capacity), (sent_kind, sent_text), (compared, wrong), (kind, text) = said
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join()
+    # Every message arrived as sent, and both ends agree on the lane's capacity: the largest single tensor that
+    # went apart (16 x 8 float32), so that the ones no larger went packed.
+    assert compared == "compared" and wrong == " capacity 512", (compared, wrong)
+    assert sent_capacity == "512", sent_capacity
+    # One transfer for each packed message (5), a header alone for the empty tensor, a header and the data for
+    # the 3 single tensors that went apart, and 4 for the structure (header, description, 2 tensors).
+    assert transfers == 5 + 1 + 3 * 2 + 4, transfers
     # A receive posted early (as soon as micro-batch 0 arrived) still ends on the stage's own deadline.
     assert kind == "TimeoutError", (kind, text)
     assert text.startswith("[1.0, 1.0, 1.0] ") and "waiting for stage 0's activation of micro-batch 1" in text, text

@@ -9,9 +9,20 @@ A single tensor, the common case, needs no JSON: its dtype and shape are in the
 header. Nothing is pickled. Each tensor also carries whether it wants a
 gradient back, and the receiver's copy requires grad exactly then.
 
-    header  [micro-batch, dtype code (or -1: a structure), ndim (or the JSON's bytes), wants grad, dims...]
+    header  [micro-batch, dtype code (or -1: a structure), ndim (or the JSON's bytes), flags, dims...]
     JSON    {"s": skeleton, "t": [[dtype code, shape, wants grad], ...]}      (structures only)
     data    each tensor's bytes, in the skeleton's order (none for an empty tensor)
+
+flags: 1, the tensor wants a gradient back; 2, its data follows the header in
+the same transfer (packed). On gloo, which takes a transfer into a receive
+larger than it, a lane packs a single tensor no larger than the largest single
+tensor it has carried so far: both ends know that size (the lane's capacity),
+and the receiver posts one receive of the header plus that many bytes. So once
+a lane's first message has set its size, a message is one transfer, not two,
+and a size that changes from step to step still travels (a larger one as
+header and data apart, which raises the capacity). NCCL needs the sizes of a
+send and its receive equal: there the capacity stays 0 and every message is
+its header, then its data.
 
 A channel carries one direction of one pair of stages (activations forward or
 gradients backward) on a process group of its own, so the order of operations
@@ -35,6 +46,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import queue
 import threading
 import time
@@ -53,7 +65,9 @@ DTYPES = [
 ]
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 MAX_DIMS = 8
-HEADER = 4 + MAX_DIMS  # micro-batch, dtype code, ndim, wants grad, dims...
+HEADER = 4 + MAX_DIMS  # micro-batch, dtype code, ndim, flags, dims...
+HEADER_BYTES = HEADER * 8
+WANTS_GRAD, PACKED = 1, 2  # the header's flags
 STRUCTURE = -1  # the dtype code of a message that is a structure
 MAX_JSON_BYTES = 64 << 10  # a structure's description
 
@@ -146,6 +160,23 @@ def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedel
     work.wait(timeout)
 
 
+class Capacity:
+    """The largest single tensor a lane has carried, in bytes, kept alike by both ends from the same messages
+    (the module's docstring): a tensor no larger is packed after its header. Always 0 on NCCL."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.bytes = 0
+        self._grows = dist.get_backend(group) == dist.Backend.GLOO
+
+    def packs(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self.bytes
+
+    def carried(self, nbytes: int) -> None:
+        """A single tensor of `nbytes` went as header and data apart."""
+        if self._grows:
+            self.bytes = max(self.bytes, nbytes)
+
+
 class Sender:
     """Sends (micro-batch, value) pairs to `peer` in order: each message's transfers are posted at once (c10d's
     isend returns without waiting for the peer), and waited for at the next send (those done) and at flush."""
@@ -157,6 +188,7 @@ class Sender:
         # At most one step's messages: flush empties it.
         self._posted: collections.deque[tuple[int, dist.Work, torch.Tensor]] = collections.deque()
         self._error: BaseException | None = None
+        self._capacity = Capacity(group)
 
     def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
         """Post `obj` (see the module docstring); `grads` flags the tensors that want a gradient back.
@@ -167,10 +199,19 @@ class Sender:
             raise self._error
         header, text, leaves = encode(mb, obj, grads)
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
-        parts = [header.to(self.device)]
-        if text is not None:
-            parts.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device))
-        parts += [t for t in leaves if t.numel()]
+        if text is None and self._capacity.packs(nbytes := leaves[0].numel() * leaves[0].element_size()):
+            header[3] |= PACKED
+            packed = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
+            packed[:HEADER_BYTES].copy_(header.view(torch.uint8))
+            packed[HEADER_BYTES:].copy_(leaves[0].reshape(-1).view(torch.uint8))
+            parts = [packed]
+        else:
+            if text is None:
+                self._capacity.carried(nbytes)
+            parts = [header.view(torch.uint8).to(self.device)]
+            if text is not None:
+                parts.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device))
+            parts += [t for t in leaves if t.numel()]
         with self._failing(mb):
             for t in parts:
                 work = dist.isend(t, self.peer, group=self.group)
@@ -223,6 +264,7 @@ class Receiver:
         self._inbox: dict[int, Any] = {}
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        self._capacity = Capacity(group)
         self._thread = threading.Thread(target=self._loop, name=f"recv-{name}", daemon=True)
         self._thread.start()
 
@@ -252,14 +294,26 @@ class Receiver:
             self.bytes += t.numel() * t.element_size()
         return t.requires_grad_() if grad else t
 
-    def _receive(self, header: torch.Tensor) -> tuple[int, Any]:
-        _recv(header, self.peer, self.group, self.timeout)
-        h = header.tolist()
-        mb, code, n, grad = h[0], h[1], h[2], h[3]
+    def _receive(self, buffer: torch.Tensor) -> tuple[int, Any]:
+        """One message, its first transfer into `buffer` (the header, and a packed tensor's data after it)."""
+        _recv(buffer, self.peer, self.group, self.timeout)
+        h = buffer[:HEADER_BYTES].view(torch.int64).tolist()
+        mb, code, n, flags = h[0], h[1], h[2], h[3]
         if code != STRUCTURE:
-            if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS):
+            if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
+                    and all(d >= 0 for d in h[4 : 4 + n])):
                 raise ValueError(f"a bad header: {h}")
-            return mb, self._tensor(DTYPES[code], h[4 : 4 + n], bool(grad))
+            dtype, shape, grad = DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not flags & PACKED:
+                self._capacity.carried(nbytes)
+                return mb, self._tensor(dtype, shape, grad)
+            if not 0 < nbytes <= len(buffer) - HEADER_BYTES:
+                raise ValueError(f"a packed tensor of {nbytes} bytes, over the lane's {len(buffer) - HEADER_BYTES}")
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            t.reshape(-1).view(torch.uint8).copy_(buffer[HEADER_BYTES : HEADER_BYTES + nbytes])
+            self.bytes += nbytes
+            return mb, t.requires_grad_() if grad else t
         if not 0 < n <= MAX_JSON_BYTES:
             raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
         text = torch.empty(n, dtype=torch.uint8, device=self.device)
@@ -268,11 +322,13 @@ class Receiver:
         return mb, structure.unflatten(skeleton, [self._tensor(*m) for m in metas])
 
     def _loop(self) -> None:
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         while (count := self._todo.get()) is not None:
             for _ in range(count):
+                if len(buffer) != HEADER_BYTES + self._capacity.bytes:  # the tensor taken out was copied: reuse
+                    buffer = torch.empty(HEADER_BYTES + self._capacity.bytes, dtype=torch.uint8, device=self.device)
                 try:
-                    mb, value = self._receive(header)
+                    mb, value = self._receive(buffer)
                 except BaseException as e:
                     with self._cv:
                         self._error = ConnectionError(f"receiving {self.name} failed: {e}")
