@@ -23,7 +23,7 @@ from collections.abc import Callable, Sized
 from typing import Any, cast
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from gpipe import structure
 
@@ -52,7 +52,7 @@ class DataStream:
 
     def batch(self, step: int) -> tuple[Any, Any]:
         """The (inputs, targets) of step `step`, collated; ValueError naming what is wrong."""
-        return _pair(self.collate([self.dataset[i] for i in self.indices(step)]))
+        return _pair(_collated(self.dataset, self.indices(step), self.collate))
 
     def micro_batches(self, step: int) -> tuple[list[Any], list[Any], list[int]]:
         """The step's inputs and targets cut by torch.tensor_split into `chunks` micro-batches, and their sizes.
@@ -73,6 +73,16 @@ class DataStream:
         ys = structure.split(targets, self.replicas, self.batch_size, "target")
         rows = torch.tensor_split(torch.arange(self.batch_size), self.replicas)
         return [_cut(x, y, self.chunks, len(r)) for x, y, r in zip(xs, ys, rows, strict=True)]
+
+
+def _collated(dataset: Dataset[Any], indices: list[int], collate: Callable[[list[Any]], Any]) -> Any:
+    """The items at `indices`, collated. A plain TensorDataset under torch's default collate takes one gather
+    per tensor: the values torch.stack of the items would give, without two Python calls per item (the
+    coordinator does this every step, on a core the stages may need)."""
+    if type(dataset) is TensorDataset and collate is default_collate:
+        at = torch.tensor(indices, dtype=torch.long)
+        return [t[at] for t in dataset.tensors]
+    return collate([dataset[i] for i in indices])
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:
@@ -103,5 +113,5 @@ class EvalStream:
         """Eval batch `batch`'s inputs and targets cut into `chunks` micro-batches (fewer for a batch shorter
         than that), and their sizes; ValueError naming what is wrong."""
         start = batch * self.batch_size
-        items = [self.dataset[i] for i in range(start, min(start + self.batch_size, self.n))]
-        return _cut(*_pair(self.collate(items)), min(self.chunks, len(items)), len(items))
+        items = list(range(start, min(start + self.batch_size, self.n)))
+        return _cut(*_pair(_collated(self.dataset, items, self.collate)), min(self.chunks, len(items)), len(items))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
 from gpipe.contract import Cause, StageError
@@ -118,7 +118,9 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "floa
 
 
 def encode(r: Report) -> str:
-    return json.dumps({"type": type(r).__name__, **asdict(r)}) + "\n"
+    # The fields as they are (json.dumps walks what they hold): dataclasses.asdict would deep-copy a Metrics'
+    # whole step first, timelines and all, once a step.
+    return json.dumps({"type": type(r).__name__, **{f.name: getattr(r, f.name) for f in fields(r)}}) + "\n"
 
 
 def decode(line: str | bytes) -> Report:
