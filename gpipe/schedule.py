@@ -2,9 +2,9 @@
 
 An action is a forward (F), a backward (B) or a weight-gradient pass (W) of one
 micro-batch. The receive of a forward's input and the send of its output (and
-the same for a backward's gradient) are implied by the action and run on the
-stage's channel threads, so sends never block compute and receives are posted
-ahead of time. A schedule with W actions splits each backward
+the same for a backward's gradient) are implied by the action: receives run on
+the stage's channel threads, posted ahead of time, and sends are posted without
+waiting for the peer. A schedule with W actions splits each backward
 (gpipe.split_backward): B then computes only the gradients of the stage's
 inputs, which the stage before waits for, and W, later, those of its weights.
 

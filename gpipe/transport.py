@@ -32,16 +32,17 @@ Op = Literal["sum", "max"]
 
 
 class Outbound(Protocol):
-    """Sends (micro-batch, value) to one stage, in order, without blocking compute."""
+    """Sends (micro-batch, value) to one stage, in order, without waiting for it to receive."""
 
     name: str
     bytes: int  # tensor data handed over, headers left out
 
     def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
-        """Queue `obj`; `grads` flags (in gpipe.structure order) the tensors that want a gradient back."""
+        """Send `obj` on (posted, not waited for); `grads` flags (in gpipe.structure order) the tensors that want a
+        gradient back."""
 
     def flush(self, timeout: float) -> None:
-        """Wait until everything queued is sent."""
+        """Wait until everything sent has been taken, at most `timeout` seconds."""
 
     def close(self) -> None: ...
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import structure
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.worker.channel import PACK_MAX_BYTES, Receiver, Sender
 
 STEP_S = 1.0  # the step's deadline, as StageConfig.step_timeout_s
 
@@ -37,6 +37,9 @@ def _messages() -> list[tuple[Any, list[bool]]]:
         (torch.tensor(True), [False]),             # packed, 0-d
         (r(4, 8, dtype=torch.float64), [True]),    # packed (256 bytes)
         (r(16, 8), [True]),         # apart (-> 512)
+        (r(8, 4).t(), [False]),     # packed, a transposed view
+        (r(PACK_MAX_BYTES // 4 + 16), [False]),  # apart: over the most a lane packs, the capacity stays
+        (r(PACK_MAX_BYTES // 4 + 16), [True]),   # apart again
     ]
 
 
@@ -59,29 +62,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _end(rank: int, port: int, out: Any) -> None:
-    """First, rank 0 sends _messages() and rank 1 compares what arrives. Then rank 0 sends micro-batch 0 only;
-    rank 1 takes it, computes for most of a step, then asks for 1. Rank 0 also sends on a lane that rank 1
-    never receives on, and flushes it."""
+def _end(rank: int, port: int, out: Any, done: Any) -> None:
+    """First, rank 0 sends _messages() and rank 1 compares what arrives; the first two also on a lane that
+    takes itself for NCCL's. Then rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a
+    step, then asks for 1. Rank 0 also sends on a lane that rank 1 never receives on, and flushes it."""
+    # Forked from a process whose OpenMP pool may have run (an earlier test's): a parallel region here would
+    # wait for threads that the fork did not copy. One thread, no parallel region.
+    torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        shapes, group, unread = dist.new_group([0, 1]), dist.new_group([0, 1]), dist.new_group([0, 1])
+        shapes, nccl, group, unread = (dist.new_group([0, 1]) for _ in range(4))
         cpu = torch.device("cpu")
         messages = _messages()
+        backend = dist.get_backend
         if rank == 0:
             lane = Sender(1, shapes, cpu, "messages", 30)
-            posted = []
+            dist.get_backend = lambda g: dist.Backend.NCCL  # this process only, for the next lane
+            apart = Sender(1, nccl, cpu, "messages as on NCCL", 30)
+            dist.get_backend = backend
+            posted: dict[str, int] = {}
             isend = dist.isend
-            dist.isend = lambda t, *a, **k: posted.append(t.numel()) or isend(t, *a, **k)  # this process only
-            for mb, (value, grads) in enumerate(messages):
-                lane.send(mb, value, grads)
-            dist.isend = isend
-            lane.flush(30)
-            out.send((len(posted), str(lane._capacity.bytes)))
+            for name, ch, some in (("gloo", lane, messages), ("nccl", apart, messages[:2])):
+                dist.isend = lambda t, *a, n=name, **k: posted.update({n: posted.get(n, 0) + 1}) or isend(t, *a, **k)
+                for mb, (value, grads) in enumerate(some):
+                    ch.send(mb, value, grads)
+                dist.isend = isend
+                ch.flush(30)
+            out.send((posted, f"{lane._capacity.bytes} {apart._capacity.bytes}"))
             s = Sender(1, group, cpu, "stage 0's activation", STEP_S)
             s.send(0, torch.ones(3))
-            s.flush(STEP_S)
+            s.flush(30)
             lost = Sender(1, unread, cpu, "stage 0's skip", STEP_S)
             lost.send(0, torch.ones(3))
             try:
@@ -89,16 +100,22 @@ def _end(rank: int, port: int, out: Any) -> None:
                 out.send(("sent", "micro-batch 0 of the skip"))
             except BaseException as e:
                 out.send((type(e).__name__, str(e)))
-            time.sleep(STEP_S * 1.5)  # micro-batch 1 never comes; stay up so that the peer is not gone
+            done.wait(60)  # micro-batch 1 never comes; stay up until the peer's wait for it ended
             return
         into = Receiver(0, shapes, cpu, "messages", 30)
+        dist.get_backend = lambda g: dist.Backend.NCCL
+        apart_into = Receiver(0, nccl, cpu, "messages as on NCCL", 30)
+        dist.get_backend = backend
         into.expect(len(messages))
+        apart_into.expect(2)
         wrong = [f"message {mb}: {d}" for mb, (value, grads) in enumerate(messages)
                  if (d := _same(value, into.get(mb, 30), grads))]
-        out.send(("compared", "; ".join(wrong) + f" capacity {into._capacity.bytes}"))
+        wrong += [f"message {mb} as on NCCL: {d}" for mb, (value, grads) in enumerate(messages[:2])
+                  if (d := _same(value, apart_into.get(mb, 30), grads))]
+        out.send(("compared", "; ".join(wrong) + f" capacity {into._capacity.bytes} {apart_into._capacity.bytes}"))
         r = Receiver(0, group, cpu, "stage 0's activation", STEP_S)
         r.expect(2)  # the receive of micro-batch 1 is posted as soon as 0 has arrived
-        first = r.get(0, STEP_S)
+        first = r.get(0, 30)
         time.sleep(STEP_S * 0.7)  # the forward of micro-batch 0
         try:
             r.get(1, STEP_S)
@@ -108,6 +125,7 @@ def _end(rank: int, port: int, out: Any) -> None:
     except BaseException as e:
         out.send(("setup", repr(e)))
     finally:
+        done.set()
         import os
         os._exit(0)  # leave the gloo pair as it is: the test only reads the pipe
 
@@ -117,15 +135,23 @@ def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits
     ctx = mp.get_context("fork")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_end, args=(k, port, pipes[k][1]), daemon=True) for k in range(2)]
+    done = ctx.Event()  # rank 1 is through: rank 0 may go
+    procs = [ctx.Process(target=_end, args=(k, port, pipes[k][1], done), daemon=True) for k in range(2)]
     for p in procs:
         p.start()
     try:
-        said = []
-        for k in (0, 1):
-            for _ in range(2):
-                assert pipes[k][0].poll(30), f"rank {k} said nothing in 30 s"
-                said.append(pipes[k][0].recv())
+        said: list[list[Any]] = [[], []]
+        deadline = time.monotonic() + 60
+        while len(said[0]) + len(said[1]) < 4 and time.monotonic() < deadline:
+            for k in (0, 1):
+                if len(said[k]) < 2 and pipes[k][0].poll(0.05):
+                    said[k].append(pipes[k][0].recv())
+                    if said[k][-1][0] == "setup":
+                        said[k].append(said[k][-1])  # it says no more
+        failed = {k: m[1] for k in (0, 1) for m in said[k] if m[0] == "setup"}
+        assert not failed, f"failed: {failed}; said: {said}"
+        assert all(len(m) == 2 for m in said), f"exit codes {[p.exitcode for p in procs]}; said: {said}"
+        said = said[0] + said[1]
         (transfers, sent_capacity), (sent_kind, sent_text), (compared, wrong), (kind, text) = said
     finally:
         for p in procs:
@@ -135,11 +161,13 @@ def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits
                 p.join()
     # Every message arrived as sent, and both ends agree on the lane's capacity: the largest single tensor that
     # went apart (16 x 8 float32), so that the ones no larger went packed.
-    assert compared == "compared" and wrong == " capacity 512", (compared, wrong)
-    assert sent_capacity == "512", sent_capacity
-    # One transfer for each packed message (5), a header alone for the empty tensor, a header and the data for
-    # the 3 single tensors that went apart, and 4 for the structure (header, description, 2 tensors).
-    assert transfers == 5 + 1 + 3 * 2 + 4, transfers
+    # On the lane that takes itself for NCCL's the capacity stays 0: sizes of a send and its receive match.
+    assert compared == "compared" and wrong == " capacity 512 0", (compared, wrong)
+    assert sent_capacity == "512 0", sent_capacity
+    # One transfer for each packed message (6), a header alone for the empty tensor, a header and the data for
+    # the 5 single tensors that went apart (2 over PACK_MAX_BYTES), and 4 for the structure (header,
+    # description, 2 tensors). As on NCCL: a header and the data each.
+    assert transfers == {"gloo": 6 + 1 + 5 * 2 + 4, "nccl": 2 * 2}, transfers
     # A receive posted early (as soon as micro-batch 0 arrived) still ends on the stage's own deadline.
     assert kind == "TimeoutError", (kind, text)
     assert text.startswith("[1.0, 1.0, 1.0] ") and "waiting for stage 0's activation of micro-batch 1" in text, text

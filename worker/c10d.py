@@ -33,7 +33,7 @@ from gpipe.rng import SharedGenerators
 from gpipe.topology import Topology
 from gpipe.transport import Among, GradSum, Hub, Inbound, Lane, Op, Outbound
 from gpipe.turns import Turns
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.worker.channel import Receiver, Sender, backstop_s
 from gpipe.worker.reducer import GradReducer
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -60,7 +60,10 @@ class World:
         me = self.me = cfg.rank
         backend = self.backend = "nccl" if device.type == "cuda" else "gloo"
         start, step = timedelta(seconds=cfg.start_timeout_s), timedelta(seconds=cfg.step_timeout_s)
-        self._start, self._step = start, step
+        # A lane's transfers are posted ahead of the stage's wait for them (worker/channel.py), so the group's
+        # own deadline (NCCL's watchdog counts from the post) is the channel's backstop, past the stage's.
+        lane = timedelta(seconds=backstop_s(cfg.step_timeout_s))
+        self._start = start
         store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
         dist.init_process_group(backend, store=store, rank=me, world_size=top.world, timeout=start)
         _set_pg_timeout(step, None)  # formed: a collective of every rank waits at most a step's timeout
@@ -69,18 +72,18 @@ class World:
         every_worker = list(range(top.stages))
         self.lanes: dict[tuple[str, int, int], dist.ProcessGroup] = {}
         if virtual == 1:
-            forward, backward = self._per_replica(every_worker), self._per_replica(every_worker)
+            forward, backward = self._per_replica(every_worker, lane), self._per_replica(every_worker, lane)
             for a in range(chunks - 1):
                 self.lanes["activation", a, a + 1] = forward
                 self.lanes["gradient", a, a + 1] = backward
         else:  # a pair of groups per cut between workers: two cuts may join the same pair
             for a in range(chunks - 1):
                 if worker(a) != worker(a + 1):
-                    self.lanes["activation", a, a + 1] = self._per_replica([worker(a), worker(a + 1)])
-                    self.lanes["gradient", a, a + 1] = self._per_replica([worker(a), worker(a + 1)])
+                    self.lanes["activation", a, a + 1] = self._per_replica([worker(a), worker(a + 1)], lane)
+                    self.lanes["gradient", a, a + 1] = self._per_replica([worker(a), worker(a + 1)], lane)
         # The clipping norm: over one replica's stages (after the replicas' gradients are summed, they are the
         # same in every replica). The world's default group when there is one replica.
-        self.pipeline = self._per_replica(every_worker) if top.replicas > 1 else None
+        self.pipeline = self._per_replica(every_worker, step) if top.replicas > 1 else None
         # The copies of each stage (model chunk): they sum their gradients (and deferred BatchNorm's statistics).
         self.copies: dict[int, dist.ProcessGroup] = {}
         if top.replicas > 1:
@@ -95,11 +98,11 @@ class World:
         for holders in sorted({tuple(stages) for _, stages in cfg.tied if len(stages) > 1}):
             workers = sorted({worker(g) for g in holders})
             if len(workers) > 1:
-                self.tied[holders] = self._per_replica(workers)
+                self.tied[holders] = self._per_replica(workers, step)
         for a, b in sorted({(a, b) for _, a, b in cfg.skip_routes}):
             if worker(a) != worker(b):
-                self.lanes["skip", a, b] = self._per_replica(sorted({worker(a), worker(b)}))
-                self.lanes["skip-gradient", a, b] = self._per_replica(sorted({worker(a), worker(b)}))
+                self.lanes["skip", a, b] = self._per_replica(sorted({worker(a), worker(b)}), lane)
+                self.lanes["skip-gradient", a, b] = self._per_replica(sorted({worker(a), worker(b)}), lane)
         # What stays within the worker: cuts between its own chunks, and the first round of each sum.
         self.local = Hub(chunks, 1, cfg.step_timeout_s)
         self.turns = Turns() if virtual > 1 else None  # its chunks compute one action at a time, in order
@@ -109,18 +112,16 @@ class World:
         """The worker (of a replica) holding model chunk `chunk` (gpipe.topology)."""
         return self.topology.worker_of(chunk)
 
-    def _per_replica(self, workers: list[int]) -> dist.ProcessGroup:
+    def _per_replica(self, workers: list[int], timeout: timedelta) -> dist.ProcessGroup:
         """A group of `workers` in each replica, formed by every rank; this rank's own (GroupMember.NON_GROUP_MEMBER
-        when this rank is not among them)."""
+        when this rank is not among them), whose operations wait at most `timeout` once formed."""
         top = self.topology
         own: dist.ProcessGroup = dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[assignment]  # torch's sentinel
         for r in range(top.replicas):
             ranks = [top.rank(r, k) for k in workers]
             group = dist.new_group(ranks, backend=self.backend, timeout=self._start)
             if self.me in ranks:
-                # The channels pass the step's timeout to each send and receive too, since gloo keeps its
-                # connect timeout for those.
-                _set_pg_timeout(self._step, group)
+                _set_pg_timeout(timeout, group)  # formed under the start's timeout
                 own = group
         return own
 

@@ -4,7 +4,7 @@ A message is one micro-batch's value: a tensor, or a structure of tensors and
 scalars (gpipe.structure). It goes as a small fixed-size int64 header, then,
 for a structure, a JSON description of it (its skeleton, scalars inline, and
 each tensor's dtype and shape), then each tensor's payload, so the receiver
-allocates exactly what arrives: no buffer keeps a shape from an earlier step.
+allocates each tensor exactly as it arrives, whatever shape it had last step.
 A single tensor, the common case, needs no JSON: its dtype and shape are in the
 header. Nothing is pickled. Each tensor also carries whether it wants a
 gradient back, and the receiver's copy requires grad exactly then.
@@ -16,22 +16,26 @@ gradient back, and the receiver's copy requires grad exactly then.
 flags: 1, the tensor wants a gradient back; 2, its data follows the header in
 the same transfer (packed). On gloo, which takes a transfer into a receive
 larger than it, a lane packs a single tensor no larger than the largest single
-tensor it has carried so far: both ends know that size (the lane's capacity),
-and the receiver posts one receive of the header plus that many bytes. So once
-a lane's first message has set its size, a message is one transfer, not two,
-and a size that changes from step to step still travels (a larger one as
-header and data apart, which raises the capacity). NCCL needs the sizes of a
-send and its receive equal: there the capacity stays 0 and every message is
-its header, then its data.
+tensor it has carried so far, up to PACK_MAX_BYTES: both ends know that size
+(the lane's capacity, `Capacity`), and the receiver posts one receive of the
+header plus that many bytes. So once a lane's first message has set its size,
+a message is one transfer, not two, and a size that changes from step to step
+still travels (a larger one as header and data apart, which raises the
+capacity). Above PACK_MAX_BYTES the copy into and out of the packed buffer
+costs more than the second transfer saves. NCCL needs the sizes of a send and
+its receive equal: there the capacity stays 0 and every message is its header,
+then its data.
 
 A channel carries one direction of one pair of stages (activations forward or
 gradients backward) on a process group of its own, so the order of operations
 on any communicator is the same on both ends: NCCL needs that, gloo is happy
 with it.
 
-A send is posted from the stage's own thread (c10d's isend returns at once and
-the transfer goes when the peer's receive is posted), so compute never waits
-for one; the stage waits for its sends at the step's end (`Sender.flush`).
+A send is posted from the stage's own thread: c10d's isend does not wait for
+the peer (on gloo, when the peer's receive is already posted, the calling
+thread writes the data to the socket itself), and the stage waits for its
+sends at the step's end (`Sender.flush`). On CUDA, a header goes to the device
+from pinned memory, without waiting for the stage's kernels.
 Receives run on a thread per channel, and a receive is posted as soon as the
 previous one finished: the next micro-batch is usually already there when the
 stage needs it. The stage's own waits (`Receiver.get`, `Sender.flush`) have
@@ -68,6 +72,7 @@ MAX_DIMS = 8
 HEADER = 4 + MAX_DIMS  # micro-batch, dtype code, ndim, flags, dims...
 HEADER_BYTES = HEADER * 8
 WANTS_GRAD, PACKED = 1, 2  # the header's flags
+PACK_MAX_BYTES = 256 << 10  # the largest tensor packed after its header (bench/README.md (o))
 STRUCTURE = -1  # the dtype code of a message that is a structure
 MAX_JSON_BYTES = 64 << 10  # a structure's description
 
@@ -161,8 +166,14 @@ def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedel
 
 
 class Capacity:
-    """The largest single tensor a lane has carried, in bytes, kept alike by both ends from the same messages
-    (the module's docstring): a tensor no larger is packed after its header. Always 0 on NCCL."""
+    """The largest single tensor a lane has carried apart from its header, at most PACK_MAX_BYTES: a tensor no
+    larger is packed after its header (the module's docstring). Always 0 on NCCL.
+
+    Both ends must hold the same value before every message: the receiver's buffer must be at least as large
+    as what the sender packs (gloo ends the process otherwise). They do, as each end updates it from the same
+    messages in the same order: the sender as it posts a message apart, the receiver once it has received it;
+    packed messages, structures and empty tensors leave it as it is.
+    """
 
     def __init__(self, group: dist.ProcessGroup):
         self.bytes = 0
@@ -173,7 +184,7 @@ class Capacity:
 
     def carried(self, nbytes: int) -> None:
         """A single tensor of `nbytes` went as header and data apart."""
-        if self._grows:
+        if self._grows and nbytes <= PACK_MAX_BYTES:
             self.bytes = max(self.bytes, nbytes)
 
 
@@ -208,9 +219,9 @@ class Sender:
         else:
             if text is None:
                 self._capacity.carried(nbytes)
-            parts = [header.view(torch.uint8).to(self.device)]
+            parts = [self._staged(header.view(torch.uint8))]
             if text is not None:
-                parts.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device))
+                parts.append(self._staged(torch.frombuffer(bytearray(text), dtype=torch.uint8)))
             parts += [t for t in leaves if t.numel()]
         with self._failing(mb):
             for t in parts:
@@ -221,18 +232,26 @@ class Sender:
                 self._posted[0][1].wait()  # raises what the transfer met
                 self._posted.popleft()
 
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """A small CPU tensor on the channel's device. On CUDA from pinned memory, without blocking: a copy from
+        pageable memory would wait for every kernel the stage has queued."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def flush(self, timeout: float) -> None:
         """Wait until everything posted has been sent, at most `timeout` seconds."""
         deadline = time.monotonic() + timeout
+        if self._error is not None:
+            raise self._error
         while self._posted:
-            if self._error is not None:
-                raise self._error
             mb, work, _ = self._posted[0]
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
                     raise TimeoutError
-                work.wait(timedelta(seconds=left))
+                # Whole milliseconds, rounded up: c10d reads a wait of 0 ms as no deadline at all.
+                work.wait(timedelta(milliseconds=max(1, math.ceil(left * 1000))))
             except BaseException as e:
                 if time.monotonic() >= deadline:  # the peer never took it: our deadline, in our words
                     raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}") from None
@@ -306,8 +325,9 @@ class Receiver:
             dtype, shape, grad = DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD)
             nbytes = math.prod(shape) * dtype.itemsize
             if not flags & PACKED:
-                self._capacity.carried(nbytes)
-                return mb, self._tensor(dtype, shape, grad)
+                t = self._tensor(dtype, shape, grad)
+                self._capacity.carried(nbytes)  # once it has arrived (the module's docstring)
+                return mb, t
             if not 0 < nbytes <= len(buffer) - HEADER_BYTES:
                 raise ValueError(f"a packed tensor of {nbytes} bytes, over the lane's {len(buffer) - HEADER_BYTES}")
             t = torch.empty(shape, dtype=dtype, device=self.device)
