@@ -77,9 +77,9 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
         messages = _messages()
         backend = dist.get_backend
         if rank == 0:
-            lane = Sender(1, shapes, cpu, "messages", 30)
+            lane = Sender(1, shapes, cpu, "messages")
             dist.get_backend = lambda g: dist.Backend.NCCL  # this process only, for the next lane
-            apart = Sender(1, nccl, cpu, "messages as on NCCL", 30)
+            apart = Sender(1, nccl, cpu, "messages as on NCCL")
             dist.get_backend = backend
             posted: dict[str, int] = {}
             isend = dist.isend
@@ -90,10 +90,10 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
                 dist.isend = isend
                 ch.flush(30)
             out.send((posted, f"{lane._capacity.bytes} {apart._capacity.bytes}"))
-            s = Sender(1, group, cpu, "stage 0's activation", STEP_S)
+            s = Sender(1, group, cpu, "stage 0's activation")
             s.send(0, torch.ones(3))
             s.flush(30)
-            lost = Sender(1, unread, cpu, "stage 0's skip", STEP_S)
+            lost = Sender(1, unread, cpu, "stage 0's skip")
             lost.send(0, torch.ones(3))
             try:
                 lost.flush(STEP_S)

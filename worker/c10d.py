@@ -163,7 +163,7 @@ class C10dTransport:
     def sender(self, peer: int, lane: Lane, name: str) -> Outbound:
         if (link := self._group(lane, peer)) is None:
             return self.world.local.transport(self.cfg.stage, 0, self.device).sender(peer, lane, name)
-        return Sender(*link, self.device, name, self.cfg.step_timeout_s)
+        return Sender(*link, self.device, name)
 
     def receiver(self, peer: int, lane: Lane, name: str) -> Inbound:
         if (link := self._group(lane, peer)) is None:

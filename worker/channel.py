@@ -190,9 +190,10 @@ class Capacity:
 
 class Sender:
     """Sends (micro-batch, value) pairs to `peer` in order: each message's transfers are posted at once (c10d's
-    isend returns without waiting for the peer), and waited for at the next send (those done) and at flush."""
+    isend returns without waiting for the peer), and waited for at the next send (those done) and at flush,
+    under the deadline flush is given."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str):
         self.peer, self.group, self.device, self.name = peer, group, device, name
         self.bytes = 0  # tensor data handed to this channel, headers left out
         # Posted transfers not yet seen done: (micro-batch, the work, the tensor it reads, kept alive until then).
@@ -306,10 +307,16 @@ class Receiver:
                 self._cv.wait(left)
             return self._inbox.pop(mb)
 
-    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool) -> torch.Tensor:
+    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+        """A tensor as it arrives: its own transfer, or copied from `packed` (its bytes, received with the
+        header)."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
         if t.numel():
-            _recv(t, self.peer, self.group, self.timeout)
+            if packed is None:
+                _recv(t, self.peer, self.group, self.timeout)
+            else:
+                t.reshape(-1).view(torch.uint8).copy_(packed)
             self.bytes += t.numel() * t.element_size()
         return t.requires_grad_() if grad else t
 
@@ -330,10 +337,7 @@ class Receiver:
                 return mb, t
             if not 0 < nbytes <= len(buffer) - HEADER_BYTES:
                 raise ValueError(f"a packed tensor of {nbytes} bytes, over the lane's {len(buffer) - HEADER_BYTES}")
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            t.reshape(-1).view(torch.uint8).copy_(buffer[HEADER_BYTES : HEADER_BYTES + nbytes])
-            self.bytes += nbytes
-            return mb, t.requires_grad_() if grad else t
+            return mb, self._tensor(dtype, shape, grad, buffer[HEADER_BYTES : HEADER_BYTES + nbytes])
         if not 0 < n <= MAX_JSON_BYTES:
             raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
         text = torch.empty(n, dtype=torch.uint8, device=self.device)
