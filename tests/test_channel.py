@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import structure
-from gpipe.worker.channel import PACK_MAX_BYTES, Receiver, Sender
+from gpipe.worker.channel import HEADER, PACK_MAX_BYTES, Receiver, Sender
 
 STEP_S = 1.0  # the step's deadline, as StageConfig.step_timeout_s
 
@@ -64,7 +64,8 @@ def _free_port() -> int:
 
 def _end(rank: int, port: int, out: Any, done: Any) -> None:
     """First, rank 0 sends _messages() and rank 1 compares what arrives; the first two also on a lane that
-    takes itself for NCCL's. Then rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a
+    takes itself for NCCL's. Then rank 0 sends a bare header that asks for 4 PiB, which rank 1 refuses. Then
+    rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a
     step, then asks for 1. Rank 0 also sends on a lane that rank 1 never receives on, and flushes it."""
     # Forked from a process whose OpenMP pool may have run (an earlier test's): a parallel region here would
     # wait for threads that the fork did not copy. One thread, no parallel region.
@@ -72,7 +73,7 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        shapes, nccl, group, unread = (dist.new_group([0, 1]) for _ in range(4))
+        shapes, nccl, group, unread, hostile = (dist.new_group([0, 1]) for _ in range(5))
         cpu = torch.device("cpu")
         messages = _messages()
         backend = dist.get_backend
@@ -90,6 +91,8 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
                 dist.isend = isend
                 ch.flush(30)
             out.send((posted, f"{lane._capacity.bytes} {apart._capacity.bytes}"))
+            # micro-batch 0, float32, 2 dims: 2**30 x 2**20 (4 PiB), no flags
+            dist.send(torch.tensor([0, 0, 2, 0, 1 << 30, 1 << 20] + [0] * (HEADER - 6)), 1, group=hostile)
             s = Sender(1, group, cpu, "stage 0's activation")
             s.send(0, torch.ones(3))
             s.flush(30)
@@ -113,6 +116,13 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
         wrong += [f"message {mb} as on NCCL: {d}" for mb, (value, grads) in enumerate(messages[:2])
                   if (d := _same(value, apart_into.get(mb, 30), grads))]
         out.send(("compared", "; ".join(wrong) + f" capacity {into._capacity.bytes} {apart_into._capacity.bytes}"))
+        refusing = Receiver(0, hostile, cpu, "stage 0's activation", 30)
+        refusing.expect(1)
+        try:
+            refusing.get(0, 30)
+            out.send(("got", "4 PiB"))
+        except BaseException as e:
+            out.send((type(e).__name__, str(e)))
         r = Receiver(0, group, cpu, "stage 0's activation", STEP_S)
         r.expect(2)  # the receive of micro-batch 1 is posted as soon as 0 has arrived
         first = r.get(0, 30)
@@ -142,17 +152,18 @@ def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits
     try:
         said: list[list[Any]] = [[], []]
         deadline = time.monotonic() + 60
-        while len(said[0]) + len(said[1]) < 4 and time.monotonic() < deadline:
+        count = (2, 3)  # what each rank says
+        while len(said[0]) + len(said[1]) < sum(count) and time.monotonic() < deadline:
             for k in (0, 1):
-                if len(said[k]) < 2 and pipes[k][0].poll(0.05):
+                if len(said[k]) < count[k] and pipes[k][0].poll(0.05):
                     said[k].append(pipes[k][0].recv())
                     if said[k][-1][0] == "setup":
-                        said[k].append(said[k][-1])  # it says no more
+                        said[k] += [said[k][-1]] * (count[k] - len(said[k]))  # it says no more
         failed = {k: m[1] for k in (0, 1) for m in said[k] if m[0] == "setup"}
         assert not failed, f"failed: {failed}; said: {said}"
-        assert all(len(m) == 2 for m in said), f"exit codes {[p.exitcode for p in procs]}; said: {said}"
+        assert [len(m) for m in said] == list(count), f"exit codes {[p.exitcode for p in procs]}; said: {said}"
         said = said[0] + said[1]
-        (transfers, sent_capacity), (sent_kind, sent_text), (compared, wrong), (kind, text) = said
+        (transfers, sent_capacity), (sent_kind, sent_text), (compared, wrong), (refused, why), (kind, text) = said
     finally:
         for p in procs:
             p.join(10)
@@ -168,6 +179,9 @@ def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits
     # the 5 single tensors that went apart (2 over PACK_MAX_BYTES), and 4 for the structure (header,
     # description, 2 tensors). As on NCCL: a header and the data each.
     assert transfers == {"gloo": 6 + 1 + 5 * 2 + 4, "nccl": 2 * 2}, transfers
+    # A header that asks for more than the device's memory is refused before anything is allocated.
+    assert refused == "ConnectionError", (refused, why)
+    assert "receiving stage 0's activation failed" in why and f"a message of {(1 << 50) * 4} bytes" in why, why
     # A receive posted early (as soon as micro-batch 0 arrived) still ends on the stage's own deadline.
     assert kind == "TimeoutError", (kind, text)
     assert text.startswith("[1.0, 1.0, 1.0] ") and "waiting for stage 0's activation of micro-batch 1" in text, text

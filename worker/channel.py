@@ -7,7 +7,9 @@ each tensor's dtype and shape), then each tensor's payload, so the receiver
 allocates each tensor exactly as it arrives, whatever shape it had last step.
 A single tensor, the common case, needs no JSON: its dtype and shape are in the
 header. Nothing is pickled. Each tensor also carries whether it wants a
-gradient back, and the receiver's copy requires grad exactly then.
+gradient back, and the receiver's copy requires grad exactly then. A header or
+description that asks for more bytes than the receiving device has
+(`message_limit`) fails the receive in our words, before any allocation.
 
     header  [micro-batch, dtype code (or -1: a structure), ndim (or the JSON's bytes), flags, dims...]
     JSON    {"s": skeleton, "t": [[dtype code, shape, wants grad], ...]}      (structures only)
@@ -51,6 +53,7 @@ import collections
 import contextlib
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -75,6 +78,21 @@ WANTS_GRAD, PACKED = 1, 2  # the header's flags
 PACK_MAX_BYTES = 256 << 10  # the largest tensor packed after its header (bench/README.md (o))
 STRUCTURE = -1  # the dtype code of a message that is a structure
 MAX_JSON_BYTES = 64 << 10  # a structure's description
+
+
+def message_limit(device: torch.device) -> int:
+    """The most bytes one message may ask a receiver to allocate: its device's memory (a GPU's, or this host's
+    RAM). A header that asks for more is refused before anything is allocated."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _asked(metas: Sequence[tuple[torch.dtype, Sequence[int]]], limit: int) -> None:
+    """ValueError if the tensors a header or description announces would take more than `limit` bytes."""
+    nbytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in metas)
+    if nbytes > limit:
+        raise ValueError(f"a message of {nbytes} bytes, more than this device's {limit} bytes of memory")
 
 
 def _tensor_meta(t: torch.Tensor, where: str) -> tuple[int, list[int]]:
@@ -285,6 +303,7 @@ class Receiver:
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._capacity = Capacity(group)
+        self.limit = message_limit(device)  # the most bytes a message may ask for
         self._thread = threading.Thread(target=self._loop, name=f"recv-{name}", daemon=True)
         self._thread.start()
 
@@ -330,6 +349,7 @@ class Receiver:
                     and all(d >= 0 for d in h[4 : 4 + n])):
                 raise ValueError(f"a bad header: {h}")
             dtype, shape, grad = DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD)
+            _asked([(dtype, shape)], self.limit)
             nbytes = math.prod(shape) * dtype.itemsize
             if not flags & PACKED:
                 t = self._tensor(dtype, shape, grad)
@@ -343,6 +363,7 @@ class Receiver:
         text = torch.empty(n, dtype=torch.uint8, device=self.device)
         _recv(text, self.peer, self.group, self.timeout)
         skeleton, metas = decode(text.cpu().numpy().tobytes())
+        _asked([(dtype, shape) for dtype, shape, _ in metas], self.limit)
         return mb, structure.unflatten(skeleton, [self._tensor(*m) for m in metas])
 
     def _loop(self) -> None:
