@@ -8,8 +8,9 @@ core). gpipe runs its schedules gpipe, 1f1b and zb-h1 (the backward split into
 B and W), and on 4 model chunks of 2 layers (2 per worker) interleaved-1f1b and
 zbv, and reports each one's measured bubble (the workers' idle share of the
 step, from metrics.jsonl) beside the bubble its schedule leaves at the costs
-its actions measured (gpipe.schedule.timing: each stage's median F, B and W,
-with no transfer or step overhead); the difference is what the run adds. The
+its actions measured (gpipe.schedule.steady: each stage's median F, B and W,
+steps in a row as the service runs them, with no transfer or step overhead);
+the difference is what the run adds. The
 peer runs its ScheduleGPipe, Schedule1F1B, and, on 4 chunks of 2 layers (2 per
 rank), ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and
 ScheduleZBVZeroBubble. Each round runs every contender once, interleaved, and the figures are
@@ -110,7 +111,8 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
 
 def costed_bubble(schedule: str, steps: list[dict[str, Any]], chunks: int) -> float:
     """The bubble `schedule` leaves at the costs its actions took in `steps` (each model chunk's median F, B and
-    W over the steps and micro-batches), with instant transfers and no step overhead (gpipe.schedule.timing)."""
+    W over the steps and micro-batches), with instant transfers and no step overhead, run step after step as
+    the service runs it (gpipe.schedule.steady: a worker's next step overlaps the others' ends)."""
     from gpipe import schedule as schedules
 
     workers, virtual = STAGES, 2 if schedule in VIRTUAL else 1
@@ -120,10 +122,8 @@ def costed_bubble(schedule: str, steps: list[dict[str, Any]], chunks: int) -> fl
             for kind, _, a, b in s["timeline"]:
                 took.setdefault((s["stage"], kind), []).append(b - a)
     median = {key: statistics.median(v) for key, v in took.items()}
-    runs = schedules.timing(schedule, workers, chunks, virtual, lambda k, a: median[
-        (schedules.model_chunk(schedule, k, a.chunk, workers), a.kind)])
-    end = max(e for row in runs for *_, e in row)
-    return 1 - sum(e - b for row in runs for _, b, e in row) / (workers * end)
+    return schedules.steady(schedule, workers, chunks, virtual, lambda k, a: median[
+        (schedules.model_chunk(schedule, k, a.chunk, workers), a.kind)])[1]
 
 
 def main() -> None:

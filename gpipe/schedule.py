@@ -263,7 +263,29 @@ def timing(name: str, stages: int, chunks: int, virtual: int,
     `length(k, a)` (simulate's rules, with any lengths: measured ones give the bubble a schedule leaves with
     the stages' real costs, transfers and per-step overheads left out). The bubble is 1 - (the sum of the
     lengths) / (workers x the latest end)."""
-    plans = [build(name, k, stages, chunks, virtual) for k in range(stages)]
+    return _timing(name, [build(name, k, stages, chunks, virtual) for k in range(stages)], virtual, length)
+
+
+def steady(name: str, stages: int, chunks: int, virtual: int, length: Callable[[int, Action], float],
+           steps: int = 4) -> tuple[float, float]:
+    """(period, bubble) of schedule `name` run step after step, as the service runs it: a worker starts its next step
+    as soon as it has ended its own (its optimizer step needs only its own gradients), so step s+1's first
+    forwards overlap the W's and backwards that end step s on the other workers. The period is how far apart
+    the last two of `steps` steps end; the bubble 1 - (one step's lengths) / (workers x the period). With no
+    overlap (a job that clips gradients or runs fp16 waits for every stage at each step's end) it is `timing`'s.
+    """
+    one = [build(name, k, stages, chunks, virtual) for k in range(stages)]
+    plans = [[a._replace(micro_batch=a.micro_batch + s * chunks) for s in range(steps) for a in plan] for plan in one]
+    runs = _timing(name, plans, virtual, length)
+    ends = [max(end for row in runs for a, _, end in row if a.micro_batch // chunks == s) for s in range(steps)]
+    period = ends[-1] - ends[-2] if steps > 1 else ends[-1]
+    busy = sum(length(k, a) for k, plan in enumerate(one) for a in plan)
+    return period, 1.0 - busy / (stages * period) if period > 0 else 0.0
+
+
+def _timing(name: str, plans: list[list[Action]], virtual: int,
+            length: Callable[[int, Action], float]) -> list[list[tuple[Action, float, float]]]:
+    stages = len(plans)
     pos = [0] * stages
     free = [0.0] * stages  # when each worker's last action ended
     done: dict[tuple[int, Action], float] = {}  # (worker, action) -> when it ended

@@ -12,6 +12,7 @@ from gpipe.schedule import (
     place,
     simulate,
     splits_backward,
+    steady,
     timing,
 )
 
@@ -156,3 +157,32 @@ def test_zb_h1_takes_the_least_step_a_bottleneck_stage_allows():
         assert end == 12 * m + 4
         end = max(e for row in timing("1f1b", 2, m, 1, lambda k, a: whole[k, a.kind]) for *_, e in row)
         assert end == 12 * m + 4 + 7  # stage 0's last backward after stage 1's
+
+
+def test_step_after_step_the_bottleneck_stage_waits_only_for_the_first_stage_s_turnaround():
+    """As the service runs steps (steady): stage 0 starts the next step once its own is done, so stage 1 waits
+    at a step's start only for what stage 0 has left after stage 1's last B (the last W, then the next first
+    forward) beyond the W's stage 1 has left itself. zb-h1: 7 + 4 after B, less stage 1's last 2 W's (8): 3 idle.
+    1f1b: stage 0's whole last backward and the next forward, 11, with nothing left on stage 1."""
+    zb = {(0, "F"): 4, (0, "B"): 0, (0, "W"): 7, (1, "F"): 4, (1, "B"): 4, (1, "W"): 4}
+    whole = {(0, "F"): 4, (0, "B"): 7, (1, "F"): 4, (1, "B"): 8}
+    for m in (4, 8):
+        period, bubble = steady("zb-h1", 2, m, 1, lambda k, a: zb[k, a.kind])
+        assert period == 12 * m + 3
+        assert bubble == pytest.approx(1 - 23 * m / (2 * period))
+        period, _ = steady("1f1b", 2, m, 1, lambda k, a: whole[k, a.kind])
+        assert period == 12 * m + 11
+
+
+@pytest.mark.parametrize(("name", "virtual"), [(n, 1) for n in NAMES] + [("interleaved-1f1b", 2), ("zbv", 2)])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_steps_in_a_row_take_no_longer_than_one_alone_and_no_less_than_the_busiest_worker(name, virtual, p):
+    for m in (p, 2 * p if name == "interleaved-1f1b" else 2 * p + 1):  # interleaved: whole rounds
+        def length(k: int, a: Action) -> float:  # uneven stages: the last one the slowest
+            return (1.0 + 0.25 * k) * (1 if a.kind != "B" or name in ("zb-h1", "zbv") else 2)
+        runs = timing(name, p, m, virtual, length)
+        alone = max(e for row in runs for *_, e in row)
+        busiest = max(sum(e - s for _, s, e in row) for row in runs)
+        period, bubble = steady(name, p, m, virtual, length)
+        assert busiest - 1e-9 <= period <= alone + 1e-9, (m, busiest, period, alone)
+        assert 0 <= bubble < 1
