@@ -106,17 +106,24 @@ def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, 
 
 
 SIMULATED_MAX = 1 << 14  # stages x chunks up to which plan.json lists the actions (a tenth of a second)
+STEADY_MAX = SIMULATED_MAX // 8  # and simulates steps in a row (4 of them: as long again)
 
 
-def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1) -> dict[str, Any]:
+def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1, overlap: bool = True) -> dict[str, Any]:
     """A schedule as plan.json shows it: each worker's actions in order (F forward, B backward, W the weights'
     gradients of a split backward; F3.1: micro-batch 3 on the worker's chunk 1), the model chunks each worker
-    holds (with virtual stages), and the simulator's bubble and micro-batches in flight (gpipe.schedule).
-    Past SIMULATED_MAX actions, the name only."""
+    holds (with virtual stages), the simulator's bubble of one step, and of steps in a row when they `overlap`
+    (gpipe.schedule.steady: each worker starts its next step once its own is done, unless the step ends with a
+    wait for every stage: clipping, fp16's overflow check, tied weights across stages), and micro-batches in
+    flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no steps in a row."""
     if stages * chunks * virtual > SIMULATED_MAX:
         return {"name": name}
     sim = schedule.simulate(name, stages, chunks, virtual)
     out: dict[str, Any] = {"name": name}
+    if overlap and stages * chunks * virtual <= STEADY_MAX:
+        split = [schedule.splits_backward(schedule.build(name, k, stages, chunks, virtual)) for k in range(stages)]
+        _, steady = schedule.steady(name, stages, chunks, virtual, lambda k, a: schedule.cost(a.kind, split[k]))
+        out["steady_bubble_fraction"] = round(steady, 4)
     if virtual > 1:
         out |= {"virtual_stages": virtual,
                 "chunks": [[schedule.model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
@@ -138,7 +145,8 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "replicas": spec.replicas,
-        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages),
+        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages, overlap=not (
+            spec.clip_grad_norm or spec.precision == "fp16" or any(len(s) > 1 for _, s in plan.tied_stages()))),
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
              "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),

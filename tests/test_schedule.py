@@ -186,3 +186,14 @@ def test_steps_in_a_row_take_no_longer_than_one_alone_and_no_less_than_the_busie
         period, bubble = steady(name, p, m, virtual, length)
         assert busiest - 1e-9 <= period <= alone + 1e-9, (m, busiest, period, alone)
         assert 0 <= bubble < 1
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zbv_step_after_step_leaves_no_bubble_at_the_tick_costs(p):
+    """A step of zbv starts and ends on worker 0 (the V), so the next step's fill overlaps this one's drain:
+    steps in a row keep every worker busy, where one step alone idles (P-1) half-ticks of 6M+P-1."""
+    for m in (2 * p - 1, 2 * p, 3 * p + 1):
+        split = [splits_backward(build("zbv", k, p, m, 2)) for k in range(p)]
+        period, bubble = steady("zbv", p, m, 2, lambda k, a, split=split: cost(a.kind, split[k]))
+        assert (period, bubble) == (6 * m, 0.0), (m, period)
+        assert simulate("zbv", p, m, 2).bubble_fraction > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,15 @@ pytestmark = pytest.mark.multiprocess
 
 MLP = {"factory": "mlp", "args": {"width": 16, "depth": 5}}
 REGRESSION = {"factory": "random_regression", "args": {"n": 50, "in_features": 16, "out_features": 16}}
+
+
+def check_steady(schedule: dict[str, Any], spec: dict[str, Any]) -> None:
+    """plan.json's bubble of steps in a row: none where each step ends waiting for every stage (clipping,
+    fp16), else between 0 and one step's alone."""
+    if spec.get("clip_grad_norm") or spec.get("precision") == "fp16":
+        assert "steady_bubble_fraction" not in schedule, schedule
+    else:
+        assert 0 <= schedule["steady_bubble_fraction"] <= schedule["simulated_bubble_fraction"], schedule
 
 
 def job(**kw) -> dict:
@@ -75,6 +85,7 @@ def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
     check_timeline(out, spec["stages"], spec["chunks"], spec["steps"], split)
     plan = json.loads((out / "plan.json").read_text())["schedule"]
     assert plan["name"] == spec.get("schedule", "gpipe") and len(plan["actions"]) == spec["stages"]
+    check_steady(plan, spec)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(spec["steps"]))
     for m in lines:
@@ -137,6 +148,7 @@ def test_virtual_stages_over_processes_equal_one_device(cli, name):
     chunks_of = [[c for c in range(P * V) if c % P == k] for k in range(P)] if spec["schedule"] != "zbv" else \
         [[k, 2 * P - 1 - k] for k in range(P)]
     assert plan["schedule"]["chunks"] == chunks_of and len(plan["schedule"]["actions"]) == P
+    check_steady(plan["schedule"], spec)
     assert [w["chunks"] for w in plan["workers"]] == chunks_of * R and len(plan["stages"]) == P * V
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(spec["steps"]))
