@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,20 +109,22 @@ SIMULATED_MAX = 1 << 14  # stages x chunks up to which plan.json lists the actio
 STEADY_MAX = SIMULATED_MAX // 8  # and simulates steps in a row (4 of them: as long again)
 
 
-def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1, overlap: bool = True) -> dict[str, Any]:
+def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
+                  waits: Sequence[Collection[int]] = ()) -> dict[str, Any]:
     """A schedule as plan.json shows it: each worker's actions in order (F forward, B backward, W the weights'
     gradients of a split backward; F3.1: micro-batch 3 on the worker's chunk 1), the model chunks each worker
-    holds (with virtual stages), the simulator's bubble of one step, and of steps in a row when they `overlap`
-    (gpipe.schedule.steady: each worker starts its next step once its own is done, unless the step ends with a
-    wait for every stage: clipping, fp16's overflow check, tied weights across stages), and micro-batches in
-    flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no steps in a row."""
+    holds (with virtual stages), the simulator's bubble of one step and of steps in a row (gpipe.schedule.steady:
+    each worker starts its next step once its own is done, or, in each set of `waits`, once all of them are:
+    step_waits), and micro-batches in flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no
+    steps in a row."""
     if stages * chunks * virtual > SIMULATED_MAX:
         return {"name": name}
     sim = schedule.simulate(name, stages, chunks, virtual)
     out: dict[str, Any] = {"name": name}
-    if overlap and stages * chunks * virtual <= STEADY_MAX:
+    if stages * chunks * virtual <= STEADY_MAX:
         split = [schedule.splits_backward(schedule.build(name, k, stages, chunks, virtual)) for k in range(stages)]
-        _, steady = schedule.steady(name, stages, chunks, virtual, lambda k, a: schedule.cost(a.kind, split[k]))
+        _, steady = schedule.steady(name, stages, chunks, virtual, lambda k, a: schedule.cost(a.kind, split[k]),
+                                    waits=waits)
         out["steady_bubble_fraction"] = round(steady, 4)
     if virtual > 1:
         out |= {"virtual_stages": virtual,
@@ -130,6 +132,17 @@ def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1, overlap
     return out | {"actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks, virtual)))
                               for k in range(stages)],
                   "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
+
+
+def step_waits(plan: Plan) -> list[set[int]]:
+    """The sets of workers that end each step waiting for one another: every worker, for clipping's global
+    norm and fp16's overflow check; a tied weight's holders, for its gradient's sum (none when they are one
+    worker's model chunks: summed in memory)."""
+    spec = plan.spec
+    if spec.clip_grad_norm or spec.precision == "fp16":
+        return [set(range(spec.stages))]
+    holders = ({schedule.place(spec.schedule, g, spec.stages)[0] for g in stages} for _, stages in plan.tied_stages())
+    return [h for h in holders if len(h) > 1]
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
@@ -145,8 +158,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "replicas": spec.replicas,
-        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages, overlap=not (
-            spec.clip_grad_norm or spec.precision == "fp16" or any(len(s) > 1 for _, s in plan.tied_stages()))),
+        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages, step_waits(plan)),
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
              "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),

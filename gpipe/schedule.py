@@ -71,7 +71,7 @@ nothing waits on it there.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Literal, NamedTuple
 
 
@@ -267,24 +267,40 @@ def timing(name: str, stages: int, chunks: int, virtual: int,
 
 
 def steady(name: str, stages: int, chunks: int, virtual: int, length: Callable[[int, Action], float],
-           steps: int = 4) -> tuple[float, float]:
-    """(period, bubble) of schedule `name` run step after step, as the service runs it: a worker starts its next step
-    as soon as it has ended its own (its optimizer step needs only its own gradients), so step s+1's first
-    forwards overlap the W's and backwards that end step s on the other workers. The period is how far apart
-    the last two of `steps` steps end; the bubble 1 - (one step's lengths) / (workers x the period). With no
-    overlap (a job that clips gradients or runs fp16 waits for every stage at each step's end) it is `timing`'s.
-    """
+           steps: int = 4, waits: Sequence[Collection[int]] = ()) -> tuple[float, float]:
+    """(period, bubble) of schedule `name` run step after step, as the service runs it: a worker starts its next
+    step as soon as it has ended its own (its optimizer step needs only its own gradients), so step s+1's first
+    forwards overlap the W's and backwards that end step s on the other workers. `waits`: sets of workers that
+    end each step waiting for one another (a tied weight's holders sum its gradient; clipping and fp16's
+    overflow check: every worker), none of whom starts the next step before all of them have ended this one.
+    The period is how far apart the last two of `steps` steps end; the bubble 1 - (one step's lengths) /
+    (workers x the period). `length` sees each action as in one step alone (micro-batches 0..chunks-1)."""
     one = [build(name, k, stages, chunks, virtual) for k in range(stages)]
     plans = [[a._replace(micro_batch=a.micro_batch + s * chunks) for s in range(steps) for a in plan] for plan in one]
-    runs = _timing(name, plans, virtual, length)
-    ends = [max(end for row in runs for a, _, end in row if a.micro_batch // chunks == s) for s in range(steps)]
-    period = ends[-1] - ends[-2] if steps > 1 else ends[-1]
+    ends = [plan[-1] if plan else None for plan in one]  # each worker's last action of a step (unshifted)
+    peers = {k: sorted({j for group in waits if k in group for j in group} - {k}) for k in range(stages)}
+
+    def after(k: int, a: Action) -> list[tuple[int, Action]]:  # the first action of a step waits for the peers
+        s = a.micro_batch // chunks
+        if not s or a != plans[k][s * len(one[k])]:
+            return []
+        return [(j, e._replace(micro_batch=e.micro_batch + (s - 1) * chunks)) for j in peers[k]
+                if (e := ends[j]) is not None]
+
+    def unshifted(k: int, a: Action) -> float:
+        return length(k, a._replace(micro_batch=a.micro_batch % chunks))
+
+    runs = _timing(name, plans, virtual, unshifted, after if any(peers.values()) else None)
+    last = [max(end for row in runs for a, _, end in row if a.micro_batch // chunks == s) for s in range(steps)]
+    period = last[-1] - last[-2] if steps > 1 else last[-1]
     busy = sum(length(k, a) for k, plan in enumerate(one) for a in plan)
     return period, 1.0 - busy / (stages * period) if period > 0 else 0.0
 
 
-def _timing(name: str, plans: list[list[Action]], virtual: int,
-            length: Callable[[int, Action], float]) -> list[list[tuple[Action, float, float]]]:
+def _timing(name: str, plans: list[list[Action]], virtual: int, length: Callable[[int, Action], float],
+            after: Callable[[int, Action], list[tuple[int, Action]]] | None = None,
+            ) -> list[list[tuple[Action, float, float]]]:
+    """`timing` of any plans; `after(k, a)`: more actions (of any worker) that `a` on worker k waits for."""
     stages = len(plans)
     pos = [0] * stages
     free = [0.0] * stages  # when each worker's last action ended
@@ -296,9 +312,10 @@ def _timing(name: str, plans: list[list[Action]], virtual: int,
             while pos[k] < len(plans[k]):
                 a = plans[k][pos[k]]
                 dep = _dependency(name, k, a, stages, virtual)
-                if dep is not None and dep not in done:
+                deps = ([dep] if dep is not None else []) + (after(k, a) if after is not None else [])
+                if any(d not in done for d in deps):
                     break
-                start = max(free[k], done[dep] if dep is not None else 0.0)
+                start = max([free[k], *(done[d] for d in deps)])
                 free[k] = done[(k, a)] = start + length(k, a)
                 runs[k].append((a, start, free[k]))
                 pos[k] += 1

@@ -64,7 +64,8 @@ def _free_port() -> int:
 
 def _end(rank: int, port: int, out: Any, done: Any) -> None:
     """First, rank 0 sends _messages() and rank 1 compares what arrives; the first two also on a lane that
-    takes itself for NCCL's. Then rank 0 sends a bare header that asks for 4 PiB, which rank 1 refuses. Then
+    takes itself for NCCL's. Then rank 0 sends a bare header that asks for 4 PiB, and a structure whose
+    description asks for as much, which rank 1 refuses. Then
     rank 0 sends micro-batch 0 only; rank 1 takes it, computes for most of a
     step, then asks for 1. Rank 0 also sends on a lane that rank 1 never receives on, and flushes it."""
     # Forked from a process whose OpenMP pool may have run (an earlier test's): a parallel region here would
@@ -73,7 +74,7 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-        shapes, nccl, group, unread, hostile = (dist.new_group([0, 1]) for _ in range(5))
+        shapes, nccl, group, unread, hostile, described = (dist.new_group([0, 1]) for _ in range(6))
         cpu = torch.device("cpu")
         messages = _messages()
         backend = dist.get_backend
@@ -93,6 +94,10 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
             out.send((posted, f"{lane._capacity.bytes} {apart._capacity.bytes}"))
             # micro-batch 0, float32, 2 dims: 2**30 x 2**20 (4 PiB), no flags
             dist.send(torch.tensor([0, 0, 2, 0, 1 << 30, 1 << 20] + [0] * (HEADER - 6)), 1, group=hostile)
+            # a structure (a tuple of one float32 tensor) whose description asks for the same
+            text = b'{"s":{"t":[{"T":0}]},"t":[[0,[1073741824,1048576],0]]}'
+            dist.send(torch.tensor([0, -1, len(text), 0] + [0] * (HEADER - 4)), 1, group=described)
+            dist.send(torch.frombuffer(bytearray(text), dtype=torch.uint8), 1, group=described)
             s = Sender(1, group, cpu, "stage 0's activation")
             s.send(0, torch.ones(3))
             s.flush(30)
@@ -116,13 +121,16 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
         wrong += [f"message {mb} as on NCCL: {d}" for mb, (value, grads) in enumerate(messages[:2])
                   if (d := _same(value, apart_into.get(mb, 30), grads))]
         out.send(("compared", "; ".join(wrong) + f" capacity {into._capacity.bytes} {apart_into._capacity.bytes}"))
-        refusing = Receiver(0, hostile, cpu, "stage 0's activation", 30)
-        refusing.expect(1)
-        try:
-            refusing.get(0, 30)
-            out.send(("got", "4 PiB"))
-        except BaseException as e:
-            out.send((type(e).__name__, str(e)))
+        refused = []
+        for g in (hostile, described):
+            refusing = Receiver(0, g, cpu, "stage 0's activation", 30)
+            refusing.expect(1)
+            try:
+                refusing.get(0, 30)
+                refused.append("got 4 PiB")
+            except BaseException as e:
+                refused.append(f"{type(e).__name__}: {e}")
+        out.send(("refused", refused))
         r = Receiver(0, group, cpu, "stage 0's activation", STEP_S)
         r.expect(2)  # the receive of micro-batch 1 is posted as soon as 0 has arrived
         first = r.get(0, 30)
@@ -179,9 +187,12 @@ def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits
     # the 5 single tensors that went apart (2 over PACK_MAX_BYTES), and 4 for the structure (header,
     # description, 2 tensors). As on NCCL: a header and the data each.
     assert transfers == {"gloo": 6 + 1 + 5 * 2 + 4, "nccl": 2 * 2}, transfers
-    # A header that asks for more than the device's memory is refused before anything is allocated.
-    assert refused == "ConnectionError", (refused, why)
-    assert "receiving stage 0's activation failed" in why and f"a message of {(1 << 50) * 4} bytes" in why, why
+    # A header or a structure's description that asks for more than the device's memory is refused before
+    # anything is allocated.
+    assert refused == "refused" and len(why) == 2, (refused, why)
+    for said_why in why:
+        assert said_why.startswith("ConnectionError: receiving stage 0's activation failed"), said_why
+        assert f"a message of {(1 << 50) * 4} bytes" in said_why, said_why
     # A receive posted early (as soon as micro-batch 0 arrived) still ends on the stage's own deadline.
     assert kind == "TimeoutError", (kind, text)
     assert text.startswith("[1.0, 1.0, 1.0] ") and "waiting for stage 0's activation of micro-batch 1" in text, text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gpipe.schedule import (
@@ -197,3 +199,42 @@ def test_zbv_step_after_step_leaves_no_bubble_at_the_tick_costs(p):
         period, bubble = steady("zbv", p, m, 2, lambda k, a, split=split: cost(a.kind, split[k]))
         assert (period, bubble) == (6 * m, 0.0), (m, period)
         assert simulate("zbv", p, m, 2).bubble_fraction > 0
+
+
+@pytest.mark.parametrize(("name", "virtual"), [(n, 1) for n in NAMES] + [("interleaved-1f1b", 2), ("zbv", 2)])
+def test_workers_that_wait_for_one_another_at_each_step_s_end_overlap_no_further(name, virtual):
+    """Clipping or fp16's overflow check (every worker waits): each step as long as one alone. A tied weight's
+    holders (the first and last worker): between that and no wait at all."""
+    p, m = 3, 6
+    def length(k: int, a: Action) -> float:  # uneven stages, micro-batch 0 the slowest
+        return (1.0 + 0.5 * k) * (2 if a.micro_batch == 0 else 1)
+    alone = max(e for row in timing(name, p, m, virtual, length) for *_, e in row)
+    free, _ = steady(name, p, m, virtual, length)
+    tied, _ = steady(name, p, m, virtual, length, waits=[{0, p - 1}])
+    every, bubble = steady(name, p, m, virtual, length, waits=[set(range(p))])
+    assert every == pytest.approx(alone)
+    assert free - 1e-9 <= tied <= every + 1e-9
+    busy = sum(length(k, a) for k in range(p) for a in build(name, k, p, m, virtual))
+    assert bubble == pytest.approx(1 - busy / (p * alone))
+
+
+def test_plan_json_knows_which_workers_wait_for_one_another_at_a_step_s_end():
+    """coordinator.metrics.step_waits: every worker under clipping or fp16; a tied weight's holders when they are
+    different workers; none for a weight tied within one worker (zbv's first and last model chunks, worker 0's:
+    its gradient is summed in memory)."""
+    from types import SimpleNamespace
+
+    from gpipe.coordinator.metrics import schedule_plan, step_waits
+
+    def plan(schedule: str, stages: int, tied: list[list[int]], **spec: Any) -> Any:
+        s = SimpleNamespace(schedule=schedule, stages=stages, clip_grad_norm=None, precision="fp32")
+        vars(s).update(spec)
+        return SimpleNamespace(spec=s, tied_stages=lambda: [([f"{g}.w" for g in t], t) for t in tied])
+
+    assert step_waits(plan("1f1b", 3, [], clip_grad_norm=1.0)) == [{0, 1, 2}]
+    assert step_waits(plan("zb-h1", 3, [[0, 2]], precision="fp16")) == [{0, 1, 2}]
+    assert step_waits(plan("1f1b", 3, [[0, 2]])) == [{0, 2}]
+    assert step_waits(plan("zbv", 2, [[0, 3]])) == []  # model chunks 0 and 3: both on worker 0
+    assert step_waits(plan("interleaved-1f1b", 2, [[0, 3]])) == [{0, 1}]  # chunk 3 is worker 1's
+    free = schedule_plan("zbv", 2, 4, 2)["steady_bubble_fraction"]
+    assert free == 0 < schedule_plan("zbv", 2, 4, 2, [{0, 1}])["steady_bubble_fraction"]
