@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from gpipe import structure
 from gpipe.worker.channel import HEADER, PACK_MAX_BYTES, Receiver, Sender
+from tests.ports import free_port
 
 STEP_S = 1.0  # the step's deadline, as StageConfig.step_timeout_s
 
@@ -54,12 +54,6 @@ def _same(a: Any, b: Any, grads: list[bool]) -> str:
         if y.requires_grad != (i < len(grads) and grads[i]):
             return f"tensor {i}: requires_grad {y.requires_grad}"
     return ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _end(rank: int, port: int, out: Any, done: Any) -> None:
@@ -151,7 +145,7 @@ def _end(rank: int, port: int, out: Any, done: Any) -> None:
 @pytest.mark.multiprocess
 def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits_end_in_our_words():
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     done = ctx.Event()  # rank 1 is through: rank 0 may go
     procs = [ctx.Process(target=_end, args=(k, port, pipes[k][1], done), daemon=True) for k in range(2)]

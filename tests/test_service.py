@@ -9,7 +9,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,16 +26,11 @@ from gpipe.coordinator.supervisor import COMMIT_GRACE_S
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests import reference
 from tests.conftest import ROOT, Cli, end_leftovers
+from tests.ports import free_port
 from tests.test_failures import _worker_pid
 
 TOKEN = "s3cret-token"
 WORKER_TOKEN = "w0rker-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job(name: str, **kw) -> dict:
