@@ -16,6 +16,7 @@ from gpipe import schedule
 from gpipe.contract import Cause, StepResult
 from gpipe.coordinator.lr import lr_at
 from gpipe.coordinator.plan import Plan
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import JobFailed, describe_os_error
 from gpipe.files import atomic_write_json
 from gpipe.topology import Topology
@@ -134,14 +135,14 @@ def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
                   "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
 
 
-def step_waits(plan: Plan) -> list[set[int]]:
+def step_waits(spec: JobSpec, tied: Sequence[Collection[int]]) -> list[set[int]]:
     """The sets of workers that end each step waiting for one another: every worker, for clipping's global
-    norm and fp16's overflow check; a tied weight's holders, for its gradient's sum (none when they are one
-    worker's model chunks: summed in memory)."""
-    spec = plan.spec
+    norm and fp16's overflow check; each tied weight's holders (`tied`: the model chunks holding a copy of
+    each), for its gradient's sum, unless they are one worker's chunks (summed in memory)."""
     if spec.clip_grad_norm or spec.precision == "fp16":
         return [set(range(spec.stages))]
-    holders = ({schedule.place(spec.schedule, g, spec.stages)[0] for g in stages} for _, stages in plan.tied_stages())
+    top = spec.topology  # replica 0's model chunks are slots 0..: their workers are ranks 0..stages-1
+    holders = ({top.worker_of(g) for g in chunks} for chunks in tied)
     return [h for h in holders if len(h) > 1]
 
 
@@ -158,7 +159,8 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
         "balance_by": plan.balance_by,
         "layer_costs": plan.balance_costs,
         "replicas": spec.replicas,
-        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages, step_waits(plan)),
+        "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages,
+                                  step_waits(spec, [held for _, held in plan.tied_stages()])),
         "stages": [
             {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
              "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),

@@ -222,19 +222,22 @@ def test_plan_json_knows_which_workers_wait_for_one_another_at_a_step_s_end():
     """coordinator.metrics.step_waits: every worker under clipping or fp16; a tied weight's holders when they are
     different workers; none for a weight tied within one worker (zbv's first and last model chunks, worker 0's:
     its gradient is summed in memory)."""
-    from types import SimpleNamespace
-
     from gpipe.coordinator.metrics import schedule_plan, step_waits
+    from gpipe.coordinator.spec import JobSpec
 
-    def plan(schedule: str, stages: int, tied: list[list[int]], **spec: Any) -> Any:
-        s = SimpleNamespace(schedule=schedule, stages=stages, clip_grad_norm=None, precision="fp32")
-        vars(s).update(spec)
-        return SimpleNamespace(spec=s, tied_stages=lambda: [([f"{g}.w" for g in t], t) for t in tied])
+    def spec(schedule: str, stages: int, **kw: Any) -> JobSpec:
+        virtual = 2 if schedule in ("zbv", "interleaved-1f1b") else 1
+        return JobSpec.model_validate({
+            "name": "w", "model": {"factory": "mlp", "args": {"width": 4, "depth": 2 * stages * virtual}},
+            "stages": stages, "chunks": 2 * stages, "schedule": schedule, "virtual_stages": virtual,
+            "data": {"factory": "random_regression", "args": {"n": 8, "in_features": 4, "out_features": 4},
+                     "batch_size": 8},
+            "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 1, **kw})
 
-    assert step_waits(plan("1f1b", 3, [], clip_grad_norm=1.0)) == [{0, 1, 2}]
-    assert step_waits(plan("zb-h1", 3, [[0, 2]], precision="fp16")) == [{0, 1, 2}]
-    assert step_waits(plan("1f1b", 3, [[0, 2]])) == [{0, 2}]
-    assert step_waits(plan("zbv", 2, [[0, 3]])) == []  # model chunks 0 and 3: both on worker 0
-    assert step_waits(plan("interleaved-1f1b", 2, [[0, 3]])) == [{0, 1}]  # chunk 3 is worker 1's
+    assert step_waits(spec("1f1b", 3, clip_grad_norm=1.0), []) == [{0, 1, 2}]
+    assert step_waits(spec("zb-h1", 3, precision="fp16"), [[0, 2]]) == [{0, 1, 2}]
+    assert step_waits(spec("1f1b", 3), [[0, 2]]) == [{0, 2}]
+    assert step_waits(spec("zbv", 2), [[0, 3]]) == []  # model chunks 0 and 3: both on worker 0
+    assert step_waits(spec("interleaved-1f1b", 2), [[0, 3]]) == [{0, 1}]  # chunk 3 is worker 1's
     free = schedule_plan("zbv", 2, 4, 2)["steady_bubble_fraction"]
     assert free == 0 < schedule_plan("zbv", 2, 4, 2, [{0, 1}])["steady_bubble_fraction"]

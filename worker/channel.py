@@ -88,11 +88,12 @@ def message_limit(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _asked(metas: Sequence[tuple[torch.dtype, Sequence[int]]], limit: int) -> None:
-    """ValueError if the tensors a header or description announces would take more than `limit` bytes."""
+def _asked(metas: Sequence[tuple[torch.dtype, Sequence[int]]], limit: int) -> int:
+    """The bytes of the tensors a header or description announces; ValueError if over `limit`."""
     nbytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in metas)
     if nbytes > limit:
         raise ValueError(f"a message of {nbytes} bytes, more than this device's {limit} bytes of memory")
+    return nbytes
 
 
 def _tensor_meta(t: torch.Tensor, where: str) -> tuple[int, list[int]]:
@@ -349,8 +350,7 @@ class Receiver:
                     and all(d >= 0 for d in h[4 : 4 + n])):
                 raise ValueError(f"a bad header: {h}")
             dtype, shape, grad = DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD)
-            _asked([(dtype, shape)], self.limit)
-            nbytes = math.prod(shape) * dtype.itemsize
+            nbytes = _asked([(dtype, shape)], self.limit)
             if not flags & PACKED:
                 t = self._tensor(dtype, shape, grad)
                 self._capacity.carried(nbytes)  # once it has arrived (the module's docstring)
