@@ -31,6 +31,7 @@ import copy
 import difflib
 import operator
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,15 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 MAX_SPLIT_POINTS = 255
+
+# torch.export keeps its tracing state process-wide (the fx patcher, the proxy-mode stack): two captures at
+# once in one process (a worker building two model chunks on two RPC threads) corrupt each other's trace.
+_capturing = threading.RLock()
+
+# What export writes into a graph about the sample it traced: the dtype and device of the tensors that `.to()`
+# was called on. A stage runs its piece under autocast (the activations bf16 or fp16) and on its own device,
+# so these checks would fail on values that are right; they compute nothing.
+_METADATA_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 class CaptureError(ValueError):
@@ -67,12 +77,13 @@ class Piece(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, ins: list[str], args: list[str], outs: list[str], emits: list[Any],
                  state: dict[str, tuple[str, torch.Tensor, str]], in_spec: pytree.TreeSpec | None,
-                 out_spec: pytree.TreeSpec | None, output: str | None):
+                 out_spec: pytree.TreeSpec | None, output: str | None, device: torch.device):
         super().__init__()
         self._gp_graph = gm  # a submodule, so that .to() moves its constants; it holds no parameters
         self._gp_eval = _eval_graph(gm)  # the same graph with dropout and batch norm in eval mode (or None)
         self._gp_ins, self._gp_args, self._gp_outs, self._gp_emits = ins, args, outs, emits
         self._gp_in_spec, self._gp_out_spec, self._gp_output = in_spec, out_spec, output
+        self._gp_device = device  # the device the capture traced on, which the graph names (see to_device)
         self._gp_state: dict[str, tuple[nn.Module, str]] = {}
         for arg, (name, t, kind) in state.items():
             self._gp_state[arg] = _put(self, name, t, kind)
@@ -240,6 +251,20 @@ def export(model: nn.Module, sample: Any) -> torch.export.ExportedProgram:
         ) from None
 
 
+def _device_of(sample: Any) -> torch.device:
+    leaves = [t for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor)]
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _drop_metadata_checks(gm: fx.GraphModule) -> None:
+    """Remove the dtype and device checks export wrote about the traced sample (_METADATA_CHECKS), so that a
+    piece runs in any precision and on any device (`to_device` replaces the devices it names)."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _METADATA_CHECKS and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
 def _stack(node: fx.Node) -> list[str]:
     return [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
 
@@ -259,7 +284,13 @@ def _check_points(model: nn.Module, points: Sequence[str]) -> None:
 
 
 def capture(model: nn.Module, sample: Any, split_points: Sequence[str] = (), output: str | None = None) -> Captured:
-    """`model` as pieces: cut before each repeated block but the first, and before each split point."""
+    """`model` as pieces: cut before each repeated block but the first, and before each split point. One
+    capture at a time in a process (torch.export's tracing state is process-wide)."""
+    with _capturing:
+        return _capture(model, sample, split_points, output)
+
+
+def _capture(model: nn.Module, sample: Any, split_points: Sequence[str], output: str | None) -> Captured:
     _check_points(model, split_points)
     blocks = repeated_blocks(model)
     if blocks is None and not split_points:
@@ -268,6 +299,7 @@ def capture(model: nn.Module, sample: Any, split_points: Sequence[str] = (), out
     block_names = [f"{blocks}.{n}" for n, _ in model.get_submodule(blocks).named_children()] if blocks else []
     ep = export(model, sample)
     gm = ep.module(check_guards=False)  # the batch and sequence sizes differ from the sample's
+    _drop_metadata_checks(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
 
     def first_node(name: str) -> int:
@@ -302,7 +334,7 @@ def capture(model: nn.Module, sample: Any, split_points: Sequence[str] = (), out
         return min((where.get(u, 0) for u in n.users), default=0)
 
     split = _split(gm, part)
-    captured = _pieces(model, split, len(starts) + 1, ep, output)
+    captured = _pieces(model, split, len(starts) + 1, ep, output, _device_of(sample))
     captured.cuts, captured.blocks = cuts, blocks
     captured.modules = _modules_of(nodes, where, len(starts) + 1)
     captured.tied = tied_groups(captured.pieces)
@@ -315,7 +347,8 @@ def _split(gm: fx.GraphModule, part: Any) -> fx.GraphModule:
     return split_module(gm, gm, part, keep_original_order=True)
 
 
-def _pieces(model: nn.Module, split: fx.GraphModule, count: int, ep: torch.export.ExportedProgram, output: str | None) -> Captured:
+def _pieces(model: nn.Module, split: fx.GraphModule, count: int, ep: torch.export.ExportedProgram, output: str | None,
+            device: torch.device) -> Captured:
     """The Piece modules of `split` (submod_0, ...), from the dataflow of its top graph."""
     calls: dict[int, fx.Node] = {}
     for n in split.graph.nodes:
@@ -357,7 +390,7 @@ def _pieces(model: nn.Module, split: fx.GraphModule, count: int, ep: torch.expor
         state = {a: _state_of(model, split, attrs[a], canonical) for a in args[k] if a in attrs}
         pieces.append(Piece(getattr(split, f"submod_{k}"), carry, args[k], outs[k], emits, state,
                             ep.call_spec.in_spec if k == 0 else None, ep.call_spec.out_spec if last else None,
-                            output))
+                            output, device))
         if not last:
             crossing.append(live)
         carry = live
@@ -460,20 +493,29 @@ def tied_groups(layers: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def to_device(layers: nn.Module, device: torch.device) -> None:
-    """The pieces' graphs captured on the meta device, made to run on `device`: the devices the capture wrote
-    into operations (arange, to, checks of a tensor's device) become `device`."""
-    meta = torch.device("meta")
+def to_device(layers: nn.Module, device: torch.device | str) -> None:
+    """The pieces in `layers`, made to run on `device`: the device the capture traced on (the meta device on a
+    worker, the CPU in a process that captured its own model) is written into operations (arange, to, a
+    factory's device=), and becomes `device` in each piece's graphs, nested ones (a no-grad region's) too.
+    Call it after moving the parameters (`layers.to(device)`); pieces already there are left alone."""
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    for piece in layers.modules():
+        if not isinstance(piece, Piece) or piece._gp_device == target:
+            continue
+        source = piece._gp_device
 
-    def swap(a: Any) -> Any:
-        return device if isinstance(a, torch.device) and a == meta else a
+        def swap(a: Any, source: torch.device = source) -> Any:
+            return target if isinstance(a, torch.device) and a == source else a
 
-    for gm in layers.modules():  # the pieces' graphs, and those nested in them (a no-grad region's)
-        if isinstance(gm, fx.GraphModule):
-            for n in gm.graph.nodes:
-                n.args = pytree.tree_map(swap, n.args)
-                n.kwargs = pytree.tree_map(swap, n.kwargs)
-            gm.recompile()
+        for gm in piece.modules():
+            if isinstance(gm, fx.GraphModule):
+                for n in gm.graph.nodes:
+                    n.args = pytree.tree_map(swap, n.args)
+                    n.kwargs = pytree.tree_map(swap, n.kwargs)
+                gm.recompile()
+        piece._gp_device = target
 
 
 def retie(layers: nn.Module, groups: Iterable[Sequence[str]]) -> None:

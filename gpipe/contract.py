@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from gpipe.factory import FactoryError
 from gpipe.schedule import place
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ class Cause(StrEnum):
 
 def classify(e: BaseException) -> Cause:
     """The cause of an exception raised in a stage, by its type (never its message)."""
-    if isinstance(e, ImportError | LookupError):  # gpipe.factory.resolve raises LookupError
+    if isinstance(e, ImportError | FactoryError):  # the job's code is missing or broken where it runs
         return Cause.IMPORT
     if isinstance(e, TimeoutError):
         return Cause.TIMEOUT

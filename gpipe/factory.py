@@ -16,6 +16,12 @@ REGISTRY: dict[str, str] = {
 }
 
 
+class FactoryError(LookupError):
+    """A 'module:function' reference that names nothing callable, or whose module cannot be imported: the job's
+    code is missing or broken where it runs (a restart cannot fix it). A LookupError the job's own code raises
+    (a data set's IndexError, a KeyError) is no FactoryError."""
+
+
 _own_code: list[str] = []  # this process's copy of the job's code (gpipe.code), when the job sent it
 
 
@@ -37,23 +43,23 @@ def add_import_paths(paths: Sequence[str]) -> None:
 
 
 def resolve(ref: str) -> Callable[..., Any]:
-    """Return the callable named by `ref`; raise LookupError with a one-line reason."""
+    """Return the callable named by `ref`; raise FactoryError with a one-line reason."""
     target = REGISTRY.get(ref, ref)
     if ":" not in target:
         known = ", ".join(sorted(REGISTRY))
-        raise LookupError(f"{ref!r} is neither 'module:function' nor a registered name ({known})")
+        raise FactoryError(f"{ref!r} is neither 'module:function' nor a registered name ({known})")
     mod_name, _, attr = target.partition(":")
     try:
         obj: object = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
-        raise LookupError(f"cannot import module {e.name!r}") from None
+        raise FactoryError(f"cannot import module {e.name!r}") from None
     except Exception as e:  # a user module that fails while importing
-        raise LookupError(f"importing {mod_name!r} raised {type(e).__name__}: {e}") from None
+        raise FactoryError(f"importing {mod_name!r} raised {type(e).__name__}: {e}") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise LookupError(f"module {mod_name!r} has no attribute {attr!r}") from None
+            raise FactoryError(f"module {mod_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
-        raise LookupError(f"{target!r} is not callable")
+        raise FactoryError(f"{target!r} is not callable")
     return obj

@@ -213,6 +213,7 @@ class Pipeline:
             for k, (start, end) in enumerate(self.bounds):
                 layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
                 layers = layers.to(self._device(k))  # in place: the model's own parameters, on the stage's device
+                capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder.setdefault(id(p), k) != k)
                 cfg = StageConfig(
                     stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",

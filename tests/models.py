@@ -44,6 +44,26 @@ def tokens(n: int = 40, seq: int = 6, vocab: int = 11) -> TensorDataset:
     return TensorDataset(x[:, :-1], x[:, 1:])
 
 
+class ShortData(torch.utils.data.Dataset):
+    """Says it has `n` items, but item `bad` and after raise IndexError (a data set whose length is wrong)."""
+
+    def __init__(self, n: int = 64, bad: int = 16, width: int = 8):
+        self.n, self.bad, self.width = n, bad, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i >= self.bad:
+            raise IndexError(f"item {i} of {self.bad}")
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(self.width, generator=g), torch.randn(self.width, generator=g)
+
+
+def short_data(n: int = 64, bad: int = 16, width: int = 8) -> ShortData:
+    return ShortData(n, bad, width)
+
+
 class FailAfter(nn.Module):
     """Raises ValueError on its `calls`-th forward (counted per process)."""
 

@@ -13,6 +13,8 @@ from gpipe import contract
 from gpipe.contract import Cause, StageConfig, StageError, StepResult, classify
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import JobSpec, parse_spec
+from gpipe.factory import FactoryError
+from gpipe.skip import SkipError
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {
@@ -74,7 +76,9 @@ def test_a_step_result_gives_the_metrics_line_entry_in_its_order():
 
 
 @pytest.mark.parametrize(("error", "cause"), [
-    (ModuleNotFoundError("No module named 'x'"), Cause.IMPORT), (LookupError("no factory y"), Cause.IMPORT),
+    (ModuleNotFoundError("No module named 'x'"), Cause.IMPORT), (FactoryError("no factory y"), Cause.IMPORT),
+    # the job's own code raising a LookupError (a data set's index, a dict's key) is its error, not an import's
+    (IndexError("item 37"), Cause.RAISED), (KeyError("x"), Cause.RAISED), (SkipError("no skip"), Cause.RAISED),
     (TimeoutError("waited"), Cause.TIMEOUT), (ConnectionResetError("gone"), Cause.PEER),
     (MemoryError(), Cause.MEMORY), (ValueError("boom"), Cause.RAISED),
 ])

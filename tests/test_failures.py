@@ -42,6 +42,21 @@ def test_stage_that_raises_fails_the_job_naming_it(cli):
     assert "Traceback" in (cli.tmp / "state" / "f" / "logs" / "stage-1.log").read_text()
 
 
+def test_a_data_sets_own_index_error_fails_the_job_as_its_error_after_one_restart_not_as_an_import(cli):
+    """The job's data set raises IndexError at step 4 (items 16 on, of 4 a batch): the job's own error, which
+    one restart may cure, never the workers' failing to import its code."""
+    s = spec(model={"factory": "mlp", "args": {"width": 8, "depth": 3}},
+             data={"factory": "tests.models:short_data", "args": {"n": 64, "bad": 16}, "batch_size": 4},
+             max_restarts=1)
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data: step 4: IndexError: item 16"), last
+    assert "import" not in last, last
+    assert "RESTARTING" in r.stderr  # a RAISED error is given its one restart; an import failure is not
+    assert "Traceback" not in r.stderr
+
+
 def test_slow_stages_are_asked_what_they_do_and_are_not_taken_for_a_partition(cli):
     # Steps of about 1.2 s against peer_timeout_s 0.5: the coordinator asks the stages (over RPC) while no
     # step finishes; one of them is always computing, so the job trains on.

@@ -102,6 +102,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
             for j, i in enumerate(range(cfg.start, cfg.end)):
                 init.init_layer(layers[j], i, cfg.seed, hook)
         layers = layers.to(device)
+        capture.to_device(layers, device)  # a captured model built on the CPU names the CPU in its graphs
     if state is None:
         return layers
     own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
