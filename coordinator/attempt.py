@@ -6,8 +6,9 @@ is never reused. It plans the job first (a job that fails its checks writes
 nothing), then reports `Master` with the attempt's secret, and the supervisor
 tells each rank's worker to join, handing it the secret over the authenticated
 command stream. With --resume it starts from the newest checkpoint that verifies,
-passing over damaged or torn ones with a line each; without it, it starts over
-and drops an earlier run's metrics and checkpoints.
+passing over damaged or torn ones with a line each (at step 0 where none was
+committed; bad input, naming each, where every one committed is damaged);
+without it, it starts over and drops an earlier run's metrics and checkpoints.
 
 It reports to the supervisor in typed messages (gpipe.coordinator.report) on
 the stream that was its stdout; the model's own prints go to its log.
@@ -163,7 +164,10 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
 
     resume = None
     if a.resume:
-        resume = checkpoint.latest(checkpoint.folder(out), lambda line: tell(report.Log(line)))
+        try:
+            resume = checkpoint.latest(checkpoint.folder(out), lambda line: tell(report.Log(line)))
+        except checkpoint.NoUsableCheckpoint as e:  # starting over would drop them: the user decides
+            raise SpecError(str(e)) from None
         if resume is not None:
             tell(report.Log(f"resuming from checkpoint {resume.path.name} ({resume.path})"))
         else:

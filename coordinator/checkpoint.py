@@ -94,6 +94,10 @@ class BadCheckpoint(Exception):
     """A checkpoint that must not be loaded; the message says why in one line."""
 
 
+class NoUsableCheckpoint(BadCheckpoint):
+    """Checkpoints were committed, and none of them verifies; the message names each one and why."""
+
+
 # -- writing ------------------------------------------------------------------------------
 
 
@@ -478,16 +482,28 @@ def export_weights(ck: Loaded, path: Path, metadata: dict[str, str] | None = Non
 
 
 def latest(root: Path, say: Callable[[str], None]) -> Loaded | None:
-    """The newest checkpoint under `root` that verifies; each one passed over gets a line through `say`."""
+    """The newest checkpoint under `root` that verifies, each newer one passed over said in a line through `say`;
+    None where none was committed (no step directory, or only saves that did not finish). Where some were
+    committed and none verifies, NoUsableCheckpoint naming each one and why: starting over would drop them."""
     if not root.is_dir():
         return None
     dirs = []
     for d in root.iterdir():
         if (s := step_of(d)) is not None and d.is_dir():
             dirs.append((s, d))
+    passed: list[tuple[str, BadCheckpoint]] = []  # (step directory, why), newest first
     for _, d in sorted(dirs, reverse=True):
         try:
-            return load(d)
+            ck = load(d)
         except BadCheckpoint as e:
-            say(f"checkpoint {d.name} is not used: {e}")
+            passed.append((d.name, e))
+            continue
+        for name, why in passed:
+            say(f"checkpoint {name} is not used: {why}")
+        return ck
+    if any((d / MANIFEST).exists() for _, d in dirs):
+        each = "; ".join(f"{name} ({why})" for name, why in passed)
+        raise NoUsableCheckpoint(f"none of the {len(passed)} checkpoint(s) in {root} can be used: {each}")
+    for name, why in passed:  # saves that did not finish: no checkpoint was ever committed
+        say(f"checkpoint {name} is not used: {why}")
     return None

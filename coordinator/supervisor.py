@@ -75,6 +75,7 @@ WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker h
 COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 STOP_TIMEOUT_S = 30.0  # how long `stop` waits for a killed attempt to be reaped
+STOP_CHECKPOINT_S = 25.0  # how long `stop` waits for the checkpoint at the next step boundary, then kills
 # What a restart cannot fix: the job fails at once, saying why.
 FAIL_FAST = {Cause.DISK: "a disk error: a restart would meet the same disk",
              Cause.IMPORT: "the workers cannot import the job's code",
@@ -332,14 +333,24 @@ class Supervisor:
             self._set_state(e, JobState.STOPPED, f"stopped while {job.state.value.lower()}")
         elif attempt is not None:
             attempt.stopped = True
-            self._kill(attempt)
-            deadline = self.clock.monotonic() + STOP_TIMEOUT_S
-            while name in self.attempts:  # the attempt's task records STOPPED and frees the workers
-                if self.clock.monotonic() > deadline:
-                    raise TimeoutError(f"job {name!r}: its attempt did not end within {STOP_TIMEOUT_S:.0f}s "
-                                       "of being killed")
-                await asyncio.sleep(0.05)
+            if attempt.driving and attempt.process is not None:
+                attempt.process.preempt()  # as a preemption: a checkpoint at the next step boundary, then it ends
+                if await self._ended(name, STOP_CHECKPOINT_S):
+                    return job
+            self._kill(attempt)  # still planning (nothing newer to save), or its step outlasted the wait
+            if not await self._ended(name, STOP_TIMEOUT_S):
+                raise TimeoutError(f"job {name!r}: its attempt did not end within {STOP_TIMEOUT_S:.0f}s "
+                                   "of being killed")
         return job
+
+    async def _ended(self, name: str, wait_s: float) -> bool:
+        """Whether job `name`'s attempt ended within `wait_s` (its task records STOPPED and frees the workers)."""
+        deadline = self.clock.monotonic() + wait_s
+        while name in self.attempts:
+            if self.clock.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def resume(self, name: str) -> JobRecord:
         """Queue a FAILED or STOPPED job again, to resume from its last good checkpoint."""
@@ -758,7 +769,12 @@ class Supervisor:
         if self.shutting_down and not attempt.preempt:
             return
         if attempt.stopped:
-            self._set_state(e, JobState.STOPPED, "stopped while running")
+            if stopped_at is not None and code == 0:
+                job.checkpoint_step = max(job.checkpoint_step, stopped_at.step)
+                saved = f"checkpoint step-{stopped_at.step} taken at the step boundary"
+            else:
+                saved = f"{self._from(job)} stands"
+            self._set_state(e, JobState.STOPPED, f"stopped while running; {saved}")
         elif attempt.regrow and not (done and code == 0):
             e.shape = None
             self._set_state(e, JobState.RESTARTING, f"{_change(top, spec.topology)}: enough workers are back; "

@@ -133,12 +133,25 @@ def test_damage_is_caught_and_the_previous_checkpoint_is_used(tmp_path, name):
     assert len(said) == 1 and said[0].startswith("checkpoint step-4 is not used: ") and why in said[0]
 
 
-def test_no_good_checkpoint_is_none(tmp_path):
+def test_no_committed_checkpoint_is_none(tmp_path):
     assert checkpoint.latest(tmp_path / "absent", print) is None
     checkpoint.write(tmp_path, snap(2))
-    flip(tmp_path / "step-2")
+    (tmp_path / "step-2" / checkpoint.MANIFEST).unlink()  # a save that did not finish is no checkpoint
     said: list[str] = []
     assert checkpoint.latest(tmp_path, said.append) is None and len(said) == 1
+
+
+def test_committed_checkpoints_none_of_which_verifies_are_named_not_passed_over(tmp_path):
+    checkpoint.write(tmp_path, snap(2))
+    checkpoint.write(tmp_path, snap(4))
+    flip(tmp_path / "step-2")
+    (tmp_path / "step-4" / checkpoint.MANIFEST).unlink()
+    said: list[str] = []
+    with pytest.raises(checkpoint.NoUsableCheckpoint) as e:
+        checkpoint.latest(tmp_path, said.append)
+    assert said == []  # the error names them all, in one line
+    assert "\n" not in str(e.value) and "step-4 (no MANIFEST.json" in str(e.value)
+    assert "step-2 (stage-0.safetensors: sha256 does not match" in str(e.value)
 
 
 def test_prune_keeps_the_newest_and_drops_torn_older_ones(tmp_path):

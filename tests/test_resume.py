@@ -228,16 +228,28 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_previous_one(cli, finished)
 
 
 @pytest.mark.multiprocess
-def test_resume_with_every_checkpoint_damaged_starts_over(cli, finished):
+def test_resume_with_every_checkpoint_damaged_is_refused_naming_each_and_nothing_changes(cli, finished):
     src, s = finished
     shutil.copytree(src / "state", cli.tmp / "state")
     out = cli.tmp / "state" / "r"
     for d in (out / "checkpoints").iterdir():
         damage_flip(d)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and "logs" not in p.parts}
+    r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for step in (6, 9, 10):
+        assert re.search(rf"step-{step} \(stage-0.safetensors: sha256 does not match", r.stderr), r.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and "logs" not in p.parts} == before
+
+
+@pytest.mark.multiprocess
+def test_resume_with_no_checkpoint_starts_at_step_0(cli):
+    s = spec(model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=3, checkpoint_every=10)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
     assert r.returncode == 0, r.stderr
     assert "r: no checkpoint to resume from: starting at step 0" in r.stderr
-    assert max_diff(load_file(out / "model.safetensors"), reference.train(s)) <= 1e-6
+    assert max_diff(load_file(cli.tmp / "state" / "r" / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
 @pytest.mark.multiprocess

@@ -620,6 +620,49 @@ def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(shared):
     assert r.returncode == 2 and "only a FAILED or STOPPED job can be resumed" in r.stderr
 
 
+
+@pytest.mark.multiprocess
+def test_stop_checkpoints_at_the_step_boundary_and_resume_goes_on_from_there(shared):
+    spec = job("halted", model=SLOW, steps=30, checkpoint_every=100)  # no checkpoint but the one stop takes
+    out = submit_running(shared, "halted", 5, steps=30, checkpoint_every=100)
+    r = shared.client("stop", "halted")
+    assert r.returncode == 0 and "halted: STOPPED" in r.stderr, r.stderr
+    status = shared.client("status", "halted").stdout
+    at = int(re.search(r"stopped while running; checkpoint step-(\d+) taken at the step boundary", status)[1])
+    assert [s for a, s in steps_of(out) if a == 1] == list(range(at)), status  # every step done is in it
+    r = shared.client("submit", "--resume", "halted", "--follow", "--no-progress", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from checkpoint step-{at}" in r.stderr
+    assert [s for a, s in steps_of(out) if a == 2] == list(range(at, 30))  # no step ran twice
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+
+
+@pytest.mark.multiprocess
+def test_a_resume_whose_checkpoints_are_all_damaged_fails_naming_them_and_changes_nothing(shared):
+    out = submit_running(shared, "wrecked", 4, steps=30, checkpoint_every=2)
+    assert shared.client("stop", "wrecked").returncode == 0
+    ckpts = sorted((out / "checkpoints").iterdir())
+    assert ckpts
+    for d in ckpts:
+        f = d / "stage-0.safetensors"
+        f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
+
+    def files() -> dict:  # what the job has written, but its record and logs
+        return {p: p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and "logs" not in p.relative_to(out).parts and p.name != "job.json"}
+
+    before = files()
+    r = shared.client("submit", "--resume", "wrecked", "--follow", "--no-progress", timeout=120)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("wrecked: FAILED: none of the ") and "starting" not in r.stderr, r.stderr
+    for d in ckpts:
+        assert f"{d.name} (stage-0.safetensors: sha256 does not match" in last, last
+    assert "state:    FAILED" in shared.client("status", "wrecked").stdout
+    assert files() == before
+
 @pytest.mark.multiprocess
 def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_when_it_is_back(shared):
     # SIGSTOP freezes the daemon and its attempt process: to the coordinator, a worker cut off from the network.

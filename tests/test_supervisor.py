@@ -17,7 +17,14 @@ import pytest
 from gpipe.contract import Cause
 from gpipe.coordinator import report
 from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.supervisor import Launch, RankTaken, Supervisor, Worker, backoff_s
+from gpipe.coordinator.supervisor import (
+    STOP_CHECKPOINT_S,
+    Launch,
+    RankTaken,
+    Supervisor,
+    Worker,
+    backoff_s,
+)
 from gpipe.serde import Abort, JobRecord, JobState, Join
 
 
@@ -255,6 +262,33 @@ async def test_stop_and_resume(h):
     await h.sup.stop("k")
     assert pending.state == JobState.STOPPED
 
+
+
+async def test_stop_checkpoints_a_driving_attempt_at_the_step_boundary(h):
+    job = h.submit()
+    a = await started(h, job)
+    stopping = asyncio.ensure_future(h.sup.stop("j"))
+    await h.settle()
+    assert a.preempted and not a.killed and not stopping.done()  # asked for the step boundary's checkpoint
+    a.end(0, report.Preempted(3))
+    await h.settle()
+    await stopping
+    assert job.state == JobState.STOPPED and job.checkpoint_step == 3
+    assert "checkpoint step-3 taken at the step boundary" in job.history[-1].message
+    h.sup.resume("j")
+    assert "resuming from checkpoint step-3" in job.history[-1].message
+
+
+async def test_stop_kills_an_attempt_whose_step_outlasts_the_wait(h):
+    job = h.submit()
+    a = await started(h, job)
+    stopping = asyncio.ensure_future(h.sup.stop("j"))
+    await h.settle()
+    h.clock.advance(STOP_CHECKPOINT_S + 1)
+    await h.settle()
+    await stopping
+    assert a.preempted and a.killed
+    assert job.state == JobState.STOPPED and "the last good checkpoint stands" in job.history[-1].message
 
 async def test_a_rank_held_by_a_live_worker_is_refused_and_its_attempt_runs_on(h):
     job = h.submit()
