@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         "--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
         help=f"where <name>/ outputs go (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})",
     )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar or step lines (evaluations, checkpoints and states still show)")
     run.add_argument("--resume", action="store_true",
                      help="continue from the job's newest good checkpoint in the state dir (default: start over)")
     run.add_argument("--grace-s", type=float, default=25.0, metavar="SECONDS",
@@ -144,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--attach", action="store_true",
                    help="when serve has a job of that name with this very spec and code (submitted before, e.g. "
                         "by an earlier try of a Kubernetes Job), follow it instead of exit 2")
-    c.add_argument("--no-progress", action="store_true", help="with --follow: no progress bar or progress lines")
+    c.add_argument("--no-progress", action="store_true",
+                   help="with --follow: no progress bar or step lines (evaluations and states still show)")
     c.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
                    help="the largest job code archive to send: the folder of the job file, or the spec's working_dir "
                         f"(default {DEFAULT_CODE_MIB} MiB; serve has its own --max-code-mib)")

@@ -39,11 +39,11 @@ class Progress:
                   file=sys.stderr, flush=True)
 
     def evaluated(self, step: int | None, loss: float, samples: int) -> None:
-        """An evaluation after step `step`: a line of its own, and its loss on the progress line from now on."""
+        """An evaluation after step `step`: a line of its own (with no progress shown too: it is the job's
+        result, not progress), and its loss on the progress line from now on."""
         self.eval_loss = loss
-        if self.enabled:
-            after = f"after step {step + 1}/{self.total}" if step is not None else ""
-            self.write(f"eval {after}: loss {loss:.4f} over {samples:,} samples")
+        after = f"after step {step + 1}/{self.total}" if step is not None else ""
+        self.write(f"eval {after}: loss {loss:.4f} over {samples:,} samples")
 
     def restart(self, step: int) -> None:
         """Training (re)starts at `step`: a resumed attempt."""

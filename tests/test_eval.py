@@ -109,8 +109,19 @@ def runs(tmp_path_factory):
         left = end_leftovers(c)
         assert r.returncode == 0, r.stderr[-3000:]
         assert not left, f"processes left behind: {left}"
+        (c.tmp / "stderr.txt").write_text(r.stderr)  # what the user saw
         out[name] = c
     return out
+
+
+@pytest.mark.multiprocess
+def test_no_progress_prints_every_evaluation_and_no_step_line(runs):
+    seen = (runs["eval"].tmp / "stderr.txt").read_text().splitlines()
+    evals = [m for m in lines(runs["eval"].tmp / "st" / "e") if "eval_loss" in m]
+    shown = [x for x in seen if x.startswith("eval after step ")]
+    assert [int(x.split()[3].split("/")[0]) for x in shown] == [m["step"] + 1 for m in evals], seen
+    assert all(f"loss {m['eval_loss']:.4f} over 30 samples" in x for x, m in zip(shown, evals, strict=True))
+    assert not any(x.startswith("step ") for x in seen)  # no progress lines
 
 
 @pytest.mark.multiprocess
