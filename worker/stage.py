@@ -191,6 +191,9 @@ class Stage:
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
         self.grad_params = [p for p in params if id(p) not in finished_elsewhere]  # whose gradients it finishes
+        # Set by gpipe.Pipeline where stages of this replica share a parameter tensor: they all end their
+        # backward before any finishes a gradient (unscale, replicas' sum, clipping).
+        self.shares_tensors = False
         self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) \
             if params and optimizer else None
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
@@ -294,8 +297,13 @@ class Stage:
         self._doing("computing")
         self.run(*self._actions(len(sizes)), p, t_step)
         self._flush()
-        self._sum_tied()
+        if self.shares_tensors:
+            self._doing("waiting", "the other stages' backward into the parameters they share with this one")
+            self.transport.all_reduce(torch.zeros((), device=self.device), "pipeline")
+        # The replicas' sums first: each writes back the sum of this stage's own share of a tied weight's
+        # gradient, which the holders then add up (summed the other way round, the write-back lost the others').
         reduce_s = self._reduce_replicas()
+        self._sum_tied()
         t0 = time.perf_counter()
         skipped, grad_norm = self._finish_gradients()
         self._update(lr, skipped)
