@@ -13,8 +13,10 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from gpipe.capture import CaptureError
 from gpipe.factory import FactoryError
 from gpipe.schedule import place
+from gpipe.structure import StructureError
 
 if TYPE_CHECKING:
     from gpipe.coordinator.plan import Plan
@@ -204,6 +206,8 @@ def classify(e: BaseException) -> Cause:
     """The cause of an exception raised in a stage, by its type (never its message)."""
     if isinstance(e, ImportError | FactoryError):  # the job's code is missing or broken where it runs
         return Cause.IMPORT
+    if isinstance(e, StructureError | CaptureError):  # a value no cut can carry, a model export cannot capture
+        return Cause.INPUT
     if isinstance(e, TimeoutError):
         return Cause.TIMEOUT
     if isinstance(e, ConnectionError):

@@ -10,11 +10,13 @@ import pytest
 import yaml
 
 from gpipe import contract
+from gpipe.capture import CaptureError
 from gpipe.contract import Cause, StageConfig, StageError, StepResult, classify
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.factory import FactoryError
 from gpipe.skip import SkipError
+from gpipe.structure import StructureError
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {
@@ -79,6 +81,8 @@ def test_a_step_result_gives_the_metrics_line_entry_in_its_order():
     (ModuleNotFoundError("No module named 'x'"), Cause.IMPORT), (FactoryError("no factory y"), Cause.IMPORT),
     # the job's own code raising a LookupError (a data set's index, a dict's key) is its error, not an import's
     (IndexError("item 37"), Cause.RAISED), (KeyError("x"), Cause.RAISED), (SkipError("no skip"), Cause.RAISED),
+    # what no restart changes: a value that cannot cross a cut, a model that cannot be captured
+    (StructureError("a set"), Cause.INPUT), (CaptureError("branches on a value"), Cause.INPUT),
     (TimeoutError("waited"), Cause.TIMEOUT), (ConnectionResetError("gone"), Cause.PEER),
     (MemoryError(), Cause.MEMORY), (ValueError("boom"), Cause.RAISED),
 ])

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import gpipe
-from gpipe.capture import capture
+from gpipe.capture import capture, select_output
 from gpipe.factory import resolve
 from gpipe.precision import DTYPES, LossScaler
 from tests import reference
@@ -145,17 +145,21 @@ def one_device(spec: dict[str, Any], cuts: list[int]) -> nn.Module:
         batches = [torch.utils.data.default_collate([data[i] for i in range(s * BATCH, (s + 1) * BATCH)])
                    for s in range(STEPS)]
         micro = [reference.micro_batches(x, y, BATCH, CHUNKS, spec["replicas"]) for x, y in batches]
-        pieces = model if isinstance(model, nn.Sequential) else capture(model, micro[0][0][0]).pieces
-        assert len(pieces) == sum(cuts)
-        starts = set(itertools.accumulate(cuts[:-1]))
         half = DTYPES[spec["precision"]]
+        # fp32: the model itself; in half precision, the pieces the pipeline runs (a captured model's graph keeps
+        # the dtypes it was traced with, where the module's own code would follow autocast's).
+        pieces = model if isinstance(model, nn.Sequential) or half is None \
+            else capture(model, micro[0][0][0]).pieces
+        starts = set(itertools.accumulate(cuts[:-1]))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", init_scale=LossScaler.INIT, enabled=spec["precision"] == "fp16")
         for step in micro:
             for x, y, size in step:
                 out = x
+                if not isinstance(pieces, nn.Sequential):
+                    out = select_output(model(**x) if isinstance(x, dict) else model(x), None)
                 with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
-                    for i, piece in enumerate(pieces):
+                    for i, piece in enumerate(pieces if isinstance(pieces, nn.Sequential) else ()):
                         if half is not None and i in starts:
                             out = _half(out, half)
                         out = piece(out)
