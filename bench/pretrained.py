@@ -113,7 +113,7 @@ def main() -> None:
         out = tmp / "state" / "pretrained"
         plan = json.loads((out / "plan.json").read_text())
         last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
-        held = [s["params"] for s in plan["stages"]]
+        held = [s["parameters"] for s in plan["stages"]]
         print(f"\nbalance {plan['balance']} (blocks); per stage: parameters held, its share as float32 weights "
               "(W) and weights + gradients (W+G), its peak resident memory (the stage's own VmHWM), and "
               "the target 1.25 x (W+G) + 0.5 GB:")

@@ -162,8 +162,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
         "schedule": schedule_plan(spec.schedule, spec.stages, spec.chunks, spec.virtual_stages,
                                   step_waits(spec, [held for _, held in plan.tied_stages()])),
         "stages": [
-            {"stage": k, "layers": list(b), "params": sum(v.numel() for v in plan.stage_state(k).values()),
-             "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),
+            {"stage": k, "layers": list(b), "parameters": plan.stage_parameters(k), "modules": plan.stage_modules(k),
              **({"receives": cut} if (cut := plan.cut_lines()[k - 1:k] if k else []) else {}),
              **({"rank": top.worker_of(k)} if spec.virtual_stages > 1 else {}), **placement[top.worker_of(k)]}
             for k, b in enumerate(plan.bounds)

@@ -148,3 +148,17 @@ def test_a_job_with_deferred_batch_norm_resumed_mid_way_ends_as_uninterrupted(cl
     got = load_file(out / "model.safetensors")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
     assert compare(got, reference.train(spec)) <= 1e-5
+
+
+def test_plan_json_gives_each_stage_one_parameter_count_buffers_apart(tmp_path):
+    import json
+
+    from gpipe.coordinator.metrics import write_plan
+
+    plan = plan_of(stage_job(model={"factory": "tests.models:bn_net"}, stages=2, balance=[6, 6]))
+    write_plan(tmp_path, plan, [{}] * 2)
+    stages = json.loads((tmp_path / "plan.json").read_text())["stages"]
+    model = resolve("tests.models:bn_net")()
+    held = [sum(p.numel() for p in model[i].parameters()) for i in range(len(model))]
+    assert [s["parameters"] for s in stages] == [sum(held[:6]), sum(held[6:])]  # running statistics apart
+    assert all("params" not in s for s in stages)
