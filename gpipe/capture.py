@@ -236,19 +236,20 @@ def _dynamic_shapes(sample: Any) -> Any:
 
 def export(model: nn.Module, sample: Any) -> torch.export.ExportedProgram:
     """torch.export of `model` in training mode on one micro-batch `sample` (a tensor, or a dict of keyword
-    inputs), its batch and sequence dimensions dynamic. Refusals name the operation and what to do."""
+    inputs), its batch and sequence dimensions dynamic, with torch's own output held back. A refusal is one
+    line naming the operation, the user's file and line, and what to do where the forward is to blame
+    (gpipe.refusal)."""
+    from gpipe import refusal
+
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # training keeps no key/value cache (and export cannot return one)
     args, kwargs = ((), dict(sample)) if isinstance(sample, dict) else ((sample,), {})
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(sample))
+        with refusal.quiet():
+            return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(sample))
     except Exception as e:
-        what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(
-            f"model: torch.export cannot capture {type(model).__name__}: {type(e).__name__}: {what[:300]}; "
-            "move the cut, rewrite a branch on a tensor's value with torch.cond, or give an nn.Sequential"
-        ) from None
+        raise CaptureError(refusal.line(model, e)) from None
 
 
 def _device_of(sample: Any) -> torch.device:
@@ -259,10 +260,12 @@ def _device_of(sample: Any) -> torch.device:
 def _drop_metadata_checks(gm: fx.GraphModule) -> None:
     """Remove the dtype and device checks export wrote about the traced sample (_METADATA_CHECKS), so that a
     piece runs in any precision and on any device (`to_device` replaces the devices it names)."""
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target in _METADATA_CHECKS and not n.users:
-            gm.graph.erase_node(n)
-    gm.recompile()
+    for sub in gm.modules():  # the graph, and those nested in it (a no-grad region's, a higher-order op's)
+        if isinstance(sub, fx.GraphModule):
+            for n in list(sub.graph.nodes):
+                if n.op == "call_function" and n.target in _METADATA_CHECKS and not n.users:
+                    sub.graph.erase_node(n)
+            sub.recompile()
 
 
 def _stack(node: fx.Node) -> list[str]:

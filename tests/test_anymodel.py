@@ -397,3 +397,33 @@ def test_llama_with_a_mask_and_two_replicas_through_the_service_equals_one_devic
     assert set(got) == set(want.state_dict())
     worst = max((got[k] - v).abs().max().item() for k, v in want.state_dict().items())
     assert worst <= 1e-5, f"weights differ from one device by {worst}"
+
+
+def test_captured_pieces_name_no_traced_dtype_or_device_and_run_on_the_device_they_are_moved_to():
+    """Export writes the traced sample's dtype and device into the graph (checks, a factory's device=): the pieces
+    hold no such check, and `to_device` moves every device they name with them (here to the meta device, which
+    runs anything a device would, without data)."""
+    from torch import fx
+
+    from gpipe.capture import to_device
+
+    x = batches(1, 4, 10, mask=True)[0][0]
+    pieces = capture(fresh(models.llama), x).pieces
+
+    def named(t) -> list:
+        return [n for p in pieces.modules() if isinstance(p, fx.GraphModule) for n in p.graph.nodes
+                if any(isinstance(a, t) for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))]
+
+    checks = [n for p in pieces.modules() if isinstance(p, fx.GraphModule) for n in p.graph.nodes
+              if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    assert not checks
+    assert named(torch.device)  # arange and friends name the CPU they were traced on
+    pieces.to("meta")
+    to_device(pieces, torch.device("meta"))
+    assert all(d == torch.device("meta") for n in named(torch.device) for d in
+               torch.utils._pytree.tree_leaves((n.args, n.kwargs)) if isinstance(d, torch.device))
+    out = x if not isinstance(x, dict) else {k: v.to("meta") for k, v in x.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for piece in pieces:
+            out = piece(out)
+    assert out.device.type == "meta" and out.shape[:2] == x["input_ids"].shape
