@@ -7,6 +7,7 @@ over gloo, is the `run`s at the end of this file.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -231,6 +232,40 @@ def test_a_split_point_that_names_no_submodule_lists_the_nearest_names():
 def test_a_model_that_branches_on_a_tensor_value_is_refused_with_what_to_do():
     with pytest.raises(CaptureError, match="torch.export cannot capture Branchy.*torch.cond"):
         capture(models.Branchy(), torch.randn(2, 8), ["blocks.1"])
+
+
+BRANCHY = {"name": "br", "model": {"factory": "tests.models:Branchy", "split_points": ["blocks.1"]}, "stages": 2,
+           "chunks": 2, "data": {"factory": "random_regression", "batch_size": 4,
+                                 "args": {"n": 16, "in_features": 8, "out_features": 8}},
+           "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 2}
+
+
+def line_of(code: str) -> int:
+    """The line of Branchy.forward in tests/models.py that holds `code`."""
+    lines, start = inspect.getsourcelines(models.Branchy.forward)
+    return start + next(i for i, x in enumerate(lines) if code in x)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("verb", ["validate", "run"])
+def test_a_forward_torch_export_refuses_is_one_line_naming_the_model_s_file_and_line(cli, verb):
+    flags = ["--state-dir", "st", "--no-progress"] if verb == "run" else []
+    r = cli.run(verb, str(cli.write(BRANCHY)), *flags, timeout=180)
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()  # torch's warnings and partial graphs are not shown
+    assert f"tests/models.py, line {line_of('if x.sum() > 0')}" in line, line
+    assert "cannot capture Branchy" in line and "torch.cond" in line, line
+
+
+@pytest.mark.multiprocess
+def test_a_forward_that_fails_on_the_data_gets_no_advice_for_torch_export(cli):
+    spec = {**BRANCHY, "data": {**BRANCHY["data"], "args": {**BRANCHY["data"]["args"], "in_features": 7}}}
+    r = cli.run("validate", str(cli.write(spec)))
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "Branchy.forward failed on a micro-batch of the data" in line, line
+    assert f"tests/models.py, line {line_of('x = b(x)')}" in line, line
+    assert "torch.cond" not in line and "nn.Sequential" not in line, line
 
 
 def test_a_model_with_no_blocks_and_no_split_points_is_refused():
