@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,3 +97,40 @@ def test_the_readme_s_service_walkthrough_works_as_written_after_make_demo(cli):
     assert re.search(r"^checkpoint step-5: ", r.stdout, re.M) and r.stdout.splitlines()[-1].startswith("SUCCEEDED")
     assert (here / "gpipe-service" / "charlm" / "model.safetensors").exists()
     assert (demo / "metrics.jsonl").read_text() == '{"step": 0}\n'  # the demo's outputs untouched
+
+
+def test_pipeline_md_s_hugging_face_example_runs_as_written_and_gives_the_logits():
+    """docs/pipeline.md's Hugging Face block, its names given: loss_fn gets the logits tensor, pipe(x) returns
+    the batch's logits, as the model's own `.logits`; `output=` picks another of the output's tensors."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+    from torch.nn import functional as F
+
+    import gpipe
+    from tests import models
+
+    block, = (b for b in blocks((ROOT / "docs" / "pipeline.md").read_text(), "python") if "transformers" in b)
+    torch.manual_seed(0)
+    model = models.gpt2()
+    seen: list = []
+
+    def cross_entropy(logits, y):
+        seen.append(logits)
+        return F.cross_entropy(logits, y)
+
+    names = {"transformers": transformers, "gpipe": gpipe, "F": SimpleNamespace(cross_entropy=cross_entropy),
+             "config": model.config, "ids": torch.randint(0, 97, (4, 8)), "mask": torch.ones(4, 8, dtype=torch.long)}
+    exec(block, names)
+    assert [t.shape for t in seen] == [(7, 97)] * 4  # 4 micro-batches of 1: its logits, shifted by the block
+    pipe, x = names["pipe"], names["x"]
+    pipe.step(x, names["ids"], lambda out, y: seen.append(out) or out.sum())
+    assert isinstance(seen[-1], torch.Tensor) and seen[-1].shape == (1, 8, 97)  # what loss_fn receives
+    pipe.close()
+    built = names["model"]
+    built.eval()
+    assert torch.equal(names["logits"], built(**x).logits)
+    pipe = gpipe.Pipeline(built, stages=2, chunks=2, output="no_such")
+    with pytest.raises(KeyError, match="has no 'no_such'.*logits"):
+        pipe(x)
+    pipe.close()
