@@ -48,6 +48,7 @@ from gpipe.coordinator import report
 from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.coordinator.supervisor import Placement
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
+from gpipe.factory import enter_job_folder
 
 # Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
@@ -254,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evaluate", metavar="WEIGHTS", help="evaluate this safetensors file on the job's eval data; "
                    "train and write nothing")
     a = p.parse_args(argv)
+    for name in ("spec", "job_dir", "state_dir", "log", "evaluate"):  # as given, before the job's folder is entered
+        if getattr(a, name):
+            setattr(a, name, os.path.abspath(getattr(a, name)))
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _stopped)
     signal.signal(signal.SIGUSR1, lambda signum, frame: PREEMPTED.set())
     try:
+        enter_job_folder(a.job_dir)  # the job's factories run there, as on its workers
         stopped_at = None
         if a.evaluate:
             evaluate(a, tell)

@@ -345,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(spec, args)
         if args.command == "validate":
             from gpipe.coordinator.plan import make_plan
+            from gpipe.factory import enter_job_folder
 
+            enter_job_folder(job_dir)  # a process of this job's own: its factories run in its folder
             plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
             for k in range(len(plan.balance)):

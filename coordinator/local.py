@@ -42,8 +42,8 @@ class LocalWorker:
                                       self.agent.cores, self.agent.threads)
                 self.worker_id = w.id
                 while (cmd := await w.commands.get()) is not None:
-                    if isinstance(cmd, Join):
-                        await self.agent.join(cmd, self.log)
+                    if isinstance(cmd, Join):  # the job's folder on this machine: as a daemon's copy of its code
+                        await self.agent.join(cmd, self.log, self.sup.job_dir_of(cmd.attempt_id))
                     else:
                         await self.agent.abort(cmd.attempt_id)
                 await self.agent.abort(self.agent.attempt_id)

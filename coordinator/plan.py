@@ -255,7 +255,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
 
 
 def _open_weights(spec: JobSpec, job_dir: Path) -> Pretrained | None:
-    """model.weights, its files' headers read (relative to the job file's folder); None without it."""
+    """model.weights, its files' headers read (relative to the job's folder, `job_dir`); None without it."""
     if spec.model.weights is None:
         return None
     path = Path(spec.model.weights).expanduser()

@@ -173,7 +173,8 @@ class ModelSpec(_Spec):
         default=None, min_length=1, max_length=MAX_PATH_CHARS,
         description="Start from pretrained weights: a safetensors file, or a folder holding model.safetensors "
         "or a sharded model.safetensors.index.json (save_pretrained's, or a finished job's output folder), "
-        "relative to the job file's folder. Names are the model's own (an nn.Sequential's: its state_dict "
+        "relative to the job's folder (working_dir, else the job file's; under serve, its copy of the job's code). "
+        "Names are the model's own (an nn.Sequential's: its state_dict "
         "names); a tied weight is read once. Each stage is sent its own tensors only. A tensor missing, one "
         "more, or one of another shape or dtype is refused, naming it. A resumed job starts from its "
         "checkpoint instead.",
@@ -460,7 +461,8 @@ class JobSpec(_Spec):
         default=None, min_length=1, max_length=4096,
         description="The folder of the job's code, relative to the job file's folder: `submit` sends it with "
         "the job (serve keeps it, and its validation and every attempt on every worker import from it); `run` "
-        "and `validate` import from it. Default: the job file's folder.",
+        "and `validate` import from it. Every factory of the job runs with it as its working directory (on the "
+        "coordinator and every worker), so a relative path it opens is found there. Default: the job file's folder.",
     )
     exclude: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=256)] = Field(
         default_factory=list,

@@ -325,6 +325,11 @@ class Supervisor:
     def record(self, name: str) -> JobRecord:
         return self.jobs[name].record  # KeyError: no such job
 
+    def job_dir_of(self, attempt_id: str) -> Path | None:
+        """The folder of the code of the job whose attempt is `attempt_id` (None: no such attempt now)."""
+        attempt = next((a for a in self.attempts.values() if a.id == attempt_id), None)
+        return self.jobs[attempt.job].job_dir if attempt is not None else None
+
     async def stop(self, name: str) -> JobRecord:
         e = self.jobs[name]  # KeyError: no such job
         job = e.record

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 # Short names for the factories that ship with gpipe.
@@ -25,12 +27,33 @@ class FactoryError(LookupError):
 _own_code: list[str] = []  # this process's copy of the job's code (gpipe.code), when the job sent it
 
 
+def enter_job_folder(folder: str | Path) -> None:
+    """Make `folder`, the job's folder, this process's working directory, so that the job's factories find
+    a relative path (data/train.bin) in the job's folder wherever they run: under `run`, the job file's
+    folder (or its working_dir); under serve, the job's code unpacked, on the coordinator and every worker.
+    `model.weights` resolves against the same folder (coordinator.plan).
+
+    Once per process, and only in a process of the job's own (an attempt's coordinator or worker process,
+    validate): never in serve's, which runs many jobs. Paths the process was given relative to where it
+    started must be made absolute first. A folder that is not there is SpecError."""
+    # Imported here: gpipe.errors imports this module's FactoryError (through gpipe.contract).
+    from gpipe.errors import SpecError, describe_os_error
+
+    try:
+        os.chdir(folder)
+    except OSError as e:
+        raise SpecError(f"the job's folder: {describe_os_error(e, 'entering')}") from None
+
+
 def use_job_code(folder: str) -> None:
     """Import the job's modules from `folder`, this process's own copy of the job's code, and from no folder
-    a stage config names (the coordinator's copy: on another machine, or none at all)."""
+    a stage config names (the coordinator's copy: on another machine, or none at all); it is the process's
+    working directory too (enter_job_folder)."""
+    folder = os.path.abspath(folder)  # on sys.path: a relative one would follow the working directory
     _own_code[:] = [folder]
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    enter_job_folder(folder)
 
 
 def add_import_paths(paths: Sequence[str]) -> None:

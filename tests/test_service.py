@@ -83,6 +83,40 @@ def job_elsewhere(s: Service, name: str, **kw) -> tuple[Path, dict, str]:
     return folder / "job.yaml", {**spec, "model": {"factory": "tests.models:slow_mlp", "args": model}}, module
 
 
+# A job whose model (built on the coordinator and on every worker) and data read a file of its own folder by a
+# relative path: the width of job()'s mlp and random_regression.
+RELATIVE = '''"""The job's own model and data, sized by data/x.txt beside this file."""
+from pathlib import Path
+
+from gpipe.builtins import mlp, random_regression
+
+
+def width():
+    return int(Path("data/x.txt").read_text())
+
+
+def model():
+    return mlp(width=width(), depth=3)
+
+
+def dataset():
+    return random_regression(n=40, in_features=width(), out_features=width())
+'''
+
+
+def job_reading_relative_files(root: Path, name: str) -> tuple[Path, dict]:
+    """A job in root/<name>/ whose factories open data/x.txt there by a relative path; the job file, and the
+    same job with the builtin factories (the one-device reference's)."""
+    folder = root / name
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "x.txt").write_text("16\n")
+    module = f"relative_{name.replace('-', '_')}_{os.getpid()}"
+    (folder / f"{module}.py").write_text(RELATIVE)
+    spec = job(name, model={"factory": f"{module}:model"}, data={**job(name)["data"], "factory": f"{module}:dataset",
+                                                                   "args": {}})
+    (folder / "job.yaml").write_text(yaml.safe_dump(spec))
+    return folder / "job.yaml", job(name)
+
 class Service:
     """serve and its workers as real processes, each in its own process group."""
 
@@ -594,7 +628,7 @@ def test_a_lost_worker_that_comes_back_resumes_the_job_to_the_same_weights(share
 @pytest.mark.multiprocess
 def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(shared):
     spec = job("paused", model={"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
-               steps=24, checkpoint_every=3, restart_timeout_s=3)
+               steps=60, checkpoint_every=3, restart_timeout_s=3)  # not done before `stop` comes
     out = shared.state / "paused"
     assert shared.client("submit", str(shared.cli.write(spec))).returncode == 0
     shared.wait_for(lambda: (out / "checkpoints" / "step-6" / "MANIFEST.json").exists(), "checkpoint step-6", 90)
@@ -662,6 +696,30 @@ def test_a_resume_whose_checkpoints_are_all_damaged_fails_naming_them_and_change
         assert f"{d.name} (stage-0.safetensors: sha256 does not match" in last, last
     assert "state:    FAILED" in shared.client("status", "wrecked").stdout
     assert files() == before
+
+
+def weights_equal_one_device(out: Path, spec: dict) -> None:
+    got = load_file(out / "model.safetensors")
+    want = reference.train(spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_a_job_s_factories_open_relative_paths_in_its_folder_under_run_from_another_folder(cli):
+    path, spec = job_reading_relative_files(cli.tmp / "jobs", "rel-run")
+    assert path.parent != cli.tmp  # run from the test's folder, not the job's
+    for verb in (["validate"], ["run", "--state-dir", "st", "--no-progress"]):
+        r = cli.run(verb[0], str(path.relative_to(cli.tmp)), *verb[1:], timeout=180)
+        assert r.returncode == 0, r.stderr
+    weights_equal_one_device(cli.tmp / "st" / "rel-run", spec)
+
+
+@pytest.mark.multiprocess
+def test_a_job_s_factories_open_relative_paths_in_its_copy_under_serve(shared):
+    path, spec = job_reading_relative_files(shared.tmp / "jobs", "rel-serve")
+    r = shared.client("submit", str(path), "--follow", "--no-progress")
+    assert r.returncode == 0, r.stderr + shared.log("serve")
+    weights_equal_one_device(shared.state / "rel-serve", spec)
 
 @pytest.mark.multiprocess
 def test_a_worker_cut_off_is_dropped_after_its_heartbeats_and_the_job_resumes_when_it_is_back(shared):

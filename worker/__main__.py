@@ -3,9 +3,10 @@
 Started ahead of its attempt by its agent (gpipe.worker.agent), it imports
 torch and what building a stage needs, then waits for one line of JSON on
 stdin saying which attempt to join: {"rank", "world", "master", "host",
-"start_timeout_s", "log", "secret", "code_dir"} (code_dir: the worker's copy of
-the job's code, which the stage imports from; "" when the job sent none). So a join costs no import time. With arguments, it
-joins at once (`python -m gpipe.worker --rank N --world W --master H:P --host H`).
+"start_timeout_s", "log", "secret", "code_dir"} (code_dir: the job's folder, under serve this
+worker's copy of the job's code: the stage imports from it and runs in it, its working directory; "": none
+given). So a join costs no import time. With arguments, it joins at once
+(`python -m gpipe.worker --rank N --world W --master H:P --host H`).
 """
 
 import json
@@ -26,13 +27,13 @@ line = sys.stdin.readline()
 if not line:  # the agent went away before a join
     proc.exit_now(0)
 j = json.loads(line)
-if j.get("code_dir"):
-    from gpipe.factory import use_job_code
-
-    use_job_code(j["code_dir"])
-fd = os.open(j["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+fd = os.open(j["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # before the job's folder is entered
 os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)
+if j.get("code_dir"):
+    from gpipe.factory import use_job_code
+
+    use_job_code(j["code_dir"])  # its modules, and its folder as the working directory
 proc.exit_now(main(["--rank", str(j["rank"]), "--world", str(j["world"]), "--master", j["master"],
                     "--host", j["host"], "--start-timeout", str(j["start_timeout_s"])], secret=j["secret"]))
