@@ -245,11 +245,15 @@ def export(model: nn.Module, sample: Any) -> torch.export.ExportedProgram:
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # training keeps no key/value cache (and export cannot return one)
     args, kwargs = ((), dict(sample)) if isinstance(sample, dict) else ((sample,), {})
-    try:
-        with refusal.quiet():
+    with _capturing, refusal.quiet():
+        try:
             return torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(sample))
-    except Exception as e:
-        raise CaptureError(refusal.line(model, e)) from None
+        except (MemoryError, OSError, TimeoutError):  # the machine's, not the model's: restarts may help
+            raise
+        except Exception as e:
+            if type(e).__name__ == "OutOfMemoryError":
+                raise
+            raise CaptureError(refusal.line(model, e)) from None
 
 
 def _device_of(sample: Any) -> torch.device:

@@ -13,13 +13,15 @@ no rewrite for torch.export would fix).
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import re
+import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,20 +32,35 @@ _NOT_USER = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, __
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in [^\n]*)?\n[ \t]*([^\n]*)')
 
 
+class _Muted:
+    """sys.stderr while one thread captures: what that thread writes is dropped, any other thread's goes on."""
+
+    def __init__(self, under: Any, thread: int):
+        self._under, self._thread = under, thread
+
+    def write(self, text: str) -> int:
+        return len(text) if threading.get_ident() == self._thread else self._under.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._under, name)
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """torch's logging (every logger under `torch`, whatever its level) and this process's sys.stderr held back
-    for a while, and dropped."""
-    names = ["torch"] + [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.")]
+    """torch's logging (every logger under `torch`, whatever its level) held back for a while, and what this
+    thread writes to sys.stderr meanwhile dropped (other threads' output goes on)."""
+    names = ["torch"] + [n for n in list(logging.Logger.manager.loggerDict) if n.startswith("torch.")]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         if lg.name == "torch" or lg.level != logging.NOTSET:  # the others inherit torch's
             lg.setLevel(logging.CRITICAL + 1)
+    before = sys.stderr
+    sys.stderr = _Muted(before, threading.get_ident())
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
+        yield
     finally:
+        sys.stderr = before
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 

@@ -462,3 +462,43 @@ def test_captured_pieces_name_no_traced_dtype_or_device_and_run_on_the_device_th
         for piece in pieces:
             out = piece(out)
     assert out.device.type == "meta" and out.shape[:2] == x["input_ids"].shape
+
+
+def test_two_threads_capturing_at_once_both_get_their_pieces_and_another_threads_stderr_goes_on(capfd):
+    """A worker builds its two model chunks (interleaved-1f1b, zbv) on two threads: torch.export's tracing state
+    is process-wide, so the captures take turns; and what a third thread writes to stderr meanwhile is kept."""
+    import sys
+    import threading
+
+    x = batches(1, 4, 10)[0][0]["input_ids"]
+    start = threading.Barrier(3)
+    got: list = []
+    done = threading.Event()
+
+    def one() -> None:
+        model = fresh(models.gpt2)
+        start.wait(timeout=30)
+        try:
+            got.append(len(capture(model, x).pieces))
+        except Exception as e:  # what a corrupted trace raises: an AssertionError, a RuntimeError
+            got.append(e)
+
+    def chatter() -> None:
+        start.wait(timeout=30)
+        n = 0
+        while not done.is_set() or n < 3:
+            print(f"still here {n}", file=sys.stderr, flush=True)
+            n += 1
+            done.wait(0.05)
+
+    threads = [threading.Thread(target=one) for _ in range(2)] + [threading.Thread(target=chatter)]
+    for t in threads:
+        t.start()
+    for t in threads[:2]:
+        t.join(timeout=120)
+    done.set()
+    threads[2].join(timeout=10)
+    assert got == [4, 4]
+    err = capfd.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("still here")]
+    assert len(lines) >= 3 and lines == [f"still here {i}" for i in range(len(lines))]

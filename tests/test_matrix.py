@@ -90,9 +90,11 @@ def all_pairs(dimensions: dict[str, list[Any]], seeds: Iterable[dict[str, Any]] 
     return cases
 
 
-# Every model family x schedule through `run` (real processes), then whatever pairs are left.
-CASES = all_pairs(DIMENSIONS, ({"model": m, "schedule": s, "path": "run"}
-                               for m in DIMENSIONS["model"] for s in DIMENSIONS["schedule"]))
+# Every model family x schedule through `run` (real processes); GPT-2's tied weight with replicas under serve too
+# (the tied holders' sum and the replicas' once undid each other); then whatever pairs are left.
+CASES = all_pairs(DIMENSIONS, [*({"model": m, "schedule": s, "path": "run"}
+                                 for m in DIMENSIONS["model"] for s in DIMENSIONS["schedule"]),
+                               {"model": "gpt2", "replicas": 2, "path": "serve"}])
 
 
 def case_id(case: dict[str, Any]) -> str:

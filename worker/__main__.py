@@ -32,8 +32,13 @@ os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)
 if j.get("code_dir"):
+    from gpipe.errors import EXIT_BAD_INPUT, GpipeError
     from gpipe.factory import use_job_code
 
-    use_job_code(j["code_dir"])  # its modules, and its folder as the working directory
+    try:
+        use_job_code(j["code_dir"])  # its modules, and its folder as the working directory
+    except GpipeError as e:  # the folder is gone: one line in the stage's log, the input's exit code
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        proc.exit_now(EXIT_BAD_INPUT)
 proc.exit_now(main(["--rank", str(j["rank"]), "--world", str(j["world"]), "--master", j["master"],
                     "--host", j["host"], "--start-timeout", str(j["start_timeout_s"])], secret=j["secret"]))

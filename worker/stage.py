@@ -13,6 +13,8 @@ memory between threads of one process (gpipe.Pipeline).
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import resource
 import threading
 import time
@@ -40,6 +42,31 @@ from gpipe.turns import Turns
 from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.channel import gradient_message, gradients, wants_grad
 from gpipe.worker.skips import Routed, SkipLinks
+
+# A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
+# its capture (torch.export, seconds for a language model) are made once in a process, and every chunk takes a
+# copy of its own pieces from them. One model at a time: an attempt process serves one job.
+_skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor], nn.Sequential]] = {}
+_skeletons_lock = threading.Lock()
+
+
+def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[nn.Module, dict[str, torch.Tensor],
+                                                                               nn.Sequential]:
+    """(the model on the meta device, its buffers' built values, its pieces on the meta device), made once for
+    this process's model; read, never written (build_layers copies the pieces it takes)."""
+    args = cfg.capture
+    assert args is not None
+    key = json.dumps([cfg.model_factory, cfg.model_args, args], sort_keys=True, default=repr)
+    with _skeletons_lock:
+        hit = _skeletons.get(key)
+        if hit is None:
+            model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
+            device = next((t.device for t in model.parameters()), torch.device("cpu"))
+            pieces = capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
+                                     args["output"]).pieces
+            _skeletons.clear()
+            _skeletons[key] = hit = (model, buffers, pieces)
+        return hit
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -70,8 +97,9 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     layers = None
     try:
         if cfg.capture is not None:  # its buffers' values kept aside (gpipe.skeleton)
-            model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
-            layers = sliced(model)
+            model, buffers, pieces = _captured_skeleton(cfg, factory)
+            # A copy: a tied weight stays one tensor within it (deepcopy's memo), the cached pieces stay as made.
+            layers = copy.deepcopy(nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(cfg.start, cfg.end))))
         else:
             with torch.device("meta"):
                 layers = sliced(factory(**cfg.model_args))
