@@ -773,7 +773,7 @@ class Supervisor:
             self.wake.set()
         if self.shutting_down and not attempt.preempt:
             return
-        if attempt.stopped and not (done and code == 0):  # a job that ended while stop waited has SUCCEEDED
+        if attempt.stopped:
             if stopped_at is not None and code == 0:
                 job.checkpoint_step = max(job.checkpoint_step, stopped_at.step)
                 saved = f"checkpoint step-{stopped_at.step} taken at the step boundary"

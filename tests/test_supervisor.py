@@ -278,16 +278,6 @@ async def test_stop_checkpoints_a_driving_attempt_at_the_step_boundary(h):
     h.sup.resume("j")
     assert "resuming from checkpoint step-3" in job.history[-1].message
 
-async def test_a_job_that_ends_while_stop_waits_for_the_step_boundary_has_succeeded(h):
-    job = h.submit()
-    a = await started(h, job)
-    stopping = asyncio.ensure_future(h.sup.stop("j"))
-    await h.settle()
-    a.end(0, report.Done())  # its last step ended before the boundary's checkpoint was asked for
-    await h.settle()
-    await stopping
-    assert job.state == JobState.SUCCEEDED
-
 
 async def test_stop_kills_an_attempt_whose_step_outlasts_the_wait(h):
     job = h.submit()
