@@ -94,6 +94,22 @@ class Slow(nn.Module):
         return x
 
 
+class Gated(Slow):
+    """Slow only while the file `gate` exists: a job a test can hold at a slow pace, then let run."""
+
+    def __init__(self, seconds: float, gate: str):
+        super().__init__(seconds)
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if os.path.exists(self.gate) else x
+
+
+def gated_mlp(gate: str, width: int = 8, seconds: float = 0.05, blocks: int = 2) -> nn.Sequential:
+    """slow_mlp's layers, slow while the file `gate` exists (an absolute path)."""
+    return nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), Gated(seconds, gate))])
+
+
 def slow_mlp(width: int = 8, seconds: float = 0.05, blocks: int = 2) -> nn.Sequential:
     """`blocks` x (Linear, Slow(seconds))."""
     return nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), Slow(seconds))])

@@ -553,7 +553,7 @@ def steps_of(out) -> list[tuple[int, int]]:
 def submit_running(s: Service, name: str, after: int, **kw) -> Path:
     """Submit a slow job `name` and wait until it has logged step `after`; its output folder. Its steps take about
     0.2 s, so that what the test does next lands seconds before the last step, on a loaded machine too."""
-    spec = job(name, model=SLOW, **kw)
+    spec = job(name, **{"model": SLOW, **kw})
     out = s.state / name
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
     s.wait_for(lambda: len(steps_of(out)) > after, f"step {after}", 90)
@@ -657,17 +657,23 @@ def test_a_stopped_job_resumes_on_request_and_a_missing_rank_times_out(shared):
 
 @pytest.mark.multiprocess
 def test_stop_checkpoints_at_the_step_boundary_and_resume_goes_on_from_there(shared):
-    spec = job("halted", model=SLOW, steps=30, checkpoint_every=100)  # no checkpoint but the one stop takes
-    out = submit_running(shared, "halted", 5, steps=30, checkpoint_every=100)
+    # Slow (0.2 s a step) until stop has landed, however long the `stop` client takes to start; then fast.
+    gate = shared.tmp / "halted.gate"
+    gate.touch()
+    model = {"factory": "tests.models:gated_mlp", "args": {"gate": str(gate), "width": 16, "seconds": 0.05}}
+    kw = {"model": model, "steps": 200, "checkpoint_every": 1000}  # no checkpoint but the one stop takes
+    spec = job("halted", **kw)
+    out = submit_running(shared, "halted", 5, **kw)
     r = shared.client("stop", "halted")
     assert r.returncode == 0 and "halted: STOPPED" in r.stderr, r.stderr
     status = shared.client("status", "halted").stdout
     at = int(re.search(r"stopped while running; checkpoint step-(\d+) taken at the step boundary", status)[1])
     assert [s for a, s in steps_of(out) if a == 1] == list(range(at)), status  # every step done is in it
+    gate.unlink()
     r = shared.client("submit", "--resume", "halted", "--follow", "--no-progress", timeout=120)
     assert r.returncode == 0, r.stderr
     assert f"resuming from checkpoint step-{at}" in r.stderr
-    assert [s for a, s in steps_of(out) if a == 2] == list(range(at, 30))  # no step ran twice
+    assert [s for a, s in steps_of(out) if a == 2] == list(range(at, 200))  # no step ran twice
     got = load_file(out / "model.safetensors")
     want = reference.train(spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
