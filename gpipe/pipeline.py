@@ -210,13 +210,18 @@ class Pipeline:
             # Replica 0 is the model's own parameters; a copy of the whole model keeps a tied weight one tensor.
             own = model if r == 0 else copy.deepcopy(model)
             first_holder: dict[int, int] = {}  # a parameter shared by stages: the first finishes its gradient
-            shared = False
+            for k, (start, end) in enumerate(self.bounds):
+                for i in range(start, end):
+                    for p in own[i].parameters():
+                        first_holder.setdefault(id(p), k)
+            # A parameter used by two stages is one tensor here (GPT-2's embedding and head).
+            shared = any(first_holder[id(p)] != k for k, (start, end) in enumerate(self.bounds)
+                         for i in range(start, end) for p in own[i].parameters())
             for k, (start, end) in enumerate(self.bounds):
                 layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
                 layers = layers.to(self._device(k))  # in place: the model's own parameters, on the stage's device
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
-                elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder.setdefault(id(p), k) != k)
-                shared |= bool(elsewhere)
+                elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder[id(p)] != k)
                 cfg = StageConfig(
                     stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
@@ -224,15 +229,10 @@ class Pipeline:
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
                 transport = self._hub.transport(k, r, self._device(k))
                 stage = Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng,
-                              finished_elsewhere=elsewhere)
+                              finished_elsewhere=elsewhere, shares_tensors=shared)
                 if self._turns:
                     stage.turns = self._turns[r][self._worker(k)]
                 self._stages.append(stage)
-            if shared:
-                # A parameter used by two stages is one tensor here: its first holder finishes its gradient
-                # only once every holder has added to it (a split backward's W may come after that holder's).
-                for stage in self._stages[-stages:]:
-                    stage.shares_tensors = True
 
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:

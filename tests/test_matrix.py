@@ -148,23 +148,25 @@ def one_device(spec: dict[str, Any], cuts: list[int]) -> nn.Module:
                    for s in range(STEPS)]
         micro = [reference.micro_batches(x, y, BATCH, CHUNKS, spec["replicas"]) for x, y in batches]
         half = DTYPES[spec["precision"]]
-        # fp32: the model itself; in half precision, the pieces the pipeline runs (a captured model's graph keeps
-        # the dtypes it was traced with, where the module's own code would follow autocast's).
-        pieces = model if isinstance(model, nn.Sequential) or half is None \
-            else capture(model, micro[0][0][0]).pieces
+        # The layers cut at the chunks' bounds: an nn.Sequential's own; a captured model's pieces in half precision
+        # (its graph keeps the dtypes it was traced with, where the module's own code would follow autocast's);
+        # in fp32, no cut rounds anything: the model itself (None).
+        pieces = model if isinstance(model, nn.Sequential) else \
+            capture(model, micro[0][0][0]).pieces if half is not None else None
         starts = set(itertools.accumulate(cuts[:-1]))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", init_scale=LossScaler.INIT, enabled=spec["precision"] == "fp16")
         for step in micro:
             for x, y, size in step:
                 out = x
-                if not isinstance(pieces, nn.Sequential):
+                if pieces is None:
                     out = select_output(model(**x) if isinstance(x, dict) else model(x), None)
-                with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
-                    for i, piece in enumerate(pieces if isinstance(pieces, nn.Sequential) else ()):
-                        if half is not None and i in starts:
-                            out = _half(out, half)
-                        out = piece(out)
+                else:
+                    with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
+                        for i, piece in enumerate(pieces):
+                            if half is not None and i in starts:
+                                out = _half(out, half)
+                            out = piece(out)
                 scaler.scale(loss_fn(out.float(), y) * size / BATCH).backward()
             scaler.step(opt)
             scaler.update()

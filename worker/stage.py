@@ -61,12 +61,18 @@ def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[n
         hit = _skeletons.get(key)
         if hit is None:
             model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
-            device = next((t.device for t in model.parameters()), torch.device("cpu"))
-            pieces = capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
-                                     args["output"]).pieces
+            pieces = _pieces(model, args)
             _skeletons.clear()
             _skeletons[key] = hit = (model, buffers, pieces)
         return hit
+
+
+def _pieces(model: nn.Module, args: dict[str, Any]) -> nn.Sequential:
+    """A model that is not an nn.Sequential as the pieces gpipe.capture cuts it into, captured on the device of
+    its parameters (the meta device for a skeleton)."""
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    return capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
+                           args["output"]).pieces
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -86,11 +92,8 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     per_layer = state is None and cfg.init == "per_layer"
 
     def sliced(model: nn.Module) -> nn.Sequential:
-        if cfg.capture is not None:  # not an nn.Sequential: the pieces gpipe.capture cuts it into
-            device = next((t.device for t in model.parameters()), torch.device("cpu"))
-            args = cfg.capture
-            model = capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
-                                    args["output"]).pieces
+        if cfg.capture is not None:
+            model = _pieces(model, cfg.capture)
         assert isinstance(model, nn.Sequential)
         return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
 
@@ -197,10 +200,12 @@ class Stage:
 
     def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor] | nn.Sequential,
                  resume: StageState | None = None, transport: Transport | None = None, optimizer: bool = True,
-                 shared_rng: SharedGenerators | None = None, finished_elsewhere: frozenset[int] = frozenset()):
+                 shared_rng: SharedGenerators | None = None, finished_elsewhere: frozenset[int] = frozenset(),
+                 shares_tensors: bool = False):
         """`finished_elsewhere`: ids of parameters this stage shares with an earlier stage of this process (one
-        tensor, tied): that stage, whose last backward comes after this one's, unscales, clips and sums their
-        gradients once."""
+        tensor, tied): that stage unscales, clips and sums their gradients once. `shares_tensors`: stages of this
+        replica share a parameter tensor (gpipe.Pipeline); they all end their backward before any finishes a
+        gradient (a split backward's W may come after the first holder's last backward)."""
         self.cfg = cfg
         self.rank = cfg.rank
         self.mb_offset = cfg.replica * cfg.chunks  # replica r's micro-batch i is the step's r*chunks+i
@@ -219,9 +224,7 @@ class Stage:
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
         self.grad_params = [p for p in params if id(p) not in finished_elsewhere]  # whose gradients it finishes
-        # Set by gpipe.Pipeline where stages of this replica share a parameter tensor: they all end their
-        # backward before any finishes a gradient (unscale, replicas' sum, clipping).
-        self.shares_tensors = False
+        self.shares_tensors = shares_tensors
         self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) \
             if params and optimizer else None
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
