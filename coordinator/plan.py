@@ -28,6 +28,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.init import uninitialisable
 from gpipe.precision import unsupported
 from gpipe.show import first_line
+from gpipe.worker.channel import backend_of, encode
 
 
 @dataclass
@@ -230,9 +231,10 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
             f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
         raise SpecError(f"stages: {cut} but the model has only {layers} {what}")
-    skips = probe(model, xs[0], ys[0], loss_fn) if spec.probe and captured is None else {}
+    backend = backend_of(spec.device)  # what carries the cuts: their dtypes are checked against it
+    skips = probe(model, xs[0], ys[0], loss_fn, backend) if spec.probe and captured is None else {}
     if captured is not None and spec.probe:
-        _probe_captured(model, xs[0], ys[0], loss_fn)
+        _probe_captured(model, xs[0], ys[0], loss_fn, backend, captured.modules)
     fits = balance_of is not None and len(balance_of) == spec.model_chunks and sum(balance_of) == layers
     if captured is not None and spec.model.split_points:
         balance, costs, by = capture.balance_of_cuts(captured.cuts, layers), None, "spec"
@@ -290,9 +292,11 @@ def _device_of(model: nn.Module) -> torch.device:
     return next((t.device for t in model.parameters()), torch.device("cpu"))
 
 
-def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
+def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any], backend: str,
+                    modules: list[list[str]]) -> None:
     """The first samples of the first micro-batch through the pieces and the loss, changing nothing: a model
-    whose capture does not run, or whose output the loss cannot take, is refused before any worker starts."""
+    whose capture does not run, whose output the loss cannot take, or that sends between its pieces what
+    cannot cross a cut over `backend` (a dtype it does not carry), is refused before any worker starts."""
     from gpipe import structure
 
     meta = any(t.is_meta for t in pieces.parameters())  # built on the meta device: the probe runs there too
@@ -300,8 +304,20 @@ def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[An
     buffers = [(b, b.clone()) for b in pieces.buffers()]
     try:
         with torch.random.fork_rng():
-            loss = loss_fn(pieces(x), y)
+            out = x
+            for k, piece in enumerate(pieces):
+                out = piece(out)
+                if k < len(pieces) - 1:  # what crosses to piece k+1, where a stage may end
+                    try:
+                        encode(0, out, (), backend)
+                    except ValueError as e:
+                        before = modules[k + 1][0] if modules[k + 1] else f"piece {k + 1}"
+                        raise SpecError(f"model: the cut before {before} (piece {k + 1}) would carry "
+                                        f"{structure.describe(out)}: {e}") from None
+            loss = loss_fn(out, y)
             loss.backward()
+    except SpecError:
+        raise
     except Exception as e:
         raise SpecError(f"model: the captured model on the first micro-batch: {first_line(e)}") from None
     finally:

@@ -4,7 +4,8 @@ Before anything starts (`validate`, and every `run` and `submit`), the model
 runs on the CPU of the host that validates, on a copy of its initial weights,
 with at most PROBE_SAMPLES samples of the first micro-batch. Every layer
 boundary is treated as a cut: what a layer returns goes through the wire
-format's checks (gpipe.worker.channel.encode) and reaches the next layer as
+format's checks (gpipe.worker.channel.encode, with the dtypes the job's backend
+carries: gloo on the CPU, NCCL on CUDA) and reaches the next layer as
 the stage would receive it, detached, requiring grad where it wants a
 gradient back; the backward then runs layer by layer with the gradients the
 stages would send. So a model that cannot be pipelined fails here, naming the
@@ -59,8 +60,9 @@ class _Skip:
 class Recorder(skip.Context):
     """The probe's skip context: records the routes and refuses a pop with no stash or a name stashed twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "gloo") -> None:
         super().__init__()
+        self.backend = backend  # what carries a skip between stages (gpipe.worker.channel.CARRIES)
         self.layer = 0
         self.skips: dict[str, _Skip] = {}
 
@@ -69,7 +71,7 @@ class Recorder(skip.Context):
             raise skip.SkipError(f"layers {self.skips[name].stashed_by} and {self.layer} both stash {name!r}: "
                                  "a name is stashed once per forward")
         try:
-            encode(0, tensor, [tensor.is_floating_point()])
+            encode(0, tensor, [tensor.is_floating_point()], self.backend)
         except ValueError as e:
             raise skip.SkipError(f"layer {self.layer} stashes {name!r}, {structure.describe(tensor)}, which cannot "
                                  f"travel between stages: {e}") from None
@@ -112,15 +114,16 @@ def probe_eval(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn) -> No
         raise SpecError(f"eval.data: its first samples do not fit the model or the loss: {first_line(e)}") from None
 
 
-def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn) -> dict[str, tuple[int, int]]:
+def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn,
+          backend: str = "gloo") -> dict[str, tuple[int, int]]:
     """Run micro-batch (x, target) through `model` as the stages would; return the skip routes.
 
     SpecError naming the layer and what it received when a layer fails, or
-    returns what cannot cross a cut, or the loss or a backward fails.
+    returns what cannot cross a cut over `backend` (its dtype named), or the loss or a backward fails.
     """
     x, target = _first_samples(x, target)
     model = copy.deepcopy(model).cpu().train()  # the plan's model holds the initial weights: leave it be
-    rec = Recorder()
+    rec = Recorder(backend)
     inputs, outputs, wants_of = [], [], []
     with torch.random.fork_rng(), skip.use(rec):
         torch.manual_seed(0)
@@ -139,7 +142,7 @@ def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn) -> dict[st
                 break
             wants = wants_grad(y, checkpointed=False)
             try:
-                encode(0, y, wants)
+                encode(0, y, wants, backend)
             except ValueError as e:
                 raise SpecError(f"model: {what} returned {structure.describe(y)}, which cannot cross to layer "
                                 f"{i + 1}: {e}") from None

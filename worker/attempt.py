@@ -26,11 +26,11 @@ import threading
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from gpipe import net
 from gpipe.topology import rpc_name
+from gpipe.worker.c10d import World
 from gpipe.worker.stage_server import StageServer
 
 SECRET_ENV = "GPIPE_ATTEMPT_SECRET"
@@ -65,6 +65,5 @@ def main(argv: list[str] | None = None, secret: str | None = None) -> int:
         rpc_name(a.rank), rank=a.rank + 1, world_size=a.world + 1, rpc_backend_options=opts)
     rpc.shutdown()  # waits until the coordinator is done with every stage
     StageServer.close_all()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    World.leave()  # the data plane's groups and communicators (NCCL's) end with the attempt
     return 0

@@ -15,11 +15,20 @@ worker) goes in memory (gpipe.transport.Hub). A sum among stages (the clipping
 norm, the inf check, a tied weight) is taken first among the worker's chunks,
 then once per worker over c10d. Forming the world may take start_timeout_s,
 each step's waits step_timeout_s.
+
+The world forms whole at the attempt's start, warmed: after its groups, every
+link and every sum this worker will take part in makes a first tiny exchange
+(`World._warm`), so NCCL builds its communicators here, not inside step 1, and
+a peer that never comes, or that this worker cannot reach (a wrong network
+interface), fails the start within start_timeout_s, named with its address.
+At the attempt's end `World.leave` destroys the groups and their communicators.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -28,15 +37,17 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe.contract import StageConfig
-from gpipe.net import client_store
+from gpipe.net import client_store, route_source
 from gpipe.rng import SharedGenerators
+from gpipe.show import first_line
 from gpipe.topology import Topology
 from gpipe.transport import Among, GradSum, Hub, Inbound, Lane, Op, Outbound
 from gpipe.turns import Turns
-from gpipe.worker.channel import Receiver, Sender, backstop_s
+from gpipe.worker.channel import Receiver, Sender, backend_of, backstop_s
 from gpipe.worker.reducer import GradReducer
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+JOINED_KEY = "joined/"  # + rank, in the data plane's store: that worker reached it, from this address
 
 
 class World:
@@ -53,20 +64,100 @@ class World:
                 cls._current = cls(cfg, device)
             return cls._current
 
+    @classmethod
+    def leave(cls) -> None:
+        """End this process's data plane (the attempt's end): every process group, and with it its
+        communicators, destroyed now rather than left to the process's exit."""
+        with cls._lock:
+            cls._current = None
+            _destroy()
+
     def __init__(self, cfg: StageConfig, device: torch.device):
         self.key = (cfg.store_host, cfg.store_port)
-        self.cfg, chunks, virtual = cfg, cfg.stages, cfg.virtual_stages
-        top = self.topology = Topology(cfg.workers, cfg.replicas, virtual, cfg.schedule)
-        me = self.me = cfg.rank
-        backend = self.backend = "nccl" if device.type == "cuda" else "gloo"
-        start, step = timedelta(seconds=cfg.start_timeout_s), timedelta(seconds=cfg.step_timeout_s)
+        self.cfg, self.device = cfg, device
+        self.topology = Topology(cfg.workers, cfg.replicas, cfg.virtual_stages, cfg.schedule)
+        self.me = cfg.rank
+        self.backend = backend_of(device)
+        self._start = timedelta(seconds=cfg.start_timeout_s)
+        # (group, its timeout once warmed: None the world's), set after the warm-up, which the start's bounds
+        self._steady: list[tuple[dist.ProcessGroup | None, timedelta]] = []
+        self._peer: int | None = None  # the rank the warm-up waits for now
+        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
+        store.set(f"{JOINED_KEY}{self.me}", self._address())
+        self._bounded(store)
+        for group, timeout in self._steady:
+            _set_pg_timeout(timeout, group)
+        # What stays within the worker: cuts between its own chunks, and the first round of each sum.
+        self.local = Hub(cfg.stages, 1, cfg.step_timeout_s)
+        self.turns = Turns() if cfg.virtual_stages > 1 else None  # its chunks compute one action at a time, in order
+        self.rng = SharedGenerators() if cfg.virtual_stages > 1 else None  # and share the process's generators
+
+    def _address(self) -> str:
+        """This worker's address as its peers would reach it: its route to the store's host."""
+        try:
+            return route_source(self.cfg.store_host)
+        except (ValueError, OSError):
+            return "an unknown address"
+
+    def _bounded(self, store: dist.Store) -> None:
+        """Form the groups and warm them, on a thread, for at most start_timeout_s: a peer that never joins or
+        cannot be reached fails the start naming it (`_failure`), whatever c10d or NCCL would wait for."""
+        failed: list[BaseException] = []
+
+        def form() -> None:
+            try:
+                self._form(store, deadline)
+            except BaseException as e:
+                failed.append(e)
+
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        thread = threading.Thread(target=form, name="data-plane-start", daemon=True)
+        thread.start()
+        thread.join(self.cfg.start_timeout_s + 1.0)  # past c10d's own deadlines, so theirs say what they met
+        if thread.is_alive() or failed:
+            if not thread.is_alive():  # what formed goes: this process may try again
+                with contextlib.suppress(Exception):
+                    _destroy(abort=True)
+            raise self._failure(store, failed[0] if failed else None, time.monotonic() >= deadline) from None
+
+    def _failure(self, store: dist.Store, error: BaseException | None, late: bool) -> Exception:
+        """One line for a start that failed: the ranks that never joined, or the peer the warm-up waited for."""
+        s = self.cfg.start_timeout_s
+        joined: dict[int, str] = {}
+        for rank in range(self.topology.world):
+            with contextlib.suppress(Exception):
+                if store.check([f"{JOINED_KEY}{rank}"]):
+                    joined[rank] = store.get(f"{JOINED_KEY}{rank}").decode()
+        missing = [r for r in range(self.topology.world) if r not in joined]
+        said = f": {first_line(error)}" if error is not None else ""
+        if missing:
+            who = ", ".join(self._who(r) for r in missing)
+            return TimeoutError(f"the data plane did not form within {s:.0f}s: {who} never joined it")
+        if self._peer is not None:
+            what = (f"the data plane did not form within {s:.0f}s: no first exchange with "
+                    f"{self._who(self._peer, joined.get(self._peer))}{said}; check that the workers reach each "
+                    f"other on the {self.backend} interface (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
+            return TimeoutError(what) if late else ConnectionError(what)
+        what = f"the data plane did not form within {s:.0f}s{said}"
+        return TimeoutError(what) if late else ConnectionError(what)
+
+    def _who(self, rank: int, address: str | None = None) -> str:
+        """'rank 1 (stage 1 of replica 0, at 10.0.0.5)'."""
+        top = self.topology
+        kind = "stage" if self.cfg.virtual_stages == 1 else "worker"
+        at = f", at {address}" if address else ""
+        return f"rank {rank} ({kind} {top.stage_of(rank)} of replica {top.replica_of(rank)}{at})"
+
+    def _form(self, store: dist.Store, deadline: float) -> None:
+        """The world's groups (see the module's docstring), then their warm-up."""
+        cfg, top, me, backend = self.cfg, self.topology, self.me, self.backend
+        chunks, virtual = cfg.stages, cfg.virtual_stages
+        step = timedelta(seconds=cfg.step_timeout_s)
         # A lane's transfers are posted ahead of the stage's wait for them (worker/channel.py), so the group's
         # own deadline (NCCL's watchdog counts from the post) is the channel's backstop, past the stage's.
         lane = timedelta(seconds=backstop_s(cfg.step_timeout_s))
-        self._start = start
-        store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
-        dist.init_process_group(backend, store=store, rank=me, world_size=top.world, timeout=start)
-        _set_pg_timeout(step, None)  # formed: a collective of every rank waits at most a step's timeout
+        dist.init_process_group(backend, store=store, rank=me, world_size=top.world, timeout=self._start)
+        self._steady.append((None, step))  # formed: a collective of every rank waits at most a step's timeout
         worker = self.worker_of
         self.mine = [g for g in range(chunks) if worker(g) == cfg.worker]  # the model chunks this worker holds
         every_worker = list(range(top.stages))
@@ -89,9 +180,9 @@ class World:
         if top.replicas > 1:
             for g in range(chunks):
                 ranks = top.stage_ranks(worker(g))
-                group = dist.new_group(ranks, backend=backend, timeout=start)
+                group = dist.new_group(ranks, backend=backend, timeout=self._start)
                 if me in ranks:
-                    _set_pg_timeout(step, group)
+                    self._steady.append((group, step))
                     self.copies[g] = group
         # Tied weights: the workers that hold a copy of one sum its gradient (a group per set of holders).
         self.tied: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -103,10 +194,47 @@ class World:
             if worker(a) != worker(b):
                 self.lanes["skip", a, b] = self._per_replica(sorted({worker(a), worker(b)}), lane)
                 self.lanes["skip-gradient", a, b] = self._per_replica(sorted({worker(a), worker(b)}), lane)
-        # What stays within the worker: cuts between its own chunks, and the first round of each sum.
-        self.local = Hub(chunks, 1, cfg.step_timeout_s)
-        self.turns = Turns() if virtual > 1 else None  # its chunks compute one action at a time, in order
-        self.rng = SharedGenerators() if virtual > 1 else None  # and share the process's generators
+        self._warm(deadline)
+
+    def _warm(self, deadline: float) -> None:
+        """A first tiny exchange on each link and each sum this worker takes part in, so that their
+        communicators form now. Every rank goes through them in one order (the lanes' keys, then the sums), each
+        taking those it is in: the first exchange any rank waits on then has all its ranks at it, so none waits
+        for a rank that waits for it."""
+        top, me, cfg = self.topology, self.me, self.cfg
+        replica = top.replica_of(me)
+        one = torch.zeros(1, device=self.device)
+
+        def left() -> timedelta:  # the start's time left (on NCCL the thread's bound is the one that holds)
+            return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+        for (_, a, b), group in sorted(self.lanes.items()):
+            first, second = top.rank(replica, self.worker_of(a)), top.rank(replica, self.worker_of(b))
+            if me not in (first, second):
+                continue
+            self._peer = second if me == first else first
+            work = dist.isend(one, second, group=group) if me == first else dist.irecv(one, first, group=group)
+            assert work is not None  # this rank is in `group`
+            work.wait(left())
+        # The sums the stages take (worker/stage.py): the job's (fp16's overflow check) and the pipeline's
+        # (the clipping norm), over the world when there is one replica; the replicas' gradients; tied weights.
+        sums: list[tuple[dist.ProcessGroup | None, list[int]]] = []
+        if cfg.precision == "fp16" or (cfg.clip_grad_norm is not None and self.pipeline is None):
+            sums.append((None, top.ranks()))
+        if cfg.clip_grad_norm is not None and self.pipeline is not None:
+            sums.append((self.pipeline, top.replica_ranks(replica)))
+        for _, group in sorted(self.copies.items()):
+            sums.append((group, top.stage_ranks(top.stage_of(me))))
+        for holders, group in sorted(self.tied.items()):
+            sums.append((group, sorted({top.rank(replica, self.worker_of(g)) for g in holders})))
+        for among, ranks in sums:
+            if me not in ranks:  # a tied weight this worker holds no copy of
+                continue
+            self._peer = next((r for r in ranks if r != me), None)
+            work = dist.all_reduce(one, group=among, async_op=True)
+            assert work is not None
+            work.wait(left())
+        self._peer = None
 
     def worker_of(self, chunk: int) -> int:
         """The worker (of a replica) holding model chunk `chunk` (gpipe.topology)."""
@@ -114,14 +242,14 @@ class World:
 
     def _per_replica(self, workers: list[int], timeout: timedelta) -> dist.ProcessGroup:
         """A group of `workers` in each replica, formed by every rank; this rank's own (GroupMember.NON_GROUP_MEMBER
-        when this rank is not among them), whose operations wait at most `timeout` once formed."""
+        when this rank is not among them), whose operations wait at most `timeout` once warmed."""
         top = self.topology
         own: dist.ProcessGroup = dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[assignment]  # torch's sentinel
         for r in range(top.replicas):
             ranks = [top.rank(r, k) for k in workers]
             group = dist.new_group(ranks, backend=self.backend, timeout=self._start)
             if self.me in ranks:
-                _set_pg_timeout(timeout, group)  # formed under the start's timeout
+                self._steady.append((group, timeout))  # formed and warmed under the start's timeout
                 own = group
         return own
 
@@ -193,3 +321,15 @@ class C10dTransport:
 
     def close(self) -> None:
         pass  # the process group lives as long as the attempt's process
+
+
+def _destroy(abort: bool = False) -> None:
+    """Destroy this process's process groups and their communicators; with `abort`, without waiting for what
+    they have in flight (torch 2.6 and later: _abort_process_group; before it, destroy_process_group)."""
+    if not dist.is_initialized():
+        return
+    aborting = getattr(dist.distributed_c10d, "_abort_process_group", None) if abort else None
+    if aborting is not None:
+        aborting()
+    else:
+        dist.destroy_process_group()

@@ -38,7 +38,10 @@ the peer (on gloo, when the peer's receive is already posted, the calling
 thread writes the data to the socket itself), and the stage waits for its
 sends at the step's end (`Sender.flush`). On CUDA, a header goes to the device
 from pinned memory, without waiting for the stage's kernels.
-Receives run on a thread per channel, and a receive is posted as soon as the
+Receives run on a thread per channel, on a CUDA stream of its own: reading a
+header waits for that stream (the receive), never for the kernels the stage
+has queued on its own; the stage's stream waits for a message's receive (an
+event) when it takes the message, and a receive is posted as soon as the
 previous one finished: the next micro-batch is usually already there when the
 stage needs it. The stage's own waits (`Receiver.get`, `Sender.flush`) have
 the step's deadline and name what they waited for. A receive is often posted
@@ -71,6 +74,13 @@ DTYPES = [
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+# What each backend carries natively between stages, by dtype. gloo's send and receive move bytes; NCCL maps
+# each dtype to one of its own and refuses the rest (an H100, NCCL 2.28.9: int16 refused, these carried).
+CARRIES: dict[str, frozenset[torch.dtype]] = {
+    "gloo": frozenset(DTYPES),
+    "nccl": frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                       torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool}),
+}
 MAX_DIMS = 8
 HEADER = 4 + MAX_DIMS  # micro-batch, dtype code, ndim, flags, dims...
 HEADER_BYTES = HEADER * 8
@@ -78,6 +88,25 @@ WANTS_GRAD, PACKED = 1, 2  # the header's flags
 PACK_MAX_BYTES = 256 << 10  # the largest tensor packed after its header (bench/README.md (o))
 STRUCTURE = -1  # the dtype code of a message that is a structure
 MAX_JSON_BYTES = 64 << 10  # a structure's description
+
+
+def backend_of(device: str | torch.device) -> str:
+    """The backend of a stage's data plane on `device`: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def travels(dtype: torch.dtype, backend: str) -> bool:
+    """Whether a tensor of `dtype` can go between stages over `backend`: the wire format has a code for it, and
+    the backend carries it, as it is or as its bytes (`on_wire`)."""
+    return dtype in DTYPE_CODE and (dtype in CARRIES[backend] or torch.uint8 in CARRIES[backend])
+
+
+def on_wire(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """What c10d moves for the contiguous tensor `t` over `backend`: `t` itself, or, for a dtype the backend
+    lacks, a flat uint8 view of its bytes (the same memory: a receive into it fills `t`; nothing converted)."""
+    if t.dtype in CARRIES[backend]:
+        return t
+    return t.reshape(-1).view(torch.uint8)
 
 
 def message_limit(device: torch.device) -> int:
@@ -96,10 +125,14 @@ def _asked(metas: Sequence[tuple[torch.dtype, Sequence[int]]], limit: int) -> in
     return nbytes
 
 
-def _tensor_meta(t: torch.Tensor, where: str) -> tuple[int, list[int]]:
-    if t.dtype not in DTYPE_CODE:
-        raise ValueError(f"{where}: dtype {str(t.dtype).removeprefix('torch.')} cannot travel between stages "
-                         f"(supported: {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})")
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_meta(t: torch.Tensor, where: str, backend: str) -> tuple[int, list[int]]:
+    if not travels(t.dtype, backend):
+        raise ValueError(f"{where}: dtype {_name(t.dtype)} cannot travel between stages over {backend} "
+                         f"(supported: {', '.join(_name(d) for d in DTYPES if travels(d, backend))})")
     if t.dim() > MAX_DIMS:
         raise ValueError(f"{where}: a tensor between stages may have at most {MAX_DIMS} dims, got {t.dim()}")
     if t.layout != torch.strided:
@@ -107,13 +140,14 @@ def _tensor_meta(t: torch.Tensor, where: str) -> tuple[int, list[int]]:
     return DTYPE_CODE[t.dtype], list(t.shape)
 
 
-def encode(mb: int, obj: Any, grads: Sequence[bool] = ()) -> tuple[torch.Tensor, bytes | None, list[torch.Tensor]]:
-    """(header, JSON or None, tensors to send) of one message; ValueError if `obj` cannot travel.
+def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
+           backend: str = "gloo") -> tuple[torch.Tensor, bytes | None, list[torch.Tensor]]:
+    """(header, JSON or None, tensors to send) of one message; ValueError if `obj` cannot travel over `backend`.
 
     `grads[i]` says whether the i-th tensor (in gpipe.structure order) wants a gradient back.
     """
     if isinstance(obj, torch.Tensor):
-        code, shape = _tensor_meta(obj, "the value")
+        code, shape = _tensor_meta(obj, "the value", backend)
         h = [mb, code, len(shape), int(bool(grads and grads[0])), *shape]
         return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64), None, [obj.contiguous()]
     try:
@@ -122,7 +156,7 @@ def encode(mb: int, obj: Any, grads: Sequence[bool] = ()) -> tuple[torch.Tensor,
         raise ValueError(str(e)) from None
     metas = []
     for i, t in enumerate(leaves):
-        code, shape = _tensor_meta(t, f"tensor {i} of {structure.describe(obj)}")
+        code, shape = _tensor_meta(t, f"tensor {i} of {structure.describe(obj)}", backend)
         metas.append([code, shape, int(i < len(grads) and bool(grads[i]))])
     text = json.dumps({"s": skeleton, "t": metas}, separators=(",", ":")).encode()
     if len(text) > MAX_JSON_BYTES:
@@ -194,9 +228,9 @@ class Capacity:
     packed messages, structures and empty tensors leave it as it is.
     """
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, backend: str):
         self.bytes = 0
-        self._grows = dist.get_backend(group) == dist.Backend.GLOO
+        self._grows = backend == "gloo"
 
     def packs(self, nbytes: int) -> bool:
         return 0 < nbytes <= self.bytes
@@ -219,7 +253,8 @@ class Sender:
         # At most one step's messages: flush empties it.
         self._posted: collections.deque[tuple[int, dist.Work, torch.Tensor]] = collections.deque()
         self._error: BaseException | None = None
-        self._capacity = Capacity(group)
+        self.backend = str(dist.get_backend(group))
+        self._capacity = Capacity(self.backend)
 
     def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
         """Post `obj` (see the module docstring); `grads` flags the tensors that want a gradient back.
@@ -228,7 +263,8 @@ class Sender:
         """
         if self._error is not None:
             raise self._error
-        header, text, leaves = encode(mb, obj, grads)
+        header, text, leaves = encode(mb, obj, grads, self.backend)
+        leaves = [self._here(t) for t in leaves]
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
         if text is None and self._capacity.packs(nbytes := leaves[0].numel() * leaves[0].element_size()):
             header[3] |= PACKED
@@ -242,7 +278,7 @@ class Sender:
             parts = [self._staged(header.view(torch.uint8))]
             if text is not None:
                 parts.append(self._staged(torch.frombuffer(bytearray(text), dtype=torch.uint8)))
-            parts += [t for t in leaves if t.numel()]
+            parts += [on_wire(t, self.backend) for t in leaves if t.numel()]
         with self._failing(mb):
             for t in parts:
                 work = dist.isend(t, self.peer, group=self.group)
@@ -252,8 +288,16 @@ class Sender:
                 self._posted[0][1].wait()  # raises what the transfer met
                 self._posted.popleft()
 
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of the value on the channel's device, where c10d can send it (NCCL moves device memory only):
+        as it is, or a copy (detached: what travels is its data)."""
+        if t.device == self.device:
+            return t
+        t = t.detach()
+        return self._staged(t) if t.device.type == "cpu" else t.to(self.device)
+
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
-        """A small CPU tensor on the channel's device. On CUDA from pinned memory, without blocking: a copy from
+        """A CPU tensor on the channel's device. On CUDA from pinned memory, without blocking: a copy from
         pageable memory would wait for every kernel the stage has queued."""
         if self.device.type != "cuda":
             return t
@@ -300,10 +344,14 @@ class Receiver:
         self.timeout = timedelta(seconds=backstop_s(timeout))
         self.bytes = 0  # tensor data received, headers left out
         self._todo: queue.Queue[int | None] = queue.Queue()
-        self._inbox: dict[int, Any] = {}
+        # micro-batch -> (its value, on CUDA the event of its receive on the channel's stream)
+        self._inbox: dict[int, tuple[Any, torch.cuda.Event | None]] = {}
         self._cv = threading.Condition()
         self._error: BaseException | None = None
-        self._capacity = Capacity(group)
+        self.backend = str(dist.get_backend(group))
+        self._capacity = Capacity(self.backend)
+        # On CUDA the receives run on a stream of their own (the module's docstring); None on the CPU.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self.limit = message_limit(device)  # the most bytes a message may ask for
         self._thread = threading.Thread(target=self._loop, name=f"recv-{name}", daemon=True)
         self._thread.start()
@@ -325,7 +373,24 @@ class Receiver:
                         f"timed out after {timeout:.0f}s waiting for {self.name} of micro-batch {mb}"
                     )
                 self._cv.wait(left)
-            return self._inbox.pop(mb)
+            value, received = self._inbox.pop(mb)
+        if received is not None:
+            # The stage's stream waits for the receive; the memory, once freed, for what the stage queued on it.
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(received)
+            for t in structure.tensors(value):
+                t.record_stream(stream)
+        return value
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, received on this channel, in this host's memory. On CUDA a copy on the channel's stream, waited
+        for there alone: the receive that produced `t`, not the device or the kernels the stage has queued."""
+        if self._stream is None:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self._stream.synchronize()
+        return host
 
     def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool,
                 packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -334,7 +399,7 @@ class Receiver:
         t = torch.empty(shape, dtype=dtype, device=self.device)
         if t.numel():
             if packed is None:
-                _recv(t, self.peer, self.group, self.timeout)
+                _recv(on_wire(t, self.backend), self.peer, self.group, self.timeout)
             else:
                 t.reshape(-1).view(torch.uint8).copy_(packed)
             self.bytes += t.numel() * t.element_size()
@@ -343,7 +408,7 @@ class Receiver:
     def _receive(self, buffer: torch.Tensor) -> tuple[int, Any]:
         """One message, its first transfer into `buffer` (the header, and a packed tensor's data after it)."""
         _recv(buffer, self.peer, self.group, self.timeout)
-        h = buffer[:HEADER_BYTES].view(torch.int64).tolist()
+        h = self._host(buffer[:HEADER_BYTES]).view(torch.int64).tolist()
         mb, code, n, flags = h[0], h[1], h[2], h[3]
         if code != STRUCTURE:
             if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
@@ -362,26 +427,32 @@ class Receiver:
             raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
         text = torch.empty(n, dtype=torch.uint8, device=self.device)
         _recv(text, self.peer, self.group, self.timeout)
-        skeleton, metas = decode(text.cpu().numpy().tobytes())
+        skeleton, metas = decode(self._host(text).numpy().tobytes())
         _asked([(dtype, shape) for dtype, shape, _ in metas], self.limit)
         return mb, structure.unflatten(skeleton, [self._tensor(*m) for m in metas])
 
     def _loop(self) -> None:
-        buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        while (count := self._todo.get()) is not None:
-            for _ in range(count):
-                if len(buffer) != HEADER_BYTES + self._capacity.bytes:  # the tensor taken out was copied: reuse
-                    buffer = torch.empty(HEADER_BYTES + self._capacity.bytes, dtype=torch.uint8, device=self.device)
-                try:
-                    mb, value = self._receive(buffer)
-                except BaseException as e:
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+            while (count := self._todo.get()) is not None:
+                for _ in range(count):
+                    if len(buffer) != HEADER_BYTES + self._capacity.bytes:  # the tensor taken out was copied: reuse
+                        buffer = torch.empty(HEADER_BYTES + self._capacity.bytes, dtype=torch.uint8,
+                                             device=self.device)
+                    try:
+                        mb, value = self._receive(buffer)
+                    except BaseException as e:
+                        with self._cv:
+                            self._error = ConnectionError(f"receiving {self.name} failed: {e}")
+                            self._cv.notify_all()
+                        return
+                    received = None
+                    if self._stream is not None:
+                        received = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        received.record(self._stream)
                     with self._cv:
-                        self._error = ConnectionError(f"receiving {self.name} failed: {e}")
+                        self._inbox[mb] = (value, received)
                         self._cv.notify_all()
-                    return
-                with self._cv:
-                    self._inbox[mb] = value
-                    self._cv.notify_all()
 
     def close(self) -> None:
         self._todo.put(None)
