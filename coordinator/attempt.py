@@ -55,14 +55,14 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, err
 
 
 def device_for(spec: JobSpec, device: str, rank: int) -> str:
-    """A worker's device: its own, where `cuda` with no index means GPU rank mod the GPU count."""
-    import torch
-
-    if not device.startswith("cuda"):
+    """Where rank `rank`'s stage runs: cpu for a cpu job, else the device its worker registered (cuda:K, checked
+    by the worker at its start). Nothing here decides a GPU or asks CUDA: the coordinator may have none."""
+    if spec.device == "cpu":
         return "cpu"
-    if not torch.cuda.is_available():
-        raise SpecError(f"device: {device} was asked for, but this machine has no CUDA device")
-    return device if ":" in device else f"cuda:{rank % torch.cuda.device_count()}"
+    if not device.startswith("cuda:"):
+        raise SpecError(f"device: cuda, but rank {rank}'s worker registered {device!r}, not a GPU: start it with "
+                        "--device cuda:K")
+    return device
 
 
 def _parse_placement(text: str) -> list[Placement]:

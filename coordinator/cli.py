@@ -74,10 +74,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--oversubscribe", action="store_true",
                      default=os.environ.get("GPIPE_OVERSUBSCRIBE", "") not in ("", "0"),
                      help="silence the warning line when workers (replicas x stages) outnumber the CPU cores "
-                          "and share them; with device: cuda, let workers share GPUs when there are fewer "
-                          "(without it, exit 2). Env GPIPE_OVERSUBSCRIBE=1 sets it")
-    val = sub.add_parser("validate", help="check a job spec and its model and data; start nothing")
+                          "and share them. CPU cores only: with device: cuda each worker needs a GPU of its own "
+                          "(NCCL refuses two on one), and fewer GPUs than workers is exit 2 whatever this says. "
+                          "Env GPIPE_OVERSUBSCRIBE=1 sets it")
+    val = sub.add_parser(
+        "validate", help="check a job spec and its model and data; start nothing",
+        description="Check a job spec and its model and data; start nothing. A spec is often checked on one "
+                    "machine and run on others (submit to serve): with device: cuda, the workers are checked "
+                    "against this machine's GPUs (one each, as run needs) only when it has some; on a machine "
+                    "without a GPU that check is left to where the job runs (run refuses it, serve fails it "
+                    "at placement), and a line says so.")
     val.add_argument("job")
+    val.add_argument("--skip-gpu-check", action="store_true",
+                     help="leave out the check of the workers against this machine's GPUs (serve's own "
+                          "validation: a job's GPUs are its workers', not the coordinator's)")
     val.add_argument("--memory-mib", type=int, default=None,
                      help="fail if building the model and data needs more memory than this (MiB)")
     val.add_argument("--code-dir", default=None,
@@ -203,6 +213,23 @@ def _within_memory(mib: int | None, build: Callable[[], T]) -> T:
             raise
     raise SpecError(f"model: building the model and data takes more than the {mib} MiB a validation may use "
                     "(serve --validate-memory-mib)")
+
+
+def _validate_gpus(spec: JobSpec) -> str:
+    """With device: cuda, SpecError if this machine has GPUs but fewer than the job's workers; a line saying
+    what was checked (or why not: no GPU here, where the job may well not run). '' on a CPU."""
+    if spec.device != "cuda":
+        return ""
+    from gpipe.coordinator.local_run import too_few_gpus
+    from gpipe.worker.device import probe
+
+    seen = probe()
+    if not seen.gpus:
+        return (f"device: cuda: not checked against GPUs: {seen.describe()}; run refuses it here, and serve "
+                "needs a worker with a GPU of its own per rank")
+    if (why := too_few_gpus(spec, seen)) is not None:
+        raise SpecError(why)
+    return f"device: cuda: {spec.topology.world} worker(s), a GPU each of this machine's {len(seen.gpus)}"
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
@@ -347,9 +374,12 @@ def main(argv: list[str] | None = None) -> int:
             from gpipe.coordinator.plan import make_plan
             from gpipe.factory import enter_job_folder
 
+            gpus = "" if args.skip_gpu_check else _validate_gpus(spec)
             enter_job_folder(job_dir)  # a process of this job's own: its factories run in its folder
             plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
+            if gpus:
+                print(f"  {gpus}")
             for k in range(len(plan.balance)):
                 # with virtual stages, a model chunk, on the worker that holds it
                 on = f" (rank {spec.topology.worker_of(k)})" if spec.virtual_stages > 1 else ""

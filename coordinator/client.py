@@ -18,7 +18,7 @@ from gpipe import grpcutil, serde
 from gpipe.coordinator.progress import Follower, Progress
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 from gpipe.serde import JobState
-from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
+from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
@@ -145,6 +145,8 @@ class Client:
         if spec is not None:
             # Which ranks the job takes: rank N serves stage N mod stages of replica N div stages.
             print(f"workers:  {spec.topology.describe_ranks()}")
+            for line in await self._workers(spec.topology.world):
+                print(f"  {line}")
         print(f"attempts: {job.attempts}, restarts {job.restarts} of {spec_restarts}")
         if job.eval_step >= 0:
             print(f"eval:     loss {job.eval_loss:.4f} after step {job.eval_step + 1}")
@@ -155,6 +157,27 @@ class Client:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.time_unix))
             print(f"  {stamp}  {h.state.value:9}  {h.message}")
         return EXIT_OK
+
+    async def _workers(self, world: int) -> list[str]:
+        """A line per rank of a job of `world` ranks: the worker registered for it now and its device, e.g.
+        'rank 0: gpu-node-3 (10.0.0.6) cuda:0, NVIDIA H100 80GB HBM3, 79.2 GiB'; none from a serve that lists none."""
+        try:
+            r = await workers_pb2_grpc.WorkerDirectoryStub(self.channel).ListWorkers(workers_pb2.ListWorkersRequest(),
+                                                                                     timeout=30)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older serve
+                return []
+            raise self._error(e) from None
+        by_rank = {w.rank: w for w in r.workers}
+        lines = []
+        for rank in range(world):
+            w = by_rank.get(rank)
+            if w is None:
+                lines.append(f"rank {rank}: no worker registered")
+                continue
+            gpu = f", {w.device_name}, {w.device_memory_bytes / 2**30:.1f} GiB" if w.device_name else ""
+            lines.append(f"rank {rank}: {w.hostname or w.host} ({w.host}) {w.device}{gpu}")
+        return lines
 
     async def list(self, limit: int | None = None, page_token: str = "") -> int:
         """Every job from `page_token` on; with `limit`, one page of at most that many, and the command for the

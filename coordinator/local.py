@@ -17,16 +17,19 @@ from pathlib import Path
 from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, Supervisor
 from gpipe.serde import Join
 from gpipe.worker.agent import Agent
+from gpipe.worker.device import Gpu
 from gpipe.zygote import Template
 
 
 class LocalWorker:
     def __init__(self, sup: Supervisor, rank: int, host: str, device: str, cores: list[int], threads: int,
-                 log: Path, template: Template | None = None):
+                 log: Path, template: Template | None = None, gpu: Gpu | None = None,
+                 env: dict[str, str] | None = None):
         """A worker for `rank`, pinned to `cores`, its attempts' output going to `log`, their processes forked
-        from `template` if given."""
-        self.sup, self.rank, self.host, self.device, self.log = sup, rank, host, device, log
-        self.agent = Agent(host, cores, threads, on_change=self.beat, template=template)
+        from `template` if given. On a GPU: `device` cuda:0, the one GPU `env`'s CUDA_VISIBLE_DEVICES leaves its
+        attempt processes, `gpu` (gpipe.coordinator.local_run.gpu_envs)."""
+        self.sup, self.rank, self.host, self.device, self.log, self.gpu = sup, rank, host, device, log, gpu
+        self.agent = Agent(host, cores, threads, on_change=self.beat, template=template, env=env)
         self.worker_id = ""
 
     def beat(self) -> None:
@@ -39,7 +42,7 @@ class LocalWorker:
         try:
             while True:  # registered again whenever the supervisor drops this worker
                 w = self.sup.register(self.rank, self.host, self.device, socket.gethostname(),
-                                      self.agent.cores, self.agent.threads)
+                                      self.agent.cores, self.agent.threads, self.gpu)
                 self.worker_id = w.id
                 while (cmd := await w.commands.get()) is not None:
                     if isinstance(cmd, Join):  # the job's folder on this machine: as a daemon's copy of its code

@@ -4,9 +4,11 @@ The same supervisor as `serve` (gpipe.coordinator.supervisor) runs the job,
 with one local worker per rank (replicas x stages: gpipe.topology;
 gpipe.coordinator.local) on its share of this machine's cores, all on
 loopback. On a CPU, more workers than cores share the cores round-robin, with
-one warning line (none with `oversubscribe`); a GPU job with fewer GPUs than
-workers is refused before anything starts, unless `oversubscribe` lets them
-share. So restarts, their backoff and every failure message are `serve`'s:
+one warning line (none with `oversubscribe`). On a GPU each worker has one of
+its own: worker k's attempt processes run with CUDA_VISIBLE_DEVICES naming GPU
+k (the k-th of the list `run` was given) and see it as cuda:0; a job with fewer
+GPUs than workers is refused before anything starts (NCCL refuses two ranks on
+one GPU, so `oversubscribe` never applies to GPUs). So restarts, their backoff and every failure message are `serve`'s:
 when an attempt fails (a stage raises, a worker dies, a wait times out) and
 `max_restarts` allows, a fresh attempt resumes from the last good checkpoint,
 so the job loses at most the steps since then and ends with the same weights.
@@ -25,8 +27,10 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,7 @@ from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.serde import JobRecord, JobState
 from gpipe.worker.agent import worker_template
 from gpipe.worker.cores import split_cores, threads_for
+from gpipe.worker.device import VISIBLE_ENV, Gpu, Gpus, probe
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
 
@@ -58,22 +63,52 @@ def _attempts_logged(out: Path) -> int:
 
 def worker_cores(spec: JobSpec, oversubscribe: bool = False) -> list[list[int]]:
     """Each local worker's cores, by rank: disjoint sets while there are enough, else shared round-robin.
-    On a CPU, sharing is one warning line on stderr (silenced by `oversubscribe`); with `device: cuda`,
-    fewer GPUs than workers is a SpecError unless `oversubscribe`."""
+    On a CPU, sharing is one warning line on stderr (silenced by `oversubscribe`)."""
     top = spec.topology
     cores = sorted(os.sched_getaffinity(0))
-    workers = f"{top.world} workers ({spec.replicas} replica(s) x {spec.stages} stage(s))"
-    if spec.device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count()
-        if top.world > gpus and not oversubscribe:
-            raise SpecError(f"replicas: {workers}, but this machine has {gpus} GPU(s) for them: lower replicas "
-                            "or stages, or let them share with --oversubscribe (env GPIPE_OVERSUBSCRIBE=1)")
-    elif top.world > len(cores) and not oversubscribe:
-        print(f"warning: {workers} share this machine's {len(cores)} CPU core(s), slower than fewer workers "
+    if spec.device == "cpu" and top.world > len(cores) and not oversubscribe:
+        print(f"warning: {_workers(spec)} share this machine's {len(cores)} CPU core(s), slower than fewer workers "
               "would be (--oversubscribe silences this)", file=sys.stderr, flush=True)
     return split_cores(top.world, cores)
+
+
+def _workers(spec: JobSpec) -> str:
+    return f"{spec.topology.world} workers ({spec.replicas} replica(s) x {spec.stages} stage(s))"
+
+
+def too_few_gpus(spec: JobSpec, seen: Gpus) -> str | None:
+    """Why `spec`'s workers cannot each have a GPU of their own among `seen`, or None. Never shared: NCCL
+    refuses two ranks on one GPU ("Duplicate GPU detected"), so --oversubscribe shares CPU cores only."""
+    if spec.device != "cuda" or spec.topology.world <= len(seen.gpus):
+        return None
+    if not seen.gpus:
+        return f"device: cuda, but {seen.describe()}: `device: cpu` runs the job on the CPU"
+    return (f"replicas: {_workers(spec)} need a GPU each, but {seen.describe()}: lower replicas or stages "
+            "(--oversubscribe shares CPU cores, never a GPU)")
+
+
+def gpu_envs(workers: int, visible: str | None) -> list[dict[str, str]]:
+    """Each local worker's CUDA_VISIBLE_DEVICES, by rank: worker k's attempt processes see one GPU, as cuda:0,
+    GPU k, or the k-th entry of `visible` (the CUDA_VISIBLE_DEVICES `run` was given) when that is set."""
+    ids = [v.strip() for v in visible.split(",")] if visible is not None else [str(k) for k in range(workers)]
+    if len(ids) < workers:
+        raise SpecError(f"{VISIBLE_ENV}={visible!r} names {len(ids)} GPU(s), for {workers} workers")
+    return [{VISIBLE_ENV: ids[k]} for k in range(workers)]
+
+
+def worker_gpus(spec: JobSpec) -> list[tuple[Gpu | None, dict[str, str]]]:
+    """Each local worker's GPU and what its attempt processes' environment adds, by rank (none on a CPU).
+    SpecError when the machine has fewer GPUs than the job has workers. The GPUs are counted by a probe
+    process (gpipe.worker.device): this process never touches CUDA."""
+    if spec.device != "cuda":
+        return [(None, {})] * spec.topology.world
+    seen = probe()
+    if (why := too_few_gpus(spec, seen)) is not None:
+        raise SpecError(why)
+    envs = gpu_envs(spec.topology.world, seen.visible)
+    # Told apart by UUID (the supervisor refuses two workers on one GPU); a torch that gives none: by its id.
+    return [(g if g.uuid else replace(g, uuid=f"{socket.gethostname()}/{env[VISIBLE_ENV]}"), env)
+            for g, env in zip(seen.gpus, envs, strict=False)]
 
 
 async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool,
@@ -81,6 +116,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
                grace_s: float = grpcutil.DEFAULT_GRACE_S) -> tuple[JobRecord, list[dict[str, Any]]]:
     """The job's record once it ended, and its evaluations; with `evaluate`, its attempts evaluate that
     weights file instead of training (logging to logs/eval/). `core_sets`: each worker's cores, by rank."""
+    gpus = worker_gpus(spec)  # before anything starts: a job short of GPUs changes nothing
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
@@ -89,9 +125,10 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     await template.start()
     launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, template)
     sup = Supervisor(launcher, say=lambda line: None)
-    device = "cuda" if spec.device == "cuda" else "cpu"
-    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template)
-               for k, cores in enumerate(core_sets)]
+    # On a GPU, worker k's attempt processes see their GPU alone, as cuda:0: a stage's .cuda() lands there.
+    device = "cuda:0" if spec.device == "cuda" else "cpu"
+    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template, gpu, env)
+               for k, (cores, (gpu, env)) in enumerate(zip(core_sets, gpus, strict=True))]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
     job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),

@@ -55,6 +55,7 @@ from gpipe.files import atomic_write_json, naming
 from gpipe.serde import SHA256_RE, Abort, JobRecord, JobState, Join, StateChange
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from gpipe.worker.device import DEVICE_RE, Gpu
 from gpipe.zygote import COORDINATOR_PRELOAD, Template
 
 VALIDATE_TIMEOUT_S = 120.0
@@ -295,7 +296,7 @@ class Coordinator:
             with err_path.open("wb") as err:
                 proc = await self.template.spawn(
                     "gpipe.coordinator.cli",
-                    ["validate", str(path), "--memory-mib", str(self.validate_memory_mib),
+                    ["validate", str(path), "--memory-mib", str(self.validate_memory_mib), "--skip-gpu-check",
                      *(["--code-dir", str(code_dir)] if code_dir else [])],
                     env, stderr=err.fileno())
             try:
@@ -495,6 +496,14 @@ def _bad_registration(r: workers_pb2.RegisterRequest) -> str | None:
             return f"{field}: '{printable(value, 80)}' has spaces or control characters"
     if not r.host:
         return "host: required (the address its attempt processes listen on)"
+    if r.device and r.device != "cpu" and DEVICE_RE.fullmatch(r.device) is None:
+        return f"device: '{printable(r.device, 80)}' is neither cpu nor cuda:K"
+    if len(r.device_name) > MAX_HOSTNAME or not r.device_name.isprintable():
+        return f"device_name: at most {MAX_HOSTNAME} printable characters"
+    if len(r.device_uuid) > MAX_DEVICE or not r.device_uuid.isprintable():
+        return f"device_uuid: at most {MAX_DEVICE} printable characters"
+    if r.device_memory_bytes < 0:
+        return f"device_memory_bytes: must be 0 or more, got {r.device_memory_bytes}"
     if len(r.hostname) > MAX_HOSTNAME:
         return f"hostname: at most {MAX_HOSTNAME} characters, got {len(r.hostname)}"
     if len(r.cores) > MAX_CORES:
@@ -526,8 +535,10 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
                 and sup.clock.monotonic() - old.registered > sup.heartbeat_timeout / 2):
             sup.drop(old, f"{sup.worker_name(old)} registered again before it took its commands")
         try:
+            gpu = Gpu(request.device_name, request.device_memory_bytes, request.device_uuid) \
+                if request.device.startswith("cuda") else None
             w = sup.register(rank, request.host, request.device, printable(request.hostname, MAX_HOSTNAME),
-                             list(request.cores), request.threads)
+                             list(request.cores), request.threads, gpu)
         except RankTaken as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         return workers_pb2.RegisterResponse(worker_id=w.id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
@@ -591,6 +602,22 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
                 yield workers_pb2.CodePiece(data=piece)
 
 
+class WorkerDirectory(workers_pb2_grpc.WorkerDirectoryServicer):
+    """The registered workers, for clients (`status`): it takes the client token."""
+
+    def __init__(self, c: Coordinator):
+        self.c = c
+
+    async def ListWorkers(self, request: workers_pb2.ListWorkersRequest,
+                          context: Context) -> workers_pb2.ListWorkersResponse:
+        return workers_pb2.ListWorkersResponse(workers=[
+            workers_pb2.RegisteredWorker(
+                rank=w.rank, hostname=w.hostname, host=w.host, device=w.device, attempt_id=w.attempt_id or "",
+                device_name=w.gpu.name if w.gpu else "", device_memory_bytes=w.gpu.memory_bytes if w.gpu else 0,
+                threads=w.threads)
+            for _, w in sorted(self.c.sup.workers.items())])
+
+
 async def _commands(w: Worker) -> AsyncIterator[Join | Abort]:
     """A worker's commands, until it is dropped."""
     while (cmd := await w.commands.get()) is not None:
@@ -598,6 +625,7 @@ async def _commands(w: Worker) -> AsyncIterator[Join | Abort]:
 
 
 JOBS, WORKERS = "/gpipe.v1.JobService/", "/gpipe.v1.WorkerService/"
+DIRECTORY = "/gpipe.v1.WorkerDirectory/"  # a client's, as JOBS: it takes the client token
 
 
 def _unreachable(r: workers_pb2.RegisterRequest, peer: str) -> str | None:
@@ -617,7 +645,8 @@ def _unreachable(r: workers_pb2.RegisterRequest, peer: str) -> str | None:
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Each service its own token: the client token for JobService, the worker token for WorkerService.
+    """Each service its own token: the client token for JobService and WorkerDirectory, the worker token for
+    WorkerService.
 
     Calls carry `authorization: Bearer <token>`; health probes need none. With
     one token set and not the other, the service without one refuses every
@@ -631,7 +660,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if details.method.startswith("/grpc.health.v1.") or handler is None:
             return handler
-        service = JOBS if details.method.startswith(JOBS) else WORKERS
+        service = JOBS if details.method.startswith((JOBS, DIRECTORY)) else WORKERS
         other = WORKERS if service == JOBS else JOBS
         what, flag = (("client", "--auth-token-file") if service == JOBS else ("worker", "--worker-token-file"))
         got = dict(details.invocation_metadata or ()).get("authorization", "")
@@ -777,6 +806,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     c = Coordinator(state_dir, host, heartbeat_timeout, validate_memory_mib, max_code_mib << 20)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
+    workers_pb2_grpc.add_WorkerDirectoryServicer_to_server(WorkerDirectory(c), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await server.start()

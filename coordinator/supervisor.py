@@ -67,6 +67,7 @@ from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, describe_os_error
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology
+from gpipe.worker.device import Gpu
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
@@ -133,7 +134,7 @@ class Placement:
     device: str
     cores: list[int]
     threads: int
-    rank: int | None = None  # the worker's own (its device 'cuda' means GPU rank mod the GPUs); None: the slot
+    rank: int | None = None  # the worker's own; None: the slot
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,29 @@ class Worker:
     attempt_id: str | None = None
     registered: float = 0.0  # monotonic time of its registration
     leaving: bool = False  # preempted (Leave): given no attempt again
+    gpu: Gpu | None = None  # the GPU its device names, as the worker's probe saw it (gpipe.worker.device)
+
+    def gpu_key(self) -> tuple[str, ...] | None:
+        """What tells its GPU apart from every other: the GPU's UUID, else its host and device; None on a CPU."""
+        if not self.device.startswith("cuda"):
+            return None
+        return (self.gpu.uuid,) if self.gpu is not None and self.gpu.uuid else (self.hostname or self.host,
+                                                                                  self.device)
+
+
+def shared_gpu(workers: list[Worker]) -> str | None:
+    """Why these workers cannot take one CUDA attempt together, if two share a GPU (NCCL refuses two ranks on
+    one GPU: "Duplicate GPU detected"), else None."""
+    seen: dict[tuple[str, ...], Worker] = {}
+    for w in workers:
+        key = w.gpu_key()
+        if key is None:
+            continue
+        if (other := seen.setdefault(key, w)) is not w:
+            return (f"device: cuda: the workers of ranks {other.rank} and {w.rank} share one GPU ({w.device} on "
+                    f"{w.hostname or w.host}), and NCCL refuses two ranks on one GPU: give each worker a GPU of "
+                    "its own (gpipe-worker --device cuda:K)")
+    return None
 
 
 @dataclass
@@ -449,8 +473,9 @@ class Supervisor:
     # -- workers ----------------------------------------------------------------------
 
     def register(self, rank: int, host: str, device: str, hostname: str, cores: list[int] | None = None,
-                 threads: int = 1) -> Worker:
-        """A worker for `rank`; RankTaken while a live worker (heard from within the timeout) holds it."""
+                 threads: int = 1, gpu: Gpu | None = None) -> Worker:
+        """A worker for `rank` on `device` (cpu or cuda:K, its GPU `gpu`, as the worker checked them); RankTaken
+        while a live worker (heard from within the timeout) holds it."""
         old = self.workers.get(rank)
         if old is not None:
             silent = self.clock.monotonic() - old.last_seen
@@ -461,9 +486,10 @@ class Supervisor:
             self.drop(old, f"{self.worker_name(old)} was replaced after {silent:.0f}s of silence")
         now = self.clock.monotonic()
         w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, list(cores or []), max(1, threads),
-                   now, registered=now)
+                   now, registered=now, gpu=gpu)
         self.workers[rank] = w
-        self.say(f"worker for rank {rank} registered from {hostname or host} ({w.device})")
+        on = f"{w.device}: {gpu.describe()}" if gpu is not None else w.device
+        self.say(f"worker for rank {rank} registered from {hostname or host} ({on})")
         self.wake.set()
         return w
 
@@ -634,6 +660,10 @@ class Supervisor:
                 # The spec's shape where it fits (a re-planned job grows back at a restart), else the re-planned.
                 for top in dict.fromkeys([e.job_spec.topology, e.topology]):
                     placed = elastic.place(top.world, ready)
+                    if placed is not None and e.job_spec.device == "cuda" and (why := shared_gpu(placed)):
+                        job.exit_code, job.error = EXIT_BAD_INPUT, why  # no attempt could start: never waits
+                        self._set_state(e, JobState.FAILED, why)
+                        break
                     if placed is not None:
                         e.shape = None if top == e.job_spec.topology else top
                         attempt = Attempt(uuid.uuid4().hex[:12], job.name, [w.rank for w in placed], top)

@@ -195,19 +195,6 @@ def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_si
     assert capsys.readouterr().err == ""
 
 
-def test_a_cuda_job_with_fewer_gpus_than_workers_is_refused_unless_oversubscribe(monkeypatch):
-    import torch
-
-    from gpipe.coordinator import local_run
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cuda = parse_spec(spec_with(device="cuda"))
-    with pytest.raises(SpecError) as e:
-        local_run.worker_cores(cuda)
-    assert str(e.value).startswith("replicas: 2 workers (1 replica(s) x 2 stage(s))") and "1 GPU(s)" in str(e.value)
-    assert len(local_run.worker_cores(cuda, oversubscribe=True)) == 2
-
-
 @pytest.mark.multiprocess
 def test_validate(cli):
     path = cli.write(__import__("yaml").safe_load(GOOD))

@@ -16,7 +16,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from gpipe.proc import child_env, last_error_line
@@ -49,10 +49,12 @@ class Agent:
     """Runs one worker's attempt processes on its cores; `on_change` hears when one ends or is killed."""
 
     def __init__(self, host: str, cores: list[int], threads: int, on_change: Callable[[], None] = lambda: None,
-                 template: Template | None = None):
-        """With `template`, attempt processes are forked from it (gpipe.zygote) instead of started anew."""
+                 template: Template | None = None, env: Mapping[str, str] | None = None):
+        """With `template`, attempt processes are forked from it (gpipe.zygote) instead of started anew. `env`:
+        what their environment holds beyond this process's (`run`'s worker k: CUDA_VISIBLE_DEVICES, its GPU)."""
         self.host, self.cores, self.threads, self.on_change = host, cores, threads, on_change
         self.template = template
+        self.env = dict(env or {})
         self.spare: Child | None = None
         self.child: Child | None = None
         self.attempt_id = ""
@@ -60,7 +62,7 @@ class Agent:
         self.log: Path | None = None
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         for k, v in MALLOC_ENV.items():
             env.setdefault(k, v)
         # On a CPU the stage's device is this worker's cores: one thread each, unless OMP_NUM_THREADS says.

@@ -41,6 +41,7 @@ from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_erro
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import Agent, worker_template
 from gpipe.worker.cores import parse_cores, threads_for
+from gpipe.worker.device import check as check_device
 from gpipe.zygote import WORKER_PRELOAD
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
@@ -94,9 +95,11 @@ class Daemon:
         """One registration: take commands and heartbeat until either fails, whichever comes first."""
         async with grpcutil.channel(self.a.coordinator, self.token, self.a.tls_ca) as ch:
             stub = workers_pb2_grpc.WorkerServiceStub(ch)
+            gpu = self.a.gpu
             reg = await stub.Register(workers_pb2.RegisterRequest(
                 rank=self.a.rank, host=self.a.host, device=self.a.device, hostname=socket.gethostname(),
-                cores=self.a.cores, threads=self.a.threads))
+                cores=self.a.cores, threads=self.a.threads, device_name=gpu.name if gpu else "",
+                device_memory_bytes=gpu.memory_bytes if gpu else 0, device_uuid=gpu.uuid if gpu else ""))
             self.failures = 0
             self.session = stub, reg.worker_id
             self._say(f"registered as rank {self.a.rank} with {self.a.coordinator}")
@@ -248,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default=None,
                    help="the cluster-network address the attempt's RPC and c10d ports listen on (default: "
                         "this machine's address on the route to the coordinator)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:K")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda:K, checked at start (a GPU torch does not see here: exit 2)")
     p.add_argument("--cores", default=None,
                    help="the CPU cores its stages run on, e.g. 0-3,8 (default: all this process may use); "
                         "threads: one per core, or OMP_NUM_THREADS")
@@ -278,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         grpcutil.check_grace(a.grace_s)
         a.cores = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
         a.threads = threads_for(a.cores)
-        if a.device != "cpu" and not a.device.startswith("cuda"):
-            raise GpipeError(f"--device: {a.device!r} is neither cpu nor cuda:K")
+        a.gpu = check_device(a.device)  # before registering: a worker without its GPU never joins
         from gpipe import net
 
         if a.host is None:

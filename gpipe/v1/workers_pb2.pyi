@@ -6,6 +6,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisteredWorker(_message.Message):
+    __slots__ = ("rank", "hostname", "host", "device", "device_name", "device_memory_bytes", "attempt_id", "threads")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    hostname: str
+    host: str
+    device: str
+    device_name: str
+    device_memory_bytes: int
+    attempt_id: str
+    threads: int
+    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., attempt_id: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[RegisteredWorker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[RegisteredWorker, _Mapping]]] = ...) -> None: ...
+
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "grace_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -35,20 +65,26 @@ class CodePiece(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "host", "device", "hostname", "cores", "threads")
+    __slots__ = ("rank", "host", "device", "hostname", "cores", "threads", "device_name", "device_memory_bytes", "device_uuid")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     host: str
     device: str
     hostname: str
     cores: _containers.RepeatedScalarFieldContainer[int]
     threads: int
-    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., cores: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
+    device_name: str
+    device_memory_bytes: int
+    device_uuid: str
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., cores: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")

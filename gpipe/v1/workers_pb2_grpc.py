@@ -282,3 +282,82 @@ class WorkerService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerDirectoryStub:
+    """For clients (it takes the client token, as JobService does): the workers
+    registered now, their devices included (`gpipe-coordinator status`).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListWorkers = channel.unary_unary(
+                '/gpipe.v1.WorkerDirectory/ListWorkers',
+                request_serializer=gpipe_dot_v1_dot_workers__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=gpipe_dot_v1_dot_workers__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerDirectoryServicer:
+    """For clients (it takes the client token, as JobService does): the workers
+    registered now, their devices included (`gpipe-coordinator status`).
+    """
+
+    def ListWorkers(self, request, context):
+        """Every registered worker, by rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerDirectoryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=gpipe_dot_v1_dot_workers__pb2.ListWorkersRequest.FromString,
+                    response_serializer=gpipe_dot_v1_dot_workers__pb2.ListWorkersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpipe.v1.WorkerDirectory', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpipe.v1.WorkerDirectory', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerDirectory:
+    """For clients (it takes the client token, as JobService does): the workers
+    registered now, their devices included (`gpipe-coordinator status`).
+    """
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpipe.v1.WorkerDirectory/ListWorkers',
+            gpipe_dot_v1_dot_workers__pb2.ListWorkersRequest.SerializeToString,
+            gpipe_dot_v1_dot_workers__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
