@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import time
 from datetime import timedelta
 from typing import Any
@@ -193,3 +194,59 @@ def test_messages_of_any_shape_travel_one_transfer_each_where_they_can_and_waits
     # A send the peer never takes: flush ends on its deadline, naming the lane.
     assert sent_kind == "TimeoutError", (sent_kind, sent_text)
     assert "sending stage 0's skip" in sent_text, sent_text
+
+
+# -- the channel on a device, over a stand-in for c10d ------------------------------------------------
+
+
+class _Done:
+    """A c10d Work that is done."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_message_goes_whole_on_the_channels_device_and_arrives_where_the_stage_reads_it(device, monkeypatch):
+    """One process, c10d stood in for by a queue (as NCCL: sizes equal, no packing): each part the sender
+    hands over is on its device; a CPU tensor of the value goes there too; int16 goes as bytes. On CUDA each
+    transfer lands late (a kernel that sleeps first, on the receive's stream), and the stage still reads what
+    was sent: it waits for the receive's event, not for the device."""
+    from gpipe.worker import channel
+
+    dev = torch.device(device)
+    wire: queue.Queue[torch.Tensor] = queue.Queue()
+    handed: list[str] = []
+
+    def isend(t: torch.Tensor, peer: int, group: Any = None) -> _Done:
+        handed.append(f"{str(t.dtype)[6:]}@{t.device.type}")
+        wire.put(t.clone())
+        return _Done()
+
+    def recv(t: torch.Tensor, peer: int, group: Any, timeout: Any) -> None:
+        src = wire.get(timeout=10)
+        if t.device.type == "cuda":
+            torch.cuda._sleep(50_000_000)  # the transfer lands late, on the receive's own stream
+        t.reshape(-1).copy_(src.reshape(-1), non_blocking=True)
+
+    monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(channel, "_recv", recv)
+    ids = torch.tensor([-32768, -1, 0, 32767], dtype=torch.int16)
+    values = [ids.to(dev), {"h": torch.randn(3, 2, device=dev), "cpu": ids, "b": torch.tensor([True, False])}]
+    s, r = Sender(1, None, dev, "out"), Receiver(0, None, dev, "in", 30)
+    r.expect(len(values))
+    for mb, v in enumerate(values):
+        s.send(mb, v)
+        got = r.get(mb, 30)
+        for x, y in zip(structure.tensors(v), structure.tensors(got), strict=True):
+            assert y.device.type == dev.type and y.dtype == x.dtype and torch.equal(y.cpu(), x.cpu()), (mb, y)
+    s.flush(10)
+    r.close()
+    where = dev.type
+    assert handed == [f"uint8@{where}", f"uint8@{where}",  # the int16: header, bytes
+                      f"uint8@{where}", f"uint8@{where}",  # the structure: header, description
+                      f"float32@{where}", f"uint8@{where}", f"bool@{where}"], handed  # its CPU int16 as bytes
