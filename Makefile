@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint typecheck protos clean
+.PHONY: setup demo test test-fast lint typecheck protos clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,13 +36,21 @@ TEST_WORKERS ?= 5  # on 2 cores: many tests mostly wait (heartbeats, grace perio
 # theirs, and their closing line is said again last.
 test: lint
 	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup 2>&1 | tee $(VENV)/pytest.log; \
+	$(BIN)/pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup 2>&1 | tee $(VENV)/pytest.log; \
 	tests=$${PIPESTATUS[0]}; wait $$types; typed=$$?; \
 	echo "mypy: $$(tail -n 1 $(VENV)/mypy.log)"; test $$typed -eq 0 || cat $(VENV)/mypy.log; \
 	tail -n 1 $(VENV)/pytest.log; test $$tests -eq 0 -a $$typed -eq 0
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not gpu and not multiprocess" -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -m "not multiprocess" -n $(TEST_WORKERS) --dist loadgroup
+
+# On a GPU host, from the repository root: the CUDA checks (bench/gpu-check.sh), on the host's own CUDA torch,
+# with the other packages from .gpucheck/whl, which `make gpu-wheels` fills where a package index answers.
+gpu-check:
+	bash bench/gpu-check.sh
+
+gpu-wheels:
+	bash bench/gpu-check.sh --prepare
 
 # Regenerate gpipe/v1 from protos/ (tests/test_protos.py fails when it is stale).
 protos: setup

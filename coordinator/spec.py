@@ -388,6 +388,13 @@ class JobSpec(_Spec):
     device: Literal["cpu", "cuda"] = Field(
         default="cpu", description="Where stages run: cpu, or cuda (one GPU per worker)."
     )
+    deterministic: bool = Field(
+        default=False,
+        description="Deterministic algorithms on the workers (gpipe.determinism): cuBLAS's workspace fixed, "
+        "TF32 and cuDNN autotuning off, an op with no deterministic kernel refused by name; on CUDA the "
+        "pipeline's weights then equal one GPU's to the bit. false: CUDA kernels may vary in the last bits "
+        "(docs/gpu.md gives the figures). A CPU is deterministic either way.",
+    )
     log_every: Steps = Field(default=1, description="Write metrics every this many steps.")
     trace_step: Annotated[StrictInt, Range(1, MAX_STEPS)] | None = Field(
         default=None, description="The step drawn in trace.json and timeline.png, counted from 1 as the "

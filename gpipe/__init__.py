@@ -3,12 +3,35 @@
 The rest of the package is what the coordinator and the workers share (schedules, factories, RNG, networking).
 """
 
+import importlib.metadata
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
 
 __all__ = ["Pipeline"]
+
+# The torch releases gpipe is tested with (pyproject.toml says the same range; `make test` installs 2.13.0,
+# `make gpu-check` runs on the GPU host's own torch). Read without importing torch, which takes seconds.
+TORCH_SUPPORTED = ((2, 11), (2, 13))
+
+
+def _check_torch(version: str) -> None:
+    """ImportError, in one line, for a torch older than TORCH_SUPPORTED's (a newer one is the installer's to
+    refuse: pyproject.toml's bound)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    (lo, hi), found = TORCH_SUPPORTED, (int(m[1]), int(m[2])) if m else None
+    if found is not None and found < lo:
+        raise ImportError(f"gpipe supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, but this environment has "
+                          f"torch {version}: install a supported release (pip install 'torch>={lo[0]}.{lo[1]},"
+                          f"<{hi[0]}.{hi[1] + 1}')")
+
+
+try:
+    _check_torch(importlib.metadata.version("torch"))
+except importlib.metadata.PackageNotFoundError:
+    pass  # torch without its metadata (a source build on the path): its import says what it is
 
 
 def __getattr__(name: str) -> Any:

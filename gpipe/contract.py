@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # copied to the StageConfig field of the same name,
 SAME_AS_SPEC = ("virtual_stages", "loss", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
                 "step_timeout_s", "start_timeout_s", "deferred_batch_norm", "replicas", "init", "init_hook",
-                "precision")
+                "precision", "deterministic")
 # read into StageConfig fields of other names (StageConfig.of),
 DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval", "steps")
 # or the coordinator's alone: the stages never see it.
@@ -76,6 +76,7 @@ class StageConfig:
     init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
     init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
     precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
+    deterministic: bool = False  # deterministic algorithms in the stage's process (gpipe.determinism)
     loss_scale: tuple[float, int] = field(default_factory=_loss_scale_defaults)  # fp16: init, growth interval
     # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
     eval_every: int | None = None

@@ -22,7 +22,6 @@ is torchgpipe's mode: each stage's kernels run on its own device.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gpipe import capture, skip, structure
+from gpipe import capture, determinism, skip, structure
 from gpipe import schedule as schedules
 from gpipe.contract import StageConfig, StepResult
 from gpipe.coordinator import balance as balancing
@@ -60,6 +59,9 @@ class Pipeline:
     a step. replicas: copies of the pipeline, each on a contiguous shard of the batch, their gradients summed
     (the model's own layers are replica 0's). seed: the layers' randomness. timeout_s: bounds every wait of
     a stage on another.
+    deterministic: deterministic algorithms for this process from now on (gpipe.determinism; on CUDA, weights
+    then equal one GPU's to the bit). Stages on a GPU each run on a CUDA stream of their own, so stages that share
+    a GPU overlap; the caller's current device and streams are left as they were.
     virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` (or `stages`)
     then counts model chunks, chunk c runs on worker c mod workers (zbv: worker k holds chunks k and
     2*workers-1-k, a V), `devices` lists the workers', and interleaved-1f1b's `chunks` must be a multiple of
@@ -72,7 +74,7 @@ class Pipeline:
                  deferred_batch_norm: bool = False, replicas: int = 1, seed: int = 0,
                  loss_scale: tuple[float, int] = (LossScaler.INIT, LossScaler.GROWTH_INTERVAL),
                  timeout_s: float = 300.0, split_points: Sequence[str] | None = None, stages: int | None = None,
-                 output: str | None = None, virtual_stages: int = 1):
+                 output: str | None = None, virtual_stages: int = 1, deterministic: bool = False):
         self.original = model
         self.split_points = list(split_points or [])
         self.output = output
@@ -142,9 +144,14 @@ class Pipeline:
         # The stages' figures of the last step, by replica and stage (model chunk, with virtual stages): each
         # one's timeline says when each of its actions ran.
         self.results: list[StepResult] = []
+        if type(deterministic) is not bool:
+            raise ValueError(f"deterministic: must be true or false, got {deterministic!r}")
+        if deterministic:
+            determinism.enable()  # process-wide, from now on: before the stages' first product on a GPU
         self._settings = dict(schedule=schedule, virtual_stages=virtual_stages,
                               activation_checkpoint=activation_checkpoint, precision=precision,
-                              deferred_batch_norm=deferred_batch_norm, seed=seed, loss_scale=tuple(loss_scale))
+                              deferred_batch_norm=deferred_batch_norm, seed=seed, loss_scale=tuple(loss_scale),
+                              deterministic=deterministic)
         self._timeout = timeout_s
         self._steps = 0  # steps run: the randomness of the next is seeded with it
         self._evals = 0
@@ -204,6 +211,9 @@ class Pipeline:
             self.model = self._capture(sample)
             routes: list[tuple[str, int, int]] = []
         else:
+            for k, (start, end) in enumerate(self.bounds):  # in place: the model's own parameters
+                for i in range(start, end):
+                    self.model[i].to(self._device(k))
             routes = self._skip_routes(sample)
         model = self.model
         for r in range(self.replicas):
@@ -232,6 +242,8 @@ class Pipeline:
                               finished_elsewhere=elsewhere, shares_tensors=shared)
                 if self._turns:
                     stage.turns = self._turns[r][self._worker(k)]
+                if stage.device.type == "cuda":  # stages that share a GPU overlap their kernels (torchgpipe)
+                    stage.stream = torch.cuda.Stream(stage.device)  # type: ignore[no-untyped-call]
                 self._stages.append(stage)
 
     def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
@@ -356,18 +368,23 @@ class Pipeline:
         stages = self._stages[: len(self.balance) * (replicas or self.replicas)]
 
         def guarded(stage: Stage) -> T:
-            device = stage.device
             try:
-                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    return work(stage)
+                return work(stage)  # on the stage's device and stream (Stage.placed)
             except BaseException as e:
                 hub.fail(e)
                 for turns in (t for per_replica in self._turns for t in per_replica):
                     turns.fail()
                 raise
 
+        # A stage's stream starts after what the caller queued (its inputs, the optimizer's last step), and the
+        # caller's streams go on after the stages' (their gradients and outputs).
+        streams = [(s.stream, torch.cuda.current_stream(s.device)) for s in stages if s.stream is not None]
+        for own, caller in streams:
+            own.wait_stream(caller)
         futures: list[Future[T]] = [self._pool.submit(guarded, s) for s in stages]
         errors = [f.exception() for f in futures]
+        for own, caller in streams:
+            caller.wait_stream(own)
         first = next((e for e in errors if e is not None and not isinstance(e, (HubClosed, TurnAborted))), None) or \
             next((e for e in errors if e is not None), None)
         if first is not None:

@@ -160,12 +160,14 @@ class Hub:
                 op: Op, what: str) -> list[torch.Tensor | None]:
         """Every member's `values`, reduced element-wise in member order (None: no value from that member;
         None out when no member had one). Blocks until all `members` called."""
+        _settled([v for v in values if v is not None])  # made, on whatever stream made them
         with self._cv:
             self._wait(lambda: group not in self._rounds or not self._rounds[group].done, what, self.timeout)
             r = self._rounds.setdefault(group, _Round(members))
             r.given[who] = values
             if len(r.given) == members:
                 r.finish(op)
+                _settled([t for t in r.out if t is not None])
                 self._cv.notify_all()
             else:
                 self._wait(lambda: r.done, what, self.timeout)
@@ -174,7 +176,34 @@ class Hub:
             if r.taken == members:
                 del self._rounds[group]
                 self._cv.notify_all()
-            return out
+        for t in out:
+            if t is not None:
+                _used_here(t)
+        return out
+
+
+def _made(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
+    """An event on the current stream of the GPU `tensors` are on (once it has passed, they are made); None
+    for tensors on the CPU."""
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if cuda is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(cuda))
+    return event
+
+
+def _settled(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait until the current streams of the GPUs `tensors` are on have made them: a sum among threads reads
+    them on another thread's stream (rare: once a step)."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _used_here(t: torch.Tensor) -> None:
+    """`t`, made on another stage's stream, is read on this thread's: its memory is not reused before that."""
+    if t.device.type == "cuda":
+        t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class _Round:
@@ -214,8 +243,10 @@ class _Sender:
         leaves = structure.tensors(obj)
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
         flags = [i < len(grads) and bool(grads[i]) for i in range(len(leaves))]
-        # Detached now (the sender's graph stays the sender's); copied by the receiver onto its device.
-        self.hub._put(self.key, mb, (structure.map_tensors(obj, torch.Tensor.detach), flags))
+        # Detached now (the sender's graph stays the sender's); copied by the receiver onto its device, once
+        # the sender's stream has made them (a stage of a GPU runs on its own stream: gpipe.Pipeline).
+        made = _made(leaves)
+        self.hub._put(self.key, mb, (structure.map_tensors(obj, torch.Tensor.detach), flags, made))
 
     def flush(self, timeout: float) -> None:
         pass  # a message is delivered as it is sent
@@ -233,11 +264,14 @@ class _Receiver:
         pass  # messages wait in the hub until taken
 
     def get(self, mb: int, timeout: float) -> Any:
-        value, flags = self.hub._take(self.key, mb, f"{self.name} of micro-batch {mb}", timeout)
+        value, flags, made = self.hub._take(self.key, mb, f"{self.name} of micro-batch {mb}", timeout)
         wants = iter(flags)
+        if made is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(made)
 
         def receive(t: torch.Tensor) -> torch.Tensor:
             copy = t.to(self.device, copy=True)
+            _used_here(t)
             self.bytes += copy.numel() * copy.element_size()
             return copy.requires_grad_() if next(wants) else copy
 

@@ -136,6 +136,13 @@ def cli(tmp_path: Path):
     assert not left, f"processes left behind: {left}"
 
 
+def _visible_gpus() -> int:
+    """The CUDA devices torch sees here (0 with a CPU build)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     """For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
@@ -149,7 +156,15 @@ def pytest_collection_modifyitems(config, items) -> None:
                 return f"{item.module.__name__}:{name}"
         return None
 
+    gpus: int | None = None
     for item in items:
         if (group := shared(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        if (mark := item.get_closest_marker("gpu")) is not None:
+            if gpus is None:
+                gpus = _visible_gpus()
+            need = int(mark.args[0]) if mark.args else 1
+            if gpus < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), this machine has {gpus} "
+                                                 "(make gpu-check runs these on a GPU host)"))
     items.sort(key=lambda item: (shared(item) is None, item.get_closest_marker("multiprocess") is None))

@@ -591,3 +591,24 @@ class ScaledBlocks(nn.Module):
 
 def scaled_blocks(width: int = 16, blocks: int = 3) -> nn.Module:
     return ScaledBlocks(width, blocks)
+
+
+class _DeterminismCheck(nn.Module):
+    """Passes its input on, once it has checked its process's deterministic setting is `expected`."""
+
+    def __init__(self, expected: bool):
+        super().__init__()
+        self.expected = expected
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        on = torch.are_deterministic_algorithms_enabled() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") is not None
+        if on != self.expected:
+            raise RuntimeError(f"deterministic algorithms {'on' if on else 'off'} in this stage's process, "
+                               f"expected {'on' if self.expected else 'off'}")
+        return x
+
+
+def determinism_mlp(expected: bool, width: int = 16) -> nn.Sequential:
+    """An MLP whose stages check their processes' deterministic setting (spec `deterministic`)."""
+    return nn.Sequential(nn.Linear(width, width), _DeterminismCheck(expected), nn.Tanh(),
+                         nn.Linear(width, width), _DeterminismCheck(expected))

@@ -59,7 +59,9 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
                         precision=spec.get("precision", "fp32"),
                         deferred_batch_norm=spec.get("deferred_batch_norm", False),
                         replicas=spec.get("replicas", 1), seed=seed,
-                        loss_scale=(s.get("init", 2.0**16), s.get("growth_interval", 2000)), timeout_s=60)
+                        loss_scale=(s.get("init", 2.0**16), s.get("growth_interval", 2000)), timeout_s=60,
+                        deterministic=spec.get("deterministic", False),
+                        devices=[device] * (len(cuts or [len(model)]) // spec.get("virtual_stages", 1)))
     half = HALF.get(spec.get("precision", "fp32"))
     scaler = None
     if spec.get("precision") == "fp16":

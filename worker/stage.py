@@ -26,7 +26,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gpipe import batchnorm, capture, evaluation, init, schedule, skeleton, skip, structure
+from gpipe import (
+    batchnorm,
+    capture,
+    determinism,
+    evaluation,
+    init,
+    schedule,
+    skeleton,
+    skip,
+    structure,
+)
 from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
@@ -211,8 +221,12 @@ class Stage:
         self.mb_offset = cfg.replica * cfg.chunks  # replica r's micro-batch i is the step's r*chunks+i
         add_import_paths(cfg.import_paths)
         self.device = torch.device(cfg.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if cfg.deterministic:
+            determinism.enable()  # before the process's first matrix product on the GPU (cuBLAS's workspace)
+        if self.device.type == "cuda" and transport is None:
+            torch.cuda.set_device(self.device)  # a worker's process owns its device (NCCL's communicators use it)
+        # gpipe.Pipeline gives each stage of a GPU its own stream (set after building), as torchgpipe does.
+        self.stream: torch.cuda.Stream | None = None
         self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
         # The layers built already (their weights sent in pieces: worker.streaming), or built from `state`.
         self.layers = state if isinstance(state, nn.Sequential) else build_layers(cfg, state, self.device)
@@ -309,6 +323,17 @@ class Stage:
 
     # -- one step --------------------------------------------------------------------------------------
 
+    def placed(self) -> contextlib.AbstractContextManager[Any]:
+        """The stage's GPU as the calling thread's current device (a layer's own `.cuda()` lands there, whatever
+        thread runs the stage) and its stream, if it has one; on the CPU, nothing."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        if self.stream is not None:
+            stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
     def step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
              batch: int | None = None) -> StepResult:
         """Run one step of the schedule, then the gradients' reductions and the optimizer; the step's figures.
@@ -316,6 +341,11 @@ class Stage:
         `batch` is the whole batch of every replica (a micro-batch's loss weighs size/batch): the config's
         by default, else this stage's micro-batches.
         """
+        with self.placed():
+            return self._step(step, lr, inputs, targets, sizes, batch)
+
+    def _step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
+              batch: int | None) -> StepResult:
         cfg, t_step, start_unix = self.cfg, time.perf_counter(), time.time()
         loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
         p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
@@ -574,6 +604,11 @@ class Stage:
         The last stage returns the batch's summed loss (each micro-batch's mean loss times its size), or with
         no `targets`, the micro-batches' outputs.
         """
+        with self.placed():
+            return self._evaluate(batch, inputs, targets, sizes)
+
+    def _evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
+                  sizes: list[int]) -> EvalResult:
         dev, chunks = self.device, len(sizes)
         p = Pass(False, evaluation.seed_step(batch), 0, inputs, targets, sizes, sum(sizes), what="eval micro-batch",
                  loss_sum=torch.zeros((), dtype=torch.float64, device=dev))
