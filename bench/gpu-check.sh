@@ -89,9 +89,31 @@ status = "PASS" if cuda else "SKIP"
 print(f"RESULT {status} env torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl}) on {name}; gpipe imports")
 '
 
+# The worker owns its device: the probe child names the GPU; a GPU index the host lacks is refused at start.
+check worker-device 90 "$PY" -c '
+import subprocess, sys
+from gpipe.worker import device
+gpus = device.probe()
+found = "PASS" if gpus.gpus else "SKIP"
+print(f"RESULT {found} worker-device-probe {gpus.describe()}")
+missing = f"cuda:{len(gpus.gpus)}"
+r = subprocess.run([sys.executable, "-c", "import sys; from gpipe.worker.daemon import main; sys.exit(main())",
+                    "--rank", "0", "--device", missing, "--coordinator", "127.0.0.1:9"],
+                   capture_output=True, text=True, timeout=80)
+line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+ok = r.returncode == 2 and "--device" in line and "Traceback" not in r.stderr
+verdict = "PASS" if ok else "FAIL"
+print(f"RESULT {verdict} worker-refuses-{missing} exit {r.returncode}: {line}")
+'
+
 # Every test marked gpu, a line each (pytest's own short summary, -rA).
 pytest_gpu() {
-    "$PY" -m pytest -q -m gpu -rA -p no:cacheprovider -o addopts= --timeout 240 tests/ 2>&1 | tee -a "$FULL" \
+    local spread=()
+    "$PY" -c 'import xdist' 2> /dev/null && spread=(-n 4)  # the GPU's tests side by side, where pytest-xdist is
+    # The files that hold gpu tests (the others may need packages a GPU host lacks, as test_deploy.py does).
+    mapfile -t files < <(grep -l 'mark\.gpu' tests/test_*.py)
+    "$PY" -m pytest -q -m gpu -rA -p no:cacheprovider -o addopts= --timeout 180 "${spread[@]}" "${files[@]}" 2>&1 \
+        | tee -a "$FULL" \
         | sed -nE 's/^(PASSED|FAILED|ERROR|SKIPPED) (\[[0-9]+\] )?([^ ]+)( - | )?(.*)$/RESULT \1 \3 \5/p' \
         | sed -E 's/^RESULT PASSED/RESULT PASS/; s/^RESULT (FAILED|ERROR)/RESULT FAIL/; s/^RESULT SKIPPED/RESULT SKIP/'
     return "${PIPESTATUS[0]}"
@@ -99,10 +121,10 @@ pytest_gpu() {
 if wanted pytest; then
     export -f pytest_gpu
     export PY FULL
-    check pytest 330 bash -c pytest_gpu
+    check pytest 240 bash -c pytest_gpu
 fi
-check tput-pipeline 150 "$PY" bench/gpu_throughput.py pipeline
-check tput-run 150 "$PY" bench/gpu_throughput.py run
+check tput-pipeline 100 "$PY" bench/gpu_throughput.py pipeline --rounds 2
+check tput-run 100 "$PY" bench/gpu_throughput.py run --steps 30
 
 count() { grep -c "^$1 " "$SUMMARY"; }
 line "GPU-CHECK DONE in $((SECONDS - START))s: $(count PASS) pass, $(count FAIL) fail, $(count SKIP) skip"

@@ -169,6 +169,10 @@ class Pipeline:
         """A model that is not an nn.Sequential, captured on its first micro-batch and cut into pieces
         (gpipe.capture); the balance then counts pieces."""
         stages = len(self.balance)
+        # Traced where the model is (its inputs may be on another device: the stages move them to theirs).
+        held = next(iter([*self.original.parameters(), *self.original.buffers()]), None)
+        if held is not None:
+            sample = structure.to(sample, held.device)
         try:
             c = capture.capture(self.original, sample, self.split_points, self.output)
         except capture.CaptureError as e:

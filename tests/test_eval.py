@@ -227,8 +227,7 @@ def test_bf16_evaluation_runs_under_the_training_autocast():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu(2)  # a GPU per worker: NCCL takes one rank per GPU
 def test_eval_on_cuda_equals_one_device_and_changes_nothing_of_training(cli):
     spec = job(device="cuda", steps=2, keep_best=False)
     evals = run_evals(cli, spec)

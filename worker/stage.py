@@ -171,7 +171,10 @@ def roots(y: Any, wants: list[bool], grads: list[torch.Tensor],
     outs = [t for t, w in zip(structure.tensors(y), wants, strict=True) if w]
     if len(outs) != len(grads):
         raise RuntimeError(f"{len(grads)} gradients came back for {len(outs)} tensors that wanted one")
-    return [(t, g) for t, g in [*zip(outs, grads, strict=True), *more] if t.requires_grad]
+    # A gradient arrives on the stage's device; a tensor the stage sent from elsewhere (a CUDA stage's CPU
+    # output) takes it back where it is.
+    return [(t, g if g.device == t.device else g.to(t.device)) for t, g in [*zip(outs, grads, strict=True), *more]
+            if t.requires_grad]
 
 
 @dataclass
