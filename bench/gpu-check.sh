@@ -12,7 +12,8 @@
 # gpu tests of the other files), a line each; the throughput of a GPT-2-small-sized model (bench/gpu_throughput.py):
 # a 2-stage gpipe.Pipeline against plain one-GPU training, and `run` on one stage against the same.
 # Results: stdout, and $OUT (or GPU_CHECK_OUT, default /tmp/gpu-check) summary.txt and full.log.
-# Knobs: GPU_CHECK_PYTHON (default python3), GPU_CHECK_ONLY="env pytest tput-pipeline tput-run",
+# Knobs: GPU_CHECK_PYTHON (default python3), GPU_CHECK_ONLY="env worker-device pytest tput-pipeline tput-run
+# tput-deterministic" (the checks to run),
 # GPU_CHECK_QUICK=1 (tiny sizes: a dry run on a CPU, where the gpu tests are skipped).
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -125,6 +126,7 @@ if wanted pytest; then
 fi
 check tput-pipeline 100 "$PY" bench/gpu_throughput.py pipeline --rounds 2
 check tput-run 100 "$PY" bench/gpu_throughput.py run --steps 30
+check tput-deterministic 80 "$PY" bench/gpu_throughput.py pipeline --rounds 2 --deterministic
 
 count() { grep -c "^$1 " "$SUMMARY"; }
 line "GPU-CHECK DONE in $((SECONDS - START))s: $(count PASS) pass, $(count FAIL) fail, $(count SKIP) skip"

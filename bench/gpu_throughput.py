@@ -2,6 +2,7 @@
 
     python bench/gpu_throughput.py pipeline [--rounds 3]   # 2-stage gpipe.Pipeline vs plain one-GPU training
     python bench/gpu_throughput.py run [--steps 40]        # `gpipe-coordinator run`, one stage, vs the same
+    python bench/gpu_throughput.py pipeline --deterministic   # plain and the 2-stage Pipeline, deterministic
 
 The model is GPT-2-small-sized: examples/charlm.py's transformer_lm with d_model 768, 12 heads, ff 3072 and
 12 layers (85 M parameters), batch 32 x 256 tokens, bf16 autocast, AdamW. `pipeline`: the contenders run
@@ -109,7 +110,7 @@ def timed(contender: Plain | Piped, x: torch.Tensor, y: torch.Tensor, steps: int
     return BATCH * SEQ * steps / (time.perf_counter() - t)
 
 
-def pipeline(rounds: int, steps: int) -> None:
+def pipeline(rounds: int, steps: int, deterministic: bool = False) -> None:
     torch.manual_seed(0)
     base = charlm.transformer_lm(**ARGS)
     params = sum(p.numel() for p in base.parameters())
@@ -118,6 +119,11 @@ def pipeline(rounds: int, steps: int) -> None:
               "Pipeline, 1 stage": lambda: Piped(base, 1, "gpipe"),
               "Pipeline, 2 stages, 1f1b": lambda: Piped(base, 2, "1f1b"),
               "Pipeline, 2 stages, gpipe": lambda: Piped(base, 2, "gpipe")}
+    if deterministic:  # this process's setting, for every contender: the figures to hold against a run without
+        from gpipe import determinism
+
+        determinism.enable()
+        makers = {k: v for k, v in makers.items() if k in (f"plain, {CHUNKS} micro-batches", "Pipeline, 2 stages, 1f1b")}
     rates: dict[str, list[float]] = {k: [] for k in makers}
     peaks: dict[str, float] = {}
     for _ in range(rounds):
@@ -136,8 +142,14 @@ def pipeline(rounds: int, steps: int) -> None:
     median = {k: statistics.median(v) for k, v in rates.items()}
     for name, r in median.items():
         print(f"  {name:32s} {r:12,.0f} tokens/s  (peak {peaks.get(name, 0.0):.1f} GiB)", flush=True)
-    plain, micro = median["plain, whole batch"], median[f"plain, {CHUNKS} micro-batches"]
-    two, one = median["Pipeline, 2 stages, 1f1b"], median["Pipeline, 1 stage"]
+    micro, two = median[f"plain, {CHUNKS} micro-batches"], median["Pipeline, 2 stages, 1f1b"]
+    if deterministic:
+        say("PASS", "tput-deterministic",
+            f"with deterministic algorithms (gpipe.determinism), the same model and batch: plain on {CHUNKS} "
+            f"micro-batches {micro:,.0f} tokens/s, 2-stage Pipeline (1f1b) {two:,.0f} tokens/s ({two / micro:.2f}x); "
+            f"hold against tput-pipeline's figures of this run; median of {rounds} rounds")
+        return
+    plain, one = median["plain, whole batch"], median["Pipeline, 1 stage"]
     say("PASS", "tput-pipeline",
         f"transformer_lm {params / 1e6:.0f}M params, batch {BATCH}x{SEQ}, {CHUNKS} micro-batches, {'bf16' if CUDA else 'fp32'}, on "
         f"{torch.cuda.get_device_name() if CUDA else 'cpu'}: 2-stage Pipeline (1f1b) {two:,.0f} tokens/s = "
@@ -182,9 +194,10 @@ def main() -> None:
     p.add_argument("what", choices=["pipeline", "run"])
     p.add_argument("--rounds", type=int, default=1 if QUICK else 3)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--deterministic", action="store_true", help="pipeline: with deterministic algorithms")
     a = p.parse_args()
     if a.what == "pipeline":
-        pipeline(a.rounds, a.steps or (2 if QUICK else 5))
+        pipeline(a.rounds, a.steps or (2 if QUICK else 5), a.deterministic)
     else:
         run(a.steps or (8 if QUICK else 40))
 

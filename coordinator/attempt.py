@@ -115,7 +115,7 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     from gpipe.coordinator.plan import make_plan
 
     # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
-    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads, meta=False)
+    plan = make_plan(spec, Path(a.job_dir), "cpu", placement[0].threads, meta=False)  # the coordinator's CPU
     plan.evaluate_only, plan.weights = True, None
     own = plan.model.state_dict()  # a captured model's pieces hold the weights the file names by the model's names
     weights, step = load_weights(Path(a.evaluate), {plan.weight_name(k): t for k, t in own.items()})
@@ -175,7 +175,9 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
             tell(report.Log("no checkpoint to resume from: starting at step 0"))
     tell(report.Resumed(resume.step if resume else 0))
     port, secret = _rendezvous(a, spec)
-    plan = make_plan(spec, Path(a.job_dir), devices[0], placement[0].threads,
+    # Planned on this process's CPU: the coordinator never touches a GPU (its pod has none); by_time measures
+    # the layers there, a stand-in for the workers' devices.
+    plan = make_plan(spec, Path(a.job_dir), "cpu", placement[0].threads,
                      balance_of=resume.meta.get("balance") if resume else None)
     if resume is not None:
         resume_parts(plan, resume)  # the checkpoint fits this job's model and data, or nothing starts

@@ -4,8 +4,10 @@ A cost per layer (parameters, measured time, or memory), then the contiguous
 cut into `stages` non-empty parts that minimises the largest part's cost.
 
 - by_params: a layer's parameter count (+1, so parameterless layers spread too).
-- by_time: a layer's forward and backward time on the stages' device and
-  threads, measured on the job's first micro-batch (median of 3 runs).
+- by_time: a layer's forward and backward time with the stages' threads,
+  measured on the job's first micro-batch (median of 3 runs), on the device
+  the plan is made on: the CPU of the coordinator (which never touches a GPU),
+  so for a `device: cuda` job the CPU's times stand in for the GPU's.
 - by_memory: a layer's bytes at its peak: parameters, gradients and optimizer
   state, plus the activations it keeps for backward times the micro-batches in
   flight at once (chunks under gpipe, stages under 1f1b).
