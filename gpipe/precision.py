@@ -39,16 +39,19 @@ Name = Literal["fp32", "bf16", "fp16"]
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def unsupported(precision: str, device_type: str) -> str | None:
-    """Why this machine's torch cannot run `precision` on `device_type` stages, or None when it can."""
+def unsupported(precision: str, device_type: str, device: torch.device | None = None) -> str | None:
+    """Why this torch cannot run `precision` on `device_type` stages, or None when it can; with `device` (a
+    worker's own GPU), also why that GPU cannot. The coordinator asks without a device: it never touches a GPU."""
     dtype = DTYPES[precision]
     if dtype is None:
         return None
     if not torch.amp.autocast_mode.is_autocast_available(device_type):
         return f"{precision} needs autocast, which torch {torch.__version__} lacks on {device_type}"
-    if device_type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available() \
-            and not torch.cuda.is_bf16_supported():
-        return f"{precision}: this machine's CUDA device does not support bfloat16"
+    if device is not None and device.type == "cuda" and dtype == torch.bfloat16:
+        with torch.cuda.device(device):
+            if torch.cuda.is_bf16_supported():
+                return None
+        return f"{precision}: {device} ({torch.cuda.get_device_name(device)}) does not support bfloat16"
     return None
 
 
@@ -121,7 +124,7 @@ class Precision:
                  init_scale: float = LossScaler.INIT, growth_interval: int = LossScaler.GROWTH_INTERVAL):
         if name not in DTYPES:
             raise ValueError(f"precision: {name!r} is not one of {', '.join(DTYPES)}")
-        if why := unsupported(name, device.type):  # the plan checked the coordinator's torch; this is the worker's
+        if why := unsupported(name, device.type, device):  # the plan checked the coordinator's torch; this, the GPU
             raise ValueError(f"precision: {why}")
         self.name, self.device = name, device
         self.dtype = DTYPES[name]
