@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint typecheck protos clean gpu-check gpu-wheels
+.PHONY: setup demo test test-fast lint typecheck typetree protos clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,16 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Settings in pyproject.toml [tool.mypy]: strict on most modules.
-typecheck: setup
-	$(BIN)/mypy
+# Settings in pyproject.toml [tool.mypy]: strict on most modules. mypy cannot follow setuptools' mapping of
+# coordinator/ and worker/ to gpipe.coordinator and gpipe.worker, so it reads the package through a tree of
+# links made here, shaped as the package installs (build/ is a build output; errors name its paths).
+TYPED := build/typecheck
+typetree:
+	@rm -rf $(TYPED) && mkdir -p $(TYPED)/gpipe && for f in gpipe/*; do ln -s ../../../$$f $(TYPED)/gpipe/; done \
+	  && ln -s ../../../coordinator $(TYPED)/gpipe/coordinator && ln -s ../../../worker $(TYPED)/gpipe/worker
+
+typecheck: setup typetree
+	MYPYPATH=$(TYPED) $(BIN)/mypy
 
 # TEST_WORKERS pytest-xdist processes share the tests (most of a test's time is its processes starting
 # and waiting); tests that share a module's serve stay on one (tests/conftest.py). TEST_WORKERS=0: one process.
@@ -34,8 +41,8 @@ TEST_WORKERS ?= 5  # on 2 cores: many tests mostly wait (heartbeats, grace perio
 
 # mypy runs beside the tests (the tests' processes leave a core idle while they wait); its report follows
 # theirs, and their closing line is said again last.
-test: lint
-	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+test: lint typetree
+	@MYPYPATH=$(TYPED) $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup 2>&1 | tee $(VENV)/pytest.log; \
 	tests=$${PIPESTATUS[0]}; wait $$types; typed=$$?; \
 	echo "mypy: $$(tail -n 1 $(VENV)/mypy.log)"; test $$typed -eq 0 || cat $(VENV)/mypy.log; \
@@ -57,4 +64,4 @@ protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
 
 clean:
-	rm -rf $(VENV) gpipe-state gpipe-service gpipe-worker-logs .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) build gpipe-state gpipe-service gpipe-worker-logs .pytest_cache .ruff_cache .mypy_cache

@@ -61,6 +61,14 @@ else
     line "INFO setup: no wheels in $WHEELS (bash bench/gpu-check.sh --prepare makes them): $PY as it is"
 fi
 
+# gpipe itself, editable: the build maps coordinator/ and worker/ to gpipe.coordinator and gpipe.worker.
+if "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e . \
+        >> "$FULL" 2>&1; then
+    line "INFO setup: gpipe installed (editable) into $("$PY" -c 'import sys; print(sys.prefix)')"
+else
+    line "FAIL setup: pip install -e . failed (full.log says why)"
+fi
+
 # check NAME LIMIT_S CMD...: CMD's RESULT lines become check lines; a CMD that ends without one is a FAIL.
 check() {
     local name=$1 limit=$2 log rc
@@ -82,7 +90,7 @@ check() {
 }
 
 check env 60 "$PY" -c '
-import torch, gpipe, gpipe.coordinator.cli, gpipe.worker.stage, gpipe.v1.jobs_pb2
+import torch, gpipe, gpipe.coordinator.cli, gpipe.stage, gpipe.worker.stage_server, gpipe.v1.jobs_pb2
 cuda = torch.cuda.is_available()
 name = torch.cuda.get_device_name() if cuda else "no GPU"
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-"
@@ -91,7 +99,7 @@ print(f"RESULT {status} env torch {torch.__version__} (CUDA {torch.version.cuda}
 '
 
 # The worker owns its device: the probe child names the GPU; a GPU index the host lacks is refused at start.
-check worker-device 90 "$PY" -c '
+check worker-device 150 "$PY" -c '
 import subprocess, sys
 from gpipe.worker import device
 gpus = device.probe()
@@ -100,7 +108,7 @@ print(f"RESULT {found} worker-device-probe {gpus.describe()}")
 missing = f"cuda:{len(gpus.gpus)}"
 r = subprocess.run([sys.executable, "-c", "import sys; from gpipe.worker.daemon import main; sys.exit(main())",
                     "--rank", "0", "--device", missing, "--coordinator", "127.0.0.1:9"],
-                   capture_output=True, text=True, timeout=80)
+                   capture_output=True, text=True, timeout=120)
 line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
 ok = r.returncode == 2 and "--device" in line and "Traceback" not in r.stderr
 verdict = "PASS" if ok else "FAIL"

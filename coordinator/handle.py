@@ -143,7 +143,7 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     What `run` and the service run in worker processes over torch RPC and c10d, without them: the same
     stage servers, the same driver (tests; close them with StageServer.close_all()).
     """
-    from gpipe.contract import StageConfig
+    from gpipe.coordinator.configs import stage_config
     from gpipe.rng import SharedGenerators
     from gpipe.transport import Hub
     from gpipe.turns import Turns
@@ -156,7 +156,7 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     handles: list[StageHandle] = []
     for slot in top.ranks():
         stage, replica = top.stage_of(slot), top.replica_of(slot)
-        cfg = StageConfig.of(plan, stage, replica, device, "", 0)
+        cfg = stage_config(plan, stage, replica, device, "", 0)
         server = StageServer(asdict(cfg), None, first_step, transport=hub.transport(stage, replica, torch.device(device)),
                              shared_rng=rng, turns=turns.get(workers.worker_of(slot)))
         handles.append(LocalStage(server))

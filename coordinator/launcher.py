@@ -22,6 +22,10 @@ from gpipe.coordinator.supervisor import Launch
 from gpipe.proc import child_env, last_error_line
 from gpipe.zygote import Child, Template
 
+# What the coordinator's attempt processes import (gpipe.zygote's template imports it once): no optimizer, so
+# not torch._dynamo (the workers' half of a template's start).
+COORDINATOR_PRELOAD = ("torch.distributed.rpc", "gpipe.coordinator.attempt", "gpipe.coordinator.driver",
+                       "gpipe.coordinator.board")
 REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
 
 

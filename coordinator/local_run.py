@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from gpipe import grpcutil
-from gpipe.coordinator.launcher import ProcessLauncher
+from gpipe.coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from gpipe.coordinator.local import LocalWorker
 from gpipe.coordinator.progress import Follower, Progress
 from gpipe.coordinator.spec import JobSpec
 from gpipe.coordinator.supervisor import Supervisor, final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.serde import JobRecord, JobState
-from gpipe.worker.agent import worker_template
+from gpipe.worker.agent import WORKER_PRELOAD, worker_template
 from gpipe.worker.cores import split_cores, threads_for
 from gpipe.worker.device import VISIBLE_ENV, Gpu, Gpus, probe
 
@@ -121,7 +121,8 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
     threads = min(threads_for(c) for c in core_sets)
-    template = worker_template(dict(os.environ), threads)  # the job's attempt processes fork from it
+    # The job's attempt processes fork from it: the workers' and the coordinator's.
+    template = worker_template(dict(os.environ), threads, preload=dict.fromkeys(WORKER_PRELOAD + COORDINATOR_PRELOAD))
     await template.start()
     launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, template)
     sup = Supervisor(launcher, say=lambda line: None)

@@ -16,19 +16,18 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
-from gpipe import capture, init, schedule, skeleton
-from gpipe.coordinator import balance
+from gpipe import balance, capture, init, schedule, skeleton
 from gpipe.coordinator.data import DataStream, EvalStream
 from gpipe.coordinator.pretrained import Pretrained, match, open_weights
-from gpipe.coordinator.probe import probe, probe_eval
 from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
 from gpipe.init import uninitialisable
 from gpipe.precision import unsupported
+from gpipe.probe import probe, probe_eval
 from gpipe.show import first_line
-from gpipe.worker.channel import backend_of, encode
+from gpipe.wire import backend_of, encode
 
 
 @dataclass

@@ -17,7 +17,8 @@ from dataclasses import asdict
 import torch.distributed.rpc as rpc
 
 from gpipe import net
-from gpipe.contract import Cause, StageConfig
+from gpipe.contract import Cause
+from gpipe.coordinator.configs import stage_config
 from gpipe.coordinator.handle import RRefStage, StageHandle
 from gpipe.coordinator.plan import Plan
 from gpipe.errors import JobFailed
@@ -82,7 +83,7 @@ class RpcWorld:
         slots = top.chunks()
         for slot in slots.ranks():
             rank = top.worker_of(slot)
-            cfg = StageConfig.of(self.plan, slots.stage_of(slot), slots.replica_of(slot), self.device_of(rank),
+            cfg = stage_config(self.plan, slots.stage_of(slot), slots.replica_of(slot), self.device_of(rank),
                                  self.store_host, self.store_port)
             args = (asdict(cfg), None, first_step)
             self.rrefs.append(rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s))

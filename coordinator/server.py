@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from gpipe import code, grpcutil, serde
-from gpipe.coordinator.launcher import ProcessLauncher
+from gpipe.coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from gpipe.coordinator.outputs import prepare_output
 from gpipe.coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
 from gpipe.coordinator.supervisor import (
@@ -56,7 +56,7 @@ from gpipe.serde import SHA256_RE, Abort, JobRecord, JobState, Join, StateChange
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from gpipe.worker.device import DEVICE_RE, Gpu
-from gpipe.zygote import COORDINATOR_PRELOAD, Template
+from gpipe.zygote import Template
 
 VALIDATE_TIMEOUT_S = 120.0
 MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range

@@ -6,7 +6,7 @@
     optimizer.step(); optimizer.zero_grad()      # the gradients are in model.parameters()
     out = pipe(inputs)                           # forward only, in eval mode, without gradients
 
-The stages are the service's own (gpipe.worker.stage), the same interpreter of
+The stages are the service's own (gpipe.stage), the same interpreter of
 the same schedules, linked in memory (gpipe.transport.Hub) instead of by c10d.
 Each stage holds the model's own layers, moved to its device, so an optimizer
 built over `model.parameters()` works unchanged. The math is the service's:
@@ -32,16 +32,16 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gpipe import balance as balancing
 from gpipe import capture, determinism, skip, structure
 from gpipe import schedule as schedules
 from gpipe.contract import StageConfig, StepResult
-from gpipe.coordinator import balance as balancing
-from gpipe.coordinator.probe import Recorder
 from gpipe.precision import DTYPES, LossScaler
+from gpipe.probe import Recorder
 from gpipe.rng import SharedGenerators
+from gpipe.stage import Stage  # the service's own stage: one engine
 from gpipe.transport import Hub, HubClosed
 from gpipe.turns import TurnAborted, Turns
-from gpipe.worker.stage import Stage  # the service's own stage: one engine
 
 T = TypeVar("T")
 CHECKPOINTS = ("always", "except_last", "never")
@@ -170,9 +170,9 @@ class Pipeline:
         (gpipe.capture); the balance then counts pieces."""
         stages = len(self.balance)
         # Traced where the model is (its inputs may be on another device: the stages move them to theirs).
-        held = next(iter([*self.original.parameters(), *self.original.buffers()]), None)
-        if held is not None:
-            sample = structure.to(sample, held.device)
+        weight = next(iter([*self.original.parameters(), *self.original.buffers()]), None)
+        if weight is not None:
+            sample = structure.to(sample, weight.device)
         try:
             c = capture.capture(self.original, sample, self.split_points, self.output)
         except capture.CaptureError as e:
@@ -242,7 +242,7 @@ class Pipeline:
                     device=str(self._device(k)), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
                 transport = self._hub.transport(k, r, self._device(k))
-                stage = Stage(cfg, layers, transport=transport, optimizer=False, shared_rng=self._rng,
+                stage = Stage(cfg, layers, None, transport, optimizer=False, shared_rng=self._rng,
                               finished_elsewhere=elsewhere, shares_tensors=shared)
                 if self._turns:
                     stage.turns = self._turns[r][self._worker(k)]

@@ -1,9 +1,9 @@
 """A stage's state as checkpoints hold it: the one definition of its layout.
 
-The stages write it (worker/stage.py: snapshot, restore), the coordinator
+The stages write it (gpipe/stage.py: snapshot, restore), the coordinator
 stores it (coordinator/checkpoint.py) and cuts it for another balance
 (coordinator/resume.py). Tensors are named by the un-partitioned model (a
-captured model's by its own names, a tied weight once: worker.stage.Stage.saved_name),
+captured model's by its own names, a tied weight once: gpipe.stage.Stage.saved_name),
 so a checkpoint fits any balance and any split:
 
     model/<name>            the stage's state dict (parameters and persistent buffers)

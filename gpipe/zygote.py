@@ -62,13 +62,6 @@ _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's names for MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": _M_TRIM_THRESHOLD, "MALLOC_MMAP_THRESHOLD_": _M_MMAP_THRESHOLD}
 
-# What attempt processes import. A worker's builds an optimizer, which imports torch._dynamo (half the
-# template's start: 1.2 of 2.5 CPU-s); the coordinator's attempt and a validation build none, so serve's
-# template, which forks only those, leaves it out. `run`'s forks both.
-WORKER_PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attempt")
-COORDINATOR_PRELOAD = ("torch.distributed.rpc", "gpipe.coordinator.attempt", "gpipe.coordinator.driver",
-                       "gpipe.coordinator.board")
-PRELOAD = tuple(dict.fromkeys(WORKER_PRELOAD + COORDINATOR_PRELOAD))
 
 
 class Forked:
@@ -119,7 +112,7 @@ Child = asyncio.subprocess.Process | Forked
 class Template:
     """One template process and the processes forked from it; `start` it before `spawn`, `close` it after."""
 
-    def __init__(self, env: Mapping[str, str], preload: Iterable[str] = PRELOAD, hidden: Iterable[str] = ()):
+    def __init__(self, env: Mapping[str, str], preload: Iterable[str], hidden: Iterable[str] = ()):
         """`env`: the template's environment, less `hidden` (secrets its forks must not inherit)."""
         self.env = {k: v for k, v in env.items() if k not in set(hidden) and k not in (PARENT_ENV, CORES_ENV)}
         self.preload = list(preload)

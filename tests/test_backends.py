@@ -22,16 +22,8 @@ from torch import nn
 
 from gpipe import net, structure
 from gpipe.contract import StageConfig
-from gpipe.worker.channel import (
-    CARRIES,
-    DTYPES,
-    Receiver,
-    Sender,
-    backend_of,
-    encode,
-    on_wire,
-    travels,
-)
+from gpipe.wire import CARRIES, DTYPES, backend_of, encode, on_wire, travels
+from gpipe.worker.channel import Receiver, Sender
 from tests.ports import free_port
 from tests.test_transparency import job
 
@@ -173,8 +165,8 @@ def test_validate_refuses_a_dtype_no_backend_carries_in_one_line_naming_it_and_t
 
 
 def test_the_probe_checks_the_cuts_against_the_jobs_backend():
-    from gpipe.coordinator.probe import probe
     from gpipe.errors import SpecError
+    from gpipe.probe import probe
     from tests.models import bad_cut
 
     x, y = torch.randn(4, 16), torch.randn(4, 16)

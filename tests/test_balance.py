@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe import balance
 from gpipe.builtins import mlp
-from gpipe.coordinator import balance
 from gpipe.coordinator.metrics import write_plan
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import parse_spec

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from gpipe import structure
-from gpipe.worker.channel import HEADER, PACK_MAX_BYTES, Receiver, Sender
+from gpipe.wire import HEADER, PACK_MAX_BYTES
+from gpipe.worker.channel import Receiver, Sender
 from tests.ports import free_port
 
 STEP_S = 1.0  # the step's deadline, as StageConfig.step_timeout_s

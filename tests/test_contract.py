@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpipe import contract
 from gpipe.capture import CaptureError
 from gpipe.contract import Cause, StageConfig, StageError, StepResult, classify
+from gpipe.coordinator import configs
+from gpipe.coordinator.configs import stage_config
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.factory import FactoryError
@@ -31,16 +32,16 @@ SPEC = {
 
 
 def test_every_spec_field_is_copied_derived_or_the_coordinators_alone():
-    kinds = [contract.SAME_AS_SPEC, contract.DERIVED_FROM_SPEC, contract.COORDINATOR_ONLY]
+    kinds = [configs.SAME_AS_SPEC, configs.DERIVED_FROM_SPEC, configs.COORDINATOR_ONLY]
     named = [name for kind in kinds for name in kind]
     assert sorted(named) == sorted(JobSpec.model_fields)  # each once
     config = {f.name for f in fields(StageConfig)}
-    assert set(contract.SAME_AS_SPEC) <= config
+    assert set(configs.SAME_AS_SPEC) <= config
 
 
 def test_a_stage_config_is_derived_from_the_spec_and_says_which_rank_it_is():
     plan = make_plan(parse_spec(yaml.safe_dump(SPEC)), ROOT)
-    first, other = (StageConfig.of(plan, 1, r, "cpu", "10.0.0.1", 29500) for r in (0, 1))
+    first, other = (stage_config(plan, 1, r, "cpu", "10.0.0.1", 29500) for r in (0, 1))
     assert (first.stage, first.replica, first.rank, first.start, first.end) == (1, 0, 1, 1, 4)
     assert (other.stage, other.replica, other.rank) == (1, 1, 3)
     assert (first.precision, first.loss_scale, first.batch_size, first.replicas) == ("fp16", (8.0, 2000), 8, 2)
@@ -52,9 +53,9 @@ def test_a_stage_config_is_derived_from_the_spec_and_says_which_rank_it_is():
 
 def test_a_spec_field_no_one_placed_is_an_error_not_a_silent_default(monkeypatch):
     plan = make_plan(parse_spec(yaml.safe_dump(SPEC)), ROOT)
-    monkeypatch.setattr(contract, "COORDINATOR_ONLY", tuple(n for n in contract.COORDINATOR_ONLY if n != "probe"))
+    monkeypatch.setattr(configs, "COORDINATOR_ONLY", tuple(n for n in configs.COORDINATOR_ONLY if n != "probe"))
     with pytest.raises(TypeError, match="JobSpec.probe"):
-        StageConfig.of(plan, 0, 0, "cpu", "127.0.0.1", 1)
+        stage_config(plan, 0, 0, "cpu", "127.0.0.1", 1)
 
 
 def result(**kw: object) -> StepResult:

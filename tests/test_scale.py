@@ -23,16 +23,16 @@ import yaml
 from safetensors.torch import load_file
 
 from gpipe import stream
-from gpipe.contract import StageConfig
 from gpipe.coordinator import checkpoint
+from gpipe.coordinator.configs import stage_config
 from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.init import per_layer
+from gpipe.stage import build_layers
 from gpipe.state import StageState
 from gpipe.worker import streaming
 from gpipe.worker.agent import MALLOC_ENV
-from gpipe.worker.stage import build_layers
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 from tests import reference
 from tests.models import mlp_norm
@@ -56,7 +56,7 @@ def stage_weights(spec: dict, tmp: Path) -> dict[str, torch.Tensor]:
     plan = make_plan(JobSpec.model_validate(spec), tmp)
     out: dict[str, torch.Tensor] = {}
     for k in range(plan.spec.stages):
-        layers = build_layers(StageConfig.of(plan, k, 0, "cpu", "127.0.0.1", 1), None, torch.device("cpu"))
+        layers = build_layers(stage_config(plan, k, 0, "cpu", "127.0.0.1", 1), None, torch.device("cpu"))
         out.update(layers.state_dict())
     return out
 
@@ -240,7 +240,7 @@ def test_per_layer_weights_on_a_gpu_are_those_of_the_cpu(tmp_path):
     plan = make_plan(JobSpec.model_validate(spec), tmp_path)
     want = per_layer(mlp_norm(16, 4), 5).state_dict()
     for k in range(2):
-        layers = build_layers(StageConfig.of(plan, k, 0, "cuda:0", "127.0.0.1", 1), None, torch.device("cuda:0"))
+        layers = build_layers(stage_config(plan, k, 0, "cuda:0", "127.0.0.1", 1), None, torch.device("cuda:0"))
         for name, t in layers.state_dict().items():
             assert t.is_cuda and torch.equal(t.cpu(), want[name]), name
 

@@ -13,13 +13,15 @@ import torch.distributed as dist
 import yaml
 
 from gpipe import net
-from gpipe.contract import Cause, StageConfig, StageError
+from gpipe.contract import Cause, StageError
+from gpipe.coordinator.configs import stage_config
 from gpipe.coordinator.data import DataStream
 from gpipe.coordinator.plan import Plan, make_plan
 from gpipe.coordinator.spec import parse_spec
+from gpipe.stage import Stage
 from gpipe.state import StageState
 from gpipe.topology import Topology
-from gpipe.worker.stage import Stage
+from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.stage_server import StageServer
 from tests import reference
 
@@ -54,7 +56,8 @@ def built(plan: Plan, weights: dict[str, torch.Tensor], resume: StageState | Non
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stage = None
     try:
-        stage = Stage(StageConfig.of(plan, 0, 0, "cpu", "127.0.0.1", store.port), weights, resume)
+        cfg = stage_config(plan, 0, 0, "cpu", "127.0.0.1", store.port)
+        stage = Stage(cfg, weights, resume, C10dTransport(cfg, torch.device("cpu")))
         yield stage
     finally:
         if stage is not None:
@@ -117,7 +120,7 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
     # What the coordinator creates remotely: a build error is kept, and answered in one line.
     plan = plan_of(job())
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    cfg = asdict(StageConfig.of(plan, 0, 0, "cpu", "127.0.0.1", store.port))
+    cfg = asdict(stage_config(plan, 0, 0, "cpu", "127.0.0.1", store.port))
     server = StageServer({**cfg, "model_factory": "tests.models:no_such_model"}, plan.stage_state(0))
     try:
         error = server.built()

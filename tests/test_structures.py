@@ -14,7 +14,7 @@ from gpipe.coordinator.plan import make_plan
 from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.factory import add_import_paths
-from gpipe.worker.channel import MAX_JSON_BYTES, decode, encode
+from gpipe.wire import MAX_JSON_BYTES, decode, encode
 from tests.test_transparency import job, train_and_compare
 
 PAIRS = {"factory": "tests.models:pair_mlp", "args": {"width": 16, "blocks": 4}}

@@ -43,7 +43,8 @@ from gpipe.show import first_line
 from gpipe.topology import Topology
 from gpipe.transport import Among, GradSum, Hub, Inbound, Lane, Op, Outbound
 from gpipe.turns import Turns
-from gpipe.worker.channel import Receiver, Sender, backend_of, backstop_s
+from gpipe.wire import backend_of
+from gpipe.worker.channel import Receiver, Sender, backstop_s
 from gpipe.worker.reducer import GradReducer
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -216,7 +217,7 @@ class World:
             work = dist.isend(one, second, group=group) if me == first else dist.irecv(one, first, group=group)
             assert work is not None  # this rank is in `group`
             work.wait(left())
-        # The sums the stages take (worker/stage.py): the job's (fp16's overflow check) and the pipeline's
+        # The sums the stages take (gpipe/stage.py): the job's (fp16's overflow check) and the pipeline's
         # (the clipping norm), over the world when there is one replica; the replicas' gradients; tied weights.
         sums: list[tuple[dist.ProcessGroup | None, list[int]]] = []
         if cfg.precision == "fp16" or (cfg.clip_grad_norm is not None and self.pipeline is None):

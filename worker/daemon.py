@@ -39,10 +39,9 @@ from gpipe import code, grpcutil, proc, serde
 from gpipe.code import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
-from gpipe.worker.agent import Agent, worker_template
+from gpipe.worker.agent import WORKER_PRELOAD, Agent, worker_template
 from gpipe.worker.cores import parse_cores, threads_for
 from gpipe.worker.device import check as check_device
-from gpipe.zygote import WORKER_PRELOAD
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight

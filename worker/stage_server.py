@@ -28,14 +28,16 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed.rpc as rpc
 
+from gpipe import determinism
 from gpipe.contract import EvalResult, StageConfig, StageError, StepResult
 from gpipe.evaluation import EvalSchedule
 from gpipe.rng import SharedGenerators
+from gpipe.stage import Stage, build_layers
 from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.transport import Transport
 from gpipe.turns import TurnAborted, Turns
-from gpipe.worker.stage import Stage, build_layers
+from gpipe.worker.c10d import C10dTransport
 from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
@@ -143,9 +145,21 @@ class StageServer:
         self._thread.start()
 
     def _build(self, state: dict[str, torch.Tensor] | torch.nn.Sequential, resume: StageState | None) -> Stage:
-        stage = Stage(self._cfg, state, resume, self._transport, shared_rng=self._shared_rng)
-        if self._turns is not None:
-            stage.turns = self._turns
+        transport, shared_rng, turns = self._transport, self._shared_rng, self._turns
+        device = torch.device(self._cfg.device)
+        if self._cfg.deterministic:
+            determinism.enable()  # before the layers' first product on a GPU
+        if not isinstance(state, torch.nn.Sequential):  # a layer that cannot be built fails before the data plane
+            state = build_layers(self._cfg, state, device)
+        if transport is None:  # the service's data plane: c10d lanes to the other workers' stages
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # this process owns its GPU: NCCL's communicators are made on it
+            c10d = transport = C10dTransport(self._cfg, device)
+            if self._cfg.virtual_stages > 1:  # the model chunks of this worker process take turns, share its RNG
+                turns, shared_rng = c10d.world.turns, c10d.world.rng
+        stage = Stage(self._cfg, state, resume, transport, shared_rng=shared_rng)
+        if turns is not None:
+            stage.turns = turns
         return stage
 
     def _failure(self, e: BaseException, step: int | None = None) -> StageError:

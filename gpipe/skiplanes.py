@@ -13,7 +13,7 @@ import torch
 
 from gpipe import skip
 from gpipe.transport import Inbound, Outbound, Transport
-from gpipe.worker.channel import gradient_message, gradients, wants_grad
+from gpipe.wire import gradient_message, gradients, wants_grad
 
 Route = tuple[str, int, int]  # name, stashing stage, popping stage
 

@@ -4,7 +4,7 @@ Before anything starts (`validate`, and every `run` and `submit`), the model
 runs on the CPU of the host that validates, on a copy of its initial weights,
 with at most PROBE_SAMPLES samples of the first micro-batch. Every layer
 boundary is treated as a cut: what a layer returns goes through the wire
-format's checks (gpipe.worker.channel.encode, with the dtypes the job's backend
+format's checks (gpipe.wire.encode, with the dtypes the job's backend
 carries: gloo on the CPU, NCCL on CUDA) and reaches the next layer as
 the stage would receive it, detached, requiring grad where it wants a
 gradient back; the backward then runs layer by layer with the gradients the
@@ -29,8 +29,8 @@ from torch import nn
 from gpipe import skip, structure
 from gpipe.errors import SpecError
 from gpipe.show import first_line
-from gpipe.worker.channel import encode, gradient_message, gradients, wants_grad
-from gpipe.worker.stage import backward
+from gpipe.stage import backward
+from gpipe.wire import encode, gradient_message, gradients, wants_grad
 
 PROBE_SAMPLES = 2  # samples of the first micro-batch the probe runs
 
@@ -62,7 +62,7 @@ class Recorder(skip.Context):
 
     def __init__(self, backend: str = "gloo") -> None:
         super().__init__()
-        self.backend = backend  # what carries a skip between stages (gpipe.worker.channel.CARRIES)
+        self.backend = backend  # what carries a skip between stages (gpipe.wire.CARRIES)
         self.layer = 0
         self.skips: dict[str, _Skip] = {}
 

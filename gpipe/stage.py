@@ -45,13 +45,12 @@ from gpipe.optim import optimizer_class
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import SharedGenerators, seeded_forward
+from gpipe.skiplanes import Routed, SkipLinks
 from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.turns import Turns
-from gpipe.worker.c10d import C10dTransport
-from gpipe.worker.channel import gradient_message, gradients, wants_grad
-from gpipe.worker.skips import Routed, SkipLinks
+from gpipe.wire import gradient_message, gradients, wants_grad
 
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
 # its capture (torch.export, seconds for a language model) are made once in a process, and every chunk takes a
@@ -212,7 +211,7 @@ class Stage:
     """
 
     def __init__(self, cfg: StageConfig, state: dict[str, torch.Tensor] | nn.Sequential,
-                 resume: StageState | None = None, transport: Transport | None = None, optimizer: bool = True,
+                 resume: StageState | None, transport: Transport, optimizer: bool = True,
                  shared_rng: SharedGenerators | None = None, finished_elsewhere: frozenset[int] = frozenset(),
                  shares_tensors: bool = False):
         """`finished_elsewhere`: ids of parameters this stage shares with an earlier stage of this process (one
@@ -226,8 +225,6 @@ class Stage:
         self.device = torch.device(cfg.device)
         if cfg.deterministic:
             determinism.enable()  # before the process's first matrix product on the GPU (cuBLAS's workspace)
-        if self.device.type == "cuda" and transport is None:
-            torch.cuda.set_device(self.device)  # a worker's process owns its device (NCCL's communicators use it)
         # gpipe.Pipeline gives each stage of a GPU its own stream (set after building), as torchgpipe does.
         self.stream: torch.cuda.Stream | None = None
         self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
@@ -258,10 +255,6 @@ class Stage:
         self._turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
-        if transport is None:
-            transport = C10dTransport(cfg, self.device)
-            if cfg.virtual_stages > 1:  # the model chunks of this worker process take turns, and share its RNG
-                self.turns, self.shared_rng = transport.world.turns, transport.world.rng
         self.transport = transport
         self._link()
 
