@@ -43,7 +43,6 @@ from gpipe.files import atomic_write
 from gpipe.show import first_line
 from gpipe.state import model_key
 from gpipe.topology import Topology
-from gpipe.turns import TurnAborted
 
 T = TypeVar("T")
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
@@ -205,7 +204,7 @@ class Run:
             try:
                 results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
             except JobFailed as e:
-                if e.error is None or e.error.type != TurnAborted.__name__:
+                if e.error is None or e.error.cause != Cause.ABORTED:
                     raise
                 # A model chunk that gave up because another chunk of its worker failed: that chunk's own answer
                 # (on its way) names the failure. Until it comes, this one is not counted as answered.

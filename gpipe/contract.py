@@ -17,6 +17,7 @@ from gpipe.capture import CaptureError
 from gpipe.factory import FactoryError
 from gpipe.schedule import place
 from gpipe.structure import StructureError
+from gpipe.turns import TurnAborted
 
 
 def _loss_scale_defaults() -> tuple[float, int]:
@@ -152,10 +153,15 @@ class Cause(StrEnum):
     PEER = "peer"  # a neighbour went away (a send or receive failed)
     MEMORY = "memory"  # the device or host ran out of memory
     DISK = "disk"  # an I/O error writing the job's state or checkpoints
+    # A model chunk that gave up because another chunk of its worker failed (gpipe.turns): that chunk's own
+    # error is the cause; this one is never blamed.
+    ABORTED = "aborted"
 
 
 def classify(e: BaseException) -> Cause:
     """The cause of an exception raised in a stage, by its type (never its message)."""
+    if isinstance(e, TurnAborted):
+        return Cause.ABORTED
     if isinstance(e, ImportError | FactoryError):  # the job's code is missing or broken where it runs
         return Cause.IMPORT
     if isinstance(e, StructureError | CaptureError):  # a value no cut can carry, a model export cannot capture

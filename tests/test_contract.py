@@ -18,6 +18,7 @@ from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.factory import FactoryError
 from gpipe.skip import SkipError
 from gpipe.structure import StructureError
+from gpipe.turns import TurnAborted
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {
@@ -86,6 +87,8 @@ def test_a_step_result_gives_the_metrics_line_entry_in_its_order():
     (StructureError("a set"), Cause.INPUT), (CaptureError("branches on a value"), Cause.INPUT),
     (TimeoutError("waited"), Cause.TIMEOUT), (ConnectionResetError("gone"), Cause.PEER),
     (MemoryError(), Cause.MEMORY), (ValueError("boom"), Cause.RAISED),
+    # a model chunk that gave up for its worker's other chunk: the driver waits for that one's own error
+    (TurnAborted("another model chunk of this worker failed"), Cause.ABORTED),
 ])
 def test_a_cause_is_told_by_the_exceptions_type(error, cause):
     assert classify(error) is cause
