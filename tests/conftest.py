@@ -189,7 +189,8 @@ def _visible_gpus() -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
-    """For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
+    """The tiers: a multiprocess test not marked `path` is marked `full` (make test leaves it to make test-all).
+    For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
     processes (a module-scoped fixture of ours: one serve, one finished run) go to one xdist worker, so
     those processes start once; and the tests that start processes are handed out first, the groups
     before them, so the long ones do not come last."""
@@ -204,6 +205,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if (group := shared(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("multiprocess") is not None and item.get_closest_marker("path") is None:
+            item.add_marker(pytest.mark.full)  # make test-all's tier (pyproject's markers)
         if (mark := item.get_closest_marker("gpu")) is not None:
             if gpus is None:
                 gpus = _visible_gpus()
