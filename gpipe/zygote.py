@@ -41,7 +41,9 @@ own. Each connection is one owner: its requests are as above, and the answers
 forks only) come back on the connection, a datagram each. When an owner goes
 away (its connection closes: it ended, or was killed) the template kills that
 owner's forks by process group; those of the others run on. A fork dies with
-the shared template too, as with a template of its own.
+the shared template too, as with a template of its own. Its start-up is the
+shared template's: what runs as an interpreter starts (a sitecustomize on the
+owner's PYTHONPATH, a .pth file) ran there, with the template's environment.
 """
 
 from __future__ import annotations
