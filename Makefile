@@ -1,13 +1,16 @@
 # The two front-door commands:
 #   make demo   set up, then train the example Transformer LM on this machine
-#   make test   set up, then lint, type-check and run the test suite (what CI runs)
+#   make test   set up, then lint, type-check and run the tests of the quick tier: every in-process test and
+#               one end-to-end test per user path (marker `path`), within minutes
+#   make test-all   the same with every test (the `full` tier too: each end-to-end, service, fault and
+#               network test); what CI runs
 SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint typecheck typetree protos clean gpu-check gpu-wheels
+.PHONY: setup demo test test-all test-fast lint typecheck typetree protos clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,13 +43,20 @@ typecheck: setup typetree
 TEST_WORKERS ?= 5  # on 2 cores: many tests mostly wait (heartbeats, grace periods, restarts)
 
 # mypy runs beside the tests (the tests' processes leave a core idle while they wait); its report follows
-# theirs, and their closing line is said again last.
-test: lint typetree
+# theirs, and their closing line is said again last. $(1): which tests (pytest's -m), empty for all.
+define suite
 	@MYPYPATH=$(TYPED) $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup 2>&1 | tee $(VENV)/pytest.log; \
+	$(BIN)/pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup $(1) 2>&1 | tee $(VENV)/pytest.log; \
 	tests=$${PIPESTATUS[0]}; wait $$types; typed=$$?; \
 	echo "mypy: $$(tail -n 1 $(VENV)/mypy.log)"; test $$typed -eq 0 || cat $(VENV)/mypy.log; \
 	tail -n 1 $(VENV)/pytest.log; test $$tests -eq 0 -a $$typed -eq 0
+endef
+
+test: lint typetree
+	$(call suite,-m "not full")
+
+test-all: lint typetree
+	$(call suite,)
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not multiprocess" -n $(TEST_WORKERS) --dist loadgroup

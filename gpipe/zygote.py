@@ -31,6 +31,19 @@ once imported, `{"pid"}` per request in order (or `{"error"}`), and
 `{"exit", "code"}` when a process it forked ends (it is their parent, so it
 reaps them). If the template cannot start or dies, the owner falls back to
 starting the process as before.
+
+A template may also be shared by several owners: `python -m gpipe.zygote
+--listen PATH MODULE...` accepts owners on a Unix socket at PATH, and an owner
+whose environment names it (GPIPE_TEMPLATE_SOCKET, as the test suite sets for
+each of its processes) connects there instead of starting a template of its
+own. Each connection is one owner: its requests are as above, and the answers
+(`{"ready"}` once imported, `{"pid"}`, `{"error"}`, `{"exit"}` for its own
+forks only) come back on the connection, a datagram each. When an owner goes
+away (its connection closes: it ended, or was killed) the template kills that
+owner's forks by process group; those of the others run on. A fork dies with
+the shared template too, as with a template of its own. Its start-up is the
+shared template's: what runs as an interpreter starts (a sitecustomize on the
+owner's PYTHONPATH, a .pth file) ran there, with the template's environment.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from gpipe.proc import CORES_ENV, PARENT_ENV, child_env
@@ -62,6 +75,7 @@ _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's names for MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": _M_TRIM_THRESHOLD, "MALLOC_MMAP_THRESHOLD_": _M_MMAP_THRESHOLD}
 
+SHARED_ENV = "GPIPE_TEMPLATE_SOCKET"  # the socket of a shared template (`--listen`) to fork from, if set
 
 
 class Forked:
@@ -115,6 +129,7 @@ class Template:
     def __init__(self, env: Mapping[str, str], preload: Iterable[str], hidden: Iterable[str] = ()):
         """`env`: the template's environment, less `hidden` (secrets its forks must not inherit)."""
         self.env = {k: v for k, v in env.items() if k not in set(hidden) and k not in (PARENT_ENV, CORES_ENV)}
+        self.shared = env.get(SHARED_ENV) or None  # a shared template's socket: connect, start none
         self.preload = list(preload)
         self.proc: asyncio.subprocess.Process | None = None
         self.sock: socket.socket | None = None
@@ -129,6 +144,8 @@ class Template:
         start leaves processes to start anew, for COOL_OFF_S."""
         if self.proc is not None and self.proc.returncode is None or time.monotonic() < self.not_before:
             return
+        if self.shared is not None:
+            return self._connect(self.shared)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -146,12 +163,28 @@ class Template:
             theirs.close()
         self.sock = ours
         self.ready = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.ensure_future(self._read(self.proc, self.ready))
+        assert self.proc.stdout is not None
+        self._reader = asyncio.ensure_future(self._read(self.proc.stdout, ours, self.ready))
 
-    async def _read(self, proc: asyncio.subprocess.Process, ready: asyncio.Future[None]) -> None:
-        assert proc.stdout is not None
+    def _connect(self, path: str) -> None:
+        """Become an owner of the shared template at `path` (its answers come on the connection)."""
+        if self.sock is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            async for line in proc.stdout:
+            sock.connect(path)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            self.not_before = time.monotonic() + COOL_OFF_S
+            return
+        self.sock = sock
+        self.ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.ensure_future(self._read(_datagrams(sock), sock, self.ready))
+
+    async def _read(self, messages: AsyncIterator[bytes], sock: socket.socket, ready: asyncio.Future[None]) -> None:
+        try:
+            async for line in messages:
                 m = json.loads(line)
                 if "ready" in m and not ready.done():
                     ready.set_result(None)
@@ -185,8 +218,8 @@ class Template:
                 if child._pidfd is None:
                     child._end(-signal.SIGKILL)
             self.children.clear()
-            if self.sock is not None and proc is self.proc:
-                self.sock.close()
+            if self.sock is sock:
+                sock.close()
                 self.sock = None
 
     async def spawn(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool = False,
@@ -254,7 +287,8 @@ class Template:
         return child
 
     async def close(self) -> None:
-        """End the template, and with it every process it forked."""
+        """End the template (a shared one: this owner's connection), and with it every process it forked."""
+        self._hang_up()
         proc, self.proc = self.proc, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -266,75 +300,148 @@ class Template:
 
     def kill_now(self) -> None:
         """Kill the template without waiting (from a finally that cannot await)."""
+        self._hang_up()
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-# The template process.
+    def _hang_up(self) -> None:
+        """Leave a shared template: it kills this owner's forks, and the reader ends (killing them too)."""
+        if self.shared is not None and self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
-def _say(m: dict[str, Any]) -> None:
-    os.write(1, json.dumps(m).encode() + b"\n")
 
-
-def _reap() -> None:
+async def _datagrams(sock: socket.socket) -> AsyncIterator[bytes]:
+    """A shared template's answers to this owner, until the connection ends."""
+    loop = asyncio.get_running_loop()
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            data = await loop.sock_recv(sock, 1 << 16)
+        except OSError:
             return
-        if pid == 0:
+        if not data:
             return
-        _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        yield data
 
 
-def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """Fork a process per request until the owner goes away; return (request, fds) in a forked process."""
+# The template process.
+
+def _say(m: dict[str, Any], to: socket.socket | None = None) -> None:
+    """An answer: on stdout to the one owner (`to` None), else on a shared template's connection `to`, which
+    an owner that reads nothing (gone, or stuck) does not hold up: what does not fit is dropped."""
+    line = json.dumps(m).encode()
+    if to is None:
+        os.write(1, line + b"\n")
+        return
+    with contextlib.suppress(OSError):
+        to.send(line, socket.MSG_DONTWAIT)
+
+
+class _Owners:
+    """Whose each fork is: the one owner's (on stdout), or a shared template's connection's."""
+
+    def __init__(self, listener: socket.socket | None, first: socket.socket | None):
+        self.listener, self.conns = listener, [first] if first is not None else []
+        self.private = first  # the one owner's socketpair: answers go to stdout
+        self.forks: dict[int, socket.socket | None] = {}  # pid -> its owner's connection (None once gone)
+
+    def to(self, conn: socket.socket) -> socket.socket | None:
+        return None if conn is self.private else conn
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.forks.pop(pid, None)
+            if conn is not None:
+                _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)}, self.to(conn))
+
+    def gone(self, conn: socket.socket) -> None:
+        """A shared template's owner went away: so do its forks."""
+        self.conns.remove(conn)
+        conn.close()
+        for pid, owner in self.forks.items():
+            if owner is conn:
+                self.forks[pid] = None
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def _serve(listener: socket.socket | None, first: socket.socket | None) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork a process per request until the one owner (`first`) goes away, or for ever for owners that connect
+    to `listener` (a shared template); return (request, fds) in a forked process."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    owners = _Owners(listener, first)
 
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        fds_in = [c.fileno() for c in owners.conns] + [wake_r] + ([listener.fileno()] if listener else [])
+        ready, _, _ = select.select(fds_in, [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-            _reap()
-        if sock.fileno() not in ready:
-            continue
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 3)
-        except OSError:
-            return None
-        if not data:
-            return None  # the owner closed its end
-        led: tuple[int, int] | None = None
-        try:
-            request = json.loads(data)
-            led = led_r, led_w = os.pipe()
-            pid = os.fork()
-        except (OSError, ValueError) as e:
-            for fd in (*fds, *(led or ())):
-                os.close(fd)
-            _say({"error": str(e)})
-            continue
-        if pid == 0:
-            os.setsid()  # before its owner hears of it: it is killed by process group, and known by its name
-            name = f"gpipe:{str(request.get('module', '')).rsplit('.', 1)[-1]}"[:15]
-            ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()))
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            sock.close()
-            for fd in (wake_r, wake_w, led_r, led_w):
-                os.close(fd)
-            return request, fds
-        os.close(led_w)
-        if not select.select([led_r], [], [], FORK_TIMEOUT_S)[0]:  # end of file once the child led its session
-            os.kill(pid, signal.SIGKILL)
-        os.close(led_r)
-        for fd in fds:
+            owners.reap()
+        if listener is not None and listener.fileno() in ready:
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                conn.setblocking(True)
+                owners.conns.append(conn)
+                _say({"ready": True}, conn)
+        for conn in [c for c in owners.conns if c.fileno() in ready]:
+            try:
+                data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+            except OSError:
+                data, fds = b"", []
+            if not data:  # the owner closed its end
+                if conn is first:
+                    return None
+                owners.gone(conn)
+                continue
+            got = _fork(data, fds, conn, owners, (wake_r, wake_w))
+            if got is not None:
+                return got
+
+
+def _fork(data: bytes, fds: list[int], conn: socket.socket, owners: _Owners,
+          wake: tuple[int, int]) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork the process `data` asks for; return (request, fds) in it, None here."""
+    led: tuple[int, int] | None = None
+    try:
+        request = json.loads(data)
+        led = led_r, led_w = os.pipe()
+        pid = os.fork()
+    except (OSError, ValueError) as e:
+        for fd in (*fds, *(led or ())):
             os.close(fd)
-        _say({"pid": pid})
+        _say({"error": str(e)}, owners.to(conn))
+        return None
+    if pid == 0:
+        os.setsid()  # before its owner hears of it: it is killed by process group, and known by its name
+        name = f"gpipe:{str(request.get('module', '')).rsplit('.', 1)[-1]}"[:15]
+        ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()))
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for c in (*owners.conns, *([owners.listener] if owners.listener else [])):
+            c.close()  # an owner's connection held open here would keep its forks from being killed
+        for fd in (*wake, led_r, led_w):
+            os.close(fd)
+        return request, fds
+    owners.forks[pid] = conn
+    os.close(led_w)
+    if not select.select([led_r], [], [], FORK_TIMEOUT_S)[0]:  # end of file once the child led its session
+        os.kill(pid, signal.SIGKILL)
+    os.close(led_r)
+    for fd in fds:
+        os.close(fd)
+    _say({"pid": pid}, owners.to(conn))
+    return None
 
 
 def _become(request: dict[str, Any], fds: list[int], template: int, template_env: dict[str, str]) -> str:
@@ -377,15 +484,26 @@ def _become(request: dict[str, Any], fds: list[int], template: int, template_env
 
 
 def main() -> None:
+    """`python -m gpipe.zygote FD MODULE...` (one owner, on the socketpair FD) or `--listen PATH MODULE...`."""
     from gpipe import proc
 
     proc.adopt()
-    sock = socket.socket(fileno=int(sys.argv[1]))  # the owner's requests; a fork closes it first thing
-    for name in sys.argv[2:]:
+    listener = first = None
+    if sys.argv[1] == "--listen":  # bound before the imports: an owner that connects waits for its "ready"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(sys.argv[2])
+        os.chmod(sys.argv[2], 0o600)
+        listener.listen(64)
+        modules = sys.argv[3:]
+    else:
+        first = socket.socket(fileno=int(sys.argv[1]))  # the owner's requests; a fork closes it first thing
+        modules = sys.argv[2:]
+    for name in modules:
         importlib.import_module(name)
     template, template_env = os.getpid(), dict(os.environ)
-    _say({"ready": True})
-    got = _serve(sock)
+    if first is not None:
+        _say({"ready": True})
+    got = _serve(listener, first)
     if got is None:
         return
     module = _become(*got, template=template, template_env=template_env)
@@ -394,4 +512,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -15,20 +18,61 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+FOLDERS: dict[str, Path] = {}  # a Cli's tag -> its folder, where the processes it starts work
 
 
 def tagged_pids(tag: str) -> list[int]:
-    """Processes whose environment carries GPIPE_TEST_TAG=tag."""
+    """Processes whose environment carries GPIPE_TEST_TAG=tag, and the forks of the shared template (whose
+    /proc environ is the template's) that work in that Cli's folder."""
     found = []
     needle = f"GPIPE_TEST_TAG={tag}".encode()
+    folder = FOLDERS.get(tag)
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+        if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
+                if needle in (d / "environ").read_bytes().split(b"\0") or (
+                        folder is not None and Path(os.readlink(d / "cwd")).is_relative_to(folder)):
                     found.append(int(d.name))
             except OSError:
                 pass
     return found
+
+
+_shared: tuple[subprocess.Popen[bytes], str] | None = None
+
+
+def shared_template() -> str | None:
+    """The socket of this pytest process's shared attempt template (gpipe.zygote --listen), started on first
+    use: the CLI processes of its tests fork their attempt processes from it instead of each importing torch
+    in a template of its own. GPIPE_TEST_SHARED_TEMPLATE=0: each starts its own, as users' do."""
+    global _shared
+    if os.environ.get("GPIPE_TEST_SHARED_TEMPLATE", "1") == "0":
+        return None
+    if _shared is None or _shared[0].poll() is not None:
+        from gpipe.coordinator.launcher import COORDINATOR_PRELOAD
+        from gpipe.proc import child_env
+        from gpipe.worker.agent import WORKER_PRELOAD
+
+        preload = dict.fromkeys(WORKER_PRELOAD + COORDINATOR_PRELOAD)  # what `run`'s template imports
+
+        folder = tempfile.mkdtemp(prefix="gpipe-tpl-")
+        path = os.path.join(folder, "s")
+        env = child_env({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")})
+        p = subprocess.Popen([sys.executable, "-m", "gpipe.zygote", "--listen", path, *preload], cwd=folder,
+                             env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30  # it binds the socket before it imports
+        while not os.path.exists(path) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        atexit.register(_end_shared, p, folder)
+        _shared = p, path
+    return _shared[1]
+
+
+def _end_shared(p: subprocess.Popen[bytes], folder: str) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)  # its forks die with it
+    p.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def process_kind(pid: int) -> str | None:
@@ -76,6 +120,9 @@ class Cli:
         # `run`'s warning line about it.
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_TEST_TAG=self.tag, GPIPE_OVERSUBSCRIBE="1")
         self.env.pop("OMP_NUM_THREADS", None)
+        if (socket_path := shared_template()) is not None:
+            self.env["GPIPE_TEMPLATE_SOCKET"] = socket_path
+        FOLDERS[self.tag] = tmp
 
     def write(self, spec: dict, name: str = "job.yaml") -> Path:
         path = self.tmp / name
@@ -145,7 +192,8 @@ def _visible_gpus() -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
-    """For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
+    """The tiers: a multiprocess test not marked `path` is marked `full` (make test leaves it to make test-all).
+    For `make test`'s parallel run (pytest-xdist, --dist loadgroup): the tests that share a module's
     processes (a module-scoped fixture of ours: one serve, one finished run) go to one xdist worker, so
     those processes start once; and the tests that start processes are handed out first, the groups
     before them, so the long ones do not come last."""
@@ -160,6 +208,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if (group := shared(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("multiprocess") is not None and item.get_closest_marker("path") is None:
+            item.add_marker(pytest.mark.full)  # make test-all's tier (pyproject's markers)
         if (mark := item.get_closest_marker("gpu")) is not None:
             if gpus is None:
                 gpus = _visible_gpus()

@@ -222,6 +222,7 @@ def test_a_precision_the_device_lacks_is_bad_input(cli, precision):
     (site / "sitecustomize.py").write_text(
         "import torch.amp.autocast_mode as m\nm.is_autocast_available = lambda device_type: False\n")
     cli.env["PYTHONPATH"] = f"{site}:{cli.env['PYTHONPATH']}"
+    cli.env.pop("GPIPE_TEMPLATE_SOCKET", None)  # the shared template started without this sitecustomize
     r = cli.run("run", str(cli.write(job(precision=precision))), "--state-dir", str(cli.tmp / "state"),
                 "--no-progress")
     assert r.returncode == 2, r.stderr

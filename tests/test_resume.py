@@ -73,6 +73,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.path  # a fault and its restart, end to end (make test)
 def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(cli):
     # Either stage's worker: a dead worker process is noticed and resumed from the same way for each.
     seed = random.randrange(1 << 30)

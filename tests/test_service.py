@@ -253,6 +253,7 @@ def shared(serve_once):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.path  # `serve`, `gpipe-worker` and `submit --follow`, end to end (make test)
 def test_submit_follow_trains_the_same_weights_as_one_device(shared):
     spec = job("svc", chunks=4, schedule="1f1b", checkpoint_every=2)
     r = shared.client("submit", str(shared.cli.write(spec)), "--follow", "--no-progress")

@@ -196,6 +196,7 @@ def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_si
 
 
 @pytest.mark.multiprocess
+@pytest.mark.path  # `validate`, end to end (make test)
 def test_validate(cli):
     path = cli.write(__import__("yaml").safe_load(GOOD))
     r = cli.run("validate", str(path), timeout=60)

@@ -59,6 +59,7 @@ CASES = {
 }
 
 
+@pytest.mark.path  # `run`, end to end (make test)
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipelined_weights_equal_one_device(cli, name):
     train_and_compare(cli, name, CASES[name])

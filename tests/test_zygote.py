@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,38 @@ def test_a_run_forks_its_attempt_processes(cli):
         _, err = p.communicate(timeout=180)
     assert p.returncode == 0, err
     assert not cli.leftovers()
+
+
+async def test_a_shared_template_serves_several_owners_and_kills_the_forks_of_one_that_goes(tmp_path: Path):
+    """`--listen`: each owner hears of its own forks only, and the forks of an owner that goes away die with
+    its connection while another's run on; the forks die with the template too."""
+    env = _probe(tmp_path)
+    path = str(tmp_path / "template.sock")
+    shared = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpipe.zygote", "--listen", path, "torch", start_new_session=True,
+        env=child_env(dict(os.environ)))
+    owners = [Template(dict(os.environ, GPIPE_TEMPLATE_SOCKET=path), preload=["no_such_module"]) for _ in range(2)]
+    try:
+        wait_for(lambda: os.path.exists(path), 60, "the shared template's socket")
+        a, b = owners
+        ca = await a.spawn("zprobe", ["3"], env, stdin=True)
+        cb = await b.spawn("zprobe", ["0"], env, stdin=True)  # waits on its stdin
+        assert isinstance(ca, Forked) and isinstance(cb, Forked) and a.proc is None and b.proc is None
+        assert ca.stdin is not None
+        ca.stdin.close()
+        assert await asyncio.wait_for(ca.wait(), 60) == 3 and not a.children  # its exit came to `a` only
+        assert cb.returncode is None and cb.pid in b.children
+        kept = await a.spawn("zprobe", ["0"], env, stdin=True)
+        await b.close()  # `b` goes: its fork is killed, `a`'s runs on
+        assert await asyncio.wait_for(cb.wait(), 60) == -signal.SIGKILL
+        wait_for(lambda: not Path(f"/proc/{cb.pid}").exists(), 10, "the fork of the owner that went to end")
+        assert kept.returncode is None and Path(f"/proc/{kept.pid}").exists()
+        os.killpg(shared.pid, signal.SIGKILL)  # the template dies: so do the forks left
+        assert await asyncio.wait_for(kept.wait(), 60) == -signal.SIGKILL
+        wait_for(lambda: not Path(f"/proc/{kept.pid}").exists(), 10, "the fork to die with the template")
+    finally:
+        for t in owners:
+            await t.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shared.pid, signal.SIGKILL)
+        await shared.wait()
