@@ -36,7 +36,8 @@ A template may also be shared by several owners: `python -m gpipe.zygote
 --listen PATH MODULE...` accepts owners on a Unix socket at PATH, and an owner
 whose environment names it (GPIPE_TEMPLATE_SOCKET, as the test suite sets for
 each of its processes) connects there instead of starting a template of its
-own. Each connection is one owner: its requests are as above, and the answers
+own (one in other network or mount namespaces starts its own, as its forks
+would run in the template's). Each connection is one owner: its requests are as above, and the answers
 (`{"ready"}` once imported, `{"pid"}`, `{"error"}`, `{"exit"}` for its own
 forks only) come back on the connection, a datagram each. When an owner goes
 away (its connection closes: it ended, or was killed) the template kills that
@@ -58,6 +59,7 @@ import runpy
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 from collections import deque
@@ -145,7 +147,10 @@ class Template:
         if self.proc is not None and self.proc.returncode is None or time.monotonic() < self.not_before:
             return
         if self.shared is not None:
-            return self._connect(self.shared)
+            self._connect(self.shared)
+            if self.sock is not None or time.monotonic() < self.not_before:
+                return
+            self.shared = None  # in namespaces of its own: this owner starts a template of its own, below
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -174,9 +179,13 @@ class Template:
         try:
             sock.connect(path)
             sock.setblocking(False)
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
         except OSError:
             sock.close()
             self.not_before = time.monotonic() + COOL_OFF_S
+            return
+        if not _same_namespaces(pid):  # its forks would see another network (a host of a test's netns)
+            sock.close()
             return
         self.sock = sock
         self.ready = asyncio.get_running_loop().create_future()
@@ -311,6 +320,14 @@ class Template:
         if self.shared is not None and self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _same_namespaces(pid: int) -> bool:
+    """Whether process `pid` (a shared template) sees this process's network and mounts: its forks would."""
+    try:
+        return all(os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}") for ns in ("net", "mnt"))
+    except OSError:
+        return False
 
 
 async def _datagrams(sock: socket.socket) -> AsyncIterator[bytes]:
