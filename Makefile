@@ -10,7 +10,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-fast lint typecheck typetree protos clean gpu-check gpu-wheels
+.PHONY: setup demo test test-all test-fast lint typecheck protos clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,16 +27,9 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Settings in pyproject.toml [tool.mypy]: strict on most modules. mypy cannot follow setuptools' mapping of
-# coordinator/ and worker/ to gpipe.coordinator and gpipe.worker, so it reads the package through a tree of
-# links made here, shaped as the package installs (build/ is a build output; errors name its paths).
-TYPED := build/typecheck
-typetree:
-	@rm -rf $(TYPED) && mkdir -p $(TYPED)/gpipe && for f in gpipe/*; do ln -s ../../../$$f $(TYPED)/gpipe/; done \
-	  && ln -s ../../../coordinator $(TYPED)/gpipe/coordinator && ln -s ../../../worker $(TYPED)/gpipe/worker
-
-typecheck: setup typetree
-	MYPYPATH=$(TYPED) $(BIN)/mypy
+# Settings in pyproject.toml [tool.mypy]: strict on most modules.
+typecheck: setup
+	$(BIN)/mypy
 
 # TEST_WORKERS pytest-xdist processes share the tests (most of a test's time is its processes starting
 # and waiting); tests that share a module's serve stay on one (tests/conftest.py). TEST_WORKERS=0: one process.
@@ -45,17 +38,17 @@ TEST_WORKERS ?= 5  # on 2 cores: many tests mostly wait (heartbeats, grace perio
 # mypy runs beside the tests (the tests' processes leave a core idle while they wait); its report follows
 # theirs, and their closing line is said again last. $(1): which tests (pytest's -m), empty for all.
 define suite
-	@MYPYPATH=$(TYPED) $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup $(1) 2>&1 | tee $(VENV)/pytest.log; \
 	tests=$${PIPESTATUS[0]}; wait $$types; typed=$$?; \
 	echo "mypy: $$(tail -n 1 $(VENV)/mypy.log)"; test $$typed -eq 0 || cat $(VENV)/mypy.log; \
 	tail -n 1 $(VENV)/pytest.log; test $$tests -eq 0 -a $$typed -eq 0
 endef
 
-test: lint typetree
+test: lint
 	$(call suite,-m "not full")
 
-test-all: lint typetree
+test-all: lint
 	$(call suite,)
 
 test-fast: setup
@@ -74,4 +67,4 @@ protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
 
 clean:
-	rm -rf $(VENV) build gpipe-state gpipe-service gpipe-worker-logs .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) gpipe-state gpipe-service gpipe-worker-logs .pytest_cache .ruff_cache .mypy_cache

@@ -682,8 +682,13 @@ def test_stop_checkpoints_at_the_step_boundary_and_resume_goes_on_from_there(sha
 
 @pytest.mark.multiprocess
 def test_a_resume_whose_checkpoints_are_all_damaged_fails_naming_them_and_changes_nothing(shared):
-    out = submit_running(shared, "wrecked", 4, steps=30, checkpoint_every=2)
-    assert shared.client("stop", "wrecked").returncode == 0
+    # Held slow (tests.models.gated_mlp) for its 200 steps: it cannot end before `stop` lands, however loaded.
+    gate = shared.tmp / "wrecked.gate"
+    gate.touch()
+    model = {"factory": "tests.models:gated_mlp", "args": {"gate": str(gate), "width": 16, "seconds": 0.05}}
+    out = submit_running(shared, "wrecked", 4, model=model, steps=200, checkpoint_every=2)
+    r = shared.client("stop", "wrecked")
+    assert r.returncode == 0 and "wrecked: STOPPED" in r.stderr, r.stderr
     ckpts = sorted((out / "checkpoints").iterdir())
     assert ckpts
     for d in ckpts:
