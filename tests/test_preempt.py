@@ -150,7 +150,11 @@ def test_serve_given_sigterm_checkpoints_its_running_job_exits_and_resumes_it_on
         s.start_serve()
         s.start_worker(0)
         s.start_worker(1)
-        spec = job("drained", model=SLOW, steps=STEPS, checkpoint_every=1000)
+        # Held slow (tests.models.gated_mlp) until serve's SIGTERM has been handled: the job cannot end first.
+        gate = cli.tmp / "drained.gate"
+        gate.touch()
+        model = {"factory": "tests.models:gated_mlp", "args": {"gate": str(gate), "width": 16, "seconds": 0.2}}
+        spec = job("drained", model=model, steps=STEPS, checkpoint_every=1000)
         out = s.state / "drained"
         assert s.client("submit", str(cli.write(spec))).returncode == 0
         s.wait_for(lambda: len(steps_of(out)) >= 6, "step 6", 90)
@@ -162,6 +166,7 @@ def test_serve_given_sigterm_checkpoints_its_running_job_exits_and_resumes_it_on
         assert "the coordinator is stopping (SIGTERM)" in record["history"][-1]["message"]
         taken = checkpoints(out)
         assert len(taken) == 1 and record["checkpoint_step"] == taken[0], (taken, record)
+        gate.unlink()
         s.start_serve()  # the workers register again by themselves
         r = s.client("logs", "drained", "--follow", timeout=180)
         assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("SUCCEEDED: "), r.stdout + r.stderr
