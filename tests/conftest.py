@@ -44,9 +44,10 @@ _shared: tuple[subprocess.Popen[bytes], str] | None = None
 def shared_template() -> str | None:
     """The socket of this pytest process's shared attempt template (gpipe.zygote --listen), started on first
     use: the CLI processes of its tests fork their attempt processes from it instead of each importing torch
-    in a template of its own. GPIPE_TEST_SHARED_TEMPLATE=0: each starts its own, as users' do."""
+    in a template of its own. Off unless GPIPE_TEST_SHARED_TEMPLATE=1: with it, jobs start fast enough that
+    service tests which act on a running job (stop, partition, eviction) race it to its end."""
     global _shared
-    if os.environ.get("GPIPE_TEST_SHARED_TEMPLATE", "1") == "0":
+    if os.environ.get("GPIPE_TEST_SHARED_TEMPLATE", "0") != "1":
         return None
     if _shared is None or _shared[0].poll() is not None:
         from gpipe.coordinator.launcher import COORDINATOR_PRELOAD
