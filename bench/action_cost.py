@@ -104,7 +104,7 @@ def service(stages: int, steps: int, tmp: Path) -> dict[str, Any]:
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    p = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
                           "--no-progress"], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = tmp / name / "metrics.jsonl"
     cpu: list[tuple[str, float]] = []  # (process name, CPU seconds per step), each process

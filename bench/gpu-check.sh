@@ -61,7 +61,7 @@ else
     line "INFO setup: no wheels in $WHEELS (bash bench/gpu-check.sh --prepare makes them): $PY as it is"
 fi
 
-# gpipe itself, editable: the build maps coordinator/ and worker/ to gpipe.coordinator and gpipe.worker.
+# gpipe itself, editable: its three packages, gpipe, worker and coordinator.
 if "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e . \
         >> "$FULL" 2>&1; then
     line "INFO setup: gpipe installed (editable) into $("$PY" -c 'import sys; print(sys.prefix)')"
@@ -90,7 +90,7 @@ check() {
 }
 
 check env 60 "$PY" -c '
-import torch, gpipe, gpipe.coordinator.cli, gpipe.stage, gpipe.worker.stage_server, gpipe.v1.jobs_pb2
+import torch, gpipe, coordinator.cli, gpipe.stage, worker.stage_server, gpipe.v1.jobs_pb2
 cuda = torch.cuda.is_available()
 name = torch.cuda.get_device_name() if cuda else "no GPU"
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-"
@@ -101,12 +101,12 @@ print(f"RESULT {status} env torch {torch.__version__} (CUDA {torch.version.cuda}
 # The worker owns its device: the probe child names the GPU; a GPU index the host lacks is refused at start.
 check worker-device 150 "$PY" -c '
 import subprocess, sys
-from gpipe.worker import device
+from worker import device
 gpus = device.probe()
 found = "PASS" if gpus.gpus else "SKIP"
 print(f"RESULT {found} worker-device-probe {gpus.describe()}")
 missing = f"cuda:{len(gpus.gpus)}"
-r = subprocess.run([sys.executable, "-c", "import sys; from gpipe.worker.daemon import main; sys.exit(main())",
+r = subprocess.run([sys.executable, "-c", "import sys; from worker.daemon import main; sys.exit(main())",
                     "--rank", "0", "--device", missing, "--coordinator", "127.0.0.1:9"],
                    capture_output=True, text=True, timeout=120)
 line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""

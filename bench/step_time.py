@@ -46,7 +46,7 @@ VIRTUAL = ("interleaved-1f1b", "zbv")  # gpipe's schedules of 2 model chunks per
 def env() -> dict[str, str]:
     # Every contender runs with the malloc settings gpipe's workers use, so the
     # ratios compare the engines, not the allocator.
-    from gpipe.worker.agent import MALLOC_ENV
+    from worker.agent import MALLOC_ENV
 
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **MALLOC_ENV)
 
@@ -102,7 +102,7 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
                         "--no-progress"], env=env(), capture_output=True, text=True, timeout=600)
     if r.returncode:
         raise RuntimeError(f"gpipe {schedule} failed: {r.stderr[-2000:]}")

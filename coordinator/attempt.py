@@ -10,10 +10,10 @@ passing over damaged or torn ones with a line each (at step 0 where none was
 committed; bad input, naming each, where every one committed is damaged);
 without it, it starts over and drops an earlier run's metrics and checkpoints.
 
-It reports to the supervisor in typed messages (gpipe.coordinator.report) on
+It reports to the supervisor in typed messages (coordinator.report) on
 the stream that was its stdout; the model's own prints go to its log.
 
-    python -m gpipe.coordinator.attempt --spec S --job-dir J --state-dir D --host H \\
+    python -m coordinator.attempt --spec S --job-dir J --state-dir D --host H \\
         --placement '[{"host": H, "device": "cpu", "cores": [0], "threads": 1}, ...]' [--resume] [--attempt N]
 
 With --evaluate WEIGHTS it trains nothing and writes nothing: it evaluates the
@@ -43,10 +43,10 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from coordinator import report
+from coordinator.spec import JobSpec, load_spec
+from coordinator.supervisor import Placement
 from gpipe.contract import Cause
-from gpipe.coordinator import report
-from gpipe.coordinator.spec import JobSpec, load_spec
-from gpipe.coordinator.supervisor import Placement
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
 from gpipe.factory import enter_job_folder
 
@@ -110,9 +110,9 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     placement, devices = _placed(a, spec)
     import torch
 
-    from gpipe.coordinator.driver import drive_eval
-    from gpipe.coordinator.evaluation import load_weights
-    from gpipe.coordinator.plan import make_plan
+    from coordinator.driver import drive_eval
+    from coordinator.evaluation import load_weights
+    from coordinator.plan import make_plan
 
     # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
     plan = make_plan(spec, Path(a.job_dir), "cpu", placement[0].threads, meta=False)  # the coordinator's CPU
@@ -133,10 +133,10 @@ PREEMPTED = threading.Event()  # SIGUSR1: stop at the next step boundary, with a
 
 
 def _shaped(a: argparse.Namespace, spec: JobSpec) -> JobSpec:
-    """The job at --stages x --replicas (a re-planned attempt: gpipe.coordinator.elastic), or as its spec says."""
+    """The job at --stages x --replicas (a re-planned attempt: coordinator.elastic), or as its spec says."""
     if a.stages is None and a.replicas is None:
         return spec
-    from gpipe.coordinator.elastic import describe, shapes
+    from coordinator.elastic import describe, shapes
 
     want = spec.topology_at(spec.stages if a.stages is None else a.stages,
                             spec.replicas if a.replicas is None else a.replicas)
@@ -153,14 +153,14 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     placement, devices = _placed(a, spec)
     import torch
 
-    from gpipe.coordinator import checkpoint
-    from gpipe.coordinator.board import Board
-    from gpipe.coordinator.driver import drive
-    from gpipe.coordinator.evaluation import BEST, Best
-    from gpipe.coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
-    from gpipe.coordinator.outputs import prepare_output
-    from gpipe.coordinator.plan import make_plan
-    from gpipe.coordinator.resume import resume_parts
+    from coordinator import checkpoint
+    from coordinator.board import Board
+    from coordinator.driver import drive
+    from coordinator.evaluation import BEST, Best
+    from coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
+    from coordinator.outputs import prepare_output
+    from coordinator.plan import make_plan
+    from coordinator.resume import resume_parts
     from gpipe.memory import map_apart, resident_peak_bytes
 
     resume = None
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     # Reports go to the stream that was stdout; from here on, anything printed goes to the log.
     tell = report.Reporter(os.fdopen(os.dup(1), "w"))
     os.dup2(2, 1)
-    p = argparse.ArgumentParser(prog="python -m gpipe.coordinator.attempt")
+    p = argparse.ArgumentParser(prog="python -m coordinator.attempt")
     p.add_argument("--spec", required=True)
     p.add_argument("--job-dir", required=True, help="the job file's folder (its modules are importable)")
     p.add_argument("--state-dir", required=True)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 
 if TYPE_CHECKING:
-    from gpipe.coordinator.spec import JobSpec
+    from coordinator.spec import JobSpec
 
 T = TypeVar("T")
 
@@ -220,8 +220,8 @@ def _validate_gpus(spec: JobSpec) -> str:
     what was checked (or why not: no GPU here, where the job may well not run). '' on a CPU."""
     if spec.device != "cuda":
         return ""
-    from gpipe.coordinator.local_run import too_few_gpus
-    from gpipe.worker.device import probe
+    from coordinator.local_run import too_few_gpus
+    from worker.device import probe
 
     seen = probe()
     if not seen.gpus:
@@ -237,9 +237,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from coordinator.server import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB, serve
+    from coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
     from gpipe import grpcutil, net, proc
-    from gpipe.coordinator.server import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB, serve
-    from gpipe.coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 
     token = grpcutil.read_token(args.auth_token_file)
     worker_token = grpcutil.read_token(args.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
@@ -293,8 +293,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _client(args: argparse.Namespace) -> int:
+    from coordinator.client import Client
     from gpipe import grpcutil
-    from gpipe.coordinator.client import Client
     from gpipe.serde import MAX_PAGE_SIZE
 
     c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
@@ -320,7 +320,7 @@ def _eval(spec: JobSpec, args: argparse.Namespace) -> int:
     """The eval verb: the loss of a weights file on the spec's eval data; bad input is SpecError (exit 2)."""
     import json
 
-    from gpipe.coordinator.local_run import eval_local
+    from coordinator.local_run import eval_local
 
     if spec.eval is None:
         raise SpecError(f"{args.job}: eval: the job has no eval section to evaluate on")
@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
-    from gpipe.coordinator.local_run import run_local
-    from gpipe.coordinator.spec import load_spec
+    from coordinator.local_run import run_local
+    from coordinator.spec import load_spec
 
     try:
         if args.command == "serve":
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("submit", "status", "list", "logs", "stop"):
             return asyncio.run(_client(args))
         if args.command == "timeline":
-            from gpipe.coordinator import timeline
+            from coordinator import timeline
 
             trace, png = timeline.write(Path(args.job_dir), args.step)
             print(f"{trace}\n{png}")
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _eval(spec, args)
         if args.command == "validate":
-            from gpipe.coordinator.plan import make_plan
+            from coordinator.plan import make_plan
             from gpipe.factory import enter_job_folder
 
             gpus = "" if args.skip_gpu_check else _validate_gpus(spec)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
+from coordinator.progress import Follower, Progress
 from gpipe import grpcutil, serde
-from gpipe.coordinator.progress import Follower, Progress
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 from gpipe.serde import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
@@ -23,7 +23,7 @@ from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
-    from gpipe.coordinator.spec import JobSpec
+    from coordinator.spec import JobSpec
 
 EXIT_STOPPED = 3
 EXIT_BY_STATE = {JobState.SUCCEEDED: EXIT_OK, JobState.FAILED: EXIT_FAILED, JobState.STOPPED: EXIT_STOPPED}
@@ -62,8 +62,8 @@ class Client:
                      attach: bool = False) -> int:
         """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code).
         With `attach`, a job of that name with this very spec and code is followed, not refused."""
+        from coordinator.spec import parse_spec, read_spec_text
         from gpipe import code
-        from gpipe.coordinator.spec import parse_spec, read_spec_text
 
         text = read_spec_text(path)  # SpecError: unreadable, not UTF-8, or over the size limit
         spec = parse_spec(text, source=path)  # what to pack; serve checks the spec again
@@ -201,7 +201,7 @@ class Client:
     async def logs(self, name: str, follow: bool, as_json: bool = False) -> int:
         """The job's log so far (coordinator.logview), on stdout; with `follow`, live until the job ends,
         and the exit code follows its final state."""
-        from gpipe.coordinator import logview
+        from coordinator import logview
 
         job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
         # serve ends the stream once the job has ended; a running job's, only with --follow.
@@ -232,7 +232,7 @@ class Client:
 
 
 def _spec(spec_yaml: str) -> JobSpec | None:
-    from gpipe.coordinator.spec import parse_spec
+    from coordinator.spec import parse_spec
 
     try:
         return parse_spec(spec_yaml)

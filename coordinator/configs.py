@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from coordinator.plan import Plan
 from gpipe.contract import StageConfig
-from gpipe.coordinator.plan import Plan
 
 # Every JobSpec field is one of three kinds (stage_config checks, so that a new one cannot be forgotten):
 # copied to the StageConfig field of the same name,
@@ -32,7 +32,7 @@ def stage_config(plan: Plan, stage: int, replica: int, device: str, store_host: 
     spec = plan.spec
     unknown = set(type(spec).model_fields) - {*SAME_AS_SPEC, *DERIVED_FROM_SPEC, *COORDINATOR_ONLY}
     if unknown:
-        raise TypeError(f"JobSpec.{sorted(unknown)[0]}: say in gpipe.coordinator.configs whether a stage needs it")
+        raise TypeError(f"JobSpec.{sorted(unknown)[0]}: say in coordinator.configs whether a stage needs it")
     start, end = plan.bounds[stage]
     evals = plan.eval_schedule()
     first = replica == 0  # replica 0 alone evaluates: the other replicas' stages queue no eval batches

@@ -27,17 +27,17 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import save_file
 
+from coordinator import checkpoint, streaming, timeline
+from coordinator.data import DataStream
+from coordinator.handle import Future, StageHandle
+from coordinator.lr import lr_at
+from coordinator.metrics import EvalMetrics, OnEval, StepMetrics, step_metrics, step_span
+from coordinator.plan import Plan
+from coordinator.resume import checkpoint_meta, resume_parts, weight_parts
+from coordinator.rpcworld import RpcWorld
+from coordinator.watch import Watch
 from gpipe import stream
 from gpipe.contract import Cause, EvalResult, StageError, StepResult
-from gpipe.coordinator import checkpoint, streaming, timeline
-from gpipe.coordinator.data import DataStream
-from gpipe.coordinator.handle import Future, StageHandle
-from gpipe.coordinator.lr import lr_at
-from gpipe.coordinator.metrics import EvalMetrics, OnEval, StepMetrics, step_metrics, step_span
-from gpipe.coordinator.plan import Plan
-from gpipe.coordinator.resume import checkpoint_meta, resume_parts, weight_parts
-from gpipe.coordinator.rpcworld import RpcWorld
-from gpipe.coordinator.watch import Watch
 from gpipe.errors import JobFailed, SpecError, describe_os_error
 from gpipe.files import atomic_write
 from gpipe.show import first_line

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpipe.coordinator.supervisor import Entry, Supervisor
+from coordinator.supervisor import Entry, Supervisor
 from gpipe.errors import SpecError
 from gpipe.serde import JobState
 
@@ -157,7 +157,7 @@ def _last_metrics(e: Entry) -> dict[str, Any] | None:
 def _committed_at(out: Path, step: int) -> float | None:
     """When the checkpoint after `step` steps of the job whose outputs are in `out` was committed (its
     manifest's mtime); None if it is gone."""
-    from gpipe.coordinator import checkpoint  # torch: serve has it already
+    from coordinator import checkpoint  # torch: serve has it already
 
     with contextlib.suppress(OSError):
         return (checkpoint.step_dir(checkpoint.folder(out), step) / checkpoint.MANIFEST).stat().st_mtime

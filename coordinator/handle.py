@@ -26,8 +26,8 @@ from gpipe.stream import Piece
 if TYPE_CHECKING:
     import torch.distributed.rpc as rpc
 
-    from gpipe.coordinator.plan import Plan
-    from gpipe.worker.stage_server import StageServer
+    from coordinator.plan import Plan
+    from worker.stage_server import StageServer
 
 Future = torch.futures.Future[Any]
 
@@ -143,11 +143,11 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     What `run` and the service run in worker processes over torch RPC and c10d, without them: the same
     stage servers, the same driver (tests; close them with StageServer.close_all()).
     """
-    from gpipe.coordinator.configs import stage_config
+    from coordinator.configs import stage_config
     from gpipe.rng import SharedGenerators
     from gpipe.transport import Hub
     from gpipe.turns import Turns
-    from gpipe.worker.stage_server import StageServer
+    from worker.stage_server import StageServer
 
     spec, workers = plan.spec, plan.spec.topology
     top = workers.chunks()  # a stage per model chunk; with virtual stages, a worker's chunks take turns

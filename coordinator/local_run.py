@@ -1,8 +1,8 @@
 """`gpipe-coordinator run job.yaml`: the whole job on this machine, nothing else to start.
 
-The same supervisor as `serve` (gpipe.coordinator.supervisor) runs the job,
+The same supervisor as `serve` (coordinator.supervisor) runs the job,
 with one local worker per rank (replicas x stages: gpipe.topology;
-gpipe.coordinator.local) on its share of this machine's cores, all on
+coordinator.local) on its share of this machine's cores, all on
 loopback. On a CPU, more workers than cores share the cores round-robin, with
 one warning line (none with `oversubscribe`). On a GPU each worker has one of
 its own: worker k's attempt processes run with CUDA_VISIBLE_DEVICES naming GPU
@@ -34,17 +34,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
+from coordinator.local import LocalWorker
+from coordinator.progress import Follower, Progress
+from coordinator.spec import JobSpec
+from coordinator.supervisor import Supervisor, final_loss
 from gpipe import grpcutil
-from gpipe.coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
-from gpipe.coordinator.local import LocalWorker
-from gpipe.coordinator.progress import Follower, Progress
-from gpipe.coordinator.spec import JobSpec
-from gpipe.coordinator.supervisor import Supervisor, final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.serde import JobRecord, JobState
-from gpipe.worker.agent import WORKER_PRELOAD, worker_template
-from gpipe.worker.cores import split_cores, threads_for
-from gpipe.worker.device import VISIBLE_ENV, Gpu, Gpus, probe
+from worker.agent import WORKER_PRELOAD, worker_template
+from worker.cores import split_cores, threads_for
+from worker.device import VISIBLE_ENV, Gpu, Gpus, probe
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
 
@@ -99,7 +99,7 @@ def gpu_envs(workers: int, visible: str | None) -> list[dict[str, str]]:
 def worker_gpus(spec: JobSpec) -> list[tuple[Gpu | None, dict[str, str]]]:
     """Each local worker's GPU and what its attempt processes' environment adds, by rank (none on a CPU).
     SpecError when the machine has fewer GPUs than the job has workers. The GPUs are counted by a probe
-    process (gpipe.worker.device): this process never touches CUDA."""
+    process (worker.device): this process never touches CUDA."""
     if spec.device != "cuda":
         return [(None, {})] * spec.topology.world
     seen = probe()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from gpipe.coordinator.spec import CosineLR, JobSpec, StepLR
+from coordinator.spec import CosineLR, JobSpec, StepLR
 
 
 def lr_at(spec: JobSpec, step: int) -> float:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from coordinator.lr import lr_at
+from coordinator.plan import Plan
+from coordinator.spec import JobSpec
 from gpipe import schedule
 from gpipe.contract import Cause, StepResult
-from gpipe.coordinator.lr import lr_at
-from gpipe.coordinator.plan import Plan
-from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import JobFailed, describe_os_error
 from gpipe.files import atomic_write_json
 from gpipe.topology import Topology

@@ -16,10 +16,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
+from coordinator.data import DataStream, EvalStream
+from coordinator.pretrained import Pretrained, match, open_weights
+from coordinator.spec import JobSpec
 from gpipe import balance, capture, init, schedule, skeleton
-from gpipe.coordinator.data import DataStream, EvalStream
-from gpipe.coordinator.pretrained import Pretrained, match, open_weights
-from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
 from gpipe.factory import add_import_paths, resolve

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from coordinator.checkpoint import Shard
 from gpipe import stream
-from gpipe.coordinator.checkpoint import Shard
 from gpipe.errors import SpecError
 
 SINGLE = "model.safetensors"

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from coordinator import checkpoint, streaming
+from coordinator.lr import lr_at
+from coordinator.plan import Plan
 from gpipe import stream
-from gpipe.coordinator import checkpoint, streaming
-from gpipe.coordinator.lr import lr_at
-from gpipe.coordinator.plan import Plan
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler
 from gpipe.state import LOSS_SCALE, OPTIM, RNG, model_key, optim_key

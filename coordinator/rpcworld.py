@@ -16,13 +16,13 @@ from dataclasses import asdict
 
 import torch.distributed.rpc as rpc
 
+from coordinator.configs import stage_config
+from coordinator.handle import RRefStage, StageHandle
+from coordinator.plan import Plan
 from gpipe import net
 from gpipe.contract import Cause
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.handle import RRefStage, StageHandle
-from gpipe.coordinator.plan import Plan
 from gpipe.errors import JobFailed
-from gpipe.worker.stage_server import StageServer
+from worker.stage_server import StageServer
 
 
 class RpcWorld:

@@ -1,6 +1,6 @@
 """`gpipe-coordinator serve`: the gRPC job and worker APIs, and the job table on disk.
 
-Jobs, workers and attempts are the supervisor's (gpipe.coordinator.supervisor,
+Jobs, workers and attempts are the supervisor's (coordinator.supervisor,
 the same one `run` uses); this module turns gRPC calls into its calls. A
 submitted spec is validated in a throwaway process (its model and data are
 user code), then queued. Every state change is written to
@@ -38,11 +38,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import code, grpcutil, serde
-from gpipe.coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
-from gpipe.coordinator.outputs import prepare_output
-from gpipe.coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
-from gpipe.coordinator.supervisor import (
+from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
+from coordinator.outputs import prepare_output
+from coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
+from coordinator.supervisor import (
     EVENT_WINDOW,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
@@ -50,13 +49,14 @@ from gpipe.coordinator.supervisor import (
     Supervisor,
     Worker,
 )
+from gpipe import code, grpcutil, serde
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.files import atomic_write_json, naming
 from gpipe.serde import SHA256_RE, Abort, JobRecord, JobState, Join, StateChange
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
-from gpipe.worker.device import DEVICE_RE, Gpu
 from gpipe.zygote import Template
+from worker.device import DEVICE_RE, Gpu
 
 VALIDATE_TIMEOUT_S = 120.0
 MIN_VALIDATE_MEMORY_MIB, MAX_VALIDATE_MEMORY_MIB = 256, 1 << 22  # serve --validate-memory-mib's range
@@ -295,7 +295,7 @@ class Coordinator:
             path.write_text(spec_yaml)
             with err_path.open("wb") as err:
                 proc = await self.template.spawn(
-                    "gpipe.coordinator.cli",
+                    "coordinator.cli",
                     ["validate", str(path), "--memory-mib", str(self.validate_memory_mib), "--skip-gpu-check",
                      *(["--code-dir", str(code_dir)] if code_dir else [])],
                     env, stderr=err.fileno())
@@ -786,10 +786,10 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     On SIGTERM every running job checkpoints at its next step boundary and is left PREEMPTED (a restarted
     serve resumes it), for at most `grace_s`; then serve stops within a second. SIGINT stops it at once.
 
-    `metrics`: (host, port) for Prometheus' /metrics (gpipe.coordinator.exporter); host None: the API's.
+    `metrics`: (host, port) for Prometheus' /metrics (coordinator.exporter); host None: the API's.
     """
+    from coordinator.exporter import Exporter, listen
     from gpipe import net
-    from gpipe.coordinator.exporter import Exporter, listen
 
     options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                *grpcutil.SERVER_KEEPALIVE]

@@ -35,8 +35,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
+from coordinator import boundedyaml
 from gpipe import schedule as schedules
-from gpipe.coordinator import boundedyaml
 from gpipe.errors import SpecError
 from gpipe.optim import OptimizerName
 from gpipe.show import one_line, short
@@ -623,7 +623,7 @@ class JobSpec(_Spec):
         return self.stages * self.virtual_stages
 
     def reshaped(self, stages: int, replicas: int) -> JobSpec:
-        """This job on `replicas` x `stages` workers with the same micro-batches (gpipe.coordinator.elastic):
+        """This job on `replicas` x `stages` workers with the same micro-batches (coordinator.elastic):
         chunks grow as replicas shrink; an explicit balance that no longer fits becomes by_params."""
         if (stages, replicas) == (self.stages, self.replicas):
             return self
@@ -745,11 +745,11 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(read_spec_text(path), source=str(path))
 
 
-if __name__ == "__main__":  # python -m gpipe.coordinator.spec --markdown > docs/spec.md
+if __name__ == "__main__":  # python -m coordinator.spec --markdown > docs/spec.md
     import sys
 
     if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m gpipe.coordinator.spec --markdown > docs/spec.md")
-    from gpipe.coordinator.specdoc import markdown
+        sys.exit("usage: python -m coordinator.spec --markdown > docs/spec.md")
+    from coordinator.specdoc import markdown
 
     sys.stdout.write(markdown())

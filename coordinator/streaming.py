@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from coordinator import checkpoint
+from coordinator.handle import StageHandle
 from gpipe import stream
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.handle import StageHandle
 
 IN_FLIGHT = 2  # messages of state on the way to or from one stage
 

@@ -4,7 +4,7 @@ Every failure decision is made here, once:
 
 - A job waits PENDING (or RESTARTING) until a worker is registered, idle and
   heard from since the job's last failure, for each of its ranks.
-- Then an attempt starts: an attempt process (gpipe.coordinator.attempt) plans
+- Then an attempt starts: an attempt process (coordinator.attempt) plans
   the job, resumes from its newest good checkpoint, and reports `Master`; each
   rank's worker is told to join; the attempt drives the stages to the end.
 - A worker is lost when its attempt process dies (its next heartbeat says so),
@@ -15,7 +15,7 @@ Every failure decision is made here, once:
   times, backing off (0 s, then 1, 2, 4 ... up to `BACKOFF_CAP_S`), once all
   its ranks are back (within `restart_timeout_s`). A worker's rank is its
   preferred slot: a restart places a spare idle worker in a lost rank's slot
-  (gpipe.coordinator.elastic). With `elastic`, a rank still lost past
+  (coordinator.elastic). With `elastic`, a rank still lost past
   `restart_timeout_s` re-plans the job onto fewer workers (fewer replicas,
   then fewer stages) instead of failing it, and the job grows back to its
   spec's shape at the first checkpoint after enough workers are back. What a restart cannot fix
@@ -60,14 +60,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from coordinator import elastic, report
+from coordinator.spec import JobSpec
 from gpipe import serde
 from gpipe.contract import Cause, StageError
-from gpipe.coordinator import elastic, report
-from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, describe_os_error
 from gpipe.serde import Abort, JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology
-from gpipe.worker.device import Gpu
+from worker.device import Gpu
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails
@@ -168,7 +168,7 @@ class Worker:
     attempt_id: str | None = None
     registered: float = 0.0  # monotonic time of its registration
     leaving: bool = False  # preempted (Leave): given no attempt again
-    gpu: Gpu | None = None  # the GPU its device names, as the worker's probe saw it (gpipe.worker.device)
+    gpu: Gpu | None = None  # the GPU its device names, as the worker's probe saw it (worker.device)
 
     def gpu_key(self) -> tuple[str, ...] | None:
         """What tells its GPU apart from every other: the GPU's UUID, else its host and device; None on a CPU."""
@@ -266,7 +266,7 @@ def newest_committed(out: Path) -> int:
     """The newest step of the job whose outputs are in `out` with a checkpoint manifest in place (0: none);
     the attempt verifies it."""
     # Imported here: it brings torch, which only a restarted serve's first look needs.
-    from gpipe.coordinator import checkpoint
+    from coordinator import checkpoint
 
     with contextlib.suppress(OSError):
         return max(checkpoint.committed(checkpoint.folder(out)), default=0)

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 # Where no user code lives: a frame in these is torch's, ours or Python's.
-_NOT_USER = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, __import__("gpipe"))) + (
-    sysconfig.get_paths()["stdlib"] + os.sep,)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_USER = (*(os.path.join(_ROOT, name) + os.sep for name in ("gpipe", "worker", "coordinator")),
+             os.path.dirname(torch.__file__ or "") + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in [^\n]*)?\n[ \t]*([^\n]*)')
 
 

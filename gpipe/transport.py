@@ -9,7 +9,7 @@ A stage never calls torch.distributed itself. It asks its transport for
   (deferred BatchNorm's statistics);
 - a gradient reducer for its copies (the replicas' gradient sum).
 
-Two implementations: c10d between processes (gpipe.worker.c10d: gloo on CPU,
+Two implementations: c10d between processes (worker.c10d: gloo on CPU,
 NCCL on CUDA), and `Hub` here, between threads of one process (gpipe.Pipeline
 and the fast tests). The same stage code runs over either.
 """

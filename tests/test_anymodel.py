@@ -282,7 +282,7 @@ def test_the_output_named_by_output_is_what_the_loss_takes():
 
 
 def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(tmp_path):
-    from gpipe.coordinator.metrics import write_plan
+    from coordinator.metrics import write_plan
     from tests.test_driver import plan_of
 
     plan = plan_of({**GPT2_JOB, "model": {"factory": "tests.models:llama", "split_points": ["model.layers.2"]},
@@ -299,9 +299,9 @@ def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(t
 
 
 def test_a_resume_with_another_split_and_stage_count_gives_the_one_device_weights(tmp_path):
-    from gpipe.coordinator import checkpoint
-    from gpipe.worker.stage_server import StageServer
+    from coordinator import checkpoint
     from tests.test_driver import drive, plan_of, worst
+    from worker.stage_server import StageServer
 
     first = {**GPT2_JOB, "checkpoint_every": 2}
     try:
@@ -361,7 +361,7 @@ def test_gpt2_through_the_service_equals_one_device_loads_with_from_pretrained_a
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from gpipe.coordinator import checkpoint
+    from coordinator import checkpoint
 
     r = cli.run("run", str(cli.write(GPT2_JOB)), "--state-dir", str(cli.tmp / "state"), "--no-progress",
                 timeout=240)

@@ -23,9 +23,9 @@ from torch import nn
 from gpipe import net, structure
 from gpipe.contract import StageConfig
 from gpipe.wire import CARRIES, DTYPES, backend_of, encode, on_wire, travels
-from gpipe.worker.channel import Receiver, Sender
 from tests.ports import free_port
 from tests.test_transparency import job
+from worker.channel import Receiver, Sender
 
 INT16 = torch.tensor([-32768, -1, 0, 1, 32767, -12345], dtype=torch.int16)
 
@@ -202,8 +202,8 @@ class ComplexCrossing(nn.Module):
 
 
 def test_validate_refuses_a_captured_model_whose_cut_would_carry_complex64():
-    from gpipe.coordinator.plan import make_plan
-    from gpipe.coordinator.spec import parse_spec
+    from coordinator.plan import make_plan
+    from coordinator.spec import parse_spec
     from gpipe.errors import SpecError
 
     spec = job(model={"factory": "tests.test_backends:ComplexCrossing", "split_points": ["b"]},
@@ -231,7 +231,7 @@ def _world_end(rank: int, port: int, secret: str, start_s: float, mode: str, out
     """Rank `rank` forms its world. mode 'stall': rank 1 joins and forms its groups, then never makes the
     first exchange; 'ok': both form it, pass a tensor over a lane, and leave."""
     torch.set_num_threads(1)
-    from gpipe.worker import c10d
+    from worker import c10d
 
     try:
         net.use_secret(secret)

@@ -132,8 +132,8 @@ async def test_health_goes_not_serving_if_the_scheduler_dies(tmp_path, monkeypat
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from coordinator import server, supervisor
     from gpipe import net
-    from gpipe.coordinator import server, supervisor
     from tests.test_service import free_port
 
     async def broken(self):

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from coordinator.metrics import write_plan
+from coordinator.plan import make_plan
+from coordinator.spec import parse_spec
 from gpipe import balance
 from gpipe.builtins import mlp
-from gpipe.coordinator.metrics import write_plan
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
 from gpipe.schedule import simulate
 from tests.models import Slow
 

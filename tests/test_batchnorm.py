@@ -153,7 +153,7 @@ def test_a_job_with_deferred_batch_norm_resumed_mid_way_ends_as_uninterrupted(cl
 def test_plan_json_gives_each_stage_one_parameter_count_buffers_apart(tmp_path):
     import json
 
-    from gpipe.coordinator.metrics import write_plan
+    from coordinator.metrics import write_plan
 
     plan = plan_of(stage_job(model={"factory": "tests.models:bn_net"}, stages=2, balance=[6, 6]))
     write_plan(tmp_path, plan, [{}] * 2)

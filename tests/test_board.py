@@ -7,7 +7,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from gpipe.coordinator.board import STEP_SCALARS
+from coordinator.board import STEP_SCALARS
 
 
 def _spec() -> dict:

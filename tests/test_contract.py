@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator import configs
+from coordinator.configs import stage_config
+from coordinator.plan import make_plan
+from coordinator.spec import JobSpec, parse_spec
 from gpipe.capture import CaptureError
 from gpipe.contract import Cause, StageConfig, StageError, StepResult, classify
-from gpipe.coordinator import configs
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.factory import FactoryError
 from gpipe.skip import SkipError
 from gpipe.structure import StructureError
@@ -107,7 +107,7 @@ def test_the_same_failure_is_the_same_cause_type_rank_and_step_whatever_its_mess
 def run_of(stages: int, replicas: int):  # a driver.Run with only what its waits read
     from types import SimpleNamespace
 
-    from gpipe.coordinator.driver import Run
+    from coordinator.driver import Run
     from gpipe.topology import Topology
 
     run = object.__new__(Run)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from coordinator import report
 from gpipe import net, serde
-from gpipe.coordinator import report
 from tests.conftest import Cli, process_kind, tagged_pids, wait_for
 from tests.test_service import Service
 

@@ -1,6 +1,6 @@
 """The worker owns its device: it checks it before registering, the coordinator never asks CUDA, and no two
 workers share a GPU (NCCL refuses that). None of these needs a GPU: CUDA_VISIBLE_DEVICES='' hides any, and
-GPIPE_FAKE_GPUS (gpipe.worker.device's test hook) makes the probe report some."""
+GPIPE_FAKE_GPUS (worker.device's test hook) makes the probe report some."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
-from gpipe.worker.device import FAKE_GPUS_ENV, VISIBLE_ENV
 from tests.ports import free_port
+from worker.device import FAKE_GPUS_ENV, VISIBLE_ENV
 
 JOB = {
     "name": "gpus", "model": {"factory": "mlp", "args": {"width": 8, "depth": 3}}, "stages": 2, "chunks": 2,
@@ -42,7 +42,7 @@ def test_a_worker_refuses_a_device_it_does_not_have_before_it_registers(tmp_path
         coordinator.bind(("127.0.0.1", 0))
         coordinator.listen()
         coordinator.setblocking(False)
-        r = subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", "--rank", "0", "--device", device,
+        r = subprocess.run([sys.executable, "-m", "worker.daemon", "--rank", "0", "--device", device,
                             "--coordinator", f"127.0.0.1:{coordinator.getsockname()[1]}", "--log-dir", str(tmp_path)],
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
         with pytest.raises(BlockingIOError):
@@ -55,9 +55,9 @@ def test_a_worker_refuses_a_device_it_does_not_have_before_it_registers(tmp_path
 def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cuda(monkeypatch):
     import torch
 
-    from gpipe.coordinator.attempt import device_for
-    from gpipe.coordinator.local_run import worker_gpus
-    from gpipe.coordinator.spec import parse_spec
+    from coordinator.attempt import device_for
+    from coordinator.local_run import worker_gpus
+    from coordinator.spec import parse_spec
 
     def poisoned(*args, **kwargs):
         raise AssertionError("the coordinator asked CUDA")
@@ -79,7 +79,7 @@ def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cud
 
 
 def test_each_local_worker_gets_its_own_gpu_from_the_visible_list():
-    from gpipe.coordinator.local_run import gpu_envs
+    from coordinator.local_run import gpu_envs
 
     assert gpu_envs(3, None) == [{VISIBLE_ENV: "0"}, {VISIBLE_ENV: "1"}, {VISIBLE_ENV: "2"}]
     assert gpu_envs(2, "5, 7,3") == [{VISIBLE_ENV: "5"}, {VISIBLE_ENV: "7"}]
@@ -90,7 +90,7 @@ def test_each_local_worker_gets_its_own_gpu_from_the_visible_list():
 
 def run_cli(tmp_path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("GPIPE_OVERSUBSCRIBE", FAKE_GPUS_ENV, VISIBLE_ENV)}
-    return subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], cwd=tmp_path,
                           env={**base, **env}, capture_output=True, text=True, timeout=180)
 
 
@@ -146,10 +146,10 @@ def test_serve_fails_a_cuda_job_whose_workers_share_one_gpu_and_status_shows_eac
                                           stderr=log, start_new_session=True))
 
     try:
-        start("serve", "gpipe.coordinator.cli", "serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
+        start("serve", "coordinator.cli", "serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
         wait_for(lambda: "coordinator serving on" in logs[0].read_text(), "serve", logs)
         for rank in (0, 1):  # both on GPU 0 of this host (the fake GPU-fake-0)
-            start(f"worker{rank}", "gpipe.worker.daemon", "--rank", str(rank), "--device", "cuda:0",
+            start(f"worker{rank}", "worker.daemon", "--rank", str(rank), "--device", "cuda:0",
                   "--coordinator", address, "--log-dir", str(tmp_path / f"w{rank}"))
         wait_for(lambda: logs[0].read_text().count("registered from") == 2, "both workers", logs)
         assert "(cuda:0: fake GPU 0, 0.0 GiB)" in logs[0].read_text()

@@ -16,16 +16,16 @@ import pytest
 import torch
 import yaml
 
+from coordinator import checkpoint
+from coordinator.driver import Run
+from coordinator.handle import local_stages
+from coordinator.metrics import EvalMetrics, StepMetrics
+from coordinator.plan import Plan, make_plan
+from coordinator.spec import parse_spec
 from gpipe.contract import Cause
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.driver import Run
-from gpipe.coordinator.handle import local_stages
-from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
-from gpipe.coordinator.plan import Plan, make_plan
-from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import JobFailed
-from gpipe.worker.stage_server import StageServer
 from tests import reference
+from worker.stage_server import StageServer
 
 ROOT = Path(__file__).resolve().parent.parent
 REGRESSION = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}

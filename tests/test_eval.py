@@ -20,20 +20,20 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import TensorDataset
 
+from coordinator.evaluation import Best
+from coordinator.metrics import EvalMetrics
+from coordinator.plan import make_plan
+from coordinator.spec import parse_spec
 from gpipe import serde
-from gpipe.coordinator.evaluation import Best
-from gpipe.coordinator.metrics import EvalMetrics
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
-from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests import reference
 from tests.conftest import Cli, end_leftovers, torch_threads
 from tests.test_service import Service
 from tests.test_service import job as service_job
 from tests.test_stage import attempt_secret, built, plan_of  # noqa: F401  # attempt_secret: a fixture
 from tests.test_stage import job as stage_job
+from worker.stage_server import EvalArgs, StepQueue
 
 BN = {"factory": "tests.models:bn_net", "args": {"width": 8}}  # BatchNorm1d/2d, dropout, a call counter
 TRAIN = {"factory": "random_regression", "args": {"n": 40, "in_features": 8, "out_features": 8}, "batch_size": 8}
@@ -427,7 +427,7 @@ def test_eval_lines_cross_the_wire_and_the_job_record():
 @pytest.mark.multiprocess
 def test_the_progress_line_shows_the_latest_eval_loss():
     code = (
-        "from gpipe.coordinator.progress import Follower, Progress\n"
+        "from coordinator.progress import Follower, Progress\n"
         "f = Follower('e', Progress(5))\n"
         "f.show('eval', {'step': 1, 'eval_loss': 0.123456, 'eval_samples': 30})\n"
         "f.show('metrics', {'step': 4, 'loss': 0.5, 'samples_per_s': 10.0})\n"

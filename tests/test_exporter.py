@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpipe.coordinator import report
-from gpipe.coordinator.exporter import MAX_ENDED_JOBS, Exporter
+from coordinator import report
+from coordinator.exporter import MAX_ENDED_JOBS, Exporter
 from gpipe.serde import JobState
 from tests.test_service import Service, free_port, job
 from tests.test_supervisor import Harness

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coordinator import checkpoint
 from gpipe import capture, init, skeleton
-from gpipe.coordinator import checkpoint
 from gpipe.errors import SpecError
 from tests import models
 from tests.test_anymodel import GPT2_JOB, one_device_job

@@ -13,9 +13,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from coordinator import checkpoint
+from coordinator.spec import parse_spec
 from gpipe import serde
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler, Precision
 from tests import reference

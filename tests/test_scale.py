@@ -22,20 +22,20 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from coordinator import checkpoint
+from coordinator.configs import stage_config
+from coordinator.plan import make_plan
+from coordinator.spec import JobSpec, parse_spec
 from gpipe import stream
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.init import per_layer
 from gpipe.stage import build_layers
 from gpipe.state import StageState
-from gpipe.worker import streaming
-from gpipe.worker.agent import MALLOC_ENV
-from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 from tests import reference
 from tests.models import mlp_norm
+from worker import streaming
+from worker.agent import MALLOC_ENV
+from worker.streaming import Incoming, Outbox, Outgoing
 
 NORM = {"factory": "tests.models:mlp_norm", "args": {"width": 16, "depth": 4}}  # 5 layers
 REGRESSION = {"factory": "random_regression", "args": {"n": 48, "in_features": 16, "out_features": 16}}

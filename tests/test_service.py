@@ -21,8 +21,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
+from coordinator.supervisor import COMMIT_GRACE_S
 from gpipe import serde
-from gpipe.coordinator.supervisor import COMMIT_GRACE_S
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests import reference
 from tests.conftest import ROOT, Cli, end_leftovers
@@ -155,14 +155,14 @@ class Service:
 
     def start_serve(self, *extra: str) -> None:
         before = self.log("serve").count("coordinator serving on")
-        self._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(self.port),
+        self._spawn("serve", ["-m", "coordinator.cli", "serve", "--port", str(self.port),
                               "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
     def start_worker(self, rank: int, *extra: str) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
         cores = sorted(os.sched_getaffinity(0))
-        self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
+        self._spawn(f"worker{rank}", ["-m", "worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
                                       "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth(),
                                       *extra])
@@ -416,7 +416,7 @@ def test_a_killed_worker_fails_the_running_job_naming_its_rank(shared):
 
 def run_worker(cli, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """A gpipe-worker that should end by itself (refused, or bad flags)."""
-    return subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *args], env=cli.env, cwd=cli.tmp,
+    return subprocess.run([sys.executable, "-m", "worker.daemon", *args], env=cli.env, cwd=cli.tmp,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -529,7 +529,7 @@ def test_an_unreachable_coordinator_is_one_clear_line(cli):
 @pytest.mark.multiprocess
 def test_worker_flags(cli):
     env = {k: v for k, v in cli.env.items() if k not in ("RANK", "GPIPE_COORDINATOR")}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
                                     capture_output=True, text=True, timeout=60)
     r = run("--coordinator", "127.0.0.1:1")
     assert r.returncode == 2 and "--rank is required (or env RANK)" in r.stderr
@@ -853,7 +853,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
 def test_a_rogue_registration_for_a_live_rank_is_refused_and_the_job_runs_on(shared):
     out = submit_running(shared, "guarded", 3, steps=30)
     # A second daemon for rank 0, on this very host: refused, and it keeps trying.
-    shared._spawn("rogue", ["-m", "gpipe.worker.daemon", "--rank", "0", "--coordinator", shared.address,
+    shared._spawn("rogue", ["-m", "worker.daemon", "--rank", "0", "--coordinator", shared.address,
                              "--log-dir", str(shared.tmp / "rogue-attempts")])
     shared.wait_for(lambda: shared.log("rogue").count("registration refused: rank 0 is held by a live worker") >= 2,
                     "the rogue to be refused twice")

@@ -12,18 +12,18 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from coordinator.configs import stage_config
+from coordinator.data import DataStream
+from coordinator.plan import Plan, make_plan
+from coordinator.spec import parse_spec
 from gpipe import net
 from gpipe.contract import Cause, StageError
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.data import DataStream
-from gpipe.coordinator.plan import Plan, make_plan
-from gpipe.coordinator.spec import parse_spec
 from gpipe.stage import Stage
 from gpipe.state import StageState
 from gpipe.topology import Topology
-from gpipe.worker.c10d import C10dTransport
-from gpipe.worker.stage_server import StageServer
 from tests import reference
+from worker.c10d import C10dTransport
+from worker.stage_server import StageServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,7 +135,7 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
 
 def test_a_partition_between_workers_is_told_from_a_slow_stage():
     """Every stage waiting on a neighbour for peer_timeout_s is a partition; one computing, or idle, is not."""
-    from gpipe.coordinator.watch import PartitionWatch
+    from coordinator.watch import PartitionWatch
     from gpipe.errors import JobFailed
 
     class Answering:  # a stage handle that answers activity() with `a`, or never
@@ -171,7 +171,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
 
 
 def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
-    from gpipe.coordinator.rpcworld import RpcWorld
+    from coordinator.rpcworld import RpcWorld
 
     store, port = net.bound_store("127.0.0.1", 10)
     world = object.__new__(RpcWorld)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gpipe.contract import Cause
-from gpipe.coordinator import report
-from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.supervisor import (
+from coordinator import report
+from coordinator.spec import parse_spec
+from coordinator.supervisor import (
     STOP_CHECKPOINT_S,
     Launch,
     RankTaken,
@@ -25,6 +24,7 @@ from gpipe.coordinator.supervisor import (
     Worker,
     backoff_s,
 )
+from gpipe.contract import Cause
 from gpipe.serde import Abort, JobRecord, JobState, Join
 
 
@@ -461,7 +461,7 @@ async def test_an_unreadable_record_is_listed_never_runs_and_cannot_be_resumed(h
 async def test_events_are_a_bounded_window_and_watch_reads_older_metrics_from_disk(h, tmp_path, monkeypatch):
     import json
 
-    from gpipe.coordinator import supervisor
+    from coordinator import supervisor
     monkeypatch.setattr(supervisor, "EVENT_WINDOW", 10)
     job = h.submit()
     job.output_dir = str(tmp_path)
@@ -505,7 +505,7 @@ async def test_a_lost_stream_while_every_worker_is_silent_blames_the_coordinator
 
 
 async def test_a_watcher_that_stops_reading_holds_a_bounded_queue(h, monkeypatch):
-    from gpipe.coordinator import supervisor
+    from coordinator import supervisor
     monkeypatch.setattr(supervisor, "WATCH_QUEUE", 5)
     h.submit()
     h.register(0, 1)

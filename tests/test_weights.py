@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.pretrained import INDEX
+from coordinator import checkpoint
+from coordinator.pretrained import INDEX
 from gpipe.errors import SpecError
 from tests import models, reference
 from tests.test_anymodel import GPT2_JOB, one_device_job

@@ -1,12 +1,12 @@
-"""`python -m gpipe.worker`: a job attempt's worker process (see gpipe.worker.attempt).
+"""`python -m worker`: a job attempt's worker process (see worker.attempt).
 
-Started ahead of its attempt by its agent (gpipe.worker.agent), it imports
+Started ahead of its attempt by its agent (worker.agent), it imports
 torch and what building a stage needs, then waits for one line of JSON on
 stdin saying which attempt to join: {"rank", "world", "master", "host",
 "start_timeout_s", "log", "secret", "code_dir"} (code_dir: the job's folder, under serve this
 worker's copy of the job's code: the stage imports from it and runs in it, its working directory; "": none
 given). So a join costs no import time. With arguments, it joins at once
-(`python -m gpipe.worker --rank N --world W --master H:P --host H`).
+(`python -m worker --rank N --world W --master H:P --host H`).
 """
 
 import json
@@ -19,7 +19,7 @@ proc.adopt()  # first, before the seconds torch takes to import: die with the pa
 
 import torch._dynamo  # noqa: E402, F401 - building an optimizer imports it (1.5 s on a CPU build)
 
-from gpipe.worker.attempt import main  # noqa: E402
+from worker.attempt import main  # noqa: E402
 
 if len(sys.argv) > 1:
     proc.exit_now(main())

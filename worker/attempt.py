@@ -6,7 +6,7 @@ between stages go over the stage's own channels. The process lives for one
 attempt only: a failed attempt's processes are killed, never reused, since an
 RPC world or a communicator that saw a failure cannot be trusted again.
 
-    GPIPE_ATTEMPT_SECRET=... python -m gpipe.worker --rank N --world W --master HOST:PORT --host HOST
+    GPIPE_ATTEMPT_SECRET=... python -m worker --rank N --world W --master HOST:PORT --host HOST
 
 where N is the worker's rank and W the attempt's workers (replicas x stages:
 which stage of which replica rank N serves is gpipe.topology's, told to the
@@ -30,15 +30,15 @@ import torch.distributed.rpc as rpc
 
 from gpipe import net
 from gpipe.topology import rpc_name
-from gpipe.worker.c10d import World
-from gpipe.worker.stage_server import StageServer
+from worker.c10d import World
+from worker.stage_server import StageServer
 
 SECRET_ENV = "GPIPE_ATTEMPT_SECRET"
 
 
 def main(argv: list[str] | None = None, secret: str | None = None) -> int:
     """Join the attempt, serve the stage, leave; `secret` is the attempt's (default: env GPIPE_ATTEMPT_SECRET)."""
-    p = argparse.ArgumentParser(prog="python -m gpipe.worker")
+    p = argparse.ArgumentParser(prog="python -m worker")
     p.add_argument("--rank", type=int, required=True, help="this worker's rank in the attempt")
     p.add_argument("--world", type=int, required=True, help="the attempt's workers (replicas x stages)")
     p.add_argument("--master", required=True, help="the coordinator's rendezvous HOST:PORT")

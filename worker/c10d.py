@@ -44,8 +44,8 @@ from gpipe.topology import Topology
 from gpipe.transport import Among, GradSum, Hub, Inbound, Lane, Op, Outbound
 from gpipe.turns import Turns
 from gpipe.wire import backend_of
-from gpipe.worker.channel import Receiver, Sender, backstop_s
-from gpipe.worker.reducer import GradReducer
+from worker.channel import Receiver, Sender, backstop_s
+from worker.reducer import GradReducer
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 JOINED_KEY = "joined/"  # + rank, in the data plane's store: that worker reached it, from this address

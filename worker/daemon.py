@@ -1,7 +1,7 @@
 """`gpipe-worker`: a daemon that owns one device and serves one rank (stage index) of every job.
 
 It registers with the coordinator, heartbeats, and takes commands: join an
-attempt (it starts `python -m gpipe.worker` in a child process for it) or abort one
+attempt (it starts `python -m worker` in a child process for it) or abort one
 (it kills that child's process group). It keeps nothing a restart would lose,
 reconnects with backoff while the coordinator is away, and stays up between
 jobs. A child process never outlives its attempt: a failed RPC world or
@@ -39,9 +39,9 @@ from gpipe import code, grpcutil, proc, serde
 from gpipe.code import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
-from gpipe.worker.agent import WORKER_PRELOAD, Agent, worker_template
-from gpipe.worker.cores import parse_cores, threads_for
-from gpipe.worker.device import check as check_device
+from worker.agent import WORKER_PRELOAD, Agent, worker_template
+from worker.cores import parse_cores, threads_for
+from worker.device import check as check_device
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight

@@ -37,8 +37,8 @@ from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.transport import Transport
 from gpipe.turns import TurnAborted, Turns
-from gpipe.worker.c10d import C10dTransport
-from gpipe.worker.streaming import Incoming, Outbox, Outgoing
+from worker.c10d import C10dTransport
+from worker.streaming import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
 Answer = torch.futures.Future[StepResult | EvalResult | StageError]
