@@ -62,7 +62,7 @@ gpu-check:
 gpu-wheels:
 	bash bench/gpu-check.sh --prepare
 
-# Regenerate gpipe/v1 from protos/ (tests/test_protos.py fails when it is stale).
+# Regenerate gpipe/v1 from protos/ (tests/project/test_protos.py fails when it is stale).
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
 

@@ -8,7 +8,7 @@
 #
 # It runs on the host's own CUDA torch (printed first; gpipe supports 2.11 to 2.13), installing the other
 # packages from .gpucheck/whl (or GPU_CHECK_WHEELS) with --no-index: a GPU host needs no package index.
-# The checks: the environment; the worker's device probe; every test marked `gpu` (tests/test_gpu.py and the
+# The checks: the environment; the worker's device probe; every test marked `gpu` (tests/engine/test_gpu.py, tests/service/test_gpu.py and the
 # gpu tests of the other files), a line each; the throughput of a GPT-2-small-sized model (bench/gpu_throughput.py):
 # a 2-stage gpipe.Pipeline against plain one-GPU training, and `run` on one stage against the same.
 # Results: stdout, and $OUT (or GPU_CHECK_OUT, default /tmp/gpu-check) summary.txt and full.log.
@@ -120,7 +120,7 @@ pytest_gpu() {
     local spread=()
     "$PY" -c 'import xdist' 2> /dev/null && spread=(-n 4)  # the GPU's tests side by side, where pytest-xdist is
     # The files that hold gpu tests (the others may need packages a GPU host lacks, as test_deploy.py does).
-    mapfile -t files < <(grep -l 'mark\.gpu' tests/test_*.py)
+    mapfile -t files < <(grep -l 'mark\.gpu' tests/*/test_*.py)
     "$PY" -m pytest -q -m gpu -rA -p no:cacheprovider -o addopts= --timeout 180 "${spread[@]}" "${files[@]}" 2>&1 \
         | tee -a "$FULL" \
         | sed -nE 's/^(PASSED|FAILED|ERROR|SKIPPED) (\[[0-9]+\] )?([^ ]+)( - | )?(.*)$/RESULT \1 \3 \5/p' \

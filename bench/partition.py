@@ -1,6 +1,6 @@
 """Cut links across hosts, several rounds: how long to notice, how long to train again, and how often it ends well.
 
-Each round runs tests/test_multihost.py: serve and three workers in four
+Each round runs tests/service/test_multihost.py: serve and three workers in four
 network namespaces, started from the rendered cpu overlay; one worker's link
 is cut for 20 s, then the coordinator's for 15 s; the round passes when the
 job ends SUCCEEDED on the one-device weights. Prints each round's figures and
@@ -29,7 +29,7 @@ def main() -> None:
     cut, back, passed = [], [], 0
     for n in range(1, a.rounds + 1):
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            "tests/test_multihost.py"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                            "tests/service/test_multihost.py"], cwd=ROOT, capture_output=True, text=True, timeout=900)
         m = re.search(r"link cut -> RESTARTING ([\d.]+)s; mended -> next trained step ([\d.]+)s", r.stderr + r.stdout)
         ok = r.returncode == 0 and m is not None
         passed += ok

@@ -38,7 +38,7 @@ import yaml
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = {"factory": "tests.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
+SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
 
 
 def spec(name: str, **kw: object) -> dict:

@@ -1,0 +1,70 @@
+"""The examples as a user runs them: from a folder that is not the job's, with the job's code next to its spec."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.multiprocess
+def test_charlm_ddp_trains_evaluates_keeps_the_best_and_the_eval_verb_scores_it(cli):
+    """examples/charlm-ddp.yaml, small: 2 replicas x 2 stages, bf16, evaluation and keep_best. The job's
+    module (charlm.py) is found next to its spec only, not in the folder the command runs from."""
+    job = cli.tmp / "job"
+    job.mkdir()
+    shutil.copy(EXAMPLES / "charlm.py", job / "charlm.py")
+    spec = yaml.safe_load((EXAMPLES / "charlm-ddp.yaml").read_text())
+    spec.update(name="ddp", steps=4, checkpoint_every=2, balance=[2, 2],
+                model={**spec["model"], "args": {"d_model": 16, "heads": 2, "ff": 32, "layers": 2}},
+                data={**spec["data"], "args": {"seq_len": 16, "split": "train", "max_bytes": 8000}, "batch_size": 8},
+                eval={**spec["eval"], "every": 2, "batches": 2,
+                      "data": {**spec["eval"]["data"], "args": {"seq_len": 16, "split": "eval", "max_bytes": 8000},
+                               "batch_size": 4}})
+    path = job / "ddp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    r = cli.run("run", "--no-progress", "--state-dir", "state", str(path), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = cli.tmp / "state" / "ddp"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if "eval_loss" in m]
+    steps = [m for m in lines if "eval_loss" not in m]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3] and all(len(m["replicas"]) == 2 for m in steps)
+    assert len(evals) == 2 and all(m["eval_loss"] > 0 for m in evals)
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["eval_loss"] == min(m["eval_loss"] for m in evals)
+    r = cli.run("eval", str(path), "--state-dir", "state", "--weights", str(out / "best" / "model.safetensors"),
+                "--json", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    scored = json.loads(r.stdout.strip().splitlines()[-1])
+    assert scored["loss"] == pytest.approx(best["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_the_demo_runs_on_one_core_with_one_warning_line(cli):
+    """`make demo` (examples/charlm.yaml: 2 stages), small, on a machine with one core: its 2 workers share
+    the core, and `run` says so in one warning line (tests.test_spec: --oversubscribe silences it)."""
+    job = cli.tmp / "job"
+    job.mkdir()
+    shutil.copy(EXAMPLES / "charlm.py", job / "charlm.py")
+    spec = yaml.safe_load((EXAMPLES / "charlm.yaml").read_text())
+    spec.update(steps=2, checkpoint_every=None,
+                model={**spec["model"], "args": {"d_model": 16, "heads": 2, "ff": 32, "layers": 4, "dropout": 0.1}},
+                data={**spec["data"], "args": {"seq_len": 16, "max_bytes": 4000}, "batch_size": 8})
+    path = job / "charlm.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cli.env = {k: v for k, v in cli.env.items() if k != "GPIPE_OVERSUBSCRIBE"}  # as a user's shell has it
+    r = cli.run("run", "--no-progress", "--state-dir", "state", str(path), cores="0", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "2 workers" in warned[0] and "1 CPU core" in warned[0], r.stderr
+    assert "Traceback" not in r.stderr and (cli.tmp / "state" / "charlm" / "model.safetensors").exists()
+    # The last line gives the final loss; a fresh run says nothing of resuming.
+    assert re.match(r"charlm: done in [\d.]+s: 2/2 steps, final loss \d+\.\d{4}; weights in ", r.stderr.splitlines()[-1])
+    assert "resum" not in r.stderr
