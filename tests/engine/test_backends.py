@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from torch import nn
 
 from gpipe import structure
 from gpipe.wire import CARRIES, DTYPES, backend_of, encode, on_wire, travels
@@ -77,30 +76,10 @@ def test_the_probe_checks_the_cuts_against_the_jobs_backend():
     assert "\n" not in str(e.value)
 
 
-class _ToComplex(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return torch.polar(torch.ones_like(h), h)
 
 
-class _FromComplex(_ToComplex):
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.lin(torch.view_as_real(z).sum(-1))
 
 
-class ComplexCrossing(nn.Module):
-    """Not an nn.Sequential: block `a` hands block `b` a complex64 tensor."""
-
-    def __init__(self, width: int = 8):
-        super().__init__()
-        self.a, self.b = _ToComplex(width), _FromComplex(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
 
 
 def test_validate_refuses_a_captured_model_whose_cut_would_carry_complex64():
@@ -108,7 +87,7 @@ def test_validate_refuses_a_captured_model_whose_cut_would_carry_complex64():
     from coordinator.spec import parse_spec
     from gpipe.errors import SpecError
 
-    spec = job(TWO_STAGES, model={"factory": "tests.engine.test_backends:ComplexCrossing", "split_points": ["b"]},
+    spec = job(TWO_STAGES, model={"factory": "tests.support.models:ComplexCrossing", "split_points": ["b"]},
                data={"factory": "random_regression", "args": {"n": 16, "in_features": 8, "out_features": 8},
                      "batch_size": 8})
     with pytest.raises(SpecError) as e:

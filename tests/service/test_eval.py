@@ -18,7 +18,6 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.utils.data import TensorDataset
 
 from coordinator.evaluation import Best
 from coordinator.metrics import EvalMetrics
@@ -263,13 +262,10 @@ def test_serve_shows_and_streams_the_eval_loss_and_keeps_it_across_a_restart(cli
 # -- bad input: one line naming the field, exit 2, nothing started --------------------------------------
 
 
-def inputs_only(n: int = 8) -> TensorDataset:
-    """A data set without targets: its items are 1-tuples."""
-    return TensorDataset(torch.randn(n, 8))
 
 
 BAD_EVAL = [
-    ({"eval": {"data": {"factory": "tests.service.test_eval:inputs_only", "batch_size": 4}, "every": 1}}, "eval.data"),
+    ({"eval": {"data": {"factory": "tests.support.models:inputs_only", "batch_size": 4}, "every": 1}}, "eval.data"),
     ({"eval": {"data": HELD_OUT, "every": 1, "batches": 5}}, "eval.batches"),
     ({"eval": {"data": {**HELD_OUT, "args": {**HELD_OUT["args"], "in_features": 5}}, "every": 1}}, "eval.data"),
     ({"eval": {"data": {**HELD_OUT, "batch_size": 0}, "every": 1}}, "eval.data.batch_size"),

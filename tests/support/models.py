@@ -612,3 +612,36 @@ def determinism_mlp(expected: bool, width: int = 16) -> nn.Sequential:
     """An MLP whose stages check their processes' deterministic setting (spec `deterministic`)."""
     return nn.Sequential(nn.Linear(width, width), _DeterminismCheck(expected), nn.Tanh(),
                          nn.Linear(width, width), _DeterminismCheck(expected))
+
+
+# -- what a cut cannot carry, a data set without targets (validate's refusals) ------------------------------
+
+class _ToComplex(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.polar(torch.ones_like(h), h)
+
+
+class _FromComplex(_ToComplex):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.view_as_real(z).sum(-1))
+
+
+class ComplexCrossing(nn.Module):
+    """Not an nn.Sequential: block `a` hands block `b` a complex64 tensor."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a, self.b = _ToComplex(width), _FromComplex(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def inputs_only(n: int = 8) -> TensorDataset:
+    """A data set without targets: its items are 1-tuples."""
+    return TensorDataset(torch.randn(n, 8))
