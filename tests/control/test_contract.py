@@ -19,17 +19,12 @@ from gpipe.factory import FactoryError
 from gpipe.skip import SkipError
 from gpipe.structure import StructureError
 from gpipe.turns import TurnAborted
+from tests.support.spec import job, regression
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = {
-    "name": "c", "seed": 3, "stages": 2, "balance": [1, 3], "chunks": 2, "replicas": 2, "precision": "fp16",
-    "model": {"factory": "mlp", "args": {"width": 4, "depth": 3}},
-    "data": {"factory": "random_regression", "args": {"n": 16, "in_features": 4, "out_features": 4},
-             "batch_size": 8},
-    "eval": {"data": {"factory": "random_regression", "args": {"n": 8, "in_features": 4, "out_features": 4},
-                      "batch_size": 4}, "every": 2},
-    "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 4, "loss_scale": {"init": 8.0},
-}
+SPEC = job(name="c", seed=3, balance=[1, 3], replicas=2, precision="fp16", model__args={"width": 4, "depth": 3},
+           data=regression(16, 4, 8), eval={"data": regression(8, 4, 4), "every": 2}, steps=4,
+           loss_scale={"init": 8.0})
 
 
 def test_every_spec_field_is_copied_derived_or_the_coordinators_alone():

@@ -17,6 +17,7 @@ from gpipe.schedule import (
     steady,
     timing,
 )
+from tests.support.spec import job, regression
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
@@ -227,12 +228,9 @@ def test_plan_json_knows_which_workers_wait_for_one_another_at_a_step_s_end():
 
     def spec(schedule: str, stages: int, **kw: Any) -> JobSpec:
         virtual = 2 if schedule in ("zbv", "interleaved-1f1b") else 1
-        return JobSpec.model_validate({
-            "name": "w", "model": {"factory": "mlp", "args": {"width": 4, "depth": 2 * stages * virtual}},
-            "stages": stages, "chunks": 2 * stages, "schedule": schedule, "virtual_stages": virtual,
-            "data": {"factory": "random_regression", "args": {"n": 8, "in_features": 4, "out_features": 4},
-                     "batch_size": 8},
-            "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 1, **kw})
+        return JobSpec.model_validate(job(
+            name="w", model={"factory": "mlp", "args": {"width": 4, "depth": 2 * stages * virtual}}, stages=stages,
+            chunks=2 * stages, schedule=schedule, virtual_stages=virtual, data=regression(8, 4, 8), steps=1, **kw))
 
     assert step_waits(spec("1f1b", 3, clip_grad_norm=1.0), []) == [{0, 1, 2}]
     assert step_waits(spec("zb-h1", 3, precision="fp16"), [[0, 2]]) == [{0, 1, 2}]

@@ -28,10 +28,7 @@ pytest.importorskip("transformers")
 
 
 
-BRANCHY = {"name": "br", "model": {"factory": "tests.support.models:Branchy", "split_points": ["blocks.1"]}, "stages": 2,
-           "chunks": 2, "data": {"factory": "random_regression", "batch_size": 4,
-                                 "args": {"n": 16, "in_features": 8, "out_features": 8}},
-           "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 2}
+BRANCHY = job(name="br", model={"factory": "tests.support.models:Branchy", "split_points": ["blocks.1"]})
 
 
 def line_of(code: str) -> int:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from tests.support import reference
 from tests.support.service import Service
-from tests.support.spec import SERVICE, job
+from tests.support.spec import SERVICE, job, slow_mlp
 
 
 @contextlib.contextmanager
@@ -68,7 +68,7 @@ def test_serve_on_a_full_disk_fails_the_job_frees_its_workers_and_resumes_once_t
             s.start_serve()
             s.start_worker(0)
             s.start_worker(1)
-            spec = job(SERVICE, name="full", model={"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.03}},
+            spec = job(SERVICE, name="full", model=slow_mlp(16, 0.03),
                        steps=40, checkpoint_every=5, max_restarts=3)
             assert s.client("submit", str(cli.write(spec))).returncode == 0
             ck = s.state / "full" / "checkpoints" / "step-5" / "MANIFEST.json"

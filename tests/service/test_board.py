@@ -8,22 +8,16 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from coordinator.board import STEP_SCALARS
+from tests.support.spec import job, regression
 
 
 def _spec() -> dict:
     # Each attempt fails at its 9th forward (2 micro-batches a step, 2 an evaluation after every second step):
     # with a checkpoint every 2 steps, attempt 2 resumes at step 2 and attempt 3 at step 4, so metrics.jsonl
     # logs some steps twice.
-    data = {"factory": "random_regression", "args": {"n": 48, "in_features": 16, "out_features": 16},
-            "batch_size": 8}
-    held_out = {"factory": "random_regression", "args": {"n": 8, "in_features": 16, "out_features": 16},
-                "batch_size": 8}
-    return {
-        "name": "tb", "seed": 3, "model": {"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 9}},
-        "stages": 2, "balance": [2, 2], "chunks": 2, "data": data, "loss": "mse",
-        "optimizer": {"name": "sgd", "lr": 0.05}, "clip_grad_norm": 10.0, "steps": 6, "checkpoint_every": 2,
-        "max_restarts": 2, "eval": {"every": 2, "data": held_out},
-    }
+    return job(name="tb", seed=3, model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 9}},
+               balance=[2, 2], data=regression(48, 16, 8), optimizer__lr=0.05, clip_grad_norm=10.0, steps=6,
+               checkpoint_every=2, max_restarts=2, eval={"every": 2, "data": regression(8, 16, 8)})
 
 
 def scalars(folder) -> dict[str, list[tuple[int, float]]]:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from tests.support.cli import Cli
 from tests.support.service import ENDED, Service, with_suppress
-from tests.support.spec import SERVICE, job
+from tests.support.spec import SERVICE, job, slow_mlp
 
 SEED = int(os.environ.get("GPIPE_CHAOS_SEED", "1126"))
 KINDS = ("worker SIGKILL", "worker SIGTERM", "worker SIGSTOP", "serve SIGKILL")
@@ -41,7 +41,7 @@ STEPS = 24  # the last fault lands well before the end: each lands a row or two 
 
 def spec(name: str) -> dict[str, Any]:
     """Adam and a shuffled data set: a resume must bring back the optimizer's state and the data's position."""
-    return job(SERVICE, name=name, seed=7, model={"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}},
+    return job(SERVICE, name=name, seed=7, model=slow_mlp(16, 0.02),
                data={"factory": "random_regression", "args": {"n": 48, "in_features": 16, "out_features": 16},
                      "batch_size": 8, "shuffle": True},
                optimizer={"name": "adam", "lr": 0.01}, steps=STEPS, checkpoint_every=3, max_restarts=20,

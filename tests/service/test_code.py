@@ -8,13 +8,14 @@ import os
 
 import yaml
 
+from tests.support.spec import DELETE, job, job_yaml, regression
+
 
 def test_submit_refuses_a_folder_too_large_before_it_calls_anyone(cli):
     cli.env.pop("PYTHONPATH")  # the job's folder is its code: nothing set by hand
     (cli.tmp / "big.bin").write_bytes(os.urandom(2 << 20))
-    spec = {"name": "big", "model": {"factory": "mlp"}, "stages": 1, "loss": "mse", "steps": 1,
-            "data": {"factory": "random_regression", "batch_size": 2}, "optimizer": {"name": "sgd", "lr": 0.1}}
-    (cli.tmp / "job.yaml").write_text(yaml.safe_dump(spec))
+    (cli.tmp / "job.yaml").write_text(job_yaml(name="big", model={"factory": "mlp"}, stages=1, chunks=DELETE, steps=1,
+                                                data={"factory": "random_regression", "batch_size": 2}))
     r = cli.run("submit", "job.yaml", "--max-code-mib", "1", "--coordinator", "127.0.0.1:9")  # nothing listens
     assert r.returncode == 2
     line, = r.stderr.strip().splitlines()
@@ -27,10 +28,8 @@ def test_validate_imports_from_the_spec_s_working_dir(cli):
     code_dir.mkdir()
     jobs.mkdir()
     (code_dir / "wd_model.py").write_text("from gpipe.builtins import mlp as build\n")
-    spec = {"name": "wd", "model": {"factory": "wd_model:build", "args": {"width": 4, "depth": 2}}, "stages": 2,
-            "loss": "mse", "steps": 1, "optimizer": {"name": "sgd", "lr": 0.1},
-            "data": {"factory": "random_regression", "args": {"n": 8, "in_features": 4, "out_features": 4},
-                     "batch_size": 2}}
+    spec = job(name="wd", model={"factory": "wd_model:build", "args": {"width": 4, "depth": 2}}, chunks=DELETE, steps=1,
+               data=regression(8, 4, 2))
     (jobs / "job.yaml").write_text(yaml.safe_dump(spec))
     r = cli.run("validate", str(jobs / "job.yaml"))
     assert r.returncode == 2 and "cannot import module 'wd_model'" in r.stderr  # not beside the job file

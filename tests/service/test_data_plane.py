@@ -19,21 +19,17 @@ from coordinator import report
 from gpipe import net, serde
 from tests.support.cli import Cli, process_kind, tagged_pids, wait_for
 from tests.support.service import Service
+from tests.support.spec import job, regression, slow_mlp
 
-SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 8, "seconds": 0.02}}
+SLOW = slow_mlp(8, 0.02)
 SECRET = re.compile(r"[0-9a-f]{32}")
 
 
-def spec(**kw) -> dict:
-    s = {
-        "name": "dp", "model": SLOW, "stages": 2, "balance": [2, 2], "chunks": 2,
-        "data": {"factory": "random_regression", "args": {"n": 32, "in_features": 8, "out_features": 8},
-                 "batch_size": 4},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 200, "checkpoint_every": 10,
-        "max_restarts": 1, "step_timeout_s": 20, "start_timeout_s": 30,
-    }
-    s.update(kw)
-    return s
+# A long, slow job: an attempt lives long enough to be probed; one restart allowed.
+LONG = {
+    "name": "dp", "model": SLOW, "balance": [2, 2], "data": regression(32, 8, 4), "steps": 200,
+    "checkpoint_every": 10, "max_restarts": 1, "step_timeout_s": 20, "start_timeout_s": 30,
+}
 
 
 # -- what a process listens on ----------------------------------------------------------------
@@ -147,7 +143,7 @@ def store_port(log: Path, attempt: int = 1) -> int:
 
 @pytest.mark.multiprocess
 def test_run_listens_on_loopback_only_keys_under_one_secret_and_every_port_closes_with_the_job(cli):
-    path = cli.write(spec(steps=60, max_restarts=0))
+    path = cli.write(job(LONG, steps=60, max_restarts=0))
     out = cli.tmp / "state" / "dp"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         wait_for(lambda: steps_done(out) >= 2, 120, "two steps")
@@ -191,7 +187,7 @@ def test_serve_and_workers_listen_on_the_cluster_address_only_and_only_while_the
         s.start_serve("--insecure")  # no tokens in this test: a non-loopback address must be asked for
         s.start_worker(0)
         s.start_worker(1)
-        r = s.client("submit", str(cli.write(spec(name="wide", steps=60, max_restarts=0))))
+        r = s.client("submit", str(cli.write(job(LONG, name="wide", steps=60, max_restarts=0))))
         assert r.returncode == 0, r.stderr
         out = s.state / "wide"
         s.wait_for(lambda: steps_done(out) >= 2, "two steps", timeout=120)
@@ -252,7 +248,7 @@ def _ends_by_itself(p, timeout: float) -> str:
 @pytest.mark.parametrize("mode", ["garbage", "close+store"])
 def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mode):
     """Mid-run, every port of the attempt gets garbage; or a connect-and-close, and the store gets requests."""
-    path = cli.write(spec(steps=60))  # hit after 3 steps: the rest is for a restart to finish, or none
+    path = cli.write(job(LONG, steps=60))  # hit after 3 steps: the rest is for a restart to finish, or none
     out = cli.tmp / "state" / "dp"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         wait_for(lambda: steps_done(out) >= 3, 120, "three steps")
@@ -282,7 +278,7 @@ def test_a_strangers_packet_may_fail_the_attempt_but_never_hangs_the_job(cli, mo
 @pytest.mark.parametrize("mode", ["garbage", "close"])
 def test_packets_while_an_attempt_starts_may_fail_it_but_the_job_goes_on(cli, mode):
     """Each port of the first attempt is hit the moment it listens, before or as the RPC world forms."""
-    path = cli.write(spec(steps=20))
+    path = cli.write(job(LONG, steps=20))
     out = cli.tmp / "state" / "dp"
     hits: dict[tuple[str, int], str] = {}
     first = None  # the first attempt's coordinator process: its ports, then its workers', are hit while it lives

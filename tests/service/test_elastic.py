@@ -22,7 +22,7 @@ from coordinator.supervisor import COMMIT_GRACE_S
 from tests.support import netns, reference
 from tests.support.cli import ROOT, Cli, end_leftovers
 from tests.support.service import Service, steps_of, with_suppress, worker_pid
-from tests.support.spec import SERVICE, job
+from tests.support.spec import SERVICE, job, slow_mlp
 
 # -- the service, end to end ------------------------------------------------------------------------------
 
@@ -52,7 +52,7 @@ def elastic_job(name: str, **kw: Any) -> dict[str, Any]:
     """A slow 3-stage job (seconds per step) that may shrink to 2 stages."""
     fields: dict[str, Any] = {"stages": 3, "balance": [2, 1, 1], "steps": 30, "checkpoint_every": 4,
                               "restart_timeout_s": 2, "elastic": {"min_stages": 2},
-                              "model": {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}}
+                              "model": slow_mlp(16, 0.02)}
     return job(SERVICE, name=name, **(fields | kw))
 
 
@@ -152,7 +152,7 @@ def test_a_rank_away_past_restart_timeout_shrinks_the_job_and_it_grows_back_to_t
 def test_a_spare_worker_takes_the_lost_rank_s_place_at_once(three):
     s = three
     # Steps of about 0.2 s: the kill at step 5 lands seconds before the last step, on a loaded machine too
-    spec = job(SERVICE, name="spare", model={"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}},
+    spec = job(SERVICE, name="spare", model=slow_mlp(16, 0.05),
                steps=32, checkpoint_every=4, restart_timeout_s=60)  # 2 stages: rank 2 is idle, a spare
     out = s.state / "spare"
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0
@@ -174,7 +174,7 @@ def test_a_lost_replica_s_micro_batches_go_to_the_one_that_remains_to_the_same_w
     start_workers(s, 3)  # 2 replicas x 2 stages: ranks 0-3, no spare
     # Steps of about 0.2 s: the kill at step 5 lands seconds before the last step, on a loaded machine too (with
     # steps of 0.08 s, a CI run under load saw the job end before the kill)
-    spec = job(SERVICE, name="halved", model={"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}},
+    spec = job(SERVICE, name="halved", model=slow_mlp(16, 0.05),
                replicas=2, steps=32, checkpoint_every=4, restart_timeout_s=2, elastic={"min_stages": 2})
     out = s.state / "halved"
     assert s.client("submit", str(s.cli.write(spec))).returncode == 0

@@ -13,24 +13,20 @@ import pytest
 from gpipe.errors import EXIT_PREEMPTED
 from tests.support.cli import wait_for
 from tests.support.service import worker_pid
+from tests.support.spec import job, regression, slow_mlp
 
 pytestmark = pytest.mark.multiprocess
 
 
-def spec(**kw) -> dict:
-    s = {
-        "name": "f", "model": {"factory": "tests.support.models:failing_mlp", "args": {"width": 8, "calls": 5}},
-        "stages": 2, "balance": [2, 2], "chunks": 2,
-        "data": {"factory": "random_regression", "args": {"n": 32, "in_features": 8, "out_features": 8},
-                 "batch_size": 4},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 10, "max_restarts": 0,
-    }
-    s.update(kw)
-    return s
+# A job whose model raises on its 6th forward (tests.support.models:failing_mlp), not restarted.
+FAILING = {
+    "name": "f", "model": {"factory": "tests.support.models:failing_mlp", "args": {"width": 8, "calls": 5}},
+    "balance": [2, 2], "data": regression(32, 8, 4), "steps": 10, "max_restarts": 0,
+}
 
 
 def test_stage_that_raises_fails_the_job_naming_it(cli):
-    path = cli.write(spec())
+    path = cli.write(job(FAILING))
     t0 = time.monotonic()
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
     assert r.returncode == 1, r.stderr
@@ -46,7 +42,7 @@ def test_stage_that_raises_fails_the_job_naming_it(cli):
 def test_a_data_sets_own_index_error_fails_the_job_as_its_error_after_one_restart_not_as_an_import(cli):
     """The job's data set raises IndexError at step 4 (items 16 on, of 4 a batch): the job's own error, which
     one restart may cure, never the workers' failing to import its code."""
-    s = spec(model={"factory": "mlp", "args": {"width": 8, "depth": 3}},
+    s = job(FAILING, model={"factory": "mlp", "args": {"width": 8, "depth": 3}},
              data={"factory": "tests.support.models:short_data", "args": {"n": 64, "bad": 16}, "batch_size": 4},
              max_restarts=1)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
@@ -61,7 +57,7 @@ def test_a_data_sets_own_index_error_fails_the_job_as_its_error_after_one_restar
 def test_slow_stages_are_asked_what_they_do_and_are_not_taken_for_a_partition(cli):
     # Steps of about 1.2 s against peer_timeout_s 0.5: the coordinator asks the stages (over RPC) while no
     # step finishes; one of them is always computing, so the job trains on.
-    s = spec(model={"factory": "tests.support.models:slow_mlp", "args": {"width": 8, "seconds": 0.3}}, steps=3,
+    s = job(FAILING, model=slow_mlp(8, 0.3), steps=3,
              peer_timeout_s=0.5)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=120)
     assert r.returncode == 0, r.stderr
@@ -75,12 +71,12 @@ def _steps_done(out: Path) -> int:
 
 
 
-SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 8, "seconds": 0.02}}
+SLOW = slow_mlp(8, 0.02)
 
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
-    path = cli.write(spec(model=SLOW, steps=500))
+    path = cli.write(job(FAILING, model=SLOW, steps=500))
     out = cli.tmp / "state" / "f"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
         wait_for(lambda: _steps_done(out) >= 2, 90, "two steps")
@@ -99,7 +95,7 @@ def test_worker_killed_mid_run_fails_the_job_within_seconds(cli, victim):
 
 def _stop_coordinator_mid_run(cli, stop, state: str = "state") -> tuple[subprocess.Popen, str]:
     """Start a long run, wait for a step, stop the coordinator with `stop`, and check its workers go too."""
-    path = cli.write(spec(model=SLOW, steps=500))
+    path = cli.write(job(FAILING, model=SLOW, steps=500))
     out = cli.tmp / state / "f"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / state), "--no-progress") as p:
         wait_for(lambda: _steps_done(out) >= 1, 90, "a step")
@@ -126,8 +122,8 @@ def test_coordinator_sigkilled_takes_its_workers_along(cli):
 
 def test_a_stage_that_waits_too_long_fails_the_job_naming_what_it_waited_for(cli):
     # Stage 0 takes 2 s per micro-batch; steps may take 1 s.
-    slow = {"factory": "tests.support.models:slow_mlp", "args": {"width": 8, "seconds": 2.0}}
-    path = cli.write(spec(model=slow, steps=3, step_timeout_s=1.0, balance=[2, 2]))
+    slow = slow_mlp(8, 2.0)
+    path = cli.write(job(FAILING, model=slow, steps=3, step_timeout_s=1.0, balance=[2, 2]))
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]

@@ -26,6 +26,7 @@ from gpipe.factory import resolve
 from gpipe.precision import DTYPES, LossScaler
 from tests.support import reference
 from tests.support.cli import Cli, end_leftovers, torch_threads
+from tests.support.spec import job
 
 pytest.importorskip("transformers")
 
@@ -118,18 +119,20 @@ def balance(case: dict[str, Any]) -> list[int]:
     return [1, 1, 1, 1] if case["schedule"] in VIRTUAL else [2, 2]
 
 
-def job(case: dict[str, Any], name: str) -> dict[str, Any]:
+def preset(case: dict[str, Any]) -> dict[str, Any]:
+    """The job of one case of the matrix (a preset of tests.support.spec.job): its family's model, data and
+    loss, cut as the case says."""
     family = FAMILIES[case["model"]]
-    spec = {
-        "name": name, "seed": 0, "model": dict(family["model"]), "stages": 2, "balance": balance(case),
-        "chunks": CHUNKS, "schedule": case["schedule"], "precision": case["precision"],
-        "replicas": case["replicas"], "activation_checkpoint": case["activation_checkpoint"],
+    fields = {
+        "seed": 0, "model": family["model"], "balance": balance(case), "chunks": CHUNKS,
+        "schedule": case["schedule"], "precision": case["precision"], "replicas": case["replicas"],
+        "activation_checkpoint": case["activation_checkpoint"],
         "data": {**family["data"], "batch_size": BATCH, "shuffle": False}, "loss": family["loss"],
         "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "steps": STEPS,
     }
     if case["schedule"] in VIRTUAL:
-        spec["virtual_stages"] = 2
-    return spec
+        fields["virtual_stages"] = 2
+    return fields
 
 
 def _half(v: Any, dtype: torch.dtype) -> Any:
@@ -228,13 +231,13 @@ REGRESSIONS = [{"model": "gpt2", "schedule": "zb-h1", "precision": "fp16", "path
 @pytest.mark.parametrize("case", [p for p in CASE_PARAMS if p.values[0]["path"] == "pipeline"]
                          + [pytest.param(c, id=case_id(c)) for c in REGRESSIONS])
 def test_in_process(case):
-    spec = job(case, "m")
+    spec = job(preset(case), name="m")
     assert_same(in_process(case, spec), one_device(spec, balance(case)))
 
 
 @pytest.mark.parametrize("case", [p for p in CASE_PARAMS if p.values[0]["path"] == "run"])
 def test_run(case, cli):
-    spec = job(case, "m")
+    spec = job(preset(case), name="m")
     r = cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RESTARTING" not in r.stderr, r.stderr[-3000:]  # each combination runs, not once it is retried
@@ -262,7 +265,7 @@ def serve_four(tmp_path_factory):
 def test_serve(case, serve_four):
     s = serve_four
     name = case_id(case).replace("_", "-")
-    spec = job(case, name)
+    spec = job(preset(case), name=name)
     r = s.client("submit", str(s.cli.write(spec, f"{name}.yaml")), "--follow", "--no-progress", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:] + s.log("serve")[-3000:]
     assert "RESTARTING" not in r.stderr, r.stderr[-3000:]

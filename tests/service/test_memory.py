@@ -11,17 +11,16 @@ import json
 import pytest
 
 from tests.support import reference
+from tests.support.spec import job
 
 STAGES, CHUNKS = 2, 8
 
 
 def peaks(cli, **kw) -> list[int]:
-    spec = {
-        "name": "m", "model": {"factory": "tests.support.models:tiny_lm", "args": {"d_model": 32, "layers": 4}},
-        "stages": STAGES, "balance": [4, 3], "chunks": CHUNKS,
-        "data": {"factory": "tests.support.models:tokens", "args": {"n": 64, "seq": 16}, "batch_size": 32},
-        "loss": "cross_entropy", "optimizer": {"name": "sgd", "lr": 0.1}, "steps": 2, **kw,
-    }
+    spec = job(name="m", model={"factory": "tests.support.models:tiny_lm", "args": {"d_model": 32, "layers": 4}},
+               stages=STAGES, balance=[4, 3], chunks=CHUNKS,
+               data={"factory": "tests.support.models:tokens", "args": {"n": 64, "seq": 16}, "batch_size": 32},
+               loss="cross_entropy", **kw)
     r = cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / kw["schedule"]), "--no-progress")
     assert r.returncode == 0, r.stderr
     out = cli.tmp / kw["schedule"] / "m"

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from coordinator.supervisor import COMMIT_GRACE_S
 from tests.support import netns, reference
 from tests.support.cli import ROOT
+from tests.support.spec import slow_mlp
 
 WORKERS = 3
 API_PORT = 7000
@@ -138,7 +139,7 @@ def job_spec() -> dict[str, Any]:
     spec = yaml.safe_load((ROOT / "deploy" / "example" / "job.yaml").read_text())
     spec.update(name="multihost", stages=WORKERS, balance=[2, 1, 1], steps=45, checkpoint_every=5,
                 max_restarts=5, peer_timeout_s=5,
-                model={"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.04}},
+                model=slow_mlp(16, 0.04),
                 data={**spec["data"], "args": {"n": 256, "in_features": 16, "out_features": 16}, "batch_size": 16})
     return spec
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from gpipe.errors import EXIT_PREEMPTED
 from tests.support import reference
 from tests.support.service import Service
-from tests.support.spec import SERVICE, job
+from tests.support.spec import SERVICE, job, slow_mlp
 
 
 def checkpoints(out: Path) -> list[int]:
@@ -30,7 +30,7 @@ def checkpoints(out: Path) -> list[int]:
 
 
 PORTS = range(42000, 43000)  # this module's servers listen here only
-SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.03}}
+SLOW = slow_mlp(16, 0.03)
 STEPS = 14  # stopped after step 6: the rest for the resumed attempt
 
 
@@ -118,7 +118,7 @@ def test_a_worker_whose_job_cannot_checkpoint_within_the_grace_exits_anyway_and_
         s.start_worker(0)
         s.start_worker(1, "--grace-s", "1")
         # A step takes about 1.5 s: the steps in flight and the one that would checkpoint take longer than 1 s.
-        spec = job(SERVICE, name="hurried", model={"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.5}},
+        spec = job(SERVICE, name="hurried", model=slow_mlp(16, 0.5),
                    steps=6, checkpoint_every=2)
         out = s.state / "hurried"
         assert s.client("submit", str(cli.write(spec))).returncode == 0

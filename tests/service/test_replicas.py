@@ -21,7 +21,7 @@ from gpipe.topology import Topology
 from tests.support import reference
 from tests.support.cli import wait_for
 from tests.support.runs import kill_mid_run
-from tests.support.spec import TWO_STAGES, job
+from tests.support.spec import TWO_STAGES, job, slow_mlp
 
 DROPOUT = {"factory": "tests.support.models:mlp_dropout", "args": {"width": 16, "depth": 3}}
 
@@ -224,7 +224,7 @@ def test_a_worker_of_the_second_replica_killed_mid_run_resumes_to_the_same_weigh
     """SIGKILL stage 1 of replica 1 (rank 3) after step 3: the supervisor names it, restarts every rank from
     the last checkpoint, and the job ends with one device's weights."""
     from tests.support.runs import metrics
-    slow = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
+    slow = slow_mlp(16, 0.05)
     spec = {**job(TWO_STAGES, model=slow, stages=2, replicas=2, chunks=2, steps=24, checkpoint_every=2), "name": "t"}
     out = cli.tmp / "state" / "t"
     err = kill_mid_run(cli, spec, "replica-1-stage-1.log")

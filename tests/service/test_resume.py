@@ -24,19 +24,16 @@ from tests.support import reference
 from tests.support.cli import process_kind, tagged_pids, wait_for
 from tests.support.runs import Lines, metrics
 from tests.support.service import worker_pid
+from tests.support.spec import job, regression, slow_mlp
 
-SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
+SLOW = slow_mlp(16, 0.02)
 
 
-def spec(**kw) -> dict:
-    s = {
-        "name": "r", "seed": 3, "model": SLOW, "stages": 2, "balance": [2, 2], "chunks": 2,
-        "data": {"factory": "random_regression", "args": {"n": 48, "in_features": 16, "out_features": 16},
-                 "batch_size": 8, "shuffle": True},
-        "loss": "mse", "optimizer": {"name": "adam", "lr": 0.01}, "steps": 30, "checkpoint_every": 4,
-    }
-    s.update(kw)
-    return s
+# Slow steps (to be killed mid-run), adam and shuffled data: a resume must bring back both.
+RESUMED = {
+    "name": "r", "seed": 3, "model": SLOW, "balance": [2, 2], "data": regression(48, 16, 8, shuffle=True),
+    "optimizer": {"name": "adam", "lr": 0.01}, "steps": 30, "checkpoint_every": 4,
+}
 
 
 def max_diff(got: dict, want: dict) -> float:
@@ -56,7 +53,7 @@ def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(c
     victim, at = random.Random(seed).randrange(2), random.Random(seed).randrange(5, 18)
     print(f"random seed {seed}: SIGKILL stage {victim}'s worker after step {at}")
     # Steps of about 0.2 s: the kill lands seconds before the last of the 30 steps, on a loaded machine too
-    s = spec(model={**SLOW, "args": {**SLOW["args"], "seconds": 0.05}})
+    s = job(RESUMED, model={**SLOW, "args": {**SLOW["args"], "seconds": 0.05}})
     path = cli.write(s)
     out = cli.tmp / "state" / "r"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
@@ -88,7 +85,7 @@ def test_a_worker_killed_at_a_random_step_resumes_to_the_uninterrupted_weights(c
 @pytest.mark.parametrize("victim", ["stage 1's worker", "the coordinator's attempt process"])
 def test_a_kill_during_a_save_resumes_to_the_uninterrupted_weights(cli, victim):
     # Wide layers, so a checkpoint takes long enough on disk to be caught in the middle of its save.
-    s = spec(model={"factory": "mlp", "args": {"width": 768, "depth": 3, "in_features": 16, "out_features": 16}},
+    s = job(RESUMED, model={"factory": "mlp", "args": {"width": 768, "depth": 3, "in_features": 16, "out_features": 16}},
              balance=[2, 2], optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9}, steps=12, checkpoint_every=2)
     path = cli.write(s)
     out = cli.tmp / "state" / "r"
@@ -135,7 +132,7 @@ def finished(tmp_path_factory):
     from tests.support.cli import Cli
 
     c = Cli(tmp_path_factory.mktemp("finished"))
-    s = spec(model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=10, checkpoint_every=3,
+    s = job(RESUMED, model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=10, checkpoint_every=3,
              keep_checkpoints=3)
     path = c.write(s)
     r = c.run("run", str(path), "--state-dir", str(c.tmp / "state"), "--no-progress")
@@ -222,7 +219,7 @@ def test_resume_with_every_checkpoint_damaged_is_refused_naming_each_and_nothing
 
 @pytest.mark.multiprocess
 def test_resume_with_no_checkpoint_starts_at_step_0(cli):
-    s = spec(model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=3, checkpoint_every=10)
+    s = job(RESUMED, model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=3, checkpoint_every=10)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
     assert r.returncode == 0, r.stderr
     assert "r: no checkpoint to resume from: starting at step 0" in r.stderr
@@ -232,7 +229,7 @@ def test_resume_with_no_checkpoint_starts_at_step_0(cli):
 @pytest.mark.multiprocess
 def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     # Each attempt fails 7 forwards (3 steps of 2 micro-batches, and one) after its start: step 3, then 6.
-    s = spec(model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
+    s = job(RESUMED, model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
              max_restarts=1, steps=10, checkpoint_every=1)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
     assert r.returncode == 1, r.stderr
@@ -246,7 +243,7 @@ def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
 
 @pytest.mark.multiprocess
 def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
-    s = spec(model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
+    s = job(RESUMED, model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
              max_restarts=3, steps=10)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
     assert r.returncode == 1, r.stderr
@@ -263,7 +260,7 @@ def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
         "if getattr(sys.modules['__main__'].__spec__, 'name', '').startswith('worker'):\n"
         "    raise ImportError('not on this host')\n"
         "def model():\n    return mlp_dropout(width=16, depth=4, p=0.0)\n")
-    s = spec(model={"factory": "vanishing:model"}, balance="by_params", max_restarts=3, steps=4)
+    s = job(RESUMED, model={"factory": "vanishing:model"}, balance="by_params", max_restarts=3, steps=4)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
     assert r.returncode == 1, r.stderr
     assert "RESTARTING" not in r.stderr
@@ -273,7 +270,7 @@ def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
 
 @pytest.mark.multiprocess
 def test_a_killed_run_resumes_with_run_resume(cli):
-    s = spec(steps=24)
+    s = job(RESUMED, steps=24)
     path = cli.write(s)
     out = cli.tmp / "state" / "r"
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:

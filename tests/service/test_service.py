@@ -28,12 +28,12 @@ from tests.support import reference
 from tests.support.cli import ROOT, Cli, end_leftovers
 from tests.support.ports import free_port
 from tests.support.service import ENDED, Service, steps_of, with_suppress, worker_pid
-from tests.support.spec import SERVICE, job
+from tests.support.spec import SERVICE, job, slow_mlp
 
 TOKEN = "s3cret-token"
 WORKER_TOKEN = "w0rker-token"
 
-SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
+SLOW = slow_mlp(16, 0.05)
 
 # A model module that lives next to its job.yaml and nowhere else: tests.support.models:slow_mlp's layers.
 ELSEWHERE = '''"""The job's own model."""

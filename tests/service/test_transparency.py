@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from tests.support import reference
 from tests.support.runs import check_steady, train_and_compare
-from tests.support.spec import TWO_STAGES, job
+from tests.support.spec import TWO_STAGES, job, slow_mlp
 
 pytestmark = pytest.mark.multiprocess
 
@@ -141,7 +141,7 @@ def test_a_worker_of_two_model_chunks_killed_mid_run_resumes_to_the_same_weights
     """SIGKILL worker 1 (model chunks 1 and 2 of a zbv job) after step 3: the supervisor restarts every rank
     from the last checkpoint, and the job ends with one device's weights."""
     from tests.support.runs import kill_mid_run, metrics
-    slow = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.05}}
+    slow = slow_mlp(16, 0.05)
     spec = job(TWO_STAGES, model=slow, stages=2, virtual_stages=2, schedule="zbv", balance=[1, 1, 1, 1], chunks=3, steps=20,
                checkpoint_every=2)
     out = cli.tmp / "state" / "t"

@@ -16,6 +16,7 @@ import pytest
 from gpipe.proc import child_env
 from gpipe.zygote import Forked, Template
 from tests.support.cli import tagged_pids, wait_for
+from tests.support.spec import job, regression, slow_mlp
 
 pytestmark = pytest.mark.multiprocess
 
@@ -103,12 +104,8 @@ async def test_without_a_template_processes_start_as_before(tmp_path: Path):
 
 def test_a_run_forks_its_attempt_processes(cli):
     """`run`: the coordinator's attempt process and both workers' come from one template, which ends with it."""
-    path = cli.write({
-        "name": "z", "model": {"factory": "tests.support.models:slow_mlp", "args": {"width": 8, "seconds": 0.05}},
-        "stages": 2, "balance": [2, 2], "chunks": 2, "steps": 40, "checkpoint_every": 20,
-        "data": {"factory": "random_regression", "args": {"n": 8, "in_features": 8, "out_features": 8},
-                 "batch_size": 4},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.1}})
+    path = cli.write(job(name="z", model=slow_mlp(8, 0.05), balance=[2, 2], steps=40, checkpoint_every=20,
+                         data=regression(8, 8, 4)))
 
     def forked() -> list[str]:
         names = []

@@ -70,7 +70,7 @@ def regression(n: int, width: int, batch_size: int, **more: Any) -> dict[str, An
             "batch_size": batch_size, **more}
 
 
-def slow(width: int, seconds: float) -> dict[str, Any]:
+def slow_mlp(width: int, seconds: float) -> dict[str, Any]:
     """The `model` of tests.support.models:slow_mlp: steps held slow enough to act on a running job."""
     return {"factory": "tests.support.models:slow_mlp", "args": {"width": width, "seconds": seconds}}
 
