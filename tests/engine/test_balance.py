@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from coordinator.metrics import write_plan
@@ -16,6 +17,7 @@ from gpipe import balance
 from gpipe.builtins import mlp
 from gpipe.schedule import simulate
 from tests.support.models import Slow
+from tests.support.spec import DELETE, job_yaml, regression
 
 
 def best_max(costs, stages):
@@ -72,17 +74,7 @@ def test_by_memory_counts_weights_state_and_activations():
 
 
 def test_balancing_leaves_the_initial_weights_alone(tmp_path):
-    spec = parse_spec("""
-name: b
-model: {factory: mlp, args: {width: 8, depth: 3, dropout: 0.5}}
-stages: 2
-balance: by_time
-chunks: 2
-data: {factory: random_regression, args: {n: 16, in_features: 8, out_features: 8}, batch_size: 4}
-loss: mse
-optimizer: {name: sgd, lr: 0.1}
-steps: 1
-""")
+    spec = parse_spec(job_yaml(name="b", model__args__dropout=0.5, balance="by_time", steps=1))
     plan = make_plan(spec, tmp_path)
     torch.manual_seed(0)
     fresh = mlp(width=8, depth=3, dropout=0.5)
@@ -92,16 +84,8 @@ steps: 1
 
 
 def _resume_spec(balance: str) -> str:
-    return f"""
-name: b
-model: {{factory: mlp, args: {{width: 8, depth: 5}}}}
-stages: 2
-balance: {balance}
-data: {{factory: random_regression, args: {{n: 8, in_features: 8, out_features: 8}}, batch_size: 4}}
-loss: mse
-optimizer: {{name: sgd, lr: 0.1}}
-steps: 1
-"""
+    return job_yaml(name="b", model__args__depth=5, balance=yaml.safe_load(balance), chunks=DELETE,
+                    data=regression(8, 8, 4), steps=1)
 
 
 @pytest.mark.parametrize(("balance", "checkpoints", "want", "by"), [
