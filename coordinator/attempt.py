@@ -111,7 +111,7 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     import torch
 
     from coordinator.driver import drive_eval
-    from coordinator.evaluation import load_weights
+    from coordinator.eval_weights import load_weights
     from coordinator.plan import make_plan
 
     # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
@@ -156,7 +156,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     from coordinator import checkpoint
     from coordinator.board import Board
     from coordinator.driver import drive
-    from coordinator.evaluation import BEST, Best
+    from coordinator.eval_weights import BEST, Best
     from coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
     from coordinator.outputs import prepare_output
     from coordinator.plan import make_plan

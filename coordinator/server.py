@@ -49,7 +49,7 @@ from coordinator.supervisor import (
     Supervisor,
     Worker,
 )
-from gpipe import code, grpcutil, serde
+from gpipe import code_archive, grpcutil, serde
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.files import atomic_write_json, naming
 from gpipe.serde import SHA256_RE, Abort, JobRecord, JobState, Join, StateChange
@@ -91,7 +91,7 @@ class JobTable:
 
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
-        self.code = code.Store(state_dir / CODE_DIR)
+        self.code = code_archive.Store(state_dir / CODE_DIR)
 
     def code_dir(self, job: JobRecord) -> Path:
         """Where the job's modules are imported from: its code archive, unpacked (CodeError if it is broken);
@@ -121,7 +121,7 @@ class JobTable:
                     raise ValueError(f"it names job {job.name!r}, not {d.name!r}")
                 records.append((job, parse_spec(job.spec_yaml), self.code_dir(job)))
             except (OSError, ValueError, KeyError, TypeError, RecursionError, SpecError) as e:
-                what = "broken job code of" if isinstance(e, code.CodeError) else "unreadable job record"
+                what = "broken job code of" if isinstance(e, code_archive.CodeError) else "unreadable job record"
                 why = f"{what} {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 print(f"gpipe: skipping {why}", file=sys.stderr, flush=True)
                 if not NAME_RE.fullmatch(d.name):
@@ -176,7 +176,7 @@ class Coordinator:
     """serve's side of the supervisor: submissions, validated in a throwaway process, into the job table."""
 
     def __init__(self, state_dir: Path, host: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                 validate_memory_mib: int | None = None, max_code_bytes: int = code.DEFAULT_LIMIT_MIB << 20):
+                 validate_memory_mib: int | None = None, max_code_bytes: int = code_archive.DEFAULT_LIMIT_MIB << 20):
         self.state_dir = state_dir
         self.max_code_bytes = max_code_bytes
         self.uploads = 0  # code archives being received
@@ -208,14 +208,14 @@ class Coordinator:
                         upload.add(piece)
             except TimeoutError:
                 upload.abort()
-                raise code.CodeError(f"job code: the upload took longer than {UPLOAD_TIMEOUT_S:.0f}s") from None
+                raise code_archive.CodeError(f"job code: the upload took longer than {UPLOAD_TIMEOUT_S:.0f}s") from None
             except BaseException:
                 upload.abort()
                 raise
             sha, size = upload.finish()
             try:
                 await asyncio.to_thread(self.table.code.unpacked, sha)  # unsafe or damaged: refused now
-            except code.CodeError:
+            except code_archive.CodeError:
                 if sha not in self._code_in_use():
                     self.table.code.archive(sha).unlink(missing_ok=True)
                 raise
@@ -389,8 +389,8 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     async def UploadCode(self, requests: AsyncIterator[jobs_pb2.CodeChunk], context: Context) -> jobs_pb2.CodeRef:
         async def pieces() -> AsyncIterator[bytes]:
             async for r in _until_stopping(self.c.stopping, requests):
-                if len(r.data) > code.CHUNK_BYTES:
-                    raise code.CodeError(f"data: a piece of {len(r.data):,} bytes is over {code.CHUNK_BYTES:,}")
+                if len(r.data) > code_archive.CHUNK_BYTES:
+                    raise code_archive.CodeError(f"data: a piece of {len(r.data):,} bytes is over {code_archive.CHUNK_BYTES:,}")
                 yield r.data
 
         try:
@@ -598,7 +598,7 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"sha256: '{printable(request.sha256, 80)}' names no code archive this coordinator holds")
         with store.archive(request.sha256).open("rb") as f:
-            while piece := await asyncio.to_thread(f.read, code.CHUNK_BYTES):
+            while piece := await asyncio.to_thread(f.read, code_archive.CHUNK_BYTES):
                 yield workers_pb2.CodePiece(data=piece)
 
 
@@ -779,7 +779,7 @@ async def _drain(sup: Supervisor, grace_s: float, stop: asyncio.Event) -> None:
 async def serve(host: str | None, port: int, state_dir: Path, token: str | None = None, worker_token: str | None = None,
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
                 validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                max_code_mib: int = code.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None,
+                max_code_mib: int = code_archive.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None,
                 grace_s: float = grpcutil.DEFAULT_GRACE_S) -> None:
     """Run until SIGTERM or SIGINT; SpecError if a port is taken.
 

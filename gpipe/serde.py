@@ -56,7 +56,7 @@ class JobRecord:
     exit_code: int = 0  # once ended: 0 succeeded, 1 failed, 2 bad input (no restart could help)
     eval_loss: float = 0.0  # the latest evaluation's loss
     eval_step: int = -1  # the step it followed; -1: none yet
-    code_sha256: str = ""  # the job's code archive in serve's store (gpipe.code); "": none was sent
+    code_sha256: str = ""  # the job's code archive in serve's store (gpipe.code_archive); "": none was sent
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -20,13 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import TensorDataset
 
-from coordinator.evaluation import Best
+from coordinator.eval_weights import Best
 from coordinator.metrics import EvalMetrics
 from coordinator.plan import make_plan
 from coordinator.spec import parse_spec
 from gpipe import serde
 from gpipe.errors import SpecError
-from gpipe.evaluation import EvalSchedule
+from gpipe.eval_schedule import EvalSchedule
 from tests import reference
 from tests.conftest import Cli, end_leftovers, torch_threads
 from tests.test_service import Service

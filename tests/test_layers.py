@@ -64,6 +64,6 @@ def test_gpipe_pipeline_loads_the_engine_alone():
     r = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     service = ("grpc", "google.protobuf", "gpipe.v1", "coordinator", "worker", "gpipe.serde",
-               "gpipe.grpcutil", "gpipe.zygote", "gpipe.net", "gpipe.code")
+               "gpipe.grpcutil", "gpipe.zygote", "gpipe.net", "gpipe.code_archive")
     loaded = [m for m in r.stdout.split() if m == "gpipe.stage" or m.startswith(service)]
     assert loaded == ["gpipe.stage"], loaded

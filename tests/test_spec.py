@@ -182,16 +182,16 @@ def test_per_layer_turns_the_probe_off_unless_told_and_probe_true_is_refused():
 
 
 def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
-    from coordinator import local_run
+    from coordinator import run
 
-    monkeypatch.setattr(local_run.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1})
     three = parse_spec(spec_with(stages=3, chunks=2, balance=[2, 1, 1]))
-    assert local_run.worker_cores(three) == [[0], [1], [0]]
+    assert run.worker_cores(three) == [[0], [1], [0]]
     warned = capsys.readouterr().err.splitlines()
     assert len(warned) == 1 and warned[0].startswith("warning: 3 workers (1 replica(s) x 3 stage(s)) share "
                                                      "this machine's 2 CPU core(s)"), warned
-    assert local_run.worker_cores(three, oversubscribe=True) == [[0], [1], [0]]
-    assert local_run.worker_cores(parse_spec(GOOD)) == [[0], [1]]  # enough cores: each its own, no line
+    assert run.worker_cores(three, oversubscribe=True) == [[0], [1], [0]]
+    assert run.worker_cores(parse_spec(GOOD)) == [[0], [1]]  # enough cores: each its own, no line
     assert capsys.readouterr().err == ""
 
 

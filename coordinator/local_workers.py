@@ -27,7 +27,7 @@ class LocalWorker:
                  env: dict[str, str] | None = None):
         """A worker for `rank`, pinned to `cores`, its attempts' output going to `log`, their processes forked
         from `template` if given. On a GPU: `device` cuda:0, the one GPU `env`'s CUDA_VISIBLE_DEVICES leaves its
-        attempt processes, `gpu` (coordinator.local_run.gpu_envs)."""
+        attempt processes, `gpu` (coordinator.run.gpu_envs)."""
         self.sup, self.rank, self.host, self.device, self.log, self.gpu = sup, rank, host, device, log, gpu
         self.agent = Agent(host, cores, threads, on_change=self.beat, template=template, env=env)
         self.worker_id = ""
