@@ -1,6 +1,7 @@
 """The supervisor: jobs, workers and attempts, for `run` and `serve` alike.
 
-Every failure decision is made here, once:
+Whether a failure restarts the job, fails it or shrinks it is coordinator.policy's
+decision; the supervisor carries it out:
 
 - A job waits PENDING (or RESTARTING) until a worker is registered, idle and
   heard from since the job's last failure, for each of its ranks.
@@ -18,13 +19,9 @@ Every failure decision is made here, once:
   (coordinator.elastic). With `elastic`, a rank still lost past
   `restart_timeout_s` re-plans the job onto fewer workers (fewer replicas,
   then fewer stages) instead of failing it, and the job grows back to its
-  spec's shape at the first checkpoint after enough workers are back. What a restart cannot fix
-  fails the job at once: bad input (exit code 2), a disk error writing the
-  job's state or checkpoints, job code the workers cannot import, input a
-  stage cannot use, and the same failure twice (StageError.same_as: cause,
-  type, rank and step). These decisions read the failure's fields
-  (report.Failed), never its message. Past that the job is FAILED, naming
-  the first failure.
+  spec's shape at the first checkpoint after enough workers are back. What a
+  restart cannot fix fails the job at once (coordinator.policy). Past that
+  the job is FAILED, naming the first failure.
 - Preemption (a worker's SIGTERM: `preempt_worker`; serve's or run's:
   `preempt_all`) is no failure: the attempt is asked to stop at its next
   step boundary with a checkpoint (SIGUSR1, once it drives the stages;
@@ -60,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from coordinator import elastic, report
+from coordinator import elastic, policy, report
 from coordinator.spec import JobSpec
 from gpipe import serde
 from gpipe.contract import Cause, StageError
@@ -74,15 +71,8 @@ HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its atte
 SILENT_S = 3 * HEARTBEAT_INTERVAL_S  # every worker silent this long when one is lost: the coordinator is cut off
 WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker has to say so
 COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
-BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 STOP_TIMEOUT_S = 30.0  # how long `stop` waits for a killed attempt to be reaped
 STOP_CHECKPOINT_S = 25.0  # how long `stop` waits for the checkpoint at the next step boundary, then kills
-# What a restart cannot fix: the job fails at once, saying why.
-FAIL_FAST = {Cause.DISK: "a disk error: a restart would meet the same disk",
-             Cause.IMPORT: "the workers cannot import the job's code",
-             Cause.INPUT: "input a stage cannot use: a restart would meet it again"}
-# What is hopeless once it repeats (StageError.same_as): the same code raising at the same step is no accident.
-HOPELESS_TWICE = frozenset({Cause.RAISED, Cause.MEMORY})
 EVENT_WINDOW = 2000  # events of a job kept in memory (older metrics are read from disk)
 WATCH_QUEUE = 10_000  # events waiting for one watcher; a watcher that falls further behind loses the oldest
 
@@ -255,11 +245,6 @@ def describe_exit(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
     return f"exit code {code}"
-
-
-def backoff_s(restart: int) -> float:
-    """The pause before restart number `restart` (1, 2, ...): none, then doubling from 1 s up to the cap."""
-    return 0.0 if restart <= 1 else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (restart - 2))
 
 
 def newest_committed(out: Path) -> int:
@@ -615,18 +600,17 @@ class Supervisor:
             with self._own_trouble(e):
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
-                if job.state == JobState.PREEMPTED:  # it waits for its workers, or re-plans if elastic
-                    if spec.elastic is not None and waited > spec.restart_timeout_s:
-                        self._replan(e, waited)
-                    continue
-                if waited > spec.restart_timeout_s and not self._replan(e, waited):
-                    missing = [r for r in spec.topology.ranks() if r not in self.workers]
-                    who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
-                           else "its workers stayed busy")
-                    first = f"; the first failure: {job.error}" if job.error else ""
-                    job.exit_code = 1
-                    self._set_state(e, JobState.FAILED,
-                                    f"{who} within restart_timeout_s ({spec.restart_timeout_s:.0f}s){first}")
+                for action in policy.when_away(spec, job.state == JobState.PREEMPTED, waited):
+                    if action == policy.Action.SHRINK and self._replan(e, waited):
+                        break
+                    if action == policy.Action.FAIL:
+                        missing = [r for r in spec.topology.ranks() if r not in self.workers]
+                        who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
+                               else "its workers stayed busy")
+                        first = f"; the first failure: {job.error}" if job.error else ""
+                        job.exit_code = 1
+                        self._set_state(e, JobState.FAILED,
+                                        f"{who} within restart_timeout_s ({spec.restart_timeout_s:.0f}s){first}")
         self.wake.set()
 
     @contextlib.contextmanager
@@ -817,16 +801,10 @@ class Supervisor:
         elif done and code == 0:
             self._set_state(e, JobState.SUCCEEDED, f"{final_loss(job)}weights in "
                                                    f"{Path(job.output_dir) / 'model.safetensors'}")
-        elif attempt.preempt and not self._hopeless(reported, code):
+        elif attempt.preempt and not policy.hopeless(reported, code):
             self._preempted(e, attempt, stopped_at if code == 0 else None)
         else:
             self._failed(e, attempt, reported, code)
-
-    @staticmethod
-    def _hopeless(reported: report.Failed | None, code: int) -> bool:
-        """An attempt's own failure that no restart can fix (bad input, the disk): a preemption does not hide it."""
-        return code == EXIT_BAD_INPUT or (reported is not None and (reported.exit_code == EXIT_BAD_INPUT
-                                                                    or reported.cause in FAIL_FAST))
 
     def _preempted(self, e: Entry, attempt: Attempt, stopped_at: report.Preempted | None) -> None:
         """The attempt ended on a preemption: the job waits PREEMPTED for its workers (no restart is counted)."""
@@ -857,9 +835,9 @@ class Supervisor:
         self._kill(attempt, COMMIT_GRACE_S)
 
     def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
-        """Restart the job, or fail it: decided by the failure's fields (cause, exit code, same_as)."""
+        """Restart the job, or fail it, as coordinator.policy decides from the failure's fields."""
         job, spec = e.record, e.job_spec
-        bad_input = code == EXIT_BAD_INPUT or (reported is not None and reported.exit_code == EXIT_BAD_INPUT)
+        bad_input = policy.bad_input(reported, code)
         if attempt.failure is not None and not bad_input:
             failure = attempt.failure  # what the supervisor saw explains it better than the attempt's report
         elif reported is not None:
@@ -873,28 +851,22 @@ class Supervisor:
         e.failed_at = self.clock.monotonic()
         if not job.error:  # the first failure is the one a user needs
             job.error, job.failed_rank = message, -1 if failure.rank is None else failure.rank
-        error = failure.error()
-        repeated = error is not None and error.cause in HOPELESS_TWICE and error.same_as(e.last_error)
-        e.last_error = error
-        hopeless = FAIL_FAST.get(failure.cause) if failure.cause is not None else None
-        if repeated:
-            hopeless = "the same error at the same step twice: a restart cannot fix it"
-        if bad_input:
-            job.exit_code = EXIT_BAD_INPUT
-            self._set_state(e, JobState.FAILED, message)
-        elif hopeless is not None:
-            job.exit_code = EXIT_FAILED
-            self._set_state(e, JobState.FAILED, f"{message} (not restarted: {hopeless})")
-        elif job.restarts < spec.max_restarts:
+        decision = policy.after_failure(failure, bad_input, e.last_error, job.restarts, spec.max_restarts)
+        e.last_error = failure.error()
+        if decision.action == policy.Action.RESTART:
             job.restarts += 1
-            delay = backoff_s(job.restarts)
-            e.not_before = e.failed_at + delay
-            wait = f" in {delay:.0f}s" if delay else ""
+            e.not_before = e.failed_at + decision.delay_s
+            wait = f" in {decision.delay_s:.0f}s" if decision.delay_s else ""
             self._set_state(e, JobState.RESTARTING, f"{message}; restart {job.restarts} of {spec.max_restarts}"
                             f"{wait}: resuming from {self._from(job)} once {_ranks(spec)} are back")
+            return
+        job.exit_code = decision.exit_code
+        if bad_input:
+            self._set_state(e, JobState.FAILED, message)
+        elif decision.hopeless:
+            self._set_state(e, JobState.FAILED, f"{message} (not restarted: {decision.hopeless})")
         else:
             gave_up = f" (gave up after {job.restarts} restarts; the last failure: {message})" if job.restarts else ""
-            job.exit_code = EXIT_FAILED
             self._set_state(e, JobState.FAILED, f"{job.error}{gave_up}")
 
     def _log(self, e: Entry, line: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import report
+from coordinator.policy import backoff_s
 from coordinator.spec import parse_spec
 from coordinator.supervisor import (
     STOP_CHECKPOINT_S,
@@ -22,7 +23,6 @@ from coordinator.supervisor import (
     RankTaken,
     Supervisor,
     Worker,
-    backoff_s,
 )
 from gpipe.contract import Cause
 from gpipe.serde import Abort, JobRecord, JobState, Join
