@@ -237,7 +237,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from coordinator.server import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB, serve
+    from coordinator.server import serve
+    from coordinator.submissions import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB
     from coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
     from gpipe import grpcutil, net, proc
 
