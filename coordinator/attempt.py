@@ -43,8 +43,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from coordinator import policy, report
+from coordinator.records import Placement
 from coordinator.spec import JobSpec, load_spec
-from coordinator.supervisor import Placement
 from gpipe.contract import Cause
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
 from gpipe.factory import enter_job_folder

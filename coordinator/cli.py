@@ -237,9 +237,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
     from coordinator.server import serve
     from coordinator.submissions import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB
-    from coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
     from gpipe import grpcutil, net, proc
 
     token = grpcutil.read_token(args.auth_token_file)

@@ -37,7 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.supervisor import Entry, Supervisor
+from coordinator.records import Entry
+from coordinator.supervisor import Supervisor
 from gpipe.errors import SpecError
 from gpipe.serde import JobState
 

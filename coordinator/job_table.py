@@ -8,11 +8,9 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from coordinator.records import EVENT_WINDOW
 from coordinator.spec import NAME_RE, parse_spec
-from coordinator.supervisor import (
-    EVENT_WINDOW,
-    Supervisor,
-)
+from coordinator.supervisor import Supervisor
 from gpipe import code_archive, serde
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
 from gpipe.files import atomic_write_json

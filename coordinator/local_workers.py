@@ -14,7 +14,8 @@ import contextlib
 import socket
 from pathlib import Path
 
-from coordinator.supervisor import HEARTBEAT_INTERVAL_S, Supervisor
+from coordinator.registry import HEARTBEAT_INTERVAL_S
+from coordinator.supervisor import Supervisor
 from gpipe.serde import Join
 from gpipe.zygote import Template
 from worker.agent import Agent

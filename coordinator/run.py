@@ -37,8 +37,9 @@ from typing import Any
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from coordinator.local_workers import LocalWorker
 from coordinator.progress import Follower, Progress
+from coordinator.records import final_loss
 from coordinator.spec import JobSpec
-from coordinator.supervisor import Supervisor, final_loss
+from coordinator.supervisor import Supervisor
 from gpipe import grpcutil
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.serde import JobRecord, JobState

@@ -32,11 +32,9 @@ from grpc_health.v1.health import aio as health_aio
 
 from coordinator.interceptors import StrictDecoding, TokenAuth
 from coordinator.job_service import JobService
+from coordinator.registry import HEARTBEAT_TIMEOUT_S
 from coordinator.submissions import Coordinator
-from coordinator.supervisor import (
-    HEARTBEAT_TIMEOUT_S,
-    Supervisor,
-)
+from coordinator.supervisor import Supervisor
 from coordinator.worker_service import WorkerDirectory, WorkerService
 from gpipe import code_archive, grpcutil
 from gpipe.v1 import jobs_pb2_grpc, workers_pb2_grpc

@@ -13,11 +13,9 @@ from typing import TypeVar
 from coordinator.job_table import JobTable
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from coordinator.outputs import prepare_output
+from coordinator.registry import HEARTBEAT_TIMEOUT_S
 from coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
-from coordinator.supervisor import (
-    HEARTBEAT_TIMEOUT_S,
-    Supervisor,
-)
+from coordinator.supervisor import Supervisor
 from gpipe import code_archive, grpcutil
 from gpipe.errors import GpipeError, SpecError, describe_os_error
 from gpipe.files import naming

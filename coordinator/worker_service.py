@@ -7,12 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from coordinator.records import Worker
+from coordinator.registry import HEARTBEAT_INTERVAL_S, RankTaken
 from coordinator.submissions import Coordinator, Stopping, until_stopping
-from coordinator.supervisor import (
-    HEARTBEAT_INTERVAL_S,
-    RankTaken,
-    Worker,
-)
 from gpipe import code_archive, grpcutil, serde
 from gpipe.errors import SpecError
 from gpipe.grpcutil import Context
