@@ -17,7 +17,7 @@ import grpc
 from coordinator.progress import Follower, Progress
 from gpipe import grpcutil, serde
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from coordinator.records import Entry
 from coordinator.supervisor import Supervisor
 from gpipe.errors import SpecError
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 
 WAITING = (JobState.RESTARTING, JobState.PREEMPTED)  # jobs that wait for their ranks' workers to come back
 

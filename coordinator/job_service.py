@@ -13,7 +13,7 @@ from coordinator.submissions import Busy, Coordinator, DiskError, Stopping, unti
 from gpipe import code_archive, serde
 from gpipe.errors import SpecError, describe_os_error
 from gpipe.grpcutil import Context
-from gpipe.serde import JobRecord
+from gpipe.job_records import JobRecord
 from gpipe.text import printable
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from coordinator.records import EVENT_WINDOW
 from coordinator.spec import NAME_RE, parse_spec
 from coordinator.supervisor import Supervisor
-from gpipe import code_archive, serde
+from gpipe import code_archive, job_records
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
 from gpipe.files import atomic_write_json
-from gpipe.serde import JobRecord, JobState, StateChange
+from gpipe.job_records import JobRecord, JobState, StateChange
 
 CODE_DIR = ".code"  # <state-dir>/.code/: job code archives by SHA-256 (no job name starts with a dot)
 
@@ -74,15 +74,15 @@ class JobTable:
                 ("state", job.history[0])])
 
 
-def _replay(job: JobRecord) -> tuple[list[serde.Event], int]:
+def _replay(job: JobRecord) -> tuple[list[job_records.Event], int]:
     """The states in order, the newest logged steps, then the final state of an ended job; and how many
     steps of metrics.jsonl were left out (read from disk if a watcher asks)."""
     last = job.history[-1:] if job.state.ended else []
-    events: list[serde.Event] = [("state", h) for h in job.history[: len(job.history) - len(last)]]
+    events: list[job_records.Event] = [("state", h) for h in job.history[: len(job.history) - len(last)]]
     lines, older = _tail(Path(job.output_dir) / "metrics.jsonl", EVENT_WINDOW - len(job.history))
     for x in lines:
         with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
-            events.append(serde.metrics_event(json.loads(x)))
+            events.append(job_records.metrics_event(json.loads(x)))
     events += [("state", h) for h in last]
     return events, older
 

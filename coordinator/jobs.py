@@ -10,10 +10,10 @@ from pathlib import Path
 from coordinator import report
 from coordinator.records import Attempt, Clock, Entry, Launcher, Store, Worker
 from coordinator.spec import JobSpec
-from gpipe import serde
+from gpipe import job_records
 from gpipe.contract import Cause
 from gpipe.errors import EXIT_FAILED, describe_os_error
-from gpipe.serde import JobRecord, JobState, StateChange
+from gpipe.job_records import JobRecord, JobState, StateChange
 
 STOP_TIMEOUT_S = 30.0  # how long `stop` waits for a killed attempt to be reaped
 STOP_CHECKPOINT_S = 25.0  # how long `stop` waits for the checkpoint at the next step boundary, then kills
@@ -31,17 +31,17 @@ def newest_committed(out: Path) -> int:
     return 0
 
 
-def _read_metrics(path: Path, count: int, batch: int = 1000) -> Iterator[list[serde.Event]]:
+def _read_metrics(path: Path, count: int, batch: int = 1000) -> Iterator[list[job_records.Event]]:
     """The first `count` lines of a metrics.jsonl as events, `batch` at a time (run off the event loop)."""
     import json
 
     with contextlib.suppress(OSError), path.open("rb") as f:
-        out: list[serde.Event] = []
+        out: list[job_records.Event] = []
         for n, line in enumerate(f):
             if n >= count:
                 break
             with contextlib.suppress(ValueError):  # a line cut short by a killed attempt
-                out.append(serde.metrics_event(json.loads(line)))
+                out.append(job_records.metrics_event(json.loads(line)))
             if len(out) >= batch:
                 yield out
                 out = []
@@ -67,7 +67,7 @@ class Jobs:
     draining: bool  # preempt_all: no attempt starts
 
     def add(self, job: JobRecord, spec: JobSpec | None, spec_path: Path, job_dir: Path, fresh: bool = False,
-            events: list[serde.Event] | None = None, older: int = 0) -> Entry:
+            events: list[job_records.Event] | None = None, older: int = 0) -> Entry:
         """Take a job: new ones go PENDING; known ones (a restarted serve's) keep their state or resume.
 
         `spec` None is a record that could not be read back: it is listed, FAILED, and never runs, so
@@ -145,7 +145,7 @@ class Jobs:
     def _from(self, job: JobRecord) -> str:
         return f"checkpoint step-{job.checkpoint_step}" if job.checkpoint_step else "the last good checkpoint"
 
-    def _emit(self, e: Entry, event: serde.Event) -> None:
+    def _emit(self, e: Entry, event: job_records.Event) -> None:
         if len(e.events) == e.events.maxlen and e.events[0][0] in ("metrics", "eval"):
             e.older += 1  # the oldest is dropped from memory; metrics.jsonl still has it
         e.events.append(event)
@@ -187,10 +187,10 @@ class Jobs:
                 with contextlib.suppress(OSError):
                     self.store.save(e.record)
 
-    async def watch(self, name: str) -> AsyncIterator[serde.Event]:
+    async def watch(self, name: str) -> AsyncIterator[job_records.Event]:
         """The job's events so far, then live ones until it ends."""
         e = self.jobs[name]  # KeyError: no such job
-        q: asyncio.Queue[serde.Event] = asyncio.Queue(maxsize=WATCH_QUEUE)
+        q: asyncio.Queue[job_records.Event] = asyncio.Queue(maxsize=WATCH_QUEUE)
         e.watchers.add(q)
         try:
             window = list(e.events)
@@ -201,7 +201,7 @@ class Jobs:
                     if h.time_unix <= first and ("state", h) not in window:
                         yield "state", h
                 batches = _read_metrics(e.metrics_path, e.older)
-                none: list[serde.Event] = []
+                none: list[job_records.Event] = []
                 while batch := await asyncio.to_thread(next, batches, none):
                     for ev in batch:
                         yield ev

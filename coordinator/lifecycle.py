@@ -10,7 +10,7 @@ from coordinator import elastic, policy, report
 from coordinator.records import Attempt, Entry, Launch, Placement, describe_exit, final_loss
 from coordinator.reshape import Reshape, shape_change
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
-from gpipe.serde import Abort, JobState, Join
+from gpipe.job_records import Abort, JobState, Join
 
 
 class Lifecycle(Reshape):

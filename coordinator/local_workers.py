@@ -16,7 +16,7 @@ from pathlib import Path
 
 from coordinator.registry import HEARTBEAT_INTERVAL_S
 from coordinator.supervisor import Supervisor
-from gpipe.serde import Join
+from gpipe.job_records import Join
 from gpipe.zygote import Template
 from worker.agent import Agent
 from worker.device import Gpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 from coordinator import report
 from coordinator.records import Attempt, Entry
 from coordinator.registry import Registry
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 
 
 class Preemption(Registry):

@@ -14,9 +14,9 @@ from typing import Protocol
 
 from coordinator import report
 from coordinator.spec import JobSpec
-from gpipe import serde
+from gpipe import job_records
 from gpipe.contract import StageError
-from gpipe.serde import Abort, JobRecord, Join
+from gpipe.job_records import Abort, JobRecord, Join
 from gpipe.topology import Topology
 from worker.device import Gpu
 
@@ -129,9 +129,9 @@ class Entry:
     failed_at: float = float("-inf")  # monotonic time of the last failure: workers heard since count as back
     not_before: float = float("-inf")  # monotonic time before which no restart starts (backoff)
     last_error: StageError | None = None  # the previous attempt's failure, to tell one that repeats
-    events: deque[serde.Event] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
+    events: deque[job_records.Event] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     older: int = 0  # metrics no longer in `events`: the first `older` lines of the job's metrics.jsonl
-    watchers: set[asyncio.Queue[serde.Event]] = field(default_factory=set)
+    watchers: set[asyncio.Queue[job_records.Event]] = field(default_factory=set)
     shape: Topology | None = None  # re-planned onto fewer workers (elastic); None: the spec's
     last_ranks: list[int] = field(default_factory=list)  # the workers of its last attempt, by slot
 

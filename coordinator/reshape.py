@@ -5,7 +5,7 @@ from __future__ import annotations
 from coordinator import elastic
 from coordinator.preemption import Preemption
 from coordinator.records import COMMIT_GRACE_S, Attempt, Entry
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 from gpipe.topology import Topology
 
 

@@ -42,7 +42,7 @@ from coordinator.spec import JobSpec
 from coordinator.supervisor import Supervisor
 from gpipe import grpcutil
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
-from gpipe.serde import JobRecord, JobState
+from gpipe.job_records import JobRecord, JobState
 from worker.agent import WORKER_PRELOAD, worker_template
 from worker.cores import split_cores, threads_for
 from worker.device import VISIBLE_ENV, Gpu, Gpus, probe

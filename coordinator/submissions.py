@@ -19,7 +19,7 @@ from coordinator.supervisor import Supervisor
 from gpipe import code_archive, grpcutil
 from gpipe.errors import GpipeError, SpecError, describe_os_error
 from gpipe.files import naming
-from gpipe.serde import SHA256_RE, JobRecord
+from gpipe.job_records import SHA256_RE, JobRecord
 from gpipe.text import printable
 from gpipe.zygote import Template
 

@@ -57,7 +57,7 @@ from coordinator.records import Attempt, Clock, Entry, Launcher, NoStore, Store,
 from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, shared_gpu
 from gpipe.contract import Cause
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 
 WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker has to say so
 

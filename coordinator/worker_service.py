@@ -13,7 +13,7 @@ from coordinator.submissions import Coordinator, Stopping, until_stopping
 from gpipe import code_archive, grpcutil, serde
 from gpipe.errors import SpecError
 from gpipe.grpcutil import Context
-from gpipe.serde import SHA256_RE, Abort, Join
+from gpipe.job_records import SHA256_RE, Abort, Join
 from gpipe.text import printable
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from worker.device import DEVICE_RE, Gpu

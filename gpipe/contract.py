@@ -212,10 +212,3 @@ class StageError:
         return other is not None and (self.cause, self.type, self.rank, self.step) == \
             (other.cause, other.type, other.rank, other.step)
 
-
-class StageFailed(Exception):
-    """Raised by a handle when its stage answered with a StageError."""
-
-    def __init__(self, error: StageError):
-        super().__init__(error.line())
-        self.error = error

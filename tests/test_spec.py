@@ -11,7 +11,7 @@ import yaml
 from coordinator import boundedyaml
 from coordinator.plan import make_plan
 from coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec, parse_spec
-from gpipe import serde
+from gpipe import job_records, serde
 from gpipe.errors import SpecError
 
 GOOD = """
@@ -295,7 +295,7 @@ def test_an_integer_field_takes_integers_only():
 
 def test_the_wire_takes_every_spec_that_parses():
     s = parse_spec(spec_with(steps=10**9, seed=2**32 - 1, max_restarts=100))
-    job = serde.JobRecord(name=s.name, spec_yaml="", steps=s.steps, restarts=s.max_restarts)
+    job = job_records.JobRecord(name=s.name, spec_yaml="", steps=s.steps, restarts=s.max_restarts)
     assert serde.job_from_pb(serde.job_to_pb(job)) == job
 
 

@@ -22,7 +22,7 @@ from coordinator.registry import RankTaken
 from coordinator.spec import parse_spec
 from coordinator.supervisor import Supervisor
 from gpipe.contract import Cause
-from gpipe.serde import Abort, JobRecord, JobState, Join
+from gpipe.job_records import Abort, JobRecord, JobState, Join
 
 
 class Clock:

@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import code_archive, grpcutil, proc, serde
+from gpipe import code_archive, grpcutil, job_records, proc, serde
 from gpipe.code_archive import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
@@ -155,7 +155,7 @@ class Daemon:
     async def _commands(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str) -> None:
         async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=worker_id)):
             cmd = serde.command_from_pb(m)
-            if isinstance(cmd, serde.Join):
+            if isinstance(cmd, job_records.Join):
                 log = self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.rank}.log"
                 try:
                     code_dir = await self._code(stub, worker_id, cmd.code_sha256) if cmd.code_sha256 else None
