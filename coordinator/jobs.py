@@ -138,7 +138,8 @@ class Jobs:
         job.restarts, job.error, job.failed_rank, job.exit_code = 0, "", -1, 0
         e.not_before, e.last_error = float("-inf"), None
         self._set_state(e, JobState.RESTARTING,
-                        f"resume requested: resuming from {self._from(job)} once {spec.topology.describe_ranks()} are free")
+                        f"resume requested: resuming from {self._from(job)} once "
+                        f"{spec.topology.describe_ranks()} are free")
         self.wake.set()
         return job
 

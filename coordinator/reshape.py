@@ -1,4 +1,4 @@
-"""The supervisor's elastic moves: shrink a job whose ranks stay away, grow it back at a checkpoint (coordinator.elastic)."""
+"""The supervisor's elastic moves: shrink a job whose ranks stay away, grow it back at a checkpoint."""
 
 from __future__ import annotations
 

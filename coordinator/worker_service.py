@@ -1,4 +1,4 @@
-"""serve's WorkerService (register, heartbeat, commands, leave, code) and WorkerDirectory (the workers, for `status`)."""
+"""serve's WorkerService (register, heartbeat, commands, leave, code) and WorkerDirectory (for `status`)."""
 
 from __future__ import annotations
 
