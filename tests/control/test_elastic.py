@@ -20,7 +20,7 @@ import yaml
 from coordinator import elastic, report
 from coordinator.spec import parse_spec
 from gpipe.errors import SpecError
-from gpipe.serde import JobRecord, JobState, Join, StateChange
+from gpipe.job_records import JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology
 from tests.support import reference
 from tests.support.harness import Harness

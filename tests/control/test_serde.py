@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpipe import serde
-from gpipe.serde import INT32, INT64, JobRecord, JobState, StateChange
+from gpipe import job_records, serde
+from gpipe.job_records import INT32, INT64, JobRecord, JobState, StateChange
 from tests.support.records import RECORD, on_disk
 from tests.support.spec import DELETE
 
@@ -25,8 +25,8 @@ def test_an_older_record_takes_defaults():
 
 
 def test_every_field_has_a_check():
-    assert set(serde._RECORD_FIELDS) == {f.name for f in dataclasses.fields(JobRecord)}
-    assert set(serde._CHANGE_FIELDS) == {f.name for f in dataclasses.fields(StateChange)}
+    assert set(job_records._RECORD_FIELDS) == {f.name for f in dataclasses.fields(JobRecord)}
+    assert set(job_records._CHANGE_FIELDS) == {f.name for f in dataclasses.fields(StateChange)}
 
 
 BAD = [

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from coordinator.supervisor import COMMIT_GRACE_S
+from coordinator.records import COMMIT_GRACE_S
 from tests.support import netns, reference
 from tests.support.cli import ROOT, Cli, end_leftovers
 from tests.support.service import Service, steps_of, with_suppress, worker_pid

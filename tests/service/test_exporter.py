@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import report
 from coordinator.exporter import MAX_ENDED_JOBS, Exporter
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 from tests.support.harness import Harness
 from tests.support.ports import free_port
 from tests.support.service import Service

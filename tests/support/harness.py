@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from coordinator import report
+from coordinator.records import Launch, Worker
 from coordinator.spec import parse_spec
-from coordinator.supervisor import Launch, Supervisor, Worker
-from gpipe.serde import Abort, JobRecord, Join
+from coordinator.supervisor import Supervisor
+from gpipe.job_records import Abort, JobRecord, Join
 
 
 class Clock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gpipe.serde import JobRecord, JobState, StateChange
+from gpipe.job_records import JobRecord, JobState, StateChange
 from tests.support.spec import DELETE
 
 RECORD = JobRecord(

@@ -1,5 +1,5 @@
 """A job's code through the CLI: submit refuses a folder too large before it calls anyone, validate imports from
-the spec's working dir. The archives in process: tests/control/test_code.py.
+the spec's working dir. The archives in process: tests/control/test_code_archive.py.
 """
 
 from __future__ import annotations
