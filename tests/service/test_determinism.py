@@ -4,11 +4,21 @@ that is not a boolean is refused. gpipe.Pipeline's setting: tests/engine/test_de
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from safetensors.torch import load_file
 
 from tests.support import reference
-from tests.support.spec import determinism, job
+from tests.support.spec import job, regression
+
+
+def determinism(on: bool) -> dict[str, Any]:
+    """The `deterministic` tests' preset: layers that check their process's setting is `on` as they run
+    (tests.support.models:determinism_mlp); no probe (it runs the model in the coordinator, which never sets it)."""
+    return {"name": "d", "seed": 1, "balance": [2, 3], "schedule": "1f1b", "data": regression(32, 16, 8),
+            "model": {"factory": "tests.support.models:determinism_mlp", "args": {"expected": on}},
+            "max_restarts": 0, "probe": False, "deterministic": on}
 
 
 @pytest.mark.multiprocess

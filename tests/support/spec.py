@@ -139,12 +139,6 @@ GPU: dict[str, Any] = {
 CUDA: dict[str, Any] = {"name": "gpus", "device": "cuda", "max_restarts": 0}
 
 
-def determinism(on: bool) -> dict[str, Any]:
-    """The `deterministic` tests' preset: layers that check their process's setting is `on` as they run
-    (tests.support.models:determinism_mlp); no probe (it runs the model in the coordinator, which never sets it)."""
-    return {"name": "d", "seed": 1, "balance": [2, 3], "schedule": "1f1b", "data": regression(32, 16, 8),
-            "model": {"factory": "tests.support.models:determinism_mlp", "args": {"expected": on}},
-            "max_restarts": 0, "probe": False, "deterministic": on}
 
 # Evaluation: BatchNorm, dropout, and an LR that trains for three steps, then diverges (the best eval loss is
 # at step 2, not the last); the held-out set, 30 items in batches of 8: the last batch has 6, so a short batch
