@@ -19,7 +19,7 @@ from gpipe import schedule
 from gpipe.contract import Cause, StepResult
 from gpipe.errors import JobFailed, describe_os_error
 from gpipe.files import atomic_write_json
-from gpipe.topology import Topology
+from gpipe.topology import Topology, model_chunk
 
 
 @dataclass
@@ -129,7 +129,7 @@ def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
         out["steady_bubble_fraction"] = round(steady, 4)
     if virtual > 1:
         out |= {"virtual_stages": virtual,
-                "chunks": [[schedule.model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
+                "chunks": [[model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
     return out | {"actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks, virtual)))
                               for k in range(stages)],
                   "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}

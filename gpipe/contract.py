@@ -15,8 +15,8 @@ from typing import Any
 
 from gpipe.capture import CaptureError
 from gpipe.factory import FactoryError
-from gpipe.schedule import place
 from gpipe.structure import StructureError
+from gpipe.topology import place
 from gpipe.turns import TurnAborted
 
 
@@ -55,7 +55,7 @@ class StageConfig:
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
     replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
     # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv): `stage` is then the model chunk, of
-    # `stages` chunks, on the worker gpipe.schedule.place says (gpipe.turns).
+    # `stages` chunks, on the worker gpipe.topology.place says (gpipe.turns).
     virtual_stages: int = 1
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
@@ -81,8 +81,8 @@ class StageConfig:
 
     @property
     def worker(self) -> int:
-        """The worker of this replica holding this stage (model chunk) (gpipe.schedule.place)."""
-        return place(self.schedule, self.stage, self.workers)[0] if self.virtual_stages > 1 else self.stage
+        """The worker of this replica holding this stage (model chunk) (gpipe.topology.place)."""
+        return place(self.schedule, self.stage, self.workers)[0]
 
     @property
     def rank(self) -> int:

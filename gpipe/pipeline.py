@@ -40,6 +40,7 @@ from gpipe.precision import DTYPES, LossScaler
 from gpipe.probe import Recorder
 from gpipe.rng import SharedGenerators
 from gpipe.stage import Stage  # the service's own stage: one engine
+from gpipe.topology import place
 from gpipe.transport import Hub, HubClosed
 from gpipe.turns import TurnAborted, Turns
 
@@ -202,8 +203,8 @@ class Pipeline:
         return self.devices[self._worker(stage)]
 
     def _worker(self, stage: int) -> int:
-        """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.schedule.place)."""
-        return schedules.place(str(self._settings["schedule"]), stage, len(self.devices))[0]
+        """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.topology.place)."""
+        return place(str(self._settings["schedule"]), stage, len(self.devices))[0]
 
     def _stage_of(self, piece: int) -> int:
         return next(k for k, (a, b) in enumerate(self.bounds) if a <= piece < b)

@@ -74,6 +74,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Literal, NamedTuple
 
+from gpipe.topology import model_chunk, place  # which worker holds which model chunk: decided there
+
 
 class Action(NamedTuple):
     kind: Literal["F", "B", "W"]
@@ -174,21 +176,6 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
         while count[("W", c)] < count[("B", c)]:
             run(f"W{c}")
     return [a for a in actions if a.micro_batch < chunks]
-
-
-def place(name: str, chunk: int, stages: int) -> tuple[int, int]:
-    """(worker, the worker's own chunk number) of model chunk `chunk`: chunk c is on worker c mod stages, but
-    zbv's V puts chunk c on worker 2*stages-1-c past the middle."""
-    if name == "zbv" and chunk >= stages:
-        return 2 * stages - 1 - chunk, 1
-    return chunk % stages, chunk // stages
-
-
-def model_chunk(name: str, worker: int, chunk: int, stages: int) -> int:
-    """The model chunk that is chunk `chunk` of worker `worker` (the inverse of `place`)."""
-    if name == "zbv" and chunk == 1:
-        return 2 * stages - 1 - worker
-    return chunk * stages + worker
 
 
 PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {

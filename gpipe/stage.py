@@ -48,6 +48,7 @@ from gpipe.rng import SharedGenerators, seeded_forward
 from gpipe.skiplanes import Routed, SkipLinks
 from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
+from gpipe.topology import place
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.turns import Turns
 from gpipe.wire import gradient_message, gradients, wants_grad
@@ -407,7 +408,7 @@ class Stage:
         cfg = self.cfg
         if cfg.virtual_stages == 1:
             return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
-        chunk = schedule.place(cfg.schedule, cfg.stage, cfg.workers)[1]
+        chunk = place(cfg.schedule, cfg.stage, cfg.workers)[1]
         order = schedule.build(cfg.schedule, cfg.worker, cfg.workers, chunks, cfg.virtual_stages)
         mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
         return [a for _, a in mine], [n for n, _ in mine]

@@ -21,17 +21,33 @@ place. Process groups of the data plane (one c10d world of R*P ranks):
 The RPC world has the coordinator at RPC rank 0 and worker rank N at N+1.
 
 With `virtual` model chunks per worker (schedules interleaved-1f1b and zbv),
-a replica's model is cut into stages x virtual chunks, and the worker of each
-is gpipe.schedule.place's (chunk c on worker c mod stages; zbv's V puts the
-second half back down): `chunks()` numbers the (replica, chunk) slots as the
-ranks number workers, and `worker_of` maps a slot to the rank holding it.
+a replica's model is cut into stages x virtual model chunks, and `place` is the
+one place that says which worker holds each (model chunk g on worker g mod
+stages; zbv's V puts the second half back down): the stage interpreter, the
+schedules' simulator, gpipe.Pipeline, the data plane and the coordinator all
+ask it. `chunks()` numbers the (replica, model chunk) slots as the ranks
+number workers, and `worker_of` maps a slot to the rank holding it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpipe import schedule
+
+def place(schedule: str, model_chunk: int, stages: int) -> tuple[int, int]:
+    """(worker, the worker's own chunk number) of model chunk `model_chunk` of a replica cut into `stages` workers'
+    model chunks: model chunk g is the worker's chunk g div stages on worker g mod stages, but zbv's V puts model
+    chunk g on worker 2*stages-1-g past the middle. With one model chunk a worker, model chunk g is worker g's."""
+    if schedule == "zbv" and model_chunk >= stages:
+        return 2 * stages - 1 - model_chunk, 1
+    return model_chunk % stages, model_chunk // stages
+
+
+def model_chunk(schedule: str, worker: int, own: int, stages: int) -> int:
+    """The model chunk that is chunk `own` of worker `worker` (the inverse of `place`)."""
+    if schedule == "zbv" and own == 1:
+        return 2 * stages - 1 - worker
+    return own * stages + worker
 
 
 def rpc_name(rank: int) -> str:
@@ -44,7 +60,7 @@ class Topology:
     stages: int
     replicas: int = 1
     virtual: int = 1  # model chunks per worker
-    schedule: str = ""  # the job's: where each model chunk sits (gpipe.schedule.place)
+    schedule: str = ""  # the job's: where each model chunk sits (`place`)
 
     def chunks(self) -> Topology:
         """The (replica, model chunk) slots, numbered as ranks are: slot replica*stages*virtual + chunk."""
@@ -54,7 +70,7 @@ class Topology:
         """The rank of the worker holding slot `slot` of `chunks()` (the slot itself with one chunk a worker)."""
         per = self.stages * self.virtual
         replica, chunk = divmod(slot, per)
-        return self.rank(replica, schedule.place(self.schedule, chunk, self.stages)[0])
+        return self.rank(replica, place(self.schedule, chunk, self.stages)[0])
 
     @property
     def world(self) -> int:

@@ -20,7 +20,8 @@ from torch import nn
 import gpipe
 from gpipe import skip
 from gpipe.rng import seeded_forward
-from gpipe.schedule import Action, build, model_chunk
+from gpipe.schedule import Action, build
+from gpipe.topology import model_chunk
 from tests import reference
 
 MLP = {"factory": "mlp", "args": {"width": 16, "depth": 5}}

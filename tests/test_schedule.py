@@ -10,13 +10,12 @@ from gpipe.schedule import (
     Action,
     build,
     cost,
-    model_chunk,
-    place,
     simulate,
     splits_backward,
     steady,
     timing,
 )
+from gpipe.topology import model_chunk, place
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
