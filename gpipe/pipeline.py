@@ -33,8 +33,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe import balance as balancing
-from gpipe import capture, determinism, skip, structure
-from gpipe import schedule as schedules
+from gpipe import capture, determinism, options, skip, structure
 from gpipe.contract import StageConfig, StepResult
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.probe import Recorder
@@ -45,7 +44,6 @@ from gpipe.transport import Hub, HubClosed
 from gpipe.turns import TurnAborted, Turns
 
 T = TypeVar("T")
-CHECKPOINTS = ("always", "except_last", "never")
 PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip connections cross stages
 
 
@@ -106,19 +104,12 @@ class Pipeline:
                 else len(self.split_points) + 1
             self._want = balance
             balance = [1] * count  # stage count only, until the model is captured at the first call
-        if type(chunks) is not int or chunks < 1:
-            raise ValueError(f"chunks: must be a positive int, got {chunks!r}")
-        if schedule not in schedules.SCHEDULES:
-            raise ValueError(f"schedule: {schedule!r} is not one of {', '.join(schedules.SCHEDULES)}")
-        if type(virtual_stages) is not int or virtual_stages < 1:
-            raise ValueError(f"virtual_stages: must be a positive int, got {virtual_stages!r}")
-        if virtual_stages > 1 and schedule not in schedules.VIRTUAL:
-            raise ValueError(f"virtual_stages: {virtual_stages} model chunks per worker need an interleaved schedule "
-                             f"({', '.join(schedules.VIRTUAL)}), not {schedule}")
-        if schedule == "zbv" and virtual_stages != 2:
-            raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {virtual_stages}")
-        if activation_checkpoint not in CHECKPOINTS:
-            raise ValueError(f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+        assert balance is not None
+        if type(virtual_stages) is int and virtual_stages > 1 and len(balance) % virtual_stages:
+            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} chunks each")
+        workers = len(balance) // virtual_stages if type(virtual_stages) is int and virtual_stages > 0 else 0
+        if why := options.violation(schedule, workers, virtual_stages, chunks, activation_checkpoint):
+            raise ValueError(why)  # the rules the service's spec keeps too
         if precision not in DTYPES:
             raise ValueError(f"precision: {precision!r} is not one of {', '.join(DTYPES)}")
         if type(replicas) is not int or replicas < 1:
@@ -128,13 +119,6 @@ class Pipeline:
                 if any(isinstance(m, _BatchNorm) and m.track_running_stats for m in layer.modules()):
                     raise ValueError(f"deferred_batch_norm: layer {i} ({type(layer).__name__}) tracks running "
                                      "statistics, which with replicas equal one device's only when deferred")
-        assert balance is not None
-        if len(balance) % virtual_stages:
-            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} chunks each")
-        workers = len(balance) // virtual_stages
-        if schedule == "interleaved-1f1b" and virtual_stages > 1 and chunks % workers:
-            raise ValueError(f"chunks: {schedule} runs the micro-batches in rounds of the {workers} workers: "
-                             f"{chunks} is not a multiple of {workers}")
         devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * workers
         if len(devs) != workers:
             raise ValueError(f"devices: {len(devs)} given for {workers} stages")

@@ -178,6 +178,8 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     return [a for a in actions if a.micro_batch < chunks]
 
 
+Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"]  # the schedules: PLAIN's and VIRTUAL's, in order
+
 PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -187,7 +189,7 @@ VIRTUAL: dict[str, Callable[[int, int, int, int], list[Action]]] = {  # several 
     "interleaved-1f1b": interleaved_1f1b,
     "zbv": zbv,
 }
-SCHEDULES = [*PLAIN, *VIRTUAL]
+SCHEDULES = [*PLAIN, *VIRTUAL]  # Name's values (tests/test_schedule.py holds them to it)
 
 
 def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:

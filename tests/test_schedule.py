@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from gpipe.schedule import (
+    SCHEDULES,
     Action,
+    Name,
     build,
     cost,
     simulate,
@@ -18,6 +20,12 @@ from gpipe.schedule import (
 from gpipe.topology import model_chunk, place
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
+
+
+def test_the_names_the_spec_takes_are_the_schedule_table_s():
+    """JobSpec.schedule is schedule.Name; its values are the schedules the table builds, in order."""
+    assert list(get_args(Name)) == SCHEDULES
+
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
 NAMES = ["gpipe", "1f1b", "zb-h1"]
 
