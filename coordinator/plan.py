@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
 from coordinator.data import DataStream, EvalStream
 from coordinator.pretrained import Pretrained, match, open_weights
 from coordinator.spec import JobSpec
-from gpipe import balance, capture, init, schedule, skeleton
+from gpipe import balance, batchnorm, capture, cuts, init, schedule, skeleton
 from gpipe.errors import SpecError
 from gpipe.evaluation import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
@@ -102,8 +101,7 @@ class Plan:
         """Per tied weight: its keys, and the stages holding a copy (StageConfig.tied)."""
         if self.captured is None:
             return []
-        return [(keys, sorted({self.stage_of(int(k.split(".", 1)[0])) for k in keys}))
-                for keys in self.captured.tied]
+        return [(keys, cuts.holders(keys, self.balance)) for keys in self.captured.tied]
 
     def eval_stream(self) -> EvalStream:
         """The job's evaluation data (coordinator.data); only for a job with an eval section."""
@@ -126,22 +124,14 @@ class Plan:
         return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate,
                           self.spec.replicas)
 
-    def stage_of(self, layer: int) -> int:
-        return next(k for k, (start, end) in enumerate(self.bounds) if start <= layer < end)
-
-    def skip_routes(self) -> list[tuple[str, int, int]]:
-        """(name, stashing stage, popping stage) of each skip connection that leaves its stage."""
-        routes = [(n, self.stage_of(a), self.stage_of(b)) for n, (a, b) in sorted(self.skips.items())]
-        return [r for r in routes if r[1] != r[2]]
+    def skip_routes(self) -> list[cuts.Route]:
+        """(name, stashing stage, popping stage) of each skip connection that leaves its stage (gpipe.cuts)."""
+        return cuts.routes(self.skips, self.balance)
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
-        """[start, end) layer range of each stage."""
-        out, start = [], 0
-        for n in self.balance:
-            out.append((start, start + n))
-            start += n
-        return out
+        """[start, end) layer range of each stage (gpipe.cuts)."""
+        return cuts.bounds(self.balance)
 
     def stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The stage's initial parameters and buffers, under the full model's names."""
@@ -191,8 +181,10 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if isinstance(model, nn.Sequential) and (spec.model.split_points or spec.model.output):
         raise SpecError("model.split_points: an nn.Sequential is cut between its layers by balance; "
                         "leave split_points and output out")
-    if spec.replicas > 1 and not spec.deferred_batch_norm:
-        _check_batch_norm(model, spec.replicas)
+    if spec.replicas > 1 and not spec.deferred_batch_norm and \
+            (name := batchnorm.per_replica(model, sync_across_processes=True)) is not None:
+        raise SpecError(f"replicas: {spec.replicas} replicas need deferred_batch_norm: true for the BatchNorm at "
+                        f"{name}: its running statistics are then the whole batch's, once a step, on every replica")
     dataset, _ = _dataset("data", spec.data.factory, spec.data.args)
     try:
         loss_fn = resolve(spec.loss)
@@ -374,15 +366,6 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
         probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
-def _check_batch_norm(model: nn.Module, replicas: int) -> None:
-    """BatchNorm updating its running statistics per micro-batch cannot equal one device across replicas."""
-    for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, nn.SyncBatchNorm):
-            raise SpecError(f"replicas: {replicas} replicas need deferred_batch_norm: true for the BatchNorm at "
-                            f"{name}: its running statistics are then the whole batch's, once a step, on every "
-                            "replica")
-
-
 def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str, torch.Tensor] | None]:
     """The model, and its buffers' values when it is built on the meta device (gpipe.skeleton): with init
     per_layer, its layers checked for an init; with model.weights unless `meta` is false. Else the whole
@@ -424,8 +407,8 @@ def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.dev
     """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
     layers = len(model)
     if isinstance(spec.balance, list):
-        if sum(spec.balance) != layers:
-            raise SpecError(f"balance: sums to {sum(spec.balance)} but the model has {layers} layers")
+        if why := cuts.misfit(spec.balance, layers):
+            raise SpecError(why)
         return list(spec.balance), None
     if spec.balance == "by_params":
         costs = balance.param_costs(model)
@@ -446,12 +429,10 @@ def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.dev
 
 def _shared_parameters(model: nn.Sequential, balance: list[int]) -> str | None:
     owner: dict[int, int] = {}
-    start = 0
-    for stage, n in enumerate(balance):
-        for i in range(start, start + n):
+    for stage, (start, end) in enumerate(cuts.bounds(balance)):
+        for i in range(start, end):
             for p in model[i].parameters():
                 other = owner.setdefault(id(p), stage)
                 if other != stage:
                     return f"a parameter of layer {i} (stage {stage}) is also used by stage {other}"
-        start += n
     return None

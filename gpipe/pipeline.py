@@ -30,10 +30,9 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe import balance as balancing
-from gpipe import capture, determinism, options, skip, structure
+from gpipe import batchnorm, capture, cuts, determinism, options, skip, structure
 from gpipe.contract import StageConfig, StepResult
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.probe import Recorder
@@ -84,9 +83,10 @@ class Pipeline:
                 raise ValueError("split_points, stages, output: for a model that is not an nn.Sequential (an "
                                  "nn.Sequential is cut between its layers by balance)")
             balance = list(balance or [])
-            if not balance or any(type(n) is not int or n < 1 for n in balance) or sum(balance) != len(model):
-                raise ValueError(f"balance: {balance} must be positive layer counts that add up to the model's "
-                                 f"{len(model)} layers")
+            if not balance or any(type(n) is not int or n < 1 for n in balance):
+                raise ValueError(f"balance: {balance} must be positive layer counts")
+            if why := cuts.misfit(balance, len(model)):
+                raise ValueError(why)
         else:
             given = [n for n, v in (("balance", balance), ("split_points", split_points), ("stages", stages))
                      if v is not None]
@@ -114,11 +114,11 @@ class Pipeline:
             raise ValueError(f"precision: {precision!r} is not one of {', '.join(DTYPES)}")
         if type(replicas) is not int or replicas < 1:
             raise ValueError(f"replicas: must be a positive int, got {replicas!r}")
-        if replicas > 1 and not deferred_batch_norm:
-            for i, layer in enumerate(model.children()):
-                if any(isinstance(m, _BatchNorm) and m.track_running_stats for m in layer.modules()):
-                    raise ValueError(f"deferred_batch_norm: layer {i} ({type(layer).__name__}) tracks running "
-                                     "statistics, which with replicas equal one device's only when deferred")
+        if replicas > 1 and not deferred_batch_norm and \
+                (name := batchnorm.per_replica(model, sync_across_processes=False)) is not None:
+            layer = model.get_submodule(name.split(".", 1)[0])
+            raise ValueError(f"deferred_batch_norm: layer {name.split('.', 1)[0]} ({type(layer).__name__}) tracks "
+                             "running statistics, which with replicas equal one device's only when deferred")
         devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * workers
         if len(devs) != workers:
             raise ValueError(f"devices: {len(devs)} given for {workers} stages")
@@ -146,7 +146,7 @@ class Pipeline:
         self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
         # With virtual stages, the chunks of each worker of each replica take turns (gpipe.turns).
         self._turns = [[Turns() for _ in range(workers)] for _ in range(replicas)] if virtual_stages > 1 else []
-        self.bounds = _bounds(balance)
+        self.bounds = cuts.bounds(balance)
 
     # -- building ---------------------------------------------------------------------------------
 
@@ -165,17 +165,16 @@ class Pipeline:
         if self.split_points:
             self.balance = capture.balance_of_cuts(c.cuts, len(c.pieces))
         elif self._want is not None:
-            if sum(self._want) != len(c.pieces):
-                raise ValueError(f"balance: {self._want} adds up to {sum(self._want)} but the model has "
-                                 f"{len(c.pieces)} blocks ({c.blocks})")
+            if why := cuts.misfit(self._want, len(c.pieces), f"blocks ({c.blocks})"):
+                raise ValueError(why)
             self.balance = list(self._want)
         else:
             if stages > len(c.pieces):
                 raise ValueError(f"stages: {stages} stages but the model has only {len(c.pieces)} blocks ({c.blocks})")
             self.balance = balancing.partition(balancing.param_costs(c.pieces), stages)
-        self.bounds = _bounds(self.balance)
+        self.bounds = cuts.bounds(self.balance)
         for group in c.tied:
-            held = {self._device(self._stage_of(int(k.split(".", 1)[0]))) for k in group}
+            held = {self._device(k) for k in cuts.holders(group, self.balance)}
             if len(held) > 1:
                 raise ValueError(f"devices: {capture.model_name(group[0])} is one parameter used on "
                                  f"{len(held)} devices; put its stages on one device")
@@ -190,15 +189,12 @@ class Pipeline:
         """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.topology.place)."""
         return place(str(self._settings["schedule"]), stage, len(self.devices))[0]
 
-    def _stage_of(self, piece: int) -> int:
-        return next(k for k, (a, b) in enumerate(self.bounds) if a <= piece < b)
-
     def _build(self, sample: Any) -> None:
         """The stages, at the first call: skip connections that cross a cut are found on `sample` first."""
         stages = len(self.balance)
         if self.model is None:
             self.model = self._capture(sample)
-            routes: list[tuple[str, int, int]] = []
+            routes: list[cuts.Route] = []
         else:
             for k, (start, end) in enumerate(self.bounds):  # in place: the model's own parameters
                 for i in range(start, end):
@@ -235,7 +231,7 @@ class Pipeline:
                     stage.stream = torch.cuda.Stream(stage.device)  # type: ignore[no-untyped-call]
                 self._stages.append(stage)
 
-    def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
+    def _skip_routes(self, sample: Any) -> list[cuts.Route]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:
         found by running the first samples forward in eval mode, without gradients, changing nothing."""
         assert self.model is not None
@@ -258,9 +254,7 @@ class Pipeline:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        stage_of = {i: k for k, (start, end) in enumerate(self.bounds) for i in range(start, end)}
-        routes = [(n, stage_of[a], stage_of[b]) for n, (a, b) in sorted(rec.routes().items())]
-        return [r for r in routes if r[1] != r[2]]
+        return cuts.routes(rec.routes(), self.balance)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -389,15 +383,6 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _bounds(balance: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each stage's layers."""
-    out, start = [], 0
-    for n in balance:
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 def _gather(parts: list[Any]) -> Any:
