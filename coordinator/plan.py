@@ -201,8 +201,8 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if not isinstance(model, nn.Sequential):
         original, sample = model, capture.sample_signature(xs[0])
         try:
-            captured = capture.capture(model, capture.sample_from(sample, _device_of(model)),
-                                       spec.model.split_points or (), spec.model.output)
+            captured = skeleton.capture_pieces(model, {"split_points": spec.model.split_points,
+                                                       "output": spec.model.output, "sample": sample})
         except (capture.CaptureError, ValueError, TypeError) as e:
             if buffers is not None:  # on the meta device (a plain tensor the model keeps): as the stages do, whole
                 return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
@@ -211,7 +211,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         if spec.init == "per_layer" and spec.init_hook is None:
             if (what := init.unresettable(original, captured.pieces)) is not None:
                 raise SpecError(f"init: {what} has parameters but no reset_parameters(); give init_hook")
-        if buffers is not None and (gap := _unknown_constant(model, buffers)) is not None:
+        if buffers is not None and (gap := skeleton.unknown_constant(model, buffers)) is not None:
             if spec.init == "per_layer":
                 raise SpecError(f"init: per_layer: the captured forward makes a tensor constant ({gap}) that a "
                                 "model built on the meta device does not hold; use init exact")
@@ -277,10 +277,6 @@ def _match_weights(plan: Plan, pretrained: Pretrained) -> None:
         patterns = getattr(plan.original, "_keys_to_ignore_on_load_unexpected", None)
         ignore = [p for p in patterns or [] if isinstance(p, str)]
     plan.weights_at = match(pretrained, want, aliases, ignore=ignore)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next((t.device for t in model.parameters()), torch.device("cpu"))
 
 
 def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any], backend: str,
@@ -390,16 +386,6 @@ def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str
 
 
 BY_RUNNING = ("by_time", "by_memory")  # balances that run the whole model: it is then built whole
-
-
-def _unknown_constant(pieces: nn.Module, buffers: dict[str, torch.Tensor]) -> str | None:
-    """A tensor of the pieces that is neither saved (a weight) nor a buffer the model built: a constant the
-    captured forward makes, which only a model built whole is sure to hold."""
-    saved = set(pieces.state_dict())
-    for key, _ in pieces.named_buffers():
-        if key not in saved and capture.model_name(key) not in buffers:
-            return capture.model_name(key)
-    return None
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,

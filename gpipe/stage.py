@@ -71,18 +71,10 @@ def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[n
         hit = _skeletons.get(key)
         if hit is None:
             model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
-            pieces = _pieces(model, args)
+            pieces = skeleton.capture_pieces(model, args).pieces
             _skeletons.clear()
             _skeletons[key] = hit = (model, buffers, pieces)
         return hit
-
-
-def _pieces(model: nn.Module, args: dict[str, Any]) -> nn.Sequential:
-    """A model that is not an nn.Sequential as the pieces gpipe.capture cuts it into, captured on the device of
-    its parameters (the meta device for a skeleton)."""
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    return capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
-                           args["output"]).pieces
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -103,7 +95,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
 
     def sliced(model: nn.Module) -> nn.Sequential:
         if cfg.capture is not None:
-            model = _pieces(model, cfg.capture)
+            model = skeleton.capture_pieces(model, cfg.capture).pieces
         assert isinstance(model, nn.Sequential)
         return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
 
@@ -116,7 +108,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         else:
             with torch.device("meta"):
                 layers = sliced(factory(**cfg.model_args))
-        if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
+        if skeleton.plain_tensor(layers) is not None:  # no build on the meta device gives its value
             layers = None
         elif per_layer and cfg.capture is not None:  # a module at a time, on the CPU (gpipe.init.per_module)
             layers = layers.to_empty(device="cpu")
