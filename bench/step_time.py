@@ -126,7 +126,7 @@ def costed_bubble(schedule: str, steps: list[dict[str, Any]], chunks: int) -> fl
                 took.setdefault((s["stage"], kind), []).append(b - a)
     median = {key: statistics.median(v) for key, v in took.items()}
     return schedules.steady(schedule, workers, chunks, virtual, lambda k, a: median[
-        (model_chunk(schedule, k, a.chunk, workers), a.kind)])[1]
+        (model_chunk(schedule, k, a.worker_chunk, workers), a.kind)])[1]
 
 
 def main() -> None:

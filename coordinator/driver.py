@@ -71,7 +71,7 @@ class Run:
     def topology(self) -> Topology:
         """The stages the driver drives, by slot: each replica's model chunks (a stage each, or virtual_stages
         of them on each worker: gpipe.topology); with one chunk a worker, the slots are the ranks."""
-        return self.spec.topology.chunks()
+        return self.spec.topology.model_chunks()
 
     # -- answers -------------------------------------------------------------------------------------
 

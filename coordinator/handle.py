@@ -150,7 +150,7 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     from worker.stage_server import StageServer
 
     spec, workers = plan.spec, plan.spec.topology
-    top = workers.chunks()  # a stage per model chunk; with virtual stages, a worker's chunks take turns
+    top = workers.model_chunks()  # a stage per model chunk; with virtual stages, a worker's chunks take turns
     hub, rng = Hub(top.stages, top.replicas, spec.step_timeout_s), SharedGenerators()
     turns = {rank: Turns() for rank in workers.ranks()} if spec.virtual_stages > 1 else {}
     handles: list[StageHandle] = []

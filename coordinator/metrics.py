@@ -56,7 +56,7 @@ OnEval = Callable[[EvalMetrics, dict[str, torch.Tensor] | None], None]
 def step_metrics(plan: Plan, step: int, per_rank: dict[int, StepResult], step_time: float,
                  attempt: int) -> StepMetrics:
     """One step's figures out of every worker's answer (by rank)."""
-    spec, top = plan.spec, plan.spec.topology.chunks()  # by slot: a stage (model chunk) of a replica
+    spec, top = plan.spec, plan.spec.topology.model_chunks()  # by slot: a stage (model chunk) of a replica
     last = top.stages - 1
     # Each replica's last stage summed its shard's losses, each weighted by its micro-batch's size.
     loss = sum(per_rank[top.rank(r, last)].loss_sum or 0.0 for r in range(top.replicas)) / spec.data.batch_size
@@ -113,8 +113,8 @@ STEADY_MAX = SIMULATED_MAX // 8  # and simulates steps in a row (4 of them: as l
 def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
                   waits: Sequence[Collection[int]] = ()) -> dict[str, Any]:
     """A schedule as plan.json shows it: each worker's actions in order (F forward, B backward, W the weights'
-    gradients of a split backward; F3.1: micro-batch 3 on the worker's chunk 1), the model chunks each worker
-    holds (with virtual stages), the simulator's bubble of one step and of steps in a row (gpipe.schedule.steady:
+    gradients of a split backward; F3.1: micro-batch 3 on the worker's model chunk 1), the model chunks each
+    worker holds (`model_chunks`, with virtual stages), the simulator's bubble of one step and of steps in a row (gpipe.schedule.steady:
     each worker starts its next step once its own is done, or, in each set of `waits`, once all of them are:
     step_waits), and micro-batches in flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no
     steps in a row."""
@@ -129,7 +129,7 @@ def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
         out["steady_bubble_fraction"] = round(steady, 4)
     if virtual > 1:
         out |= {"virtual_stages": virtual,
-                "chunks": [[model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
+                "model_chunks": [[model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
     return out | {"actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks, virtual)))
                               for k in range(stages)],
                   "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
@@ -142,7 +142,7 @@ def step_waits(spec: JobSpec, tied: Sequence[Collection[int]]) -> list[set[int]]
     if spec.clip_grad_norm or spec.precision == "fp16":
         return [set(range(spec.stages))]
     top = spec.topology  # replica 0's model chunks are slots 0..: their workers are ranks 0..stages-1
-    holders = ({top.worker_of(g) for g in chunks} for chunks in tied)
+    holders = ({top.worker_of(g) for g in held} for held in tied)
     return [h for h in holders if len(h) > 1]
 
 
@@ -150,7 +150,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
     """plan.json: the balance, what it was chosen by, where each stage (model chunk) runs (replica 0's copy),
     and every worker by rank: its replica, stage, model chunks and placement (`placement`, by rank)."""
     spec, top = plan.spec, plan.spec.topology
-    slots = top.chunks()
+    slots = top.model_chunks()
     held: dict[int, list[int]] = {}  # rank -> the model chunks it holds
     for slot in slots.ranks():
         held.setdefault(top.worker_of(slot), []).append(slots.stage_of(slot))
@@ -168,7 +168,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
             for k, b in enumerate(plan.bounds)
         ],
         "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n),
-                     **({"chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n]}
+                     **({"model_chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n]}
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
     })

@@ -80,7 +80,7 @@ class RpcWorld:
         """Create every rank's stage on its worker (its layers only: the rest comes in pieces); by rank. With
         virtual stages, a stage per model chunk, by slot (gpipe.topology), virtual_stages of them on each worker."""
         spec, top = self.spec, self.topology
-        slots = top.chunks()
+        slots = top.model_chunks()
         for slot in slots.ranks():
             rank = top.worker_of(slot)
             cfg = stage_config(self.plan, slots.stage_of(slot), slots.replica_of(slot), self.device_of(rank),

@@ -345,15 +345,15 @@ class JobSpec(_Spec):
         "stage k keeps at most stages-k micro-batches in flight. zb-h1: 1f1b with each backward "
         "split into B (the inputs' gradients) and W (the weights', later, filling the drain): "
         "about a third of 1f1b's bubble, at most `stages` micro-batches in flight on any stage. "
-        "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (chunk c on worker "
-        "c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
+        "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (model chunk c on "
+        "worker c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
         "virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the backward split "
         "as zb-h1's: about no bubble at 1f1b's activation memory.",
     )
     virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
         default=1,
         description="Model chunks per worker, for interleaved-1f1b (any) and zbv (2): the model is cut into "
-        "stages x virtual_stages chunks, and balance lists that many layer counts, in model order.",
+        "stages x virtual_stages model chunks, and balance lists that many layer counts, in model order.",
     )
     activation_checkpoint: Checkpoint = Field(
         default="never",
@@ -545,9 +545,9 @@ class JobSpec(_Spec):
             if isinstance(self.balance, list):
                 raise ValueError("balance: model.split_points cuts the model already; leave balance out")
         if isinstance(self.balance, list) and len(self.balance) != self.model_chunks:
-            chunks = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
+            per_worker = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
             raise ValueError(
-                f"balance: has {len(self.balance)} entries but stages{chunks} is {self.model_chunks}"
+                f"balance: has {len(self.balance)} entries but stages{per_worker} is {self.model_chunks}"
             )
         if self.trace_step is not None:
             if self.trace_step > self.steps:

@@ -218,7 +218,7 @@ class Pipeline:
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder[id(p)] != k)
                 cfg = StageConfig(
-                    stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
+                    model_chunk=k, model_chunks=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
                     device=str(self._device(k)), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
@@ -273,7 +273,7 @@ class Pipeline:
         step = self._steps
 
         def run(stage: Stage) -> StepResult:
-            r, k = stage.cfg.replica, stage.cfg.stage
+            r, k = stage.cfg.replica, stage.cfg.model_chunk
             (inp, sizes), (tgt, _) = xs[r], ys[r]
             if k == last:
                 stage.loss_fn = loss_fn
@@ -302,7 +302,7 @@ class Pipeline:
         self._sync_replicas()
         n = self._evals
         self._evals += 1
-        results = self._run(lambda s: s.evaluate(n, parts if s.cfg.stage == 0 else None, None, sizes),
+        results = self._run(lambda s: s.evaluate(n, parts if s.cfg.model_chunk == 0 else None, None, sizes),
                             replicas=1)
         outputs = next(res.outputs for res in results if res.outputs is not None)
         return _gather(outputs)

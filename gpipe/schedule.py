@@ -46,17 +46,17 @@ F to W), the most 1f1b holds (on stage 0).
     stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
 
 interleaved-1f1b (Megatron), 2 workers, virtual_stages 2, 2 micro-batches:
-the model is cut into 4 chunks, chunk c on worker c mod 2 (F0.1: micro-batch 0
-on the worker's chunk 1, the model's chunk 3 on worker 1). A chunk is half a
-stage, so a tick is half as long: 15 half-ticks where 1f1b takes 9 ticks
+the model is cut into 4 model chunks, model chunk c on worker c mod 2 (F0.1:
+micro-batch 0 on the worker's model chunk 1, the model's 3 on worker 1). A
+model chunk is half a stage, so a tick is half as long: 15 half-ticks where 1f1b takes 9 ticks
 (the bubble (P-1)/(VM+P-1)). Micro-batches go in rounds of the workers.
 
     tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13   14
     worker 0    F0   F1 F0.1 F1.1    .    . B0.1 B0.1    . B1.1 B1.1   B0   B0   B1   B1
     worker 1     .   F0   F1 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1   B0   B0   B1   B1    .    .
 
-zbv (zero bubble V), 2 workers, 3 micro-batches: worker k holds the model's
-chunks k and 2P-1-k (worker 0 the first and the last), the backward split as
+zbv (zero bubble V), 2 workers, 3 micro-batches: worker k holds model chunks
+k and 2P-1-k (worker 0 the first and the last), the backward split as
 in zb-h1; 19 half-ticks, the bubble (P-1)/(6M+P-1) for M >= 2P-1:
 
     tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13 ...
@@ -80,10 +80,10 @@ from gpipe.topology import model_chunk, place  # which worker holds which model 
 class Action(NamedTuple):
     kind: Literal["F", "B", "W"]
     micro_batch: int
-    chunk: int = 0  # which of the worker's model chunks it runs on (interleaved-1f1b: 0..virtual-1)
+    worker_chunk: int = 0  # which of the worker's model chunks it runs on: 0..virtual-1 (gpipe.topology.place)
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{self.kind}{self.micro_batch}" + (f".{self.worker_chunk}" if self.worker_chunk else "")
 
 
 def gpipe(stage: int, stages: int, chunks: int) -> list[Action]:
@@ -118,15 +118,15 @@ def zb_h1(stage: int, stages: int, chunks: int) -> list[Action]:
 
 
 def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: worker `stage` holds `virtual` model chunks (chunk c of the worker is the
-    model's chunk c*stages+stage). Forwards go a round of `stages` micro-batches through chunk 0, the same round
-    through chunk 1, and so on; backwards likewise from the last chunk. The warm-up is 1f1b's doubled, plus a
-    round per extra chunk. `chunks` (micro-batches) must be a multiple of `stages`."""
+    """Megatron's interleaved 1F1B: worker `stage` holds `virtual` model chunks (its model chunk c is the model's
+    c*stages+stage: gpipe.topology.place). Forwards go a round of `stages` micro-batches through its model chunk 0,
+    the same round through its model chunk 1, and so on; backwards likewise from the last. The warm-up is 1f1b's
+    doubled, plus a round per extra model chunk. `chunks` (micro-batches) must be a multiple of `stages`."""
     if virtual == 1:
         return one_f_one_b(stage, stages, chunks)
     p, total = stages, chunks * virtual
 
-    def nth(i: int, backward: bool) -> tuple[int, int]:  # (micro-batch, chunk) of the worker's i-th F or B
+    def nth(i: int, backward: bool) -> tuple[int, int]:  # (micro-batch, worker chunk) of the worker's i-th F or B
         group, j = divmod(i, p * virtual)
         c = j // p
         return group * p + j % p, virtual - 1 - c if backward else c
@@ -152,7 +152,7 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
     actions: list[Action] = []
 
-    def run(*steps: str) -> None:  # "F1": a forward of the next micro-batch on the worker's chunk 1
+    def run(*steps: str) -> None:  # "F1": a forward of the next micro-batch on the worker's model chunk 1
         for step in steps:
             kind, c = step[0], int(step[1])
             actions.append(Action(kind, count[(kind, c)], c))  # type: ignore[arg-type]  # kind is F, B or W
@@ -224,10 +224,10 @@ class Simulation(NamedTuple):
 def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulation:
     """Run a schedule under the cost model (`cost`) with instant transfers.
 
-    A forward of micro-batch i on model chunk g (the worker's chunk c is the
-    model's c*stages+k on worker k; without virtual chunks, g is the stage)
-    needs chunk g-1's forward of i; a backward (B) needs chunk g+1's (or, on
-    the last chunk, its own forward); a W follows its own B. Each action starts
+    A forward of micro-batch i on model chunk g (gpipe.topology.place; without
+    virtual stages, g is the stage) needs model chunk g-1's forward of i; a
+    backward (B) needs model chunk g+1's (or, on the last model chunk, its own
+    forward); a W follows its own B. Each action starts
     as soon as its worker is free and what it needs has ended. A micro-batch's
     activations are held from its forward to its backward (to its W, when the
     backward is split). Raises RuntimeError if no worker can make progress: a
@@ -327,15 +327,15 @@ def _held(actions: list[Action], split: bool) -> int:
 
 def _dependency(name: str, k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
     """The action of another worker (or the worker's own forward) that `a` on worker k waits for."""
-    g = model_chunk(name, k, a.chunk, stages)  # the model chunk it runs on
+    g = model_chunk(name, k, a.worker_chunk, stages)  # the model chunk it runs on
     if a.kind == "F":
         if g == 0:
             return None
-        worker, chunk = place(name, g - 1, stages)
-        return worker, Action("F", a.micro_batch, chunk)
+        worker, own = place(name, g - 1, stages)
+        return worker, Action("F", a.micro_batch, own)
     if a.kind == "B":
         if g == stages * virtual - 1:
-            return k, Action("F", a.micro_batch, a.chunk)
-        worker, chunk = place(name, g + 1, stages)
-        return worker, Action("B", a.micro_batch, chunk)
+            return k, Action("F", a.micro_batch, a.worker_chunk)
+        worker, own = place(name, g + 1, stages)
+        return worker, Action("B", a.micro_batch, own)
     return None  # W: after its own B, which comes before it in the worker's order

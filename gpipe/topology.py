@@ -25,8 +25,8 @@ a replica's model is cut into stages x virtual model chunks, and `place` is the
 one place that says which worker holds each (model chunk g on worker g mod
 stages; zbv's V puts the second half back down): the stage interpreter, the
 schedules' simulator, gpipe.Pipeline, the data plane and the coordinator all
-ask it. `chunks()` numbers the (replica, model chunk) slots as the ranks
-number workers, and `worker_of` maps a slot to the rank holding it.
+ask it. `model_chunks()` numbers the (replica, model chunk) slots as the
+ranks number workers, and `worker_of` maps a slot to the rank holding it.
 """
 
 from __future__ import annotations
@@ -35,19 +35,19 @@ from dataclasses import dataclass
 
 
 def place(schedule: str, model_chunk: int, stages: int) -> tuple[int, int]:
-    """(worker, the worker's own chunk number) of model chunk `model_chunk` of a replica cut into `stages` workers'
-    model chunks: model chunk g is the worker's chunk g div stages on worker g mod stages, but zbv's V puts model
+    """(worker, the worker's own number for it: its worker_chunk) of model chunk `model_chunk` of a replica cut into `stages` workers'
+    model chunks: model chunk g is worker chunk g div stages on worker g mod stages, but zbv's V puts model
     chunk g on worker 2*stages-1-g past the middle. With one model chunk a worker, model chunk g is worker g's."""
     if schedule == "zbv" and model_chunk >= stages:
         return 2 * stages - 1 - model_chunk, 1
     return model_chunk % stages, model_chunk // stages
 
 
-def model_chunk(schedule: str, worker: int, own: int, stages: int) -> int:
-    """The model chunk that is chunk `own` of worker `worker` (the inverse of `place`)."""
-    if schedule == "zbv" and own == 1:
+def model_chunk(schedule: str, worker: int, worker_chunk: int, stages: int) -> int:
+    """The model chunk that is worker `worker`'s own model chunk `worker_chunk` (the inverse of `place`)."""
+    if schedule == "zbv" and worker_chunk == 1:
         return 2 * stages - 1 - worker
-    return own * stages + worker
+    return worker_chunk * stages + worker
 
 
 def rpc_name(rank: int) -> str:
@@ -62,15 +62,16 @@ class Topology:
     virtual: int = 1  # model chunks per worker
     schedule: str = ""  # the job's: where each model chunk sits (`place`)
 
-    def chunks(self) -> Topology:
-        """The (replica, model chunk) slots, numbered as ranks are: slot replica*stages*virtual + chunk."""
+    def model_chunks(self) -> Topology:
+        """The (replica, model chunk) slots, numbered as ranks are: slot replica*stages*virtual + model chunk."""
         return Topology(self.stages * self.virtual, self.replicas)
 
     def worker_of(self, slot: int) -> int:
-        """The rank of the worker holding slot `slot` of `chunks()` (the slot itself with one chunk a worker)."""
+        """The rank of the worker holding slot `slot` of `model_chunks()` (the slot itself with one model chunk a
+        worker)."""
         per = self.stages * self.virtual
-        replica, chunk = divmod(slot, per)
-        return self.rank(replica, place(self.schedule, chunk, self.stages)[0])
+        replica, model_chunk = divmod(slot, per)
+        return self.rank(replica, place(self.schedule, model_chunk, self.stages)[0])
 
     @property
     def world(self) -> int:

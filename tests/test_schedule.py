@@ -107,7 +107,7 @@ def test_interleaved_1f1b_runs_each_chunk_once_and_divides_the_bubble(p, rounds,
         pos = {a: n for n, a in enumerate(actions)}
         assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] for i in range(m) for c in range(v))
         # Each chunk's forwards go in micro-batch order: the lanes rely on it.
-        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.worker_chunk == c] == list(range(m))
                    for c in range(v))
     sim = simulate("interleaved-1f1b", p, m, v)
     # A chunk's F a tick, its B two: the bubble is 1f1b's divided by about the chunks per worker.
@@ -130,7 +130,7 @@ def test_zbv_runs_each_chunk_once_in_a_v_and_all_but_removes_the_bubble(p, m):
         pos = {a: n for n, a in enumerate(actions)}
         assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] < pos[Action("W", i, c)]
                    for i in range(m) for c in range(2))
-        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.worker_chunk == c] == list(range(m))
                    for c in range(2))
         # The V: worker k's chunks are the model's k and 2P-1-k.
         assert [model_chunk("zbv", k, c, p) for c in (0, 1)] == [k, 2 * p - 1 - k]
