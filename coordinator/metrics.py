@@ -114,9 +114,9 @@ def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
                   waits: Sequence[Collection[int]] = ()) -> dict[str, Any]:
     """A schedule as plan.json shows it: each worker's actions in order (F forward, B backward, W the weights'
     gradients of a split backward; F3.1: micro-batch 3 on the worker's model chunk 1), the model chunks each
-    worker holds (`model_chunks`, with virtual stages), the simulator's bubble of one step and of steps in a row (gpipe.schedule.steady:
-    each worker starts its next step once its own is done, or, in each set of `waits`, once all of them are:
-    step_waits), and micro-batches in flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no
+    worker holds (`model_chunks`, with virtual stages), the simulator's bubble of one step and of steps in a row
+    (gpipe.schedule.steady: each worker starts its next step once its own is done, or, in each set of `waits`,
+    once all of them are: step_waits), and micro-batches in flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no
     steps in a row."""
     if stages * chunks * virtual > SIMULATED_MAX:
         return {"name": name}

@@ -61,9 +61,10 @@ class Pipeline:
     then equal one GPU's to the bit). Stages on a GPU each run on a CUDA stream of their own, so stages that share
     a GPU overlap; the caller's current device and streams are left as they were.
     virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` (or `stages`)
-    then counts model chunks, chunk c runs on worker c mod workers (zbv: worker k holds chunks k and
-    2*workers-1-k, a V), `devices` lists the workers', and interleaved-1f1b's `chunks` must be a multiple of
-    the workers (gpipe.turns: a stage per chunk, the worker's chunks taking turns).
+    then counts model chunks, model chunk c runs on worker c mod workers (zbv: worker k holds model chunks k
+    and 2*workers-1-k, a V: gpipe.topology.place), `devices` lists the workers', and interleaved-1f1b's
+    `chunks` (micro-batches) must be a multiple of the workers (gpipe.turns: a stage per model chunk, the
+    worker's model chunks taking turns).
     """
 
     def __init__(self, model: nn.Module, balance: Sequence[int] | None = None, chunks: int = 1,
@@ -106,7 +107,8 @@ class Pipeline:
             balance = [1] * count  # stage count only, until the model is captured at the first call
         assert balance is not None
         if type(virtual_stages) is int and virtual_stages > 1 and len(balance) % virtual_stages:
-            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} chunks each")
+            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} model "
+                             "chunks each")
         workers = len(balance) // virtual_stages if type(virtual_stages) is int and virtual_stages > 0 else 0
         if why := options.violation(schedule, workers, virtual_stages, chunks, activation_checkpoint):
             raise ValueError(why)  # the rules the service's spec keeps too
@@ -144,7 +146,7 @@ class Pipeline:
         self._hub = Hub(len(balance), replicas, timeout_s)
         self._rng = SharedGenerators()
         self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
-        # With virtual stages, the chunks of each worker of each replica take turns (gpipe.turns).
+        # With virtual stages, the model chunks of each worker of each replica take turns (gpipe.turns).
         self._turns = [[Turns() for _ in range(workers)] for _ in range(replicas)] if virtual_stages > 1 else []
         self.bounds = cuts.bounds(balance)
 
@@ -218,7 +220,8 @@ class Pipeline:
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder[id(p)] != k)
                 cfg = StageConfig(
-                    model_chunk=k, model_chunks=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
+                    model_chunk=k, model_chunks=stages, start=start, end=end, model_factory="", model_args={},
+                    optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
                     device=str(self._device(k)), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above

@@ -141,8 +141,9 @@ def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list
 def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     """Zero bubble V (arXiv 2401.10241, section 6): worker k holds model chunks k (its chunk 0) and
     2*stages-1-k (its chunk 1), a V, so the last model chunk is on worker 0; backwards split into B and W.
-    Warm-up: chunk 0's forwards, then chunk 1's interleaved, each chunk 1 forward on the worker nearest the
-    V's bottom followed at once by its B and W; steady state: F, B, W on chunk 0 then on chunk 1; the drain
+    Warm-up: its model chunk 0's forwards, then its model chunk 1's interleaved, each forward on model chunk 1
+    on the worker nearest the V's bottom followed at once by its B and W; steady state: F, B, W on model chunk
+    0 then on model chunk 1; the drain
     runs the B's first and fills the gaps with the W's left. Built for 2*stages-1 micro-batches or more (the
     actions of micro-batches past `chunks` are dropped), as torch.distributed.pipelining's builder is."""
     if virtual != 2:

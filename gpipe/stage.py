@@ -54,7 +54,7 @@ from gpipe.turns import Turns
 from gpipe.wire import gradient_message, gradients, wants_grad
 
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
-# its capture (torch.export, seconds for a language model) are made once in a process, and every chunk takes a
+# its capture (torch.export, seconds for a language model) are made once in a process, and every model chunk takes a
 # copy of its own pieces from them. One model at a time: an attempt process serves one job.
 _skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor], nn.Sequential]] = {}
 _skeletons_lock = threading.Lock()
@@ -245,7 +245,7 @@ class Stage:
         # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
         self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.model_chunk for k in keys}
         self.shared_rng = shared_rng
-        self._turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
+        self._turns: Turns | None = None  # with virtual stages: the turns of this model chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         self.transport = transport
@@ -411,7 +411,7 @@ class Stage:
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
-        `positions`: each action's place in its worker's order: the worker's chunks' actions then run together,
+        `positions`: each action's place in its worker's order: the worker's model chunks' actions then run together,
         in that order, on one thread (gpipe.turns).
         """
         p.split = schedule.splits_backward(actions)

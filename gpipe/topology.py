@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 
 def place(schedule: str, model_chunk: int, stages: int) -> tuple[int, int]:
-    """(worker, the worker's own number for it: its worker_chunk) of model chunk `model_chunk` of a replica cut into `stages` workers'
-    model chunks: model chunk g is worker chunk g div stages on worker g mod stages, but zbv's V puts model
-    chunk g on worker 2*stages-1-g past the middle. With one model chunk a worker, model chunk g is worker g's."""
+    """(worker, the worker's own number for it: its worker_chunk) of model chunk `model_chunk`, on `stages`
+    workers: model chunk g is worker chunk g div stages on worker g mod stages, but zbv's V puts model chunk g on
+    worker 2*stages-1-g past the middle. With one model chunk a worker, model chunk g is worker g's."""
     if schedule == "zbv" and model_chunk >= stages:
         return 2 * stages - 1 - model_chunk, 1
     return model_chunk % stages, model_chunk // stages

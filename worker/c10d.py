@@ -90,7 +90,8 @@ class World:
             _set_pg_timeout(timeout, group)
         # What stays within the worker: cuts between its own model chunks, and the first round of each sum.
         self.local = Hub(cfg.model_chunks, 1, cfg.step_timeout_s)
-        self.turns = Turns() if cfg.virtual_stages > 1 else None  # its model chunks compute one action at a time, in order
+        # Its model chunks compute one action at a time, in order.
+        self.turns = Turns() if cfg.virtual_stages > 1 else None
         self.rng = SharedGenerators() if cfg.virtual_stages > 1 else None  # and share the process's generators
 
     def _address(self) -> str:
