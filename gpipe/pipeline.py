@@ -183,17 +183,18 @@ class Pipeline:
         self.captured = c
         return c.pieces
 
-    def _device(self, stage: int) -> torch.device:
-        """The device of stage `stage` (with virtual stages: model chunk `stage`, on its worker's device)."""
-        return self.devices[self._worker(stage)]
+    def _device(self, model_chunk: int) -> torch.device:
+        """The device of model chunk `model_chunk`: its worker's (the stage's, with one model chunk a worker)."""
+        return self.devices[self._worker(model_chunk)]
 
-    def _worker(self, stage: int) -> int:
-        """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.topology.place)."""
-        return place(str(self._settings["schedule"]), stage, len(self.devices))[0]
+    def _worker(self, model_chunk: int) -> int:
+        """The worker holding model chunk `model_chunk` (gpipe.topology.place)."""
+        return place(str(self._settings["schedule"]), model_chunk, len(self.devices))[0]
 
     def _build(self, sample: Any) -> None:
-        """The stages, at the first call: skip connections that cross a cut are found on `sample` first."""
-        stages = len(self.balance)
+        """The stages, one per model chunk, at the first call: skip connections that cross a cut are found on
+        `sample` first."""
+        model_chunks = len(self.balance)
         if self.model is None:
             self.model = self._capture(sample)
             routes: list[cuts.Route] = []
@@ -220,7 +221,7 @@ class Pipeline:
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder[id(p)] != k)
                 cfg = StageConfig(
-                    model_chunk=k, model_chunks=stages, start=start, end=end, model_factory="", model_args={},
+                    model_chunk=k, model_chunks=model_chunks, start=start, end=end, model_factory="", model_args={},
                     optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
                     device=str(self._device(k)), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
