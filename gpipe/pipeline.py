@@ -106,12 +106,12 @@ class Pipeline:
             self._want = balance
             balance = [1] * count  # stage count only, until the model is captured at the first call
         assert balance is not None
-        if type(virtual_stages) is int and virtual_stages > 1 and len(balance) % virtual_stages:
+        workers = len(balance) // virtual_stages if type(virtual_stages) is int and virtual_stages > 0 else 1
+        if why := options.violation(schedule, max(workers, 1), virtual_stages, chunks, activation_checkpoint):
+            raise ValueError(why)  # the rules the service's spec keeps too
+        if len(balance) % virtual_stages:
             raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} model "
                              "chunks each")
-        workers = len(balance) // virtual_stages if type(virtual_stages) is int and virtual_stages > 0 else 0
-        if why := options.violation(schedule, workers, virtual_stages, chunks, activation_checkpoint):
-            raise ValueError(why)  # the rules the service's spec keeps too
         if precision not in DTYPES:
             raise ValueError(f"precision: {precision!r} is not one of {', '.join(DTYPES)}")
         if type(replicas) is not int or replicas < 1:
