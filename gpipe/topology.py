@@ -25,8 +25,9 @@ a replica's model is cut into stages x virtual model chunks, and `place` is the
 one place that says which worker holds each (model chunk g on worker g mod
 stages; zbv's V puts the second half back down): the stage interpreter, the
 schedules' simulator, gpipe.Pipeline, the data plane and the coordinator all
-ask it. `model_chunks()` numbers the (replica, model chunk) slots as the
-ranks number workers, and `worker_of` maps a slot to the rank holding it.
+ask it. `model_chunks()` gives the (replica, model chunk) slots (`Slots`),
+numbered as the ranks number workers, and `worker_of` maps a slot to the rank
+holding it.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ class Topology:
     virtual: int = 1  # model chunks per worker
     schedule: str = ""  # the job's: where each model chunk sits (`place`)
 
-    def model_chunks(self) -> Topology:
+    def model_chunks(self) -> Slots:
         """The (replica, model chunk) slots, numbered as ranks are: slot replica*stages*virtual + model chunk."""
-        return Topology(self.stages * self.virtual, self.replicas)
+        return Slots(self.stages * self.virtual, self.replicas)
 
     def worker_of(self, slot: int) -> int:
         """The rank of the worker holding slot `slot` of `model_chunks()` (the slot itself with one model chunk a
@@ -118,3 +119,37 @@ class Topology:
         ranks = f"ranks 0-{self.world - 1}"
         stages = f"{self.stages} stage{'s' if self.stages > 1 else ''}"
         return ranks if self.replicas == 1 else f"{ranks} ({self.replicas} replicas x {stages})"
+
+
+@dataclass(frozen=True)
+class Slots:
+    """What a driver drives, by slot: each replica's model chunks (a stage each), numbered as ranks number workers
+    (slot replica*model_chunks + model chunk); with one model chunk a worker, the slots are the ranks."""
+
+    model_chunks: int  # per replica
+    replicas: int = 1
+
+    @property
+    def count(self) -> int:
+        return self.model_chunks * self.replicas
+
+    def model_chunk_of(self, slot: int) -> int:
+        return slot % self.model_chunks
+
+    def replica_of(self, slot: int) -> int:
+        return slot // self.model_chunks
+
+    def slot(self, replica: int, model_chunk: int) -> int:
+        return replica * self.model_chunks + model_chunk
+
+    def replica_slots(self, replica: int) -> list[int]:
+        """The slots of one pipeline, model chunk 0 first."""
+        return [self.slot(replica, g) for g in range(self.model_chunks)]
+
+    def slots(self) -> list[int]:
+        return list(range(self.count))
+
+    def name(self, slot: int) -> str:
+        """'stage 1', or 'stage 1 of replica 2' when there are replicas (a model chunk is a stage of its own)."""
+        g = self.model_chunk_of(slot)
+        return f"stage {g}" if self.replicas == 1 else f"stage {g} of replica {self.replica_of(slot)}"
