@@ -104,8 +104,7 @@ class Topology:
 
     def name(self, rank: int) -> str:
         """'stage 1', or 'stage 1 of replica 2' when there are replicas."""
-        k = self.stage_of(rank)
-        return f"stage {k}" if self.replicas == 1 else f"stage {k} of replica {self.replica_of(rank)}"
+        return _name(self.stage_of(rank), self.replica_of(rank), self.replicas)
 
     def log_name(self, rank: int) -> str:
         """A worker's log file under `run`: stage-K.log, replica-R-stage-K.log past replica 0."""
@@ -151,5 +150,9 @@ class Slots:
 
     def name(self, slot: int) -> str:
         """'stage 1', or 'stage 1 of replica 2' when there are replicas (a model chunk is a stage of its own)."""
-        g = self.model_chunk_of(slot)
-        return f"stage {g}" if self.replicas == 1 else f"stage {g} of replica {self.replica_of(slot)}"
+        return _name(self.model_chunk_of(slot), self.replica_of(slot), self.replicas)
+
+
+def _name(stage: int, replica: int, replicas: int) -> str:
+    """How a user reads a stage: 'stage 1', or 'stage 1 of replica 2' when there are replicas."""
+    return f"stage {stage}" if replicas == 1 else f"stage {stage} of replica {replica}"
