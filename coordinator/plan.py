@@ -33,7 +33,7 @@ from gpipe.wire import backend_of, encode
 class Plan:
     spec: JobSpec
     model: nn.Sequential  # exact: the initial weights (torch.manual_seed(seed); factory(**args)); per_layer: on meta
-    balance: list[int]  # layers per stage
+    balance: list[int]  # layers per stage (per model chunk, with virtual stages)
     dataset: Dataset[Any]
     import_paths: list[str]
     balance_costs: list[float] | None = None  # per layer, when the balance was computed
@@ -85,16 +85,18 @@ class Plan:
             out.append(f"cut {k} (before {first}): {'; '.join(c.shapes[start - 1])}")
         return out
 
-    def stage_modules(self, stage: int) -> list[str]:
-        """The model's modules stage `stage` runs, the outermost of them (an nn.Sequential's: its layers)."""
-        start, end = self.bounds[stage]
+    def stage_modules(self, model_chunk: int) -> list[str]:
+        """The model's modules the stage of model chunk `model_chunk` runs, the outermost of them (an
+        nn.Sequential's: its layers)."""
+        start, end = self.bounds[model_chunk]
         if self.captured is None:
             return [f"{i} ({type(self.model[i]).__name__})" for i in range(start, end)]
         return [m for i in range(start, end) for m in self.captured.modules[i]]
 
-    def stage_parameters(self, stage: int) -> int:
-        """The parameters stage `stage` holds (a tied weight counted on each stage that holds a copy)."""
-        start, end = self.bounds[stage]
+    def stage_parameters(self, model_chunk: int) -> int:
+        """The parameters the stage of model chunk `model_chunk` holds (a tied weight counted on each stage that
+        holds a copy)."""
+        start, end = self.bounds[model_chunk]
         return sum(p.numel() for p in nn.ModuleList(self.model[i] for i in range(start, end)).parameters())
 
     def tied_stages(self) -> list[tuple[list[str], list[int]]]:
@@ -133,9 +135,10 @@ class Plan:
         """[start, end) layer range of each stage (gpipe.cuts)."""
         return cuts.bounds(self.balance)
 
-    def stage_state(self, stage: int) -> dict[str, torch.Tensor]:
-        """The stage's initial parameters and buffers, under the full model's names."""
-        start, end = self.bounds[stage]
+    def stage_state(self, model_chunk: int) -> dict[str, torch.Tensor]:
+        """The initial parameters and buffers of the stage of model chunk `model_chunk`, under the full model's
+        names."""
+        start, end = self.bounds[model_chunk]
         keep = {str(i) for i in range(start, end)}
         own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers(remove_duplicate=False))
         out = {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
