@@ -220,11 +220,11 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
                                 "model built on the meta device does not hold; use init exact")
             return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
     layers = len(model)
-    if spec.model_chunks > layers:
-        what = "layers" if captured is None else f"blocks ({captured.blocks})"
-        cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
-            f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
-        raise SpecError(f"stages: {cut} but the model has only {layers} {what}")
+    what = "layers" if captured is None else f"blocks ({captured.blocks})"
+    cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
+        f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
+    if why := cuts.shortfall(spec.model_chunks, layers, cut, what):
+        raise SpecError(why)
     backend = backend_of(spec.device)  # what carries the cuts: their dtypes are checked against it
     skips = probe(model, xs[0], ys[0], loss_fn, backend) if spec.probe and captured is None else {}
     if captured is not None and spec.probe:

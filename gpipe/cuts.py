@@ -46,3 +46,11 @@ def misfit(balance: Sequence[int], layers: int, what: str = "layers") -> str | N
     if sum(balance) != layers:
         return f"balance: sums to {sum(balance)} but the model has {layers} {what}"
     return None
+
+
+def shortfall(model_chunks: int, layers: int, cut: str, what: str = "layers") -> str | None:
+    """Why a model of `layers` layers (`what` they are) cannot be cut into `model_chunks` non-empty parts (`cut`
+    says how the user asked for them: "4 stages"), as "stages: why"; None when it can."""
+    if model_chunks > layers:
+        return f"stages: {cut} but the model has only {layers} {what}"
+    return None

@@ -171,8 +171,8 @@ class Pipeline:
                 raise ValueError(why)
             self.balance = list(self._want)
         else:
-            if stages > len(c.pieces):
-                raise ValueError(f"stages: {stages} stages but the model has only {len(c.pieces)} blocks ({c.blocks})")
+            if why := cuts.shortfall(stages, len(c.pieces), f"{stages} stages", f"blocks ({c.blocks})"):
+                raise ValueError(why)
             self.balance = balancing.partition(balancing.param_costs(c.pieces), stages)
         self.bounds = cuts.bounds(self.balance)
         for group in c.tied:
