@@ -38,7 +38,7 @@ steps: {steps}
 
 def make_state(root: Path, name: str, mib: int) -> int:
     """A state dir holding one finished job whose metrics.jsonl is about `mib` MiB; returns its line count."""
-    from gpipe.serde import JobRecord, JobState, StateChange
+    from gpipe.job_records import JobRecord, JobState, StateChange
 
     out = root / name
     out.mkdir(parents=True)

@@ -32,7 +32,6 @@ if __name__ == "__main__":
     proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
 
 import argparse
-import errno
 import json
 import os
 import signal
@@ -43,15 +42,12 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from coordinator import report
+from coordinator import policy, report
+from coordinator.records import Placement
 from coordinator.spec import JobSpec, load_spec
-from coordinator.supervisor import Placement
 from gpipe.contract import Cause
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
 from gpipe.factory import enter_job_folder
-
-# Errors of the disk the job's outputs are on, not of this attempt: a restart cannot fix them.
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
 
 
 def device_for(spec: JobSpec, device: str, rank: int) -> str:
@@ -111,7 +107,7 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     import torch
 
     from coordinator.driver import drive_eval
-    from coordinator.evaluation import load_weights
+    from coordinator.eval_weights import load_weights
     from coordinator.plan import make_plan
 
     # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
@@ -156,7 +152,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     from coordinator import checkpoint
     from coordinator.board import Board
     from coordinator.driver import drive
-    from coordinator.evaluation import BEST, Best
+    from coordinator.eval_weights import BEST, Best
     from coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
     from coordinator.outputs import prepare_output
     from coordinator.plan import make_plan
@@ -274,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         tell(report.Failed.of(e))
         return e.exit_code
     except OSError as e:
-        if e.filename is None and e.errno not in DISK_ERRNOS:
+        if not policy.disk_error(e):
             traceback.print_exc()
             tell(report.Failed(f"internal error: {type(e).__name__}: {e}", EXIT_FAILED))
             return EXIT_FAILED

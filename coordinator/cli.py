@@ -43,7 +43,7 @@ T = TypeVar("T")
 
 DEFAULT_STATE_DIR = "gpipe-state"  # run's and eval's
 DEFAULT_SERVE_STATE_DIR = "gpipe-service"  # serve's job table
-DEFAULT_CODE_MIB = 50  # gpipe.code.DEFAULT_LIMIT_MIB (imported lazily there)
+DEFAULT_CODE_MIB = 50  # gpipe.code_archive.DEFAULT_LIMIT_MIB (imported lazily there)
 EXIT_INTERRUPTED = 130
 M_ARENA_MAX = -8  # mallopt's name for MALLOC_ARENA_MAX
 # How torch and Python say an allocation failed, in a RuntimeError.
@@ -220,7 +220,7 @@ def _validate_gpus(spec: JobSpec) -> str:
     what was checked (or why not: no GPU here, where the job may well not run). '' on a CPU."""
     if spec.device != "cuda":
         return ""
-    from coordinator.local_run import too_few_gpus
+    from coordinator.run import too_few_gpus
     from worker.device import probe
 
     seen = probe()
@@ -237,8 +237,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from coordinator.server import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB, serve
-    from coordinator.supervisor import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+    from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+    from coordinator.server import serve
+    from coordinator.submissions import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB
     from gpipe import grpcutil, net, proc
 
     token = grpcutil.read_token(args.auth_token_file)
@@ -280,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
                             "reaches it could submit code to run. Set --auth-token-file and --worker-token-file "
                             "(or --insecure)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve stops gracefully by its own handler
-    from gpipe.code import limit_bytes
+    from gpipe.code_archive import limit_bytes
 
     max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
@@ -320,7 +321,7 @@ def _eval(spec: JobSpec, args: argparse.Namespace) -> int:
     """The eval verb: the loss of a weights file on the spec's eval data; bad input is SpecError (exit 2)."""
     import json
 
-    from coordinator.local_run import eval_local
+    from coordinator.run import eval_local
 
     if spec.eval is None:
         raise SpecError(f"{args.job}: eval: the job has no eval section to evaluate on")
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
-    from coordinator.local_run import run_local
+    from coordinator.run import run_local
     from coordinator.spec import load_spec
 
     try:

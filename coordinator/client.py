@@ -17,7 +17,7 @@ import grpc
 from coordinator.progress import Follower, Progress
 from gpipe import grpcutil, serde
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 if TYPE_CHECKING:
@@ -60,16 +60,16 @@ class Client:
 
     async def submit(self, path: str, follow: bool, progress: bool = True, max_code_mib: int = 50,
                      attach: bool = False) -> int:
-        """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code).
+        """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code_archive).
         With `attach`, a job of that name with this very spec and code is followed, not refused."""
         from coordinator.spec import parse_spec, read_spec_text
-        from gpipe import code
+        from gpipe import code_archive
 
         text = read_spec_text(path)  # SpecError: unreadable, not UTF-8, or over the size limit
         spec = parse_spec(text, source=path)  # what to pack; serve checks the spec again
-        limit = code.limit_bytes(max_code_mib, "--max-code-mib")
+        limit = code_archive.limit_bytes(max_code_mib, "--max-code-mib")
         folder = spec.code_dir(path)
-        archive = await asyncio.to_thread(code.pack, folder, spec.exclude, limit)
+        archive = await asyncio.to_thread(code_archive.pack, folder, spec.exclude, limit)
         ref = await self.upload(archive)
         try:
             pb = await self.stub.SubmitJob(jobs_pb2.SubmitJobRequest(spec_yaml=text, code_sha256=ref.sha256),
@@ -98,7 +98,7 @@ class Client:
         return await self.follow(name, job.steps, progress, final_after=len(job.history) - int(job.state.ended))
 
     async def upload(self, archive: bytes) -> jobs_pb2.CodeRef:
-        from gpipe.code import CHUNK_BYTES
+        from gpipe.code_archive import CHUNK_BYTES
 
         pieces = (jobs_pb2.CodeChunk(data=archive[i:i + CHUNK_BYTES]) for i in range(0, len(archive), CHUNK_BYTES))
         try:

@@ -47,7 +47,7 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
         "import_paths": plan.import_paths, "skip_routes": plan.skip_routes(),
         "batch_size": spec.data.batch_size,
         "loss_scale": (spec.loss_scale.init, spec.loss_scale.growth_interval),
-        # Evaluation (gpipe.evaluation.EvalSchedule): spec.eval and spec.steps, as the plan schedules them.
+        # Evaluation (gpipe.eval_schedule.EvalSchedule): spec.eval and spec.steps, as the plan schedules them.
         "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
         "steps": evals.steps if first else 0,
         "capture": plan.capture_args(), "tied": plan.tied_stages(),

@@ -37,7 +37,7 @@ from coordinator.resume import checkpoint_meta, resume_parts, weight_parts
 from coordinator.rpcworld import RpcWorld
 from coordinator.watch import Watch
 from gpipe import stream
-from gpipe.contract import Cause, EvalResult, StageError, StepResult
+from gpipe.contract import Cause, EvalResult, StageError, StepResult, blamed
 from gpipe.errors import JobFailed, SpecError, describe_os_error
 from gpipe.files import atomic_write
 from gpipe.show import first_line
@@ -204,7 +204,7 @@ class Run:
             try:
                 results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
             except JobFailed as e:
-                if e.error is None or e.error.cause != Cause.ABORTED:
+                if e.error is None or blamed(e.error.cause):
                     raise
                 # A model chunk that gave up because another chunk of its worker failed: that chunk's own answer
                 # (on its way) names the failure. Until it comes, this one is not counted as answered.

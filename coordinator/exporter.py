@@ -37,9 +37,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.supervisor import Entry, Supervisor
+from coordinator.records import Entry
+from coordinator.supervisor import Supervisor
 from gpipe.errors import SpecError
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 
 WAITING = (JobState.RESTARTING, JobState.PREEMPTED)  # jobs that wait for their ranks' workers to come back
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from coordinator import report
-from coordinator.supervisor import Launch
+from coordinator.records import Launch
 from gpipe.proc import child_env, last_error_line
 from gpipe.zygote import Child, Template
 

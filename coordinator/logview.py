@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gpipe.serde import Event, StateChange
+from gpipe.job_records import Event, StateChange
 
 
 def step_line(m: dict[str, Any], steps: int) -> str:

@@ -18,14 +18,14 @@ from torch.utils.data import Dataset
 from coordinator.data import DataStream, EvalStream
 from coordinator.pretrained import Pretrained, match, open_weights
 from coordinator.spec import JobSpec
-from gpipe import balance, batchnorm, capture, cuts, init, schedule, skeleton
+from gpipe import balance, batchnorm, capture, cuts, schedule, skeleton, weight_init
 from gpipe.errors import SpecError
-from gpipe.evaluation import EvalSchedule
+from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
-from gpipe.init import uninitialisable
 from gpipe.precision import unsupported
 from gpipe.probe import probe, probe_eval
 from gpipe.show import first_line
+from gpipe.weight_init import uninitialisable
 from gpipe.wire import backend_of, encode
 
 
@@ -212,7 +212,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             raise SpecError(str(e) if isinstance(e, capture.CaptureError) else f"model: {first_line(e)}") from None
         model = captured.pieces
         if spec.init == "per_layer" and spec.init_hook is None:
-            if (what := init.unresettable(original, captured.pieces)) is not None:
+            if (what := weight_init.unresettable(original, captured.pieces)) is not None:
                 raise SpecError(f"init: {what} has parameters but no reset_parameters(); give init_hook")
         if buffers is not None and (gap := skeleton.unknown_constant(model, buffers)) is not None:
             if spec.init == "per_layer":

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 
 
 class Progress:

@@ -449,9 +449,9 @@ class JobSpec(_Spec):
         description="exact: torch.manual_seed(seed), then the factory, in the coordinator (a model that "
         "fits its memory), streamed to the stages a piece at a time. per_layer: no process builds the "
         "whole model; each stage builds its own layers and initialises layer i from a generator seeded by "
-        "(seed, i), calling each submodule's reset_parameters() or init_hook (gpipe.init.per_layer gives "
+        "(seed, i), calling each submodule's reset_parameters() or init_hook (gpipe.weight_init.per_layer gives "
         "the same weights on one device); a model that is not an nn.Sequential: each submodule owning parameters "
-        "from a generator seeded by (seed, its name), its reset_parameters() or init_hook (gpipe.init.per_module "
+        "from a generator seeded by (seed, its name), its reset_parameters() or init_hook (gpipe.weight_init.per_module "
         "gives the same weights on one device). per_layer turns the probe off (probe: true is refused) and "
         "needs balance by_params or a list.",
     )

@@ -64,12 +64,12 @@ class StageConfig:
     virtual_stages: int = 1
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
-    init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.init)
+    init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.weight_init)
     init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
     precision: str = "fp32"  # fp32 | bf16 | fp16: the forward's autocast dtype (gpipe.precision)
     deterministic: bool = False  # deterministic algorithms in the stage's process (gpipe.determinism)
     loss_scale: tuple[float, int] = field(default_factory=_loss_scale_defaults)  # fp16: init, growth interval
-    # Evaluation (gpipe.evaluation.EvalSchedule): every this many steps and after the last, this many batches.
+    # Evaluation (gpipe.eval_schedule.EvalSchedule): every this many steps and after the last, this many batches.
     eval_every: int | None = None
     eval_batches: int = 0
     steps: int = 0
@@ -180,6 +180,13 @@ def classify(e: BaseException) -> Cause:
     return Cause.RAISED
 
 
+def blamed(cause: Cause) -> bool:
+    """Whether a failure of this cause is one of its own, the one to name: a model chunk that gave up because
+    another chunk of its worker failed (ABORTED) only echoes that chunk's error. The restart-or-fail decision
+    that follows is the service's (coordinator.policy)."""
+    return cause is not Cause.ABORTED
+
+
 @dataclass
 class StageError:
     """A stage's failure, as it crosses back to the driver."""
@@ -210,10 +217,3 @@ class StageError:
         return other is not None and (self.cause, self.type, self.rank, self.step) == \
             (other.cause, other.type, other.rank, other.step)
 
-
-class StageFailed(Exception):
-    """Raised by a handle when its stage answered with a StageError."""
-
-    def __init__(self, error: StageError):
-        super().__init__(error.line())
-        self.error = error

@@ -24,7 +24,7 @@ class FactoryError(LookupError):
     (a data set's IndexError, a KeyError) is no FactoryError."""
 
 
-_own_code: list[str] = []  # this process's copy of the job's code (gpipe.code), when the job sent it
+_own_code: list[str] = []  # this process's copy of the job's code (gpipe.code_archive), when the job sent it
 
 
 def enter_job_folder(folder: str | Path) -> None:

@@ -23,6 +23,7 @@ SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout
 MAX_RANK = 4095  # ranks a worker may register: 0 ... MAX_RANK
 # A SIGTERM's grace (serve's and gpipe-worker's --grace-s, Leave's grace_s): under Kubernetes' default 30 s.
 DEFAULT_GRACE_S, MIN_GRACE_S, MAX_GRACE_S = 25.0, 1.0, 3600.0
+Context = grpc.aio.ServicerContext[Any, Any]  # a call's, on a server: its request and response types vary by method
 
 
 def check_grace(seconds: float, flag: str = "--grace-s") -> float:

@@ -33,14 +33,14 @@ from torch import nn
 
 from gpipe import balance as balancing
 from gpipe import batchnorm, capture, cuts, determinism, options, skip, structure
-from gpipe.contract import StageConfig, StepResult
+from gpipe.contract import StageConfig, StepResult, blamed, classify
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.probe import Recorder
 from gpipe.rng import SharedGenerators
 from gpipe.stage import Stage  # the service's own stage: one engine
 from gpipe.topology import place
 from gpipe.transport import Hub, HubClosed
-from gpipe.turns import TurnAborted, Turns
+from gpipe.turns import Turns
 
 T = TypeVar("T")
 PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip connections cross stages
@@ -372,7 +372,9 @@ class Pipeline:
         errors = [f.exception() for f in futures]
         for own, caller in streams:
             caller.wait_stream(own)
-        first = next((e for e in errors if e is not None and not isinstance(e, (HubClosed, TurnAborted))), None) or \
+        # The error to name: not a closed hub's or a chunk's that gave up for another (gpipe.contract.blamed).
+        first = next((e for e in errors if e is not None and not isinstance(e, HubClosed) and blamed(classify(e))),
+                     None) or \
             next((e for e in errors if e is not None), None)
         if first is not None:
             raise first

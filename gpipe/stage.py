@@ -30,12 +30,12 @@ from gpipe import (
     batchnorm,
     capture,
     determinism,
-    evaluation,
-    init,
+    eval_schedule,
     schedule,
     skeleton,
     skip,
     structure,
+    weight_init,
 )
 from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
@@ -85,7 +85,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     gpipe.skeleton); a model that cannot be built there (or keeps plain tensors
     that are no parameters or buffers) is built on the CPU instead. With no
     `state`, the layers are initialised here (init per_layer: a layer at a time,
-    or a captured model's a module at a time, gpipe.init), or left empty for
+    or a captured model's a module at a time, gpipe.weight_init), or left empty for
     weights sent in pieces (worker.streaming).
     """
     add_import_paths(cfg.import_paths)  # the job's folder: its model's module lives there
@@ -110,16 +110,16 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
                 layers = sliced(factory(**cfg.model_args))
         if skeleton.plain_tensor(layers) is not None:  # no build on the meta device gives its value
             layers = None
-        elif per_layer and cfg.capture is not None:  # a module at a time, on the CPU (gpipe.init.per_module)
+        elif per_layer and cfg.capture is not None:  # a module at a time, on the CPU (gpipe.weight_init.per_module)
             layers = layers.to_empty(device="cpu")
             capture.retie(layers, [keys for keys, _ in cfg.tied])
             skeleton.fill_buffers(layers, buffers, capture.model_name)
-            init.init_pieces(layers, model, cfg.seed, hook)
+            weight_init.init_pieces(layers, model, cfg.seed, hook)
             layers = layers.to(device)
             capture.to_device(layers, device)
         elif per_layer:  # a layer at a time: on the CPU, initialised, then to the device
             for j, i in enumerate(range(cfg.start, cfg.end)):
-                layers[j] = init.materialise(layers[j], i, cfg.seed, device, hook)
+                layers[j] = weight_init.materialise(layers[j], i, cfg.seed, device, hook)
         else:
             layers = layers.to_empty(device=device)
             capture.retie(layers, [keys for keys, _ in cfg.tied])  # to_empty gave each name its own tensor
@@ -130,10 +130,10 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         whole = factory(**cfg.model_args)
         layers = sliced(whole)
         if per_layer and cfg.capture is not None:
-            init.init_pieces(layers, whole, cfg.seed, hook)
+            weight_init.init_pieces(layers, whole, cfg.seed, hook)
         elif per_layer:
             for j, i in enumerate(range(cfg.start, cfg.end)):
-                init.init_layer(layers[j], i, cfg.seed, hook)
+                weight_init.init_layer(layers[j], i, cfg.seed, hook)
         layers = layers.to(device)
         capture.to_device(layers, device)  # a captured model built on the CPU names the CPU in its graphs
     if state is None:
@@ -191,8 +191,8 @@ class Pass:
     computing_from: float = 0.0  # when the current action's compute began (after its waits)
 
     def tag(self, mb: int) -> int:
-        """The number micro-batch `mb` travels under: eval batches under negative ones (gpipe.evaluation)."""
-        return mb if self.train else evaluation.tag(mb)
+        """The number micro-batch `mb` travels under: eval batches under negative ones (gpipe.eval_schedule)."""
+        return mb if self.train else eval_schedule.tag(mb)
 
 
 class Stage:
@@ -599,7 +599,7 @@ class Stage:
     def _evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
                   sizes: list[int]) -> EvalResult:
         dev, chunks = self.device, len(sizes)
-        p = Pass(False, evaluation.seed_step(batch), 0, inputs, targets, sizes, sum(sizes), what="eval micro-batch",
+        p = Pass(False, eval_schedule.seed_step(batch), 0, inputs, targets, sizes, sum(sizes), what="eval micro-batch",
                  loss_sum=torch.zeros((), dtype=torch.float64, device=dev))
         self._expect(chunks)
         t0 = time.perf_counter()

@@ -30,8 +30,8 @@ from torch.utils.data import default_collate
 
 from gpipe import Pipeline
 from gpipe.factory import resolve
-from gpipe.init import per_layer
 from gpipe.rng import seeded_forward
+from gpipe.weight_init import per_layer
 
 OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -153,7 +153,7 @@ def to(batch: Any, device: str) -> Any:
 
 def initial_model(spec: dict[str, Any]) -> nn.Sequential:
     """The model with the spec's initial weights: seeded, then the factory (init exact), or
-    gpipe.init.per_layer (init per_layer)."""
+    gpipe.weight_init.per_layer (init per_layer)."""
     seed = spec.get("seed", 0)
     torch.manual_seed(seed)
     model = resolve(spec["model"]["factory"])(**spec["model"].get("args", {}))

@@ -55,7 +55,7 @@ def snap(step: int, scale: float = 1.0) -> checkpoint.Snapshot:
 
 
 def test_the_layout_has_one_home_and_the_supervisor_reads_it(tmp_path):
-    from coordinator.supervisor import newest_committed
+    from coordinator.jobs import newest_committed
 
     root = checkpoint.folder(tmp_path)
     d, _ = checkpoint.write(root, snap(4))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import report
-from gpipe import net, serde
+from gpipe import job_records, net, serde
 from tests.conftest import Cli, process_kind, tagged_pids, wait_for
 from tests.test_service import Service
 
@@ -98,7 +98,7 @@ def steps_done(out: Path) -> int:
 def test_the_secret_travels_in_join_and_master_and_never_in_a_repr():
     secret = net.new_secret()
     assert SECRET.fullmatch(secret) and secret != net.new_secret()
-    j = serde.Join("a1", "10.0.0.5:1234", 1, 2, 30.0, secret)
+    j = job_records.Join("a1", "10.0.0.5:1234", 1, 2, 30.0, secret)
     assert serde.command_from_pb(serde.command_to_pb(j)) == j
     m = report.Master("10.0.0.5:1234", secret)
     assert report.decode(report.encode(m)) == m

@@ -56,7 +56,7 @@ def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cud
     import torch
 
     from coordinator.attempt import device_for
-    from coordinator.local_run import worker_gpus
+    from coordinator.run import worker_gpus
     from coordinator.spec import parse_spec
 
     def poisoned(*args, **kwargs):
@@ -79,7 +79,7 @@ def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cud
 
 
 def test_each_local_worker_gets_its_own_gpu_from_the_visible_list():
-    from coordinator.local_run import gpu_envs
+    from coordinator.run import gpu_envs
 
     assert gpu_envs(3, None) == [{VISIBLE_ENV: "0"}, {VISIBLE_ENV: "1"}, {VISIBLE_ENV: "2"}]
     assert gpu_envs(2, "5, 7,3") == [{VISIBLE_ENV: "5"}, {VISIBLE_ENV: "7"}]

@@ -24,10 +24,10 @@ import yaml
 from safetensors.torch import load_file
 
 from coordinator import elastic, report
+from coordinator.records import COMMIT_GRACE_S
 from coordinator.spec import parse_spec
-from coordinator.supervisor import COMMIT_GRACE_S
 from gpipe.errors import SpecError
-from gpipe.serde import JobRecord, JobState, Join, StateChange
+from gpipe.job_records import JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology
 from tests import netns, reference
 from tests.conftest import ROOT, Cli, end_leftovers

@@ -20,13 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import TensorDataset
 
-from coordinator.evaluation import Best
+from coordinator.eval_weights import Best
 from coordinator.metrics import EvalMetrics
 from coordinator.plan import make_plan
 from coordinator.spec import parse_spec
-from gpipe import serde
+from gpipe import job_records, serde
 from gpipe.errors import SpecError
-from gpipe.evaluation import EvalSchedule
+from gpipe.eval_schedule import EvalSchedule
 from tests import reference
 from tests.conftest import Cli, end_leftovers, torch_threads
 from tests.test_service import Service
@@ -413,15 +413,15 @@ def test_best_is_replaced_only_by_a_lower_loss_and_read_back_on_resume(tmp_path)
 
 def test_eval_lines_cross_the_wire_and_the_job_record():
     line = {"step": 4, "eval_loss": 0.25, "eval_samples": 30, "eval_time_s": 0.5, "attempt": 2}
-    kind, value = serde.metrics_event(line)
+    kind, value = job_records.metrics_event(line)
     assert kind == "eval"
     assert serde.event_from_pb(serde.event_to_pb((kind, value))) == ("eval", line)
     unknown = {**line, "step": None}
     assert serde.event_from_pb(serde.event_to_pb(("eval", unknown))) == ("eval", unknown)
-    assert serde.metrics_event({"step": 1, "loss": 0.1})[0] == "metrics"
-    job = serde.JobRecord(name="e", spec_yaml="", steps=5, eval_loss=0.25, eval_step=4)
+    assert job_records.metrics_event({"step": 1, "loss": 0.1})[0] == "metrics"
+    job = job_records.JobRecord(name="e", spec_yaml="", steps=5, eval_loss=0.25, eval_step=4)
     assert serde.job_from_pb(serde.job_to_pb(job)) == job
-    assert serde.JobRecord.from_json(json.loads(json.dumps(job.to_json()))) == job
+    assert job_records.JobRecord.from_json(json.loads(json.dumps(job.to_json()))) == job
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import report
 from coordinator.exporter import MAX_ENDED_JOBS, Exporter
-from gpipe.serde import JobState
+from gpipe.job_records import JobState
 from tests.test_service import Service, free_port, job
 from tests.test_supervisor import Harness
 

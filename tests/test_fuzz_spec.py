@@ -20,7 +20,7 @@ from coordinator import boundedyaml
 from coordinator.spec import JobSpec, parse_spec
 from gpipe import serde
 from gpipe.errors import SpecError
-from gpipe.serde import INT32, INT64, JobRecord
+from gpipe.job_records import INT32, INT64, JobRecord
 from tests.test_serde import on_disk
 from tests.test_spec import DELETE, GOOD, put
 

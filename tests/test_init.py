@@ -1,4 +1,4 @@
-"""init: per_layer for a model that is not an nn.Sequential (gpipe.init.per_module): each stage sets its own
+"""init: per_layer for a model that is not an nn.Sequential (gpipe.weight_init.per_module): each stage sets its own
 pieces' parameters a module at a time, and nothing builds the whole model; against one device given
 per_module's weights, on the same micro-batches. And the skeleton (gpipe.skeleton) every process builds such a
 model as: no weights, its buffers' values kept."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator import checkpoint
-from gpipe import capture, init, skeleton
+from gpipe import capture, skeleton, weight_init
 from gpipe.errors import SpecError
 from tests import models
 from tests.test_anymodel import GPT2_JOB, one_device_job
@@ -19,15 +19,15 @@ pytest.importorskip("transformers")
 
 
 def test_a_captured_models_pieces_on_the_meta_device_get_per_modules_weights():
-    want = init.per_module(models.residual_net(), seed=4)
+    want = weight_init.per_module(models.residual_net(), seed=4)
     model, buffers = skeleton.skeleton(models.residual_net)
     pieces = capture.capture(model, torch.zeros(2, 16, device="meta"), ["blocks.2"]).pieces
     tail = torch.nn.Sequential(*[pieces[i] for i in range(1, len(pieces))]).to_empty(device="cpu")
-    init.init_pieces(tail, model, seed=4)
+    weight_init.init_pieces(tail, model, seed=4)
     got = {capture.model_name(k): v for k, v in tail.state_dict().items()}
     assert got and all(torch.equal(v, want.state_dict()[k]) for k, v in got.items())
     assert "blocks.3.fc.weight" in got and "stem.weight" not in got  # its own pieces only
-    other = init.per_module(models.residual_net(), seed=5)
+    other = weight_init.per_module(models.residual_net(), seed=5)
     assert not torch.equal(other.head.weight, want.head.weight)
 
 
@@ -43,7 +43,7 @@ def test_per_layer_with_an_init_hook_equals_one_device(tmp_path, factory, points
     assert plan.on_meta and all(p.is_meta for p in plan.model.parameters())  # no weights made here
     drive(plan, tmp_path)
     got = checkpoint.load(checkpoint.step_dir(checkpoint.folder(tmp_path), 2)).model_state()
-    want = one_device_job(2, init.per_module(getattr(models, factory)(), seed=0, hook=models.hf_init))
+    want = one_device_job(2, weight_init.per_module(getattr(models, factory)(), seed=0, hook=models.hf_init))
     assert worst(got, {k: v for k, v in want.items() if k in got}) <= 1e-5
     assert set(want) - set(got) <= {"lm_head.weight"}
     if factory == "gpt2":

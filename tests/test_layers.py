@@ -63,7 +63,7 @@ print("\\n".join(sorted(sys.modules)))
 def test_gpipe_pipeline_loads_the_engine_alone():
     r = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    service = ("grpc", "google.protobuf", "gpipe.v1", "coordinator", "worker", "gpipe.serde",
-               "gpipe.grpcutil", "gpipe.zygote", "gpipe.net", "gpipe.code")
+    service = ("grpc", "google.protobuf", "gpipe.v1", "coordinator", "worker", "gpipe.serde", "gpipe.job_records",
+               "gpipe.grpcutil", "gpipe.zygote", "gpipe.net", "gpipe.code_archive")
     loaded = [m for m in r.stdout.split() if m == "gpipe.stage" or m.startswith(service)]
     assert loaded == ["gpipe.stage"], loaded

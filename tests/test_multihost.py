@@ -26,7 +26,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from coordinator.supervisor import COMMIT_GRACE_S
+from coordinator.records import COMMIT_GRACE_S
 from tests import netns, reference
 from tests.conftest import ROOT
 

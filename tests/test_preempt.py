@@ -211,7 +211,7 @@ def test_run_given_sigterm_checkpoints_exits_143_and_run_resume_goes_on_to_the_s
 
 @pytest.mark.parametrize("token", ["kept", "a2VwdA==", "a2VwdA\n", "é", "\x00", "=" * 3, "a" * 200, "_-_-"])
 def test_a_page_token_is_opaque_and_any_string_not_ours_is_refused_as_a_value_error(token):
-    from coordinator.server import _page_token, _token_name
+    from coordinator.job_service import _page_token, _token_name
 
     assert _token_name(_page_token("kept")) == "kept" and _page_token("kept") == "a2VwdA"
     with pytest.raises(ValueError):

@@ -28,9 +28,9 @@ from coordinator.plan import make_plan
 from coordinator.spec import JobSpec, parse_spec
 from gpipe import stream
 from gpipe.errors import SpecError
-from gpipe.init import per_layer
 from gpipe.stage import build_layers
 from gpipe.state import StageState
+from gpipe.weight_init import per_layer
 from tests import reference
 from tests.models import mlp_norm
 from worker import streaming

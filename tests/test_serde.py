@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gpipe import serde
-from gpipe.serde import INT32, INT64, JobRecord, JobState, StateChange
+from gpipe import job_records, serde
+from gpipe.job_records import INT32, INT64, JobRecord, JobState, StateChange
 
 RECORD = JobRecord(
     name="j", spec_yaml="name: j\n", steps=10, state=JobState.FAILED, steps_done=4, loss=float("nan"),
@@ -44,8 +44,8 @@ def test_an_older_record_takes_defaults():
 
 
 def test_every_field_has_a_check():
-    assert set(serde._RECORD_FIELDS) == {f.name for f in dataclasses.fields(JobRecord)}
-    assert set(serde._CHANGE_FIELDS) == {f.name for f in dataclasses.fields(StateChange)}
+    assert set(job_records._RECORD_FIELDS) == {f.name for f in dataclasses.fields(JobRecord)}
+    assert set(job_records._CHANGE_FIELDS) == {f.name for f in dataclasses.fields(StateChange)}
 
 
 BAD = [

@@ -21,7 +21,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from coordinator.supervisor import COMMIT_GRACE_S
+from coordinator.records import COMMIT_GRACE_S
 from gpipe import serde
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests import reference

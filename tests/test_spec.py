@@ -11,7 +11,7 @@ import yaml
 from coordinator import boundedyaml
 from coordinator.plan import make_plan
 from coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec, parse_spec
-from gpipe import serde
+from gpipe import job_records, serde
 from gpipe.errors import SpecError
 
 GOOD = """
@@ -182,16 +182,16 @@ def test_per_layer_turns_the_probe_off_unless_told_and_probe_true_is_refused():
 
 
 def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
-    from coordinator import local_run
+    from coordinator import run
 
-    monkeypatch.setattr(local_run.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1})
     three = parse_spec(spec_with(stages=3, chunks=2, balance=[2, 1, 1]))
-    assert local_run.worker_cores(three) == [[0], [1], [0]]
+    assert run.worker_cores(three) == [[0], [1], [0]]
     warned = capsys.readouterr().err.splitlines()
     assert len(warned) == 1 and warned[0].startswith("warning: 3 workers (1 replica(s) x 3 stage(s)) share "
                                                      "this machine's 2 CPU core(s)"), warned
-    assert local_run.worker_cores(three, oversubscribe=True) == [[0], [1], [0]]
-    assert local_run.worker_cores(parse_spec(GOOD)) == [[0], [1]]  # enough cores: each its own, no line
+    assert run.worker_cores(three, oversubscribe=True) == [[0], [1], [0]]
+    assert run.worker_cores(parse_spec(GOOD)) == [[0], [1]]  # enough cores: each its own, no line
     assert capsys.readouterr().err == ""
 
 
@@ -295,7 +295,7 @@ def test_an_integer_field_takes_integers_only():
 
 def test_the_wire_takes_every_spec_that_parses():
     s = parse_spec(spec_with(steps=10**9, seed=2**32 - 1, max_restarts=100))
-    job = serde.JobRecord(name=s.name, spec_yaml="", steps=s.steps, restarts=s.max_restarts)
+    job = job_records.JobRecord(name=s.name, spec_yaml="", steps=s.steps, restarts=s.max_restarts)
     assert serde.job_from_pb(serde.job_to_pb(job)) == job
 
 

@@ -15,17 +15,14 @@ from pathlib import Path
 import pytest
 
 from coordinator import report
+from coordinator.jobs import STOP_CHECKPOINT_S
+from coordinator.policy import backoff_s
+from coordinator.records import Launch, Worker
+from coordinator.registry import RankTaken
 from coordinator.spec import parse_spec
-from coordinator.supervisor import (
-    STOP_CHECKPOINT_S,
-    Launch,
-    RankTaken,
-    Supervisor,
-    Worker,
-    backoff_s,
-)
+from coordinator.supervisor import Supervisor
 from gpipe.contract import Cause
-from gpipe.serde import Abort, JobRecord, JobState, Join
+from gpipe.job_records import Abort, JobRecord, JobState, Join
 
 
 class Clock:
@@ -461,8 +458,8 @@ async def test_an_unreadable_record_is_listed_never_runs_and_cannot_be_resumed(h
 async def test_events_are_a_bounded_window_and_watch_reads_older_metrics_from_disk(h, tmp_path, monkeypatch):
     import json
 
-    from coordinator import supervisor
-    monkeypatch.setattr(supervisor, "EVENT_WINDOW", 10)
+    from coordinator import records
+    monkeypatch.setattr(records, "EVENT_WINDOW", 10)
     job = h.submit()
     job.output_dir = str(tmp_path)
     h.register(0, 1)
@@ -505,8 +502,8 @@ async def test_a_lost_stream_while_every_worker_is_silent_blames_the_coordinator
 
 
 async def test_a_watcher_that_stops_reading_holds_a_bounded_queue(h, monkeypatch):
-    from coordinator import supervisor
-    monkeypatch.setattr(supervisor, "WATCH_QUEUE", 5)
+    from coordinator import jobs
+    monkeypatch.setattr(jobs, "WATCH_QUEUE", 5)
     h.submit()
     h.register(0, 1)
     await h.settle()

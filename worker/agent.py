@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from gpipe.job_records import Join
 from gpipe.proc import child_env, last_error_line
-from gpipe.serde import Join
 from gpipe.zygote import Child, Template
 
 # A stage allocates activation-sized buffers every micro-batch (received tensors,

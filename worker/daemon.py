@@ -35,8 +35,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import code, grpcutil, proc, serde
-from gpipe.code import CodeError
+from gpipe import code_archive, grpcutil, job_records, proc, serde
+from gpipe.code_archive import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
 from worker.agent import WORKER_PRELOAD, Agent, worker_template
@@ -155,7 +155,7 @@ class Daemon:
     async def _commands(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str) -> None:
         async for m in stub.Commands(workers_pb2.CommandsRequest(worker_id=worker_id)):
             cmd = serde.command_from_pb(m)
-            if isinstance(cmd, serde.Join):
+            if isinstance(cmd, job_records.Join):
                 log = self.log_dir / f"attempt-{cmd.attempt_id}-stage-{cmd.rank}.log"
                 try:
                     code_dir = await self._code(stub, worker_id, cmd.code_sha256) if cmd.code_sha256 else None
@@ -174,9 +174,9 @@ class Daemon:
 
     async def _code(self, stub: workers_pb2_grpc.WorkerServiceStub, worker_id: str, sha256: str) -> Path:
         """The job's code, unpacked in this worker's scratch: fetched from the coordinator once, its hash checked."""
-        store = code.Store(self.log_dir / "code")
+        store = code_archive.Store(self.log_dir / "code")
         if not store.has(sha256):
-            upload = store.upload(code.MAX_LIMIT_MIB << 20)
+            upload = store.upload(code_archive.MAX_LIMIT_MIB << 20)
             try:
                 async with asyncio.timeout(CODE_FETCH_TIMEOUT_S):
                     async for piece in stub.GetCode(workers_pb2.GetCodeRequest(worker_id=worker_id, sha256=sha256)):

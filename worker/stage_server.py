@@ -30,7 +30,7 @@ import torch.distributed.rpc as rpc
 
 from gpipe import determinism
 from gpipe.contract import EvalResult, StageConfig, StageError, StepResult
-from gpipe.evaluation import EvalSchedule
+from gpipe.eval_schedule import EvalSchedule
 from gpipe.rng import SharedGenerators
 from gpipe.stage import Stage, build_layers
 from gpipe.state import StageState

@@ -2,7 +2,7 @@
 
 The same supervisor as `serve` (coordinator.supervisor) runs the job,
 with one local worker per rank (replicas x stages: gpipe.topology;
-coordinator.local) on its share of this machine's cores, all on
+coordinator.local_workers) on its share of this machine's cores, all on
 loopback. On a CPU, more workers than cores share the cores round-robin, with
 one warning line (none with `oversubscribe`). On a GPU each worker has one of
 its own: worker k's attempt processes run with CUDA_VISIBLE_DEVICES naming GPU
@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
-from coordinator.local import LocalWorker
+from coordinator.local_workers import LocalWorker
 from coordinator.progress import Follower, Progress
+from coordinator.records import final_loss
 from coordinator.spec import JobSpec
-from coordinator.supervisor import Supervisor, final_loss
+from coordinator.supervisor import Supervisor
 from gpipe import grpcutil
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
-from gpipe.serde import JobRecord, JobState
+from gpipe.job_records import JobRecord, JobState
 from worker.agent import WORKER_PRELOAD, worker_template
 from worker.cores import split_cores, threads_for
 from worker.device import VISIBLE_ENV, Gpu, Gpus, probe

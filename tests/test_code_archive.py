@@ -1,4 +1,4 @@
-"""A job's code: what submit packs, and what serve and workers refuse to unpack (gpipe.code)."""
+"""A job's code: what submit packs, and what serve and workers refuse to unpack (gpipe.code_archive)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpipe import code
-from gpipe.code import CodeError, Store, pack, unpack
+from gpipe import code_archive
+from gpipe.code_archive import CodeError, Store, pack, unpack
 
 
 def folder_with_everything(root: Path) -> Path:
@@ -27,7 +27,7 @@ def folder_with_everything(root: Path) -> Path:
         (root / skipped / "x").write_text("not code")
     (root / "myenv" / "pyvenv.cfg").write_text("home = /usr\n")  # a virtualenv of any name
     (root / "out" / "job" / "job.json").write_text("{}")  # a state dir of any name
-    (root / "scratch" / "CACHEDIR.TAG").write_text(code.CACHEDIR_TAG)
+    (root / "scratch" / "CACHEDIR.TAG").write_text(code_archive.CACHEDIR_TAG)
     (root / "model.pyc").write_bytes(b"\0")
     (root / "weights.ckpt").write_bytes(b"\0" * 10)
     (root / "link.py").symlink_to(root / "model.py")
@@ -102,11 +102,11 @@ def test_unpack_refuses_an_unsafe_archive_and_leaves_nothing(tmp_path, members, 
 def test_unpack_bounds_the_bytes_written_and_the_members(tmp_path, monkeypatch):
     bomb = archive(tmp_path, [("zeros.bin", b"\0" * (4 << 20), FILE)])  # a few KiB that inflate to 4 MiB
     assert bomb.stat().st_size < 64 << 10
-    monkeypatch.setattr(code, "MAX_UNPACKED_BYTES", 1 << 20)
+    monkeypatch.setattr(code_archive, "MAX_UNPACKED_BYTES", 1 << 20)
     with pytest.raises(CodeError, match="unpacks to more than 1 MiB"):
         unpack(bomb, tmp_path / "bomb")
     many = archive(tmp_path, [(f"m{i}.py", b"", FILE) for i in range(5)])
-    monkeypatch.setattr(code, "MAX_MEMBERS", 4)
+    monkeypatch.setattr(code_archive, "MAX_MEMBERS", 4)
     with pytest.raises(CodeError, match="5 members, over 4"):
         unpack(many, tmp_path / "many")
 
@@ -183,8 +183,8 @@ def test_a_dot_member_is_refused_as_no_path_inside_the_folder(tmp_path, member):
     archive = tmp_path / "a.zip"
     with zipfile.ZipFile(archive, "w") as z:
         z.writestr(member, b"x")
-    with pytest.raises(code.CodeError, match="not a path inside its folder"):
-        code.unpack(archive, tmp_path / "out")
+    with pytest.raises(code_archive.CodeError, match="not a path inside its folder"):
+        code_archive.unpack(archive, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -194,7 +194,7 @@ def test_an_archive_that_states_too_many_members_is_refused_before_its_directory
         z.writestr("m.py", b"x")
     data = bytearray(archive.read_bytes())
     end = data.rfind(b"PK\x05\x06")
-    data[end + 10:end + 12] = (code.MAX_MEMBERS + 1).to_bytes(2, "little")
+    data[end + 10:end + 12] = (code_archive.MAX_MEMBERS + 1).to_bytes(2, "little")
     archive.write_bytes(bytes(data))
-    with pytest.raises(code.CodeError, match="members, over"):
-        code.unpack(archive, tmp_path / "out")
+    with pytest.raises(code_archive.CodeError, match="members, over"):
+        code_archive.unpack(archive, tmp_path / "out")
