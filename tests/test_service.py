@@ -126,7 +126,9 @@ class Service:
         self.address = f"127.0.0.1:{self.port}"
         self.state = self.tmp / "state"
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {k: v for k, v in cli.env.items() if k != "PYTHONPATH"}  # a job's code travels with it
+        # PYTHONPATH names the repository's root, where the tests' model factories live (tests.models): a job
+        # that names its own modules next to its job.yaml still finds them only in the code it sent.
+        self.env = dict(cli.env)
         self.tls: list[str] = []  # --tls-ca CERT, for clients and workers of a TLS serve
         if token:
             (self.tmp / "token").write_text(token + "\n")
