@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import gpipe
+from gpipe.topology import place
 
 WIDTH, DEPTH, BATCH, WORKERS = 1024, 8, 256, 2
 CONTENDERS = {  # name: (schedule, virtual stages)
@@ -63,7 +64,7 @@ def pipelined(schedule: str, virtual: int, steps: int, chunks: int) -> tuple[flo
             times.append(wall)
             busy = [0.0] * WORKERS
             for g, r in enumerate(pipe.results):
-                busy[gpipe.schedule.place(schedule, g, WORKERS)[0]] += r.busy_s
+                busy[place(schedule, g, WORKERS)[0]] += r.busy_s
             bubbles.append(max(1 - b / wall for b in busy))
     return statistics.median(times), statistics.median(bubbles)
 

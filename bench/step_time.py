@@ -116,6 +116,7 @@ def costed_bubble(schedule: str, steps: list[dict[str, Any]], chunks: int) -> fl
     W over the steps and micro-batches), with instant transfers and no step overhead, run step after step as
     the service runs it (gpipe.schedule.steady: a worker's next step overlaps the others' ends)."""
     from gpipe import schedule as schedules
+    from gpipe.topology import model_chunk
 
     workers, virtual = STAGES, 2 if schedule in VIRTUAL else 1
     took: dict[tuple[int, str], list[float]] = {}
@@ -125,7 +126,7 @@ def costed_bubble(schedule: str, steps: list[dict[str, Any]], chunks: int) -> fl
                 took.setdefault((s["stage"], kind), []).append(b - a)
     median = {key: statistics.median(v) for key, v in took.items()}
     return schedules.steady(schedule, workers, chunks, virtual, lambda k, a: median[
-        (schedules.model_chunk(schedule, k, a.chunk, workers), a.kind)])[1]
+        (model_chunk(schedule, k, a.worker_chunk, workers), a.kind)])[1]
 
 
 def main() -> None:

@@ -22,8 +22,10 @@ COORDINATOR_ONLY = ("name", "balance", "probe", "lr_schedule", "device", "log_ev
                     "keep_best", "working_dir", "exclude", "elastic")
 
 
-def stage_config(plan: Plan, stage: int, replica: int, device: str, store_host: str, store_port: int) -> StageConfig:
-    """Stage `stage` of `replica`, derived from the plan's job spec: its layers, the spec's training
+def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_host: str,
+                 store_port: int) -> StageConfig:
+    """The stage running model chunk `model_chunk` of `replica` (the job's stage, with one model chunk a worker),
+    derived from the plan's job spec: its layers, the spec's training
     settings, its device and the data-plane store.
 
     Every field is set here, none left to its default, and every spec field is accounted for
@@ -33,12 +35,12 @@ def stage_config(plan: Plan, stage: int, replica: int, device: str, store_host: 
     unknown = set(type(spec).model_fields) - {*SAME_AS_SPEC, *DERIVED_FROM_SPEC, *COORDINATOR_ONLY}
     if unknown:
         raise TypeError(f"JobSpec.{sorted(unknown)[0]}: say in coordinator.configs whether a stage needs it")
-    start, end = plan.bounds[stage]
+    start, end = plan.bounds[model_chunk]
     evals = plan.eval_schedule()
     first = replica == 0  # replica 0 alone evaluates: the other replicas' stages queue no eval batches
     values: dict[str, Any] = {name: getattr(spec, name) for name in SAME_AS_SPEC}
     values |= {
-        "stage": stage, "start": start, "end": end, "replica": replica, "device": device,
+        "model_chunk": model_chunk, "start": start, "end": end, "replica": replica, "device": device,
         "store_host": store_host, "store_port": store_port,
         "model_factory": spec.model.factory, "model_args": spec.model.args,
         "optimizer": spec.optimizer.name, "optimizer_args": spec.optimizer.torch_kwargs(),
@@ -49,7 +51,7 @@ def stage_config(plan: Plan, stage: int, replica: int, device: str, store_host: 
         "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
         "steps": evals.steps if first else 0,
         "capture": plan.capture_args(), "tied": plan.tied_stages(),
-        "stages": spec.model_chunks,  # a Stage per model chunk; virtual_stages of them on each worker
+        "model_chunks": spec.model_chunks,  # a Stage per model chunk; virtual_stages of them on each worker
     }
     if unset := {f.name for f in fields(StageConfig)} - set(values):
         raise TypeError(f"StageConfig.{sorted(unset)[0]}: configs.stage_config does not set it")

@@ -42,7 +42,7 @@ from gpipe.errors import JobFailed, SpecError, describe_os_error
 from gpipe.files import atomic_write
 from gpipe.show import first_line
 from gpipe.state import model_key
-from gpipe.topology import Topology
+from gpipe.topology import Slots
 
 T = TypeVar("T")
 STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
@@ -68,28 +68,28 @@ class Run:
         self.stop_after: int | None = None  # the step that ends training early, with a checkpoint (preempted)
 
     @property
-    def topology(self) -> Topology:
+    def slots(self) -> Slots:
         """The stages the driver drives, by slot: each replica's model chunks (a stage each, or virtual_stages
-        of them on each worker: gpipe.topology); with one chunk a worker, the slots are the ranks."""
-        return self.spec.topology.chunks()
+        of them on each worker: gpipe.topology); with one model chunk a worker, the slots are the ranks."""
+        return self.spec.topology.model_chunks()
 
     # -- answers -------------------------------------------------------------------------------------
 
     def stage_name(self, rank: int) -> str:
         """'stage 1 (layers 2-3)', with 'of replica R' when there are replicas."""
-        start, end = self.plan.bounds[self.topology.stage_of(rank)]
+        start, end = self.plan.bounds[self.slots.model_chunk_of(rank)]
         layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
         if self.spec.virtual_stages > 1:  # a model chunk, on the worker that holds it
             workers = self.spec.topology
-            return f"model chunk {self.topology.stage_of(rank)} ({layers}) on {workers.name(workers.worker_of(rank))}"
-        return f"{self.topology.name(rank)} ({layers})"
+            return f"model chunk {self.slots.model_chunk_of(rank)} ({layers}) on {workers.name(workers.worker_of(rank))}"
+        return f"{self.slots.name(rank)} ({layers})"
 
     def _blame(self, rank: int, cause: Cause, message: str, step: int | None = None,
                type_: str = "") -> StageError:
         """A failure of the worker of slot `rank` seen from here (lost contact, a wait that ran out)."""
-        top = self.topology
+        slots = self.slots
         return StageError(cause=cause, type=type_, message=message, rank=self.spec.topology.worker_of(rank),
-                          stage=top.stage_of(rank), replica=top.replica_of(rank), step=step)
+                          stage=slots.model_chunk_of(rank), replica=slots.replica_of(rank), step=step)
 
     def _result(self, what: str, rank: int, fut: Future, kind: type[T], step: int | None = None) -> T:
         """Worker `rank`'s answer, of type `kind`; JobFailed naming its stage if it failed or was lost."""
@@ -134,19 +134,19 @@ class Run:
         Every replica's copy of stage k starts from the same state. Returns each worker's figures (parameters,
         pid, threads), by rank, once all are built.
         """
-        spec, top = self.spec, self.topology
+        spec, slots = self.spec, self.slots
         self.stages = stages
         slices, files = None, None
         if resume is not None:
             slices, files = resume_parts(self.plan, resume), resume.shards
         elif self.plan.weights is not None:  # model.weights: each stage its own tensors, read from the files
             slices, files = weight_parts(self.plan), self.plan.weights.shards
-        for rank in top.ranks():  # each replica's copy of stage k gets stage k's state
-            self._send_state(rank, slices[top.stage_of(rank)] if slices is not None else None, files)
+        for rank in slots.slots():  # each replica's copy of stage k gets stage k's state
+            self._send_state(rank, slices[slots.model_chunk_of(rank)] if slices is not None else None, files)
         sent = spec.init == "exact" or (resume is None and self.plan.weights is not None)
-        futs = {rank: self.stages[rank].start(slices[top.stage_of(rank)].json_state if slices is not None else None,
-                                              sent)
-                for rank in top.ranks()}
+        futs = {rank: self.stages[rank].start(slices[slots.model_chunk_of(rank)].json_state if slices is not None
+                                              else None, sent)
+                for rank in slots.slots()}
         return self._wait_all(futs, spec.start_timeout_s, "while building its stage", dict)
 
     def _send_state(self, rank: int, part: streaming.StageSlice | None,
@@ -161,7 +161,7 @@ class Run:
 
         if part is None:
             if self.spec.init == "exact":
-                weights = {model_key(n): t for n, t in self.plan.stage_state(self.topology.stage_of(rank)).items()}
+                weights = {model_key(n): t for n, t in self.plan.stage_state(self.slots.model_chunk_of(rank)).items()}
                 streaming.send_pieces(stage, stream.pieces(weights), check)
             return
         assert files is not None  # a slice is of files
@@ -177,8 +177,8 @@ class Run:
         state, which goes to `on_snapshot`. Once `preempted()` says so, the first step not yet sent is the last,
         with a checkpoint (`stop_after`): the steps already sent cannot give one, their state is gone.
         """
-        spec, top = self.spec, self.topology
-        watch = Watch(self.stages, top, spec.step_timeout_s, spec.peer_timeout_s, self.check)
+        spec, slots = self.spec, self.slots
+        watch = Watch(self.stages, slots, spec.step_timeout_s, spec.peer_timeout_s, self.check)
         pending: dict[int, dict[int, Future]] = {}  # by step, by rank
         results: dict[int, dict[int, StepResult]] = {}
         issued, finished = first_step, first_step
@@ -209,7 +209,7 @@ class Run:
                 # A model chunk that gave up because another chunk of its worker failed: that chunk's own answer
                 # (on its way) names the failure. Until it comes, this one is not counted as answered.
                 continue
-            while finished in results and len(results[finished]) == top.world:
+            while finished in results and len(results[finished]) == slots.count:
                 per_rank = results.pop(finished)
                 del pending[finished]
                 if on_snapshot is not None and self.snapshot_after(finished):
@@ -229,25 +229,25 @@ class Run:
 
     def _issue(self, data: DataStream, step: int, snapshots: bool, watch: Watch) -> dict[int, Future]:
         """Send step `step` to every stage: inputs to each replica's first, targets to its last, the LR to all."""
-        spec, top = self.spec, self.topology
+        spec, slots = self.spec, self.slots
         try:
             shards = data.shards(step)  # per replica: (inputs, targets, sizes) of its micro-batches
         except Exception as e:  # the job's data set or collate, on a later batch than the plan checked
             raise JobFailed(f"data: step {step}: {first_line(e)}", error=StageError.of(e, None, step)) from None
-        lr, last = lr_at(spec, step), top.stages - 1
+        lr, last = lr_at(spec, step), slots.model_chunks - 1
         keep = snapshots and self.snapshot_after(step)
         futs: dict[int, Future] = {}
-        for rank in top.ranks():
-            (xs, ys, sizes), k = shards[top.replica_of(rank)], top.stage_of(rank)
+        for rank in slots.slots():
+            (xs, ys, sizes), k = shards[slots.replica_of(rank)], slots.model_chunk_of(rank)
             # One copy of each stage's state goes into a checkpoint: replica 0's.
             futs[rank] = self.stages[rank].run_step(step, lr, xs if k == 0 else None, ys if k == last else None,
-                                                    sizes, keep and top.replica_of(rank) == 0)
+                                                    sizes, keep and slots.replica_of(rank) == 0)
             watch.notify(futs[rank], (step, rank))
         return futs
 
     def _snapshot(self, step: int, per_rank: dict[int, StepResult]) -> checkpoint.Snapshot:
         """The checkpoint after `step`: replica 0's stages' copies, pulled in pieces as the writer writes."""
-        ranks = self.topology.replica_ranks(0)
+        ranks = self.slots.replica_slots(0)
         parts = [streaming.from_stage(self.stages[rank], per_rank[rank].snapshot or {}) for rank in ranks]
         for rank in ranks:
             per_rank[rank].snapshot = None  # pulled from here on: nothing to keep
@@ -268,8 +268,8 @@ class Run:
         last), EVAL_AHEAD batches ahead; each stage runs it forward between step position-1 and step position.
         Every wait is bounded by step_timeout_s and names the stage it waited for.
         """
-        spec, top = self.spec, self.topology
-        ranks = top.replica_ranks(0)  # replica 0 alone evaluates
+        spec, slots = self.spec, self.slots
+        ranks = slots.replica_slots(0)  # replica 0 alone evaluates
         first, last = ranks[0], ranks[-1]
         stream = self.plan.eval_stream()
         n = self.evals.at(position)

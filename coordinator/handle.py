@@ -150,14 +150,14 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     from worker.stage_server import StageServer
 
     spec, workers = plan.spec, plan.spec.topology
-    top = workers.chunks()  # a stage per model chunk; with virtual stages, a worker's chunks take turns
-    hub, rng = Hub(top.stages, top.replicas, spec.step_timeout_s), SharedGenerators()
+    slots = workers.model_chunks()  # a stage per model chunk; with virtual stages, a worker's take turns
+    hub, rng = Hub(slots.model_chunks, slots.replicas, spec.step_timeout_s), SharedGenerators()
     turns = {rank: Turns() for rank in workers.ranks()} if spec.virtual_stages > 1 else {}
     handles: list[StageHandle] = []
-    for slot in top.ranks():
-        stage, replica = top.stage_of(slot), top.replica_of(slot)
-        cfg = stage_config(plan, stage, replica, device, "", 0)
-        server = StageServer(asdict(cfg), None, first_step, transport=hub.transport(stage, replica, torch.device(device)),
+    for slot in slots.slots():
+        g, replica = slots.model_chunk_of(slot), slots.replica_of(slot)
+        cfg = stage_config(plan, g, replica, device, "", 0)
+        server = StageServer(asdict(cfg), None, first_step, transport=hub.transport(g, replica, torch.device(device)),
                              shared_rng=rng, turns=turns.get(workers.worker_of(slot)))
         handles.append(LocalStage(server))
     return handles

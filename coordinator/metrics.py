@@ -19,7 +19,7 @@ from gpipe import schedule
 from gpipe.contract import Cause, StepResult
 from gpipe.errors import JobFailed, describe_os_error
 from gpipe.files import atomic_write_json
-from gpipe.topology import Topology
+from gpipe.topology import Slots, model_chunk
 
 
 @dataclass
@@ -55,20 +55,20 @@ OnEval = Callable[[EvalMetrics, dict[str, torch.Tensor] | None], None]
 
 def step_metrics(plan: Plan, step: int, per_rank: dict[int, StepResult], step_time: float,
                  attempt: int) -> StepMetrics:
-    """One step's figures out of every worker's answer (by rank)."""
-    spec, top = plan.spec, plan.spec.topology.chunks()  # by slot: a stage (model chunk) of a replica
-    last = top.stages - 1
+    """One step's figures out of every stage's answer (by slot: a model chunk of a replica, gpipe.topology.Slots)."""
+    spec, slots = plan.spec, plan.spec.topology.model_chunks()
+    last = slots.model_chunks - 1
     # Each replica's last stage summed its shard's losses, each weighted by its micro-batch's size.
-    loss = sum(per_rank[top.rank(r, last)].loss_sum or 0.0 for r in range(top.replicas)) / spec.data.batch_size
-    results = [per_rank[rank] for rank in top.ranks()]
+    loss = sum(per_rank[slots.slot(r, last)].loss_sum or 0.0 for r in range(slots.replicas)) / spec.data.batch_size
+    results = [per_rank[slot] for slot in slots.slots()]
     busy, span = busy_and_span(results)
-    scaler = per_rank[top.rank(0, last)]  # fp16: one scale for the job, the same on every rank
+    scaler = per_rank[slots.slot(0, last)]  # fp16: one scale for the job, the same on every rank
     return StepMetrics(
         step=step, loss=loss, lr=lr_at(spec, step), step_time_s=step_time,
         samples_per_s=spec.data.batch_size / step_time if step_time > 0 else 0.0,
         # The global norm, the same on every stage (clipping sums it over a replica's stages).
-        grad_norm=per_rank[top.rank(0, 0)].grad_norm, bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
-        attempt=attempt, stages=[s.metrics() for s in results], replicas=replica_figures(top, results),
+        grad_norm=per_rank[slots.slot(0, 0)].grad_norm, bubble_fraction=1.0 - busy / span if span > 0 else 0.0,
+        attempt=attempt, stages=[s.metrics() for s in results], replicas=replica_figures(slots, results),
         loss_scale=scaler.loss_scale, skipped=scaler.skipped,
     )
 
@@ -92,13 +92,13 @@ def busy_and_span(results: list[StepResult]) -> tuple[float, float]:
     return sum(busy.values()), sum(max(spans[r], busy[r]) for r in spans)
 
 
-def replica_figures(top: Topology, results: list[StepResult]) -> list[dict[str, Any]]:
-    """Per replica, out of its stages' answers (by rank): its step time (its slowest stage's, the optimizer
+def replica_figures(slots: Slots, results: list[StepResult]) -> list[dict[str, Any]]:
+    """Per replica, out of its stages' answers (by slot): its step time (its slowest stage's, the optimizer
     step included), its stages' busy seconds, its bubble, and the longest any of its stages waited for the
     gradient sums across replicas after its backward (reduce_s: idle, not busy)."""
     out = []
-    for r in range(top.replicas):
-        own = [results[rank] for rank in top.replica_ranks(r)]
+    for r in range(slots.replicas):
+        own = [results[slot] for slot in slots.replica_slots(r)]
         busy, span = busy_and_span(own)
         out.append({"replica": r, "step_time_s": max(s.busy_s + s.idle_s for s in own), "busy_s": busy,
                     "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0,
@@ -113,10 +113,10 @@ STEADY_MAX = SIMULATED_MAX // 8  # and simulates steps in a row (4 of them: as l
 def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
                   waits: Sequence[Collection[int]] = ()) -> dict[str, Any]:
     """A schedule as plan.json shows it: each worker's actions in order (F forward, B backward, W the weights'
-    gradients of a split backward; F3.1: micro-batch 3 on the worker's chunk 1), the model chunks each worker
-    holds (with virtual stages), the simulator's bubble of one step and of steps in a row (gpipe.schedule.steady:
-    each worker starts its next step once its own is done, or, in each set of `waits`, once all of them are:
-    step_waits), and micro-batches in flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no
+    gradients of a split backward; F3.1: micro-batch 3 on the worker's model chunk 1), the model chunks each
+    worker holds (`model_chunks`, with virtual stages), the simulator's bubble of one step and of steps in a row
+    (gpipe.schedule.steady: each worker starts its next step once its own is done, or, in each set of `waits`,
+    once all of them are: step_waits), and micro-batches in flight. Past SIMULATED_MAX actions, the name only; past STEADY_MAX, no
     steps in a row."""
     if stages * chunks * virtual > SIMULATED_MAX:
         return {"name": name}
@@ -129,7 +129,7 @@ def schedule_plan(name: str, stages: int, chunks: int, virtual: int = 1,
         out["steady_bubble_fraction"] = round(steady, 4)
     if virtual > 1:
         out |= {"virtual_stages": virtual,
-                "chunks": [[schedule.model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
+                "model_chunks": [[model_chunk(name, k, c, stages) for c in range(virtual)] for k in range(stages)]}
     return out | {"actions": [" ".join(map(repr, schedule.build(name, k, stages, chunks, virtual)))
                               for k in range(stages)],
                   "simulated_bubble_fraction": round(sim.bubble_fraction, 4), "max_in_flight": sim.max_in_flight}
@@ -142,7 +142,7 @@ def step_waits(spec: JobSpec, tied: Sequence[Collection[int]]) -> list[set[int]]
     if spec.clip_grad_norm or spec.precision == "fp16":
         return [set(range(spec.stages))]
     top = spec.topology  # replica 0's model chunks are slots 0..: their workers are ranks 0..stages-1
-    holders = ({top.worker_of(g) for g in chunks} for chunks in tied)
+    holders = ({top.worker_of(g) for g in held} for held in tied)
     return [h for h in holders if len(h) > 1]
 
 
@@ -150,10 +150,10 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
     """plan.json: the balance, what it was chosen by, where each stage (model chunk) runs (replica 0's copy),
     and every worker by rank: its replica, stage, model chunks and placement (`placement`, by rank)."""
     spec, top = plan.spec, plan.spec.topology
-    slots = top.chunks()
+    slots = top.model_chunks()
     held: dict[int, list[int]] = {}  # rank -> the model chunks it holds
-    for slot in slots.ranks():
-        held.setdefault(top.worker_of(slot), []).append(slots.stage_of(slot))
+    for slot in slots.slots():
+        held.setdefault(top.worker_of(slot), []).append(slots.model_chunk_of(slot))
     atomic_write_json(out / "plan.json", {
         "balance": plan.balance,
         "balance_by": plan.balance_by,
@@ -168,7 +168,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
             for k, b in enumerate(plan.bounds)
         ],
         "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n),
-                     **({"chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n]}
+                     **({"model_chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n]}
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
     })

@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
 from coordinator.data import DataStream, EvalStream
 from coordinator.pretrained import Pretrained, match, open_weights
 from coordinator.spec import JobSpec
-from gpipe import balance, capture, schedule, skeleton, weight_init
+from gpipe import balance, batchnorm, capture, cuts, schedule, skeleton, weight_init
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
@@ -34,7 +33,7 @@ from gpipe.wire import backend_of, encode
 class Plan:
     spec: JobSpec
     model: nn.Sequential  # exact: the initial weights (torch.manual_seed(seed); factory(**args)); per_layer: on meta
-    balance: list[int]  # layers per stage
+    balance: list[int]  # layers per stage (per model chunk, with virtual stages)
     dataset: Dataset[Any]
     import_paths: list[str]
     balance_costs: list[float] | None = None  # per layer, when the balance was computed
@@ -86,24 +85,25 @@ class Plan:
             out.append(f"cut {k} (before {first}): {'; '.join(c.shapes[start - 1])}")
         return out
 
-    def stage_modules(self, stage: int) -> list[str]:
-        """The model's modules stage `stage` runs, the outermost of them (an nn.Sequential's: its layers)."""
-        start, end = self.bounds[stage]
+    def stage_modules(self, model_chunk: int) -> list[str]:
+        """The model's modules the stage of model chunk `model_chunk` runs, the outermost of them (an
+        nn.Sequential's: its layers)."""
+        start, end = self.bounds[model_chunk]
         if self.captured is None:
             return [f"{i} ({type(self.model[i]).__name__})" for i in range(start, end)]
         return [m for i in range(start, end) for m in self.captured.modules[i]]
 
-    def stage_parameters(self, stage: int) -> int:
-        """The parameters stage `stage` holds (a tied weight counted on each stage that holds a copy)."""
-        start, end = self.bounds[stage]
+    def stage_parameters(self, model_chunk: int) -> int:
+        """The parameters the stage of model chunk `model_chunk` holds (a tied weight counted on each stage that
+        holds a copy)."""
+        start, end = self.bounds[model_chunk]
         return sum(p.numel() for p in nn.ModuleList(self.model[i] for i in range(start, end)).parameters())
 
     def tied_stages(self) -> list[tuple[list[str], list[int]]]:
         """Per tied weight: its keys, and the stages holding a copy (StageConfig.tied)."""
         if self.captured is None:
             return []
-        return [(keys, sorted({self.stage_of(int(k.split(".", 1)[0])) for k in keys}))
-                for keys in self.captured.tied]
+        return [(keys, cuts.holders(keys, self.balance)) for keys in self.captured.tied]
 
     def eval_stream(self) -> EvalStream:
         """The job's evaluation data (coordinator.data); only for a job with an eval section."""
@@ -126,26 +126,19 @@ class Plan:
         return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate,
                           self.spec.replicas)
 
-    def stage_of(self, layer: int) -> int:
-        return next(k for k, (start, end) in enumerate(self.bounds) if start <= layer < end)
-
-    def skip_routes(self) -> list[tuple[str, int, int]]:
-        """(name, stashing stage, popping stage) of each skip connection that leaves its stage."""
-        routes = [(n, self.stage_of(a), self.stage_of(b)) for n, (a, b) in sorted(self.skips.items())]
-        return [r for r in routes if r[1] != r[2]]
+    def skip_routes(self) -> list[cuts.Route]:
+        """(name, stashing stage, popping stage) of each skip connection that leaves its stage (gpipe.cuts)."""
+        return cuts.routes(self.skips, self.balance)
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
-        """[start, end) layer range of each stage."""
-        out, start = [], 0
-        for n in self.balance:
-            out.append((start, start + n))
-            start += n
-        return out
+        """[start, end) layer range of each stage (gpipe.cuts)."""
+        return cuts.bounds(self.balance)
 
-    def stage_state(self, stage: int) -> dict[str, torch.Tensor]:
-        """The stage's initial parameters and buffers, under the full model's names."""
-        start, end = self.bounds[stage]
+    def stage_state(self, model_chunk: int) -> dict[str, torch.Tensor]:
+        """The initial parameters and buffers of the stage of model chunk `model_chunk`, under the full model's
+        names."""
+        start, end = self.bounds[model_chunk]
         keep = {str(i) for i in range(start, end)}
         own = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers(remove_duplicate=False))
         out = {k: v.detach() for k, v in own.items() if k.split(".", 1)[0] in keep}
@@ -191,8 +184,10 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if isinstance(model, nn.Sequential) and (spec.model.split_points or spec.model.output):
         raise SpecError("model.split_points: an nn.Sequential is cut between its layers by balance; "
                         "leave split_points and output out")
-    if spec.replicas > 1 and not spec.deferred_batch_norm:
-        _check_batch_norm(model, spec.replicas)
+    if spec.replicas > 1 and not spec.deferred_batch_norm and \
+            (name := batchnorm.per_replica(model, sync_across_processes=True)) is not None:
+        raise SpecError(f"replicas: {spec.replicas} replicas need deferred_batch_norm: true for the BatchNorm at "
+                        f"{name}: its running statistics are then the whole batch's, once a step, on every replica")
     dataset, _ = _dataset("data", spec.data.factory, spec.data.args)
     try:
         loss_fn = resolve(spec.loss)
@@ -209,8 +204,8 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if not isinstance(model, nn.Sequential):
         original, sample = model, capture.sample_signature(xs[0])
         try:
-            captured = capture.capture(model, capture.sample_from(sample, _device_of(model)),
-                                       spec.model.split_points or (), spec.model.output)
+            captured = skeleton.capture_pieces(model, {"split_points": spec.model.split_points,
+                                                       "output": spec.model.output, "sample": sample})
         except (capture.CaptureError, ValueError, TypeError) as e:
             if buffers is not None:  # on the meta device (a plain tensor the model keeps): as the stages do, whole
                 return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
@@ -219,17 +214,17 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         if spec.init == "per_layer" and spec.init_hook is None:
             if (what := weight_init.unresettable(original, captured.pieces)) is not None:
                 raise SpecError(f"init: {what} has parameters but no reset_parameters(); give init_hook")
-        if buffers is not None and (gap := _unknown_constant(model, buffers)) is not None:
+        if buffers is not None and (gap := skeleton.unknown_constant(model, buffers)) is not None:
             if spec.init == "per_layer":
                 raise SpecError(f"init: per_layer: the captured forward makes a tensor constant ({gap}) that a "
                                 "model built on the meta device does not hold; use init exact")
             return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
     layers = len(model)
-    if spec.model_chunks > layers:
-        what = "layers" if captured is None else f"blocks ({captured.blocks})"
-        cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
-            f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
-        raise SpecError(f"stages: {cut} but the model has only {layers} {what}")
+    what = "layers" if captured is None else f"blocks ({captured.blocks})"
+    cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
+        f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
+    if why := cuts.shortfall(spec.model_chunks, layers, cut, what):
+        raise SpecError(why)
     backend = backend_of(spec.device)  # what carries the cuts: their dtypes are checked against it
     skips = probe(model, xs[0], ys[0], loss_fn, backend) if spec.probe and captured is None else {}
     if captured is not None and spec.probe:
@@ -285,10 +280,6 @@ def _match_weights(plan: Plan, pretrained: Pretrained) -> None:
         patterns = getattr(plan.original, "_keys_to_ignore_on_load_unexpected", None)
         ignore = [p for p in patterns or [] if isinstance(p, str)]
     plan.weights_at = match(pretrained, want, aliases, ignore=ignore)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next((t.device for t in model.parameters()), torch.device("cpu"))
 
 
 def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any], backend: str,
@@ -374,15 +365,6 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
         probe_eval(plan.model, xs[0], ys[0], loss_fn)
 
 
-def _check_batch_norm(model: nn.Module, replicas: int) -> None:
-    """BatchNorm updating its running statistics per micro-batch cannot equal one device across replicas."""
-    for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, nn.SyncBatchNorm):
-            raise SpecError(f"replicas: {replicas} replicas need deferred_batch_norm: true for the BatchNorm at "
-                            f"{name}: its running statistics are then the whole batch's, once a step, on every "
-                            "replica")
-
-
 def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str, torch.Tensor] | None]:
     """The model, and its buffers' values when it is built on the meta device (gpipe.skeleton): with init
     per_layer, its layers checked for an init; with model.weights unless `meta` is false. Else the whole
@@ -409,23 +391,13 @@ def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str
 BY_RUNNING = ("by_time", "by_memory")  # balances that run the whole model: it is then built whole
 
 
-def _unknown_constant(pieces: nn.Module, buffers: dict[str, torch.Tensor]) -> str | None:
-    """A tensor of the pieces that is neither saved (a weight) nor a buffer the model built: a constant the
-    captured forward makes, which only a model built whole is sure to hold."""
-    saved = set(pieces.state_dict())
-    for key, _ in pieces.named_buffers():
-        if key not in saved and capture.model_name(key) not in buffers:
-            return capture.model_name(key)
-    return None
-
-
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,
              threads: int) -> tuple[list[int], list[float] | None]:
     """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
     layers = len(model)
     if isinstance(spec.balance, list):
-        if sum(spec.balance) != layers:
-            raise SpecError(f"balance: sums to {sum(spec.balance)} but the model has {layers} layers")
+        if why := cuts.misfit(spec.balance, layers):
+            raise SpecError(why)
         return list(spec.balance), None
     if spec.balance == "by_params":
         costs = balance.param_costs(model)
@@ -446,12 +418,10 @@ def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.dev
 
 def _shared_parameters(model: nn.Sequential, balance: list[int]) -> str | None:
     owner: dict[int, int] = {}
-    start = 0
-    for stage, n in enumerate(balance):
-        for i in range(start, start + n):
+    for stage, (start, end) in enumerate(cuts.bounds(balance)):
+        for i in range(start, end):
             for p in model[i].parameters():
                 other = owner.setdefault(id(p), stage)
                 if other != stage:
                     return f"a parameter of layer {i} (stage {stage}) is also used by stage {other}"
-        start += n
     return None

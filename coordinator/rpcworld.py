@@ -80,10 +80,10 @@ class RpcWorld:
         """Create every rank's stage on its worker (its layers only: the rest comes in pieces); by rank. With
         virtual stages, a stage per model chunk, by slot (gpipe.topology), virtual_stages of them on each worker."""
         spec, top = self.spec, self.topology
-        slots = top.chunks()
-        for slot in slots.ranks():
+        slots = top.model_chunks()
+        for slot in slots.slots():
             rank = top.worker_of(slot)
-            cfg = stage_config(self.plan, slots.stage_of(slot), slots.replica_of(slot), self.device_of(rank),
+            cfg = stage_config(self.plan, slots.model_chunk_of(slot), slots.replica_of(slot), self.device_of(rank),
                                  self.store_host, self.store_port)
             args = (asdict(cfg), None, first_step)
             self.rrefs.append(rpc.remote(top.rpc_name(rank), StageServer, args=args, timeout=spec.start_timeout_s))

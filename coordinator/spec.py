@@ -39,6 +39,7 @@ from coordinator import boundedyaml
 from gpipe import schedule as schedules
 from gpipe.errors import SpecError
 from gpipe.optim import OptimizerName
+from gpipe.options import Checkpoint, violation
 from gpipe.show import one_line, short
 from gpipe.topology import Topology
 
@@ -338,23 +339,23 @@ class JobSpec(_Spec):
         "micro-batch) or by_memory (weights, optimizer state and activations in flight).",
     )
     chunks: Annotated[StrictInt, Range(1, MAX_CHUNKS)] = Field(default=1, description="Micro-batches per step.")
-    schedule: Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"] = Field(
+    schedule: schedules.Name = Field(
         default="gpipe",
         description="gpipe: all forwards, then all backwards. 1f1b: one forward, one backward; "
         "stage k keeps at most stages-k micro-batches in flight. zb-h1: 1f1b with each backward "
         "split into B (the inputs' gradients) and W (the weights', later, filling the drain): "
         "about a third of 1f1b's bubble, at most `stages` micro-batches in flight on any stage. "
-        "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (chunk c on worker "
-        "c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
+        "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (model chunk c on "
+        "worker c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
         "virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the backward split "
         "as zb-h1's: about no bubble at 1f1b's activation memory.",
     )
     virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
         default=1,
         description="Model chunks per worker, for interleaved-1f1b (any) and zbv (2): the model is cut into "
-        "stages x virtual_stages chunks, and balance lists that many layer counts, in model order.",
+        "stages x virtual_stages model chunks, and balance lists that many layer counts, in model order.",
     )
-    activation_checkpoint: Literal["always", "except_last", "never"] = Field(
+    activation_checkpoint: Checkpoint = Field(
         default="never",
         description="Recompute a stage's forward in its backward instead of keeping its "
         "activations: for every micro-batch, all but the last, or none.",
@@ -544,9 +545,9 @@ class JobSpec(_Spec):
             if isinstance(self.balance, list):
                 raise ValueError("balance: model.split_points cuts the model already; leave balance out")
         if isinstance(self.balance, list) and len(self.balance) != self.model_chunks:
-            chunks = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
+            per_worker = f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
             raise ValueError(
-                f"balance: has {len(self.balance)} entries but stages{chunks} is {self.model_chunks}"
+                f"balance: has {len(self.balance)} entries but stages{per_worker} is {self.model_chunks}"
             )
         if self.trace_step is not None:
             if self.trace_step > self.steps:
@@ -580,14 +581,8 @@ class JobSpec(_Spec):
         return self
 
     def _check_virtual_stages(self) -> None:
-        if self.virtual_stages > 1 and self.schedule not in schedules.VIRTUAL:
-            raise ValueError(f"virtual_stages: {self.virtual_stages} model chunks per worker need schedule "
-                             f"{' or '.join(schedules.VIRTUAL)}, not {self.schedule}")
-        if self.schedule == "zbv" and self.virtual_stages != 2:
-            raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {self.virtual_stages}")
-        if self.schedule == "interleaved-1f1b" and self.virtual_stages > 1 and self.chunks % self.stages:
-            raise ValueError(f"chunks: interleaved-1f1b runs the micro-batches in rounds of the {self.stages} "
-                             f"workers: {self.chunks} is not a multiple of {self.stages}")
+        if why := violation(self.schedule, self.stages, self.virtual_stages, self.chunks, self.activation_checkpoint):
+            raise ValueError(why)  # the rules gpipe.Pipeline keeps too (gpipe.options)
         if self.model_chunks > MAX_STAGES:
             raise ValueError(f"virtual_stages: {self.stages} stages x {self.virtual_stages} is {self.model_chunks} "
                              f"model chunks, over the {MAX_STAGES} a job may have")

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from coordinator.handle import Future, StageHandle
 from gpipe.contract import Cause
 from gpipe.errors import JobFailed
-from gpipe.topology import Topology
+from gpipe.topology import Slots
 
 T = TypeVar("T")
 LOOK_EVERY_S = 2.0  # while no step finishes, how often the stages are asked what they are doing
@@ -39,8 +39,8 @@ class Looking:
 class PartitionWatch:
     """Tells a partition between workers (every stage waiting on a neighbour) from a slow stage (one computing)."""
 
-    def __init__(self, stages: Sequence[StageHandle], top: Topology, peer_timeout_s: float):
-        self.stages, self.top, self.peer_timeout_s = stages, top, peer_timeout_s
+    def __init__(self, stages: Sequence[StageHandle], slots: Slots, peer_timeout_s: float):
+        self.stages, self.slots, self.peer_timeout_s = stages, slots, peer_timeout_s
         self.looking: Looking | None = None
 
     def look(self, step: int) -> None:
@@ -63,7 +63,7 @@ class PartitionWatch:
                     return
                 if state != "waiting" or seconds < self.peer_timeout_s:
                     return
-                seen.append(f"{self.top.name(rank)} for {what}")
+                seen.append(f"{self.slots.name(rank)} for {what}")
             raise JobFailed(f"step {step}: every stage has waited on its neighbours for {self.peer_timeout_s:.0f}s "
                             f"or more, none computing (a network partition between workers?): {'; '.join(seen)}",
                             cause=Cause.PEER)
@@ -79,9 +79,9 @@ class PartitionWatch:
 class Watch:
     """Training's waits for the stages' answers (see the module's docstring)."""
 
-    def __init__(self, stages: Sequence[StageHandle], top: Topology, step_timeout_s: float, peer_timeout_s: float,
+    def __init__(self, stages: Sequence[StageHandle], slots: Slots, step_timeout_s: float, peer_timeout_s: float,
                  check: Callable[[], None]):
-        self.partition = PartitionWatch(stages, top, peer_timeout_s)
+        self.partition = PartitionWatch(stages, slots, peer_timeout_s)
         self.step_timeout_s, self.peer_timeout_s, self.check = step_timeout_s, peer_timeout_s, check
         self.q: queue.Queue[Any] = queue.Queue()
         self.news()

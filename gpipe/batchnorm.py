@@ -115,6 +115,19 @@ def _deferred(cls: type[_BatchNorm]) -> type[_BatchNorm]:
     return _CLASSES[cls]
 
 
+def per_replica(model: nn.Module, sync_across_processes: bool) -> str | None:
+    """The name of the first BatchNorm in `model` whose running statistics data-parallel replicas would keep
+    apart unless deferred ("" for `model` itself), or None: one that tracks them, but for a SyncBatchNorm where
+    the replicas are processes of one c10d world (`sync_across_processes`: the service; in one process it syncs
+    nothing). With replicas, such a model equals one device only with deferred_batch_norm: the rule JobSpec's
+    plan and gpipe.Pipeline keep."""
+    for name, m in model.named_modules():
+        if (isinstance(m, _BatchNorm) and m.track_running_stats
+                and not (sync_across_processes and isinstance(m, nn.SyncBatchNorm))):
+            return str(name)
+    return None
+
+
 def convert_deferred_batch_norm(module: M) -> M:
     """Make every BatchNorm in `module` that tracks running statistics a deferred one, in place; returns `module`."""
     for m in module.modules():

@@ -15,8 +15,8 @@ from typing import Any
 
 from gpipe.capture import CaptureError
 from gpipe.factory import FactoryError
-from gpipe.schedule import place
 from gpipe.structure import StructureError
+from gpipe.topology import place
 from gpipe.turns import TurnAborted
 
 
@@ -29,10 +29,15 @@ def _loss_scale_defaults() -> tuple[float, int]:
 
 @dataclass
 class StageConfig:
-    """What a stage is built with (plain types only: it crosses torch RPC)."""
+    """What a stage is built with (plain types only: it crosses torch RPC).
 
-    stage: int
-    stages: int
+    A stage runs one model chunk (`model_chunk`, of the replica's `model_chunks`): with one model chunk a worker
+    the model chunk is the stage; with `virtual_stages` of them, `worker` holds this one among its others.
+    `chunks` is micro-batches, as in the job spec.
+    """
+
+    model_chunk: int  # which piece of the model, in model order: 0 .. model_chunks-1
+    model_chunks: int  # the pieces a replica's model is cut into: stages x virtual_stages
     start: int  # first layer (global index in the un-partitioned nn.Sequential)
     end: int  # one past the last layer
     model_factory: str
@@ -53,9 +58,9 @@ class StageConfig:
     import_paths: list[str] = field(default_factory=list)
     deferred_batch_norm: bool = False  # running statistics of the whole batch, committed at the step's end
     skip_routes: list[tuple[str, int, int]] = field(default_factory=list)  # (name, stashing, popping stage)
-    replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*stages+stage
-    # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv): `stage` is then the model chunk, of
-    # `stages` chunks, on the worker gpipe.schedule.place says (gpipe.turns).
+    replica: int = 0  # which copy of the pipeline (gpipe.topology): its rank is replica*workers+worker
+    # Model chunks per worker (gpipe.schedule: interleaved-1f1b, zbv), on the worker gpipe.topology.place says,
+    # taking turns with its others (gpipe.turns).
     virtual_stages: int = 1
     replicas: int = 1
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
@@ -76,17 +81,17 @@ class StageConfig:
 
     @property
     def workers(self) -> int:
-        """Workers per replica: one per stage, or one per `virtual_stages` model chunks."""
-        return self.stages // self.virtual_stages
+        """Workers per replica (the job's stages): one per model chunk, or one per `virtual_stages` of them."""
+        return self.model_chunks // self.virtual_stages
 
     @property
     def worker(self) -> int:
-        """The worker of this replica holding this stage (model chunk) (gpipe.schedule.place)."""
-        return place(self.schedule, self.stage, self.workers)[0] if self.virtual_stages > 1 else self.stage
+        """The worker of this replica holding this model chunk (gpipe.topology.place)."""
+        return place(self.schedule, self.model_chunk, self.workers)[0]
 
     @property
     def rank(self) -> int:
-        """The worker rank serving this stage of this replica (gpipe.topology)."""
+        """The worker rank holding this model chunk of this replica (gpipe.topology)."""
         return self.replica * self.workers + self.worker
 
 
@@ -199,7 +204,7 @@ class StageError:
     def of(cls, e: BaseException, cfg: StageConfig | None, step: int | None = None) -> StageError:
         lines = str(e).strip().splitlines()
         return cls(cause=classify(e), type=type(e).__name__, message=lines[0] if lines else "",
-                   rank=cfg.rank if cfg else -1, stage=cfg.stage if cfg else -1,
+                   rank=cfg.rank if cfg else -1, stage=cfg.model_chunk if cfg else -1,
                    replica=cfg.replica if cfg else -1, step=step,
                    traceback="".join(tb.format_exception(e)))
 

@@ -29,7 +29,7 @@ class ActivationMeter:
         self._releasing = False
 
     def skip(self, params: Sequence[torch.Tensor]) -> None:
-        """Count `params` not (the weights of another chunk that shares this meter)."""
+        """Count `params` not (the weights of another model chunk that shares this meter)."""
         self._skip |= {p.untyped_storage().data_ptr() for p in params}
 
     @contextlib.contextmanager

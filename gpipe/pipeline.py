@@ -30,21 +30,19 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe import balance as balancing
-from gpipe import capture, determinism, skip, structure
-from gpipe import schedule as schedules
+from gpipe import batchnorm, capture, cuts, determinism, options, skip, structure
 from gpipe.contract import StageConfig, StepResult, blamed, classify
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.probe import Recorder
 from gpipe.rng import SharedGenerators
 from gpipe.stage import Stage  # the service's own stage: one engine
+from gpipe.topology import place
 from gpipe.transport import Hub, HubClosed
 from gpipe.turns import Turns
 
 T = TypeVar("T")
-CHECKPOINTS = ("always", "except_last", "never")
 PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip connections cross stages
 
 
@@ -63,9 +61,10 @@ class Pipeline:
     then equal one GPU's to the bit). Stages on a GPU each run on a CUDA stream of their own, so stages that share
     a GPU overlap; the caller's current device and streams are left as they were.
     virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` (or `stages`)
-    then counts model chunks, chunk c runs on worker c mod workers (zbv: worker k holds chunks k and
-    2*workers-1-k, a V), `devices` lists the workers', and interleaved-1f1b's `chunks` must be a multiple of
-    the workers (gpipe.turns: a stage per chunk, the worker's chunks taking turns).
+    then counts model chunks, model chunk c runs on worker c mod workers (zbv: worker k holds model chunks k
+    and 2*workers-1-k, a V: gpipe.topology.place), `devices` lists the workers', and interleaved-1f1b's
+    `chunks` (micro-batches) must be a multiple of the workers (gpipe.turns: a stage per model chunk, the
+    worker's model chunks taking turns).
     """
 
     def __init__(self, model: nn.Module, balance: Sequence[int] | None = None, chunks: int = 1,
@@ -85,9 +84,10 @@ class Pipeline:
                 raise ValueError("split_points, stages, output: for a model that is not an nn.Sequential (an "
                                  "nn.Sequential is cut between its layers by balance)")
             balance = list(balance or [])
-            if not balance or any(type(n) is not int or n < 1 for n in balance) or sum(balance) != len(model):
-                raise ValueError(f"balance: {balance} must be positive layer counts that add up to the model's "
-                                 f"{len(model)} layers")
+            if not balance or any(type(n) is not int or n < 1 for n in balance):
+                raise ValueError(f"balance: {balance} must be positive layer counts")
+            if why := cuts.misfit(balance, len(model)):
+                raise ValueError(why)
         else:
             given = [n for n, v in (("balance", balance), ("split_points", split_points), ("stages", stages))
                      if v is not None]
@@ -105,35 +105,22 @@ class Pipeline:
                 else len(self.split_points) + 1
             self._want = balance
             balance = [1] * count  # stage count only, until the model is captured at the first call
-        if type(chunks) is not int or chunks < 1:
-            raise ValueError(f"chunks: must be a positive int, got {chunks!r}")
-        if schedule not in schedules.SCHEDULES:
-            raise ValueError(f"schedule: {schedule!r} is not one of {', '.join(schedules.SCHEDULES)}")
-        if type(virtual_stages) is not int or virtual_stages < 1:
-            raise ValueError(f"virtual_stages: must be a positive int, got {virtual_stages!r}")
-        if virtual_stages > 1 and schedule not in schedules.VIRTUAL:
-            raise ValueError(f"virtual_stages: {virtual_stages} model chunks per worker need an interleaved schedule "
-                             f"({', '.join(schedules.VIRTUAL)}), not {schedule}")
-        if schedule == "zbv" and virtual_stages != 2:
-            raise ValueError(f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {virtual_stages}")
-        if activation_checkpoint not in CHECKPOINTS:
-            raise ValueError(f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+        assert balance is not None
+        workers = len(balance) // virtual_stages if type(virtual_stages) is int and virtual_stages > 0 else 1
+        if why := options.violation(schedule, max(workers, 1), virtual_stages, chunks, activation_checkpoint):
+            raise ValueError(why)  # the rules the service's spec keeps too
+        if len(balance) % virtual_stages:
+            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} model "
+                             "chunks each")
         if precision not in DTYPES:
             raise ValueError(f"precision: {precision!r} is not one of {', '.join(DTYPES)}")
         if type(replicas) is not int or replicas < 1:
             raise ValueError(f"replicas: must be a positive int, got {replicas!r}")
-        if replicas > 1 and not deferred_batch_norm:
-            for i, layer in enumerate(model.children()):
-                if any(isinstance(m, _BatchNorm) and m.track_running_stats for m in layer.modules()):
-                    raise ValueError(f"deferred_batch_norm: layer {i} ({type(layer).__name__}) tracks running "
-                                     "statistics, which with replicas equal one device's only when deferred")
-        assert balance is not None
-        if len(balance) % virtual_stages:
-            raise ValueError(f"balance: {len(balance)} model chunks do not make workers of {virtual_stages} chunks each")
-        workers = len(balance) // virtual_stages
-        if schedule == "interleaved-1f1b" and virtual_stages > 1 and chunks % workers:
-            raise ValueError(f"chunks: {schedule} runs the micro-batches in rounds of the {workers} workers: "
-                             f"{chunks} is not a multiple of {workers}")
+        if replicas > 1 and not deferred_batch_norm and \
+                (name := batchnorm.per_replica(model, sync_across_processes=False)) is not None:
+            layer = model.get_submodule(name.split(".", 1)[0])
+            raise ValueError(f"deferred_batch_norm: layer {name.split('.', 1)[0]} ({type(layer).__name__}) tracks "
+                             "running statistics, which with replicas equal one device's only when deferred")
         devs = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * workers
         if len(devs) != workers:
             raise ValueError(f"devices: {len(devs)} given for {workers} stages")
@@ -159,9 +146,9 @@ class Pipeline:
         self._hub = Hub(len(balance), replicas, timeout_s)
         self._rng = SharedGenerators()
         self._pool = ThreadPoolExecutor(max_workers=len(balance) * replicas, thread_name_prefix="gpipe-stage")
-        # With virtual stages, the chunks of each worker of each replica take turns (gpipe.turns).
+        # With virtual stages, the model chunks of each worker of each replica take turns (gpipe.turns).
         self._turns = [[Turns() for _ in range(workers)] for _ in range(replicas)] if virtual_stages > 1 else []
-        self.bounds = _bounds(balance)
+        self.bounds = cuts.bounds(balance)
 
     # -- building ---------------------------------------------------------------------------------
 
@@ -180,40 +167,37 @@ class Pipeline:
         if self.split_points:
             self.balance = capture.balance_of_cuts(c.cuts, len(c.pieces))
         elif self._want is not None:
-            if sum(self._want) != len(c.pieces):
-                raise ValueError(f"balance: {self._want} adds up to {sum(self._want)} but the model has "
-                                 f"{len(c.pieces)} blocks ({c.blocks})")
+            if why := cuts.misfit(self._want, len(c.pieces), f"blocks ({c.blocks})"):
+                raise ValueError(why)
             self.balance = list(self._want)
         else:
-            if stages > len(c.pieces):
-                raise ValueError(f"stages: {stages} stages but the model has only {len(c.pieces)} blocks ({c.blocks})")
+            if why := cuts.shortfall(stages, len(c.pieces), f"{stages} stages", f"blocks ({c.blocks})"):
+                raise ValueError(why)
             self.balance = balancing.partition(balancing.param_costs(c.pieces), stages)
-        self.bounds = _bounds(self.balance)
+        self.bounds = cuts.bounds(self.balance)
         for group in c.tied:
-            held = {self._device(self._stage_of(int(k.split(".", 1)[0]))) for k in group}
+            held = {self._device(k) for k in cuts.holders(group, self.balance)}
             if len(held) > 1:
                 raise ValueError(f"devices: {capture.model_name(group[0])} is one parameter used on "
                                  f"{len(held)} devices; put its stages on one device")
         self.captured = c
         return c.pieces
 
-    def _device(self, stage: int) -> torch.device:
-        """The device of stage `stage` (with virtual stages: model chunk `stage`, on its worker's device)."""
-        return self.devices[self._worker(stage)]
+    def _device(self, model_chunk: int) -> torch.device:
+        """The device of model chunk `model_chunk`: its worker's (the stage's, with one model chunk a worker)."""
+        return self.devices[self._worker(model_chunk)]
 
-    def _worker(self, stage: int) -> int:
-        """The worker of stage `stage` (with virtual stages: of model chunk `stage`, gpipe.schedule.place)."""
-        return schedules.place(str(self._settings["schedule"]), stage, len(self.devices))[0]
-
-    def _stage_of(self, piece: int) -> int:
-        return next(k for k, (a, b) in enumerate(self.bounds) if a <= piece < b)
+    def _worker(self, model_chunk: int) -> int:
+        """The worker holding model chunk `model_chunk` (gpipe.topology.place)."""
+        return place(str(self._settings["schedule"]), model_chunk, len(self.devices))[0]
 
     def _build(self, sample: Any) -> None:
-        """The stages, at the first call: skip connections that cross a cut are found on `sample` first."""
-        stages = len(self.balance)
+        """The stages, one per model chunk, at the first call: skip connections that cross a cut are found on
+        `sample` first."""
+        model_chunks = len(self.balance)
         if self.model is None:
             self.model = self._capture(sample)
-            routes: list[tuple[str, int, int]] = []
+            routes: list[cuts.Route] = []
         else:
             for k, (start, end) in enumerate(self.bounds):  # in place: the model's own parameters
                 for i in range(start, end):
@@ -237,7 +221,8 @@ class Pipeline:
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder[id(p)] != k)
                 cfg = StageConfig(
-                    stage=k, stages=stages, start=start, end=end, model_factory="", model_args={}, optimizer="",
+                    model_chunk=k, model_chunks=model_chunks, start=start, end=end, model_factory="", model_args={},
+                    optimizer="",
                     optimizer_args={}, loss="", chunks=self.chunks, clip_grad_norm=None,
                     device=str(self._device(k)), step_timeout_s=self._timeout, start_timeout_s=self._timeout,
                     skip_routes=routes, replica=r, replicas=self.replicas, **self._settings)  # type: ignore[arg-type]  # the settings' types are checked above
@@ -250,7 +235,7 @@ class Pipeline:
                     stage.stream = torch.cuda.Stream(stage.device)  # type: ignore[no-untyped-call]
                 self._stages.append(stage)
 
-    def _skip_routes(self, sample: Any) -> list[tuple[str, int, int]]:
+    def _skip_routes(self, sample: Any) -> list[cuts.Route]:
         """(name, stashing stage, popping stage) of each skip connection (gpipe.skip) that leaves its stage:
         found by running the first samples forward in eval mode, without gradients, changing nothing."""
         assert self.model is not None
@@ -273,9 +258,7 @@ class Pipeline:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        stage_of = {i: k for k, (start, end) in enumerate(self.bounds) for i in range(start, end)}
-        routes = [(n, stage_of[a], stage_of[b]) for n, (a, b) in sorted(rec.routes().items())]
-        return [r for r in routes if r[1] != r[2]]
+        return cuts.routes(rec.routes(), self.balance)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -294,7 +277,7 @@ class Pipeline:
         step = self._steps
 
         def run(stage: Stage) -> StepResult:
-            r, k = stage.cfg.replica, stage.cfg.stage
+            r, k = stage.cfg.replica, stage.cfg.model_chunk
             (inp, sizes), (tgt, _) = xs[r], ys[r]
             if k == last:
                 stage.loss_fn = loss_fn
@@ -323,7 +306,7 @@ class Pipeline:
         self._sync_replicas()
         n = self._evals
         self._evals += 1
-        results = self._run(lambda s: s.evaluate(n, parts if s.cfg.stage == 0 else None, None, sizes),
+        results = self._run(lambda s: s.evaluate(n, parts if s.cfg.model_chunk == 0 else None, None, sizes),
                             replicas=1)
         outputs = next(res.outputs for res in results if res.outputs is not None)
         return _gather(outputs)
@@ -406,15 +389,6 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _bounds(balance: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each stage's layers."""
-    out, start = [], 0
-    for n in balance:
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 def _gather(parts: list[Any]) -> Any:

@@ -46,17 +46,17 @@ F to W), the most 1f1b holds (on stage 0).
     stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
 
 interleaved-1f1b (Megatron), 2 workers, virtual_stages 2, 2 micro-batches:
-the model is cut into 4 chunks, chunk c on worker c mod 2 (F0.1: micro-batch 0
-on the worker's chunk 1, the model's chunk 3 on worker 1). A chunk is half a
-stage, so a tick is half as long: 15 half-ticks where 1f1b takes 9 ticks
+the model is cut into 4 model chunks, model chunk c on worker c mod 2 (F0.1:
+micro-batch 0 on the worker's model chunk 1, the model's 3 on worker 1). A
+model chunk is half a stage, so a tick is half as long: 15 half-ticks where 1f1b takes 9 ticks
 (the bubble (P-1)/(VM+P-1)). Micro-batches go in rounds of the workers.
 
     tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13   14
     worker 0    F0   F1 F0.1 F1.1    .    . B0.1 B0.1    . B1.1 B1.1   B0   B0   B1   B1
     worker 1     .   F0   F1 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1   B0   B0   B1   B1    .    .
 
-zbv (zero bubble V), 2 workers, 3 micro-batches: worker k holds the model's
-chunks k and 2P-1-k (worker 0 the first and the last), the backward split as
+zbv (zero bubble V), 2 workers, 3 micro-batches: worker k holds model chunks
+k and 2P-1-k (worker 0 the first and the last), the backward split as
 in zb-h1; 19 half-ticks, the bubble (P-1)/(6M+P-1) for M >= 2P-1:
 
     tick         0    1    2    3    4    5    6    7    8    9   10   11   12   13 ...
@@ -74,14 +74,16 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Literal, NamedTuple
 
+from gpipe.topology import model_chunk, place  # which worker holds which model chunk: decided there
+
 
 class Action(NamedTuple):
     kind: Literal["F", "B", "W"]
     micro_batch: int
-    chunk: int = 0  # which of the worker's model chunks it runs on (interleaved-1f1b: 0..virtual-1)
+    worker_chunk: int = 0  # which of the worker's model chunks it runs on: 0..virtual-1 (gpipe.topology.place)
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{self.kind}{self.micro_batch}" + (f".{self.worker_chunk}" if self.worker_chunk else "")
 
 
 def gpipe(stage: int, stages: int, chunks: int) -> list[Action]:
@@ -116,15 +118,15 @@ def zb_h1(stage: int, stages: int, chunks: int) -> list[Action]:
 
 
 def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: worker `stage` holds `virtual` model chunks (chunk c of the worker is the
-    model's chunk c*stages+stage). Forwards go a round of `stages` micro-batches through chunk 0, the same round
-    through chunk 1, and so on; backwards likewise from the last chunk. The warm-up is 1f1b's doubled, plus a
-    round per extra chunk. `chunks` (micro-batches) must be a multiple of `stages`."""
+    """Megatron's interleaved 1F1B: worker `stage` holds `virtual` model chunks (its model chunk c is the model's
+    c*stages+stage: gpipe.topology.place). Forwards go a round of `stages` micro-batches through its model chunk 0,
+    the same round through its model chunk 1, and so on; backwards likewise from the last. The warm-up is 1f1b's
+    doubled, plus a round per extra model chunk. `chunks` (micro-batches) must be a multiple of `stages`."""
     if virtual == 1:
         return one_f_one_b(stage, stages, chunks)
     p, total = stages, chunks * virtual
 
-    def nth(i: int, backward: bool) -> tuple[int, int]:  # (micro-batch, chunk) of the worker's i-th F or B
+    def nth(i: int, backward: bool) -> tuple[int, int]:  # (micro-batch, worker chunk) of the worker's i-th F or B
         group, j = divmod(i, p * virtual)
         c = j // p
         return group * p + j % p, virtual - 1 - c if backward else c
@@ -139,8 +141,9 @@ def interleaved_1f1b(stage: int, stages: int, chunks: int, virtual: int) -> list
 def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     """Zero bubble V (arXiv 2401.10241, section 6): worker k holds model chunks k (its chunk 0) and
     2*stages-1-k (its chunk 1), a V, so the last model chunk is on worker 0; backwards split into B and W.
-    Warm-up: chunk 0's forwards, then chunk 1's interleaved, each chunk 1 forward on the worker nearest the
-    V's bottom followed at once by its B and W; steady state: F, B, W on chunk 0 then on chunk 1; the drain
+    Warm-up: its model chunk 0's forwards, then its model chunk 1's interleaved, each forward on model chunk 1
+    on the worker nearest the V's bottom followed at once by its B and W; steady state: F, B, W on model chunk
+    0 then on model chunk 1; the drain
     runs the B's first and fills the gaps with the W's left. Built for 2*stages-1 micro-batches or more (the
     actions of micro-batches past `chunks` are dropped), as torch.distributed.pipelining's builder is."""
     if virtual != 2:
@@ -150,7 +153,7 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
     actions: list[Action] = []
 
-    def run(*steps: str) -> None:  # "F1": a forward of the next micro-batch on the worker's chunk 1
+    def run(*steps: str) -> None:  # "F1": a forward of the next micro-batch on the worker's model chunk 1
         for step in steps:
             kind, c = step[0], int(step[1])
             actions.append(Action(kind, count[(kind, c)], c))  # type: ignore[arg-type]  # kind is F, B or W
@@ -176,20 +179,7 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     return [a for a in actions if a.micro_batch < chunks]
 
 
-def place(name: str, chunk: int, stages: int) -> tuple[int, int]:
-    """(worker, the worker's own chunk number) of model chunk `chunk`: chunk c is on worker c mod stages, but
-    zbv's V puts chunk c on worker 2*stages-1-c past the middle."""
-    if name == "zbv" and chunk >= stages:
-        return 2 * stages - 1 - chunk, 1
-    return chunk % stages, chunk // stages
-
-
-def model_chunk(name: str, worker: int, chunk: int, stages: int) -> int:
-    """The model chunk that is chunk `chunk` of worker `worker` (the inverse of `place`)."""
-    if name == "zbv" and chunk == 1:
-        return 2 * stages - 1 - worker
-    return chunk * stages + worker
-
+Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"]  # the schedules: PLAIN's and VIRTUAL's, in order
 
 PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
@@ -200,7 +190,7 @@ VIRTUAL: dict[str, Callable[[int, int, int, int], list[Action]]] = {  # several 
     "interleaved-1f1b": interleaved_1f1b,
     "zbv": zbv,
 }
-SCHEDULES = [*PLAIN, *VIRTUAL]
+SCHEDULES = [*PLAIN, *VIRTUAL]  # Name's values (tests/test_schedule.py holds them to it)
 
 
 def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:
@@ -235,10 +225,10 @@ class Simulation(NamedTuple):
 def simulate(name: str, stages: int, chunks: int, virtual: int = 1) -> Simulation:
     """Run a schedule under the cost model (`cost`) with instant transfers.
 
-    A forward of micro-batch i on model chunk g (the worker's chunk c is the
-    model's c*stages+k on worker k; without virtual chunks, g is the stage)
-    needs chunk g-1's forward of i; a backward (B) needs chunk g+1's (or, on
-    the last chunk, its own forward); a W follows its own B. Each action starts
+    A forward of micro-batch i on model chunk g (gpipe.topology.place; without
+    virtual stages, g is the stage) needs model chunk g-1's forward of i; a
+    backward (B) needs model chunk g+1's (or, on the last model chunk, its own
+    forward); a W follows its own B. Each action starts
     as soon as its worker is free and what it needs has ended. A micro-batch's
     activations are held from its forward to its backward (to its W, when the
     backward is split). Raises RuntimeError if no worker can make progress: a
@@ -338,15 +328,15 @@ def _held(actions: list[Action], split: bool) -> int:
 
 def _dependency(name: str, k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
     """The action of another worker (or the worker's own forward) that `a` on worker k waits for."""
-    g = model_chunk(name, k, a.chunk, stages)  # the model chunk it runs on
+    g = model_chunk(name, k, a.worker_chunk, stages)  # the model chunk it runs on
     if a.kind == "F":
         if g == 0:
             return None
-        worker, chunk = place(name, g - 1, stages)
-        return worker, Action("F", a.micro_batch, chunk)
+        worker, own = place(name, g - 1, stages)
+        return worker, Action("F", a.micro_batch, own)
     if a.kind == "B":
         if g == stages * virtual - 1:
-            return k, Action("F", a.micro_batch, a.chunk)
-        worker, chunk = place(name, g + 1, stages)
-        return worker, Action("B", a.micro_batch, chunk)
+            return k, Action("F", a.micro_batch, a.worker_chunk)
+        worker, own = place(name, g + 1, stages)
+        return worker, Action("B", a.micro_batch, own)
     return None  # W: after its own B, which comes before it in the worker's order

@@ -8,6 +8,14 @@ and no init recomputes them. So while the factory runs, each parameter is moved 
 registered (its initialisation then costs nothing), the buffers are built as the model builds them, and
 `skeleton` hands their values back by name before moving them to the meta device too (the capture needs one
 device). `fill_buffers` puts them back into a stage's pieces.
+
+Whether a model built so can stand for the model built whole is decided here,
+for the coordinator's plan (the whole model) and a stage (its slice): both
+capture where the parameters are (`capture_pieces`) and build whole when the
+build or the capture fails on the meta device; a stage's slice that keeps a
+tensor that is no parameter or buffer (`plain_tensor`) is built whole, and so
+is the plan's model when its captured forward makes a constant the build does
+not hold (`unknown_constant`: a stage then gets that constant with its weights).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gpipe import capture
 
 _lock = threading.Lock()  # the patch below is process-wide: one build at a time
 _building = threading.local()  # and it acts in the thread that builds: another thread's modules are its own
@@ -66,3 +76,31 @@ def fill_buffers(layers: nn.Module, values: dict[str, torch.Tensor], name_of: Ca
             v = values.get(name_of(key))
             if v is not None and v.shape == b.shape:
                 b.copy_(v)
+
+
+def capture_pieces(model: nn.Module, args: dict[str, Any]) -> capture.Captured:
+    """`model` captured as gpipe.capture cuts it (`args`: StageConfig.capture's split_points, output and the first
+    micro-batch's signature), on a sample made where its parameters are: the meta device for a skeleton."""
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    return capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"] or (),
+                           args["output"])
+
+
+def plain_tensor(model: nn.Module) -> str | None:
+    """A tensor on the meta device that `model` keeps as a plain attribute, no parameter or buffer ("Module.name"):
+    a model built on the meta device that keeps one cannot stand for the model built whole; None if none."""
+    for m in model.modules():
+        for name, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                return f"{type(m).__name__}.{name}"
+    return None
+
+
+def unknown_constant(pieces: nn.Module, built: dict[str, torch.Tensor]) -> str | None:
+    """A tensor of captured `pieces` that is neither saved (a weight) nor a buffer the model built (`built`, by the
+    model's names): a constant the captured forward makes, which only a model built whole is sure to hold."""
+    saved = set(pieces.state_dict())
+    for key, _ in pieces.named_buffers():
+        if key not in saved and capture.model_name(key) not in built:
+            return capture.model_name(key)
+    return None

@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 
 from gpipe import skip
+from gpipe.cuts import Route  # name, stashing stage, popping stage
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.wire import gradient_message, gradients, wants_grad
-
-Route = tuple[str, int, int]  # name, stashing stage, popping stage
 
 
 class Routed(skip.Context):

@@ -48,12 +48,13 @@ from gpipe.rng import SharedGenerators, seeded_forward
 from gpipe.skiplanes import Routed, SkipLinks
 from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
+from gpipe.topology import place
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.turns import Turns
 from gpipe.wire import gradient_message, gradients, wants_grad
 
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
-# its capture (torch.export, seconds for a language model) are made once in a process, and every chunk takes a
+# its capture (torch.export, seconds for a language model) are made once in a process, and every model chunk takes a
 # copy of its own pieces from them. One model at a time: an attempt process serves one job.
 _skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor], nn.Sequential]] = {}
 _skeletons_lock = threading.Lock()
@@ -70,18 +71,10 @@ def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[n
         hit = _skeletons.get(key)
         if hit is None:
             model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
-            pieces = _pieces(model, args)
+            pieces = skeleton.capture_pieces(model, args).pieces
             _skeletons.clear()
             _skeletons[key] = hit = (model, buffers, pieces)
         return hit
-
-
-def _pieces(model: nn.Module, args: dict[str, Any]) -> nn.Sequential:
-    """A model that is not an nn.Sequential as the pieces gpipe.capture cuts it into, captured on the device of
-    its parameters (the meta device for a skeleton)."""
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    return capture.capture(model, capture.sample_from(args["sample"], device), args["split_points"],
-                           args["output"]).pieces
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -102,7 +95,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
 
     def sliced(model: nn.Module) -> nn.Sequential:
         if cfg.capture is not None:
-            model = _pieces(model, cfg.capture)
+            model = skeleton.capture_pieces(model, cfg.capture).pieces
         assert isinstance(model, nn.Sequential)
         return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
 
@@ -115,7 +108,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         else:
             with torch.device("meta"):
                 layers = sliced(factory(**cfg.model_args))
-        if any(isinstance(v, torch.Tensor) and v.is_meta for m in layers.modules() for v in vars(m).values()):
+        if skeleton.plain_tensor(layers) is not None:  # no build on the meta device gives its value
             layers = None
         elif per_layer and cfg.capture is not None:  # a module at a time, on the CPU (gpipe.weight_init.per_module)
             layers = layers.to_empty(device="cpu")
@@ -147,7 +140,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         return layers
     own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
     if set(own) != set(state):
-        raise RuntimeError(f"stage {cfg.stage}: the coordinator's weights do not match the model built here")
+        raise RuntimeError(f"stage {cfg.model_chunk}: the coordinator's weights do not match the model built here")
     with torch.no_grad():
         for name, t in own.items():
             t.copy_(state[name])
@@ -227,7 +220,7 @@ class Stage:
             determinism.enable()  # before the process's first matrix product on the GPU (cuBLAS's workspace)
         # gpipe.Pipeline gives each stage of a GPU its own stream (set after building), as torchgpipe does.
         self.stream: torch.cuda.Stream | None = None
-        self.first, self.last = cfg.stage == 0, cfg.stage == cfg.stages - 1
+        self.first, self.last = cfg.model_chunk == 0, cfg.model_chunk == cfg.model_chunks - 1
         # The layers built already (their weights sent in pieces: worker.streaming), or built from `state`.
         self.layers = state if isinstance(state, nn.Sequential) else build_layers(cfg, state, self.device)
         if cfg.deferred_batch_norm:
@@ -250,9 +243,9 @@ class Stage:
         self.meter = ActivationMeter(list(self.layers.parameters()))
         self.tied = self._tied_here()
         # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
-        self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.stage for k in keys}
+        self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.model_chunk for k in keys}
         self.shared_rng = shared_rng
-        self._turns: Turns | None = None  # with virtual stages: the turns of this chunk's worker (gpipe.turns)
+        self._turns: Turns | None = None  # with virtual stages: the turns of this model chunk's worker (gpipe.turns)
         self._activity_lock = threading.Lock()
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         self.transport = transport
@@ -275,7 +268,7 @@ class Stage:
     def _link(self) -> None:
         """This stage's lanes to its neighbours (and the stages its skip connections reach), and the reducer of
         its gradients across replicas."""
-        t, k = self.transport, self.cfg.stage
+        t, k = self.transport, self.cfg.model_chunk
         self.recv_act = None if self.first else t.receiver(k - 1, "activation", f"stage {k - 1}'s activation")
         self.send_act = None if self.last else t.sender(k + 1, "activation", f"activation to stage {k + 1}")
         self.recv_grad = None if self.last else t.receiver(k + 1, "gradient", f"stage {k + 1}'s gradient")
@@ -369,7 +362,7 @@ class Stage:
         self._doing("idle")
         scaled = self.precision.scaler is not None
         return StepResult(
-            rank=self.rank, stage=cfg.stage, replica=cfg.replica,
+            rank=self.rank, stage=cfg.model_chunk, replica=cfg.replica,
             loss_sum=float(p.loss_sum) if self.last else None, grad_norm=grad_norm,
             busy_s=p.busy, idle_s=max(0.0, step_s - p.busy),
             activation_peak_bytes=self.meter.peak, peak_memory_bytes=self._peak_memory(),
@@ -406,10 +399,10 @@ class Stage:
         several: gpipe.turns), also each one's place in the worker's order."""
         cfg = self.cfg
         if cfg.virtual_stages == 1:
-            return schedule.build(cfg.schedule, cfg.stage, cfg.stages, chunks), None
-        chunk = schedule.place(cfg.schedule, cfg.stage, cfg.workers)[1]
+            return schedule.build(cfg.schedule, cfg.model_chunk, cfg.model_chunks, chunks), None
+        own = place(cfg.schedule, cfg.model_chunk, cfg.workers)[1]
         order = schedule.build(cfg.schedule, cfg.worker, cfg.workers, chunks, cfg.virtual_stages)
-        mine = [(n, a) for n, a in enumerate(order) if a.chunk == chunk]
+        mine = [(n, a) for n, a in enumerate(order) if a.worker_chunk == own]
         return [a for _, a in mine], [n for n, _ in mine]
 
     def run(self, actions: list[schedule.Action], positions: list[int] | None, p: Pass, t_start: float) -> None:
@@ -418,7 +411,7 @@ class Stage:
 
         The receives and sends an action implies run on the transport's lanes; only the waits for what has not
         arrived yet stop the stage (not busy time). Each action's compute goes on the step's timeline.
-        `positions`: each action's place in its worker's order: the worker's chunks' actions then run together,
+        `positions`: each action's place in its worker's order: the worker's model chunks' actions then run together,
         in that order, on one thread (gpipe.turns).
         """
         p.split = schedule.splits_backward(actions)
@@ -442,7 +435,7 @@ class Stage:
             return
         self._doing("waiting", "the worker's other model chunks")
         work = [(at, lambda n=n: act(n)) for n, at in enumerate(positions)]  # n bound per action
-        self.turns.run(work, self.cfg.step_timeout_s, f"model chunk {self.cfg.stage}")
+        self.turns.run(work, self.cfg.step_timeout_s, f"model chunk {self.cfg.model_chunk}")
 
     def _forward(self, mb: int, p: Pass) -> None:
         """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
@@ -450,7 +443,7 @@ class Stage:
         if self.first:
             x = structure.to(p.inputs[mb], self.device)  # type: ignore[index]  # the first stage gets inputs
         else:
-            with self._waiting(p, f"stage {cfg.stage - 1}'s activation of {p.what} {mb}"):
+            with self._waiting(p, f"stage {cfg.model_chunk - 1}'s activation of {p.what} {mb}"):
                 # Its tensors that want a gradient back require grad.
                 x = self.recv_act.get(tag, timeout)  # type: ignore[union-attr]  # every stage but the first receives
         arrived: dict[str, torch.Tensor] = {}
@@ -501,7 +494,7 @@ class Stage:
         x, held_x, y, wants, arrived, stashed, skip_wants = p.in_flight.pop(mb)
         grads: list[torch.Tensor] = []
         if any(wants):
-            with self._waiting(p, f"stage {cfg.stage + 1}'s gradient of micro-batch {mb}"):
+            with self._waiting(p, f"stage {cfg.model_chunk + 1}'s gradient of micro-batch {mb}"):
                 grads = gradients(self.recv_grad.get(mb, timeout))  # type: ignore[union-attr]  # wants: not the last
         skip_grads: dict[int, list[torch.Tensor]] = {}
         if any(map(any, skip_wants.values())):
@@ -548,7 +541,7 @@ class Stage:
         for keys, stages in self.cfg.tied:
             held = [k for k in keys if k in own]
             if len(stages) > 1 and held:
-                out.append((own[held[0]], stages, stages[0] == self.cfg.stage))
+                out.append((own[held[0]], stages, stages[0] == self.cfg.model_chunk))
         return out
 
     def _sum_tied(self) -> None:
@@ -628,7 +621,7 @@ class Stage:
                     b.copy_(saved)
             self._doing("idle")
         last_loss = self.last and targets is not None
-        return EvalResult(stage=self.cfg.stage, loss_sum=float(p.loss_sum) if last_loss else None,
+        return EvalResult(stage=self.cfg.model_chunk, loss_sum=float(p.loss_sum) if last_loss else None,
                           samples=sum(sizes), eval_s=time.perf_counter() - t0,
                           outputs=[p.outputs[mb] for mb in range(chunks)] if self.last and targets is None else None)
 

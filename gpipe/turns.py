@@ -1,18 +1,18 @@
-"""Several model chunks on one worker: a Stage per chunk, whose actions one thread runs in the worker's order.
+"""Several model chunks on one worker: a Stage per model chunk, whose actions one thread runs in the worker's order.
 
 An interleaved schedule (gpipe.schedule: interleaved-1f1b, zbv) gives a worker
-`virtual` model chunks and one order of actions over all of them. Each chunk
-is a Stage of its own (its layers, its lanes to the chunks before and after
+`virtual` model chunks and one order of actions over all of them. Each model chunk
+is a Stage of its own (its layers, its lanes to the model chunks before and after
 it, its reductions at the step's end, all unchanged), on a thread of its own.
-`Turns` joins them for a step's actions: each chunk's thread hands in its
+`Turns` joins them for a step's actions: each model chunk's thread hands in its
 actions with their places in the worker's order, and the last to arrive runs
 all of them, in that order, one at a time, as one thread of the worker would
 (no hand-off between threads at each action, which on a busy machine costs a
-scheduler's time slice each); the others wait for it. Then each chunk's
+scheduler's time slice each); the others wait for it. Then each model chunk's
 end-of-step reductions (which wait on the other stages) run on its own
-thread again, so they cannot deadlock each other. The chunks also share the
+thread again, so they cannot deadlock each other. The model chunks also share the
 worker's activation meter (gpipe.memory), so a step's activation peak is the
-worker's, all its chunks' together.
+worker's, all its model chunks' together.
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ from collections.abc import Callable, Sequence
 
 from gpipe.memory import ActivationMeter
 
-Work = Sequence[tuple[int, Callable[[], None]]]  # (place in the worker's order, the action) of one chunk
+Work = Sequence[tuple[int, Callable[[], None]]]  # (place in the worker's order, the action) of one model chunk
 
 
 class TurnAborted(RuntimeError):
-    """Another chunk of the worker failed: its actions will not run."""
+    """Another model chunk of the worker failed: its actions will not run."""
 
 
 class Turns:
-    """One worker's step of actions over its chunks (see the module's docstring), and their meter."""
+    """One worker's step of actions over its model chunks (see the module's docstring), and their meter."""
 
     def __init__(self) -> None:
-        self.meter = ActivationMeter([])  # each chunk's stage adds its weights to what it skips
-        self.members = 0  # the chunks (stages) that joined: each hands in its actions every step
+        self.meter = ActivationMeter([])  # each model chunk's stage adds its weights to what it skips
+        self.members = 0  # the model chunks (stages) that joined: each hands in its actions every step
         self._cond = threading.Condition()
         self._parts: list[Work] = []
         self._round = 0  # steps (or eval batches) whose actions have run
@@ -43,7 +43,7 @@ class Turns:
         self._failed = False
 
     def join(self) -> None:
-        """A chunk's stage takes part in every step from now on."""
+        """A model chunk's stage takes part in every step from now on."""
         with self._cond:
             self.members += 1
 
@@ -53,16 +53,17 @@ class Turns:
             self._parts, self._error, self._failed = [], None, False
 
     def fail(self) -> None:
-        """A chunk failed outside its actions: every chunk waiting here gives up."""
+        """A model chunk failed outside its actions: every model chunk waiting here gives up."""
         with self._cond:
             self._failed = True
             self._cond.notify_all()
 
     def run(self, work: Work, timeout: float, what: str) -> None:
-        """Hand in this chunk's actions of a step; return once every chunk's have run, in the worker's order.
+        """Hand in this model chunk's actions of a step; return once every model chunk's have run, in the
+        worker's order.
 
-        Waits at most `timeout` seconds for the other chunks to hand theirs in, and then `timeout` per action
-        for them to run (each action's own waits are bounded by it). The chunk whose action raised raises
+        Waits at most `timeout` seconds for the other model chunks to hand theirs in, and then `timeout` per action
+        for them to run (each action's own waits are bounded by it). The model chunk whose action raised raises
         its error; the others TurnAborted.
         """
         with self._cond:

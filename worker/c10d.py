@@ -6,13 +6,13 @@ stage, or with virtual stages several model chunks (a Stage each, taking
 turns: gpipe.turns), which share the world. Every rank forms every process
 group, in one order, as torch requires, and keeps those it is in: per
 replica, one per direction (activations forward, gradients back) so each
-communicator carries one ordered stream (with several chunks a worker, one
-per direction per cut between chunks, since two cuts may join the same pair of
+communicator carries one ordered stream (with several model chunks a worker,
+one per direction per cut between model chunks, since two cuts may join the same pair of
 workers); two per pair of stages that a skip connection joins; one per replica
 for the clipping norm; one per stage (model chunk) for its copies in the
-replicas. A cut between two chunks of one worker (zbv's V, a skip within a
+replicas. A cut between two model chunks of one worker (zbv's V, a skip within a
 worker) goes in memory (gpipe.transport.Hub). A sum among stages (the clipping
-norm, the inf check, a tied weight) is taken first among the worker's chunks,
+norm, the inf check, a tied weight) is taken first among the worker's model chunks,
 then once per worker over c10d. Forming the world may take start_timeout_s,
 each step's waits step_timeout_s.
 
@@ -88,9 +88,10 @@ class World:
         self._bounded(store)
         for group, timeout in self._steady:
             _set_pg_timeout(timeout, group)
-        # What stays within the worker: cuts between its own chunks, and the first round of each sum.
-        self.local = Hub(cfg.stages, 1, cfg.step_timeout_s)
-        self.turns = Turns() if cfg.virtual_stages > 1 else None  # its chunks compute one action at a time, in order
+        # What stays within the worker: cuts between its own model chunks, and the first round of each sum.
+        self.local = Hub(cfg.model_chunks, 1, cfg.step_timeout_s)
+        # Its model chunks compute one action at a time, in order.
+        self.turns = Turns() if cfg.virtual_stages > 1 else None
         self.rng = SharedGenerators() if cfg.virtual_stages > 1 else None  # and share the process's generators
 
     def _address(self) -> str:
@@ -152,7 +153,7 @@ class World:
     def _form(self, store: dist.Store, deadline: float) -> None:
         """The world's groups (see the module's docstring), then their warm-up."""
         cfg, top, me, backend = self.cfg, self.topology, self.me, self.backend
-        chunks, virtual = cfg.stages, cfg.virtual_stages
+        model_chunks, virtual = cfg.model_chunks, cfg.virtual_stages
         step = timedelta(seconds=cfg.step_timeout_s)
         # A lane's transfers are posted ahead of the stage's wait for them (worker/channel.py), so the group's
         # own deadline (NCCL's watchdog counts from the post) is the channel's backstop, past the stage's.
@@ -160,16 +161,16 @@ class World:
         dist.init_process_group(backend, store=store, rank=me, world_size=top.world, timeout=self._start)
         self._steady.append((None, step))  # formed: a collective of every rank waits at most a step's timeout
         worker = self.worker_of
-        self.mine = [g for g in range(chunks) if worker(g) == cfg.worker]  # the model chunks this worker holds
+        self.mine = [g for g in range(model_chunks) if worker(g) == cfg.worker]  # the model chunks this worker holds
         every_worker = list(range(top.stages))
         self.lanes: dict[tuple[str, int, int], dist.ProcessGroup] = {}
         if virtual == 1:
             forward, backward = self._per_replica(every_worker, lane), self._per_replica(every_worker, lane)
-            for a in range(chunks - 1):
+            for a in range(model_chunks - 1):
                 self.lanes["activation", a, a + 1] = forward
                 self.lanes["gradient", a, a + 1] = backward
         else:  # a pair of groups per cut between workers: two cuts may join the same pair
-            for a in range(chunks - 1):
+            for a in range(model_chunks - 1):
                 if worker(a) != worker(a + 1):
                     self.lanes["activation", a, a + 1] = self._per_replica([worker(a), worker(a + 1)], lane)
                     self.lanes["gradient", a, a + 1] = self._per_replica([worker(a), worker(a + 1)], lane)
@@ -179,7 +180,7 @@ class World:
         # The copies of each stage (model chunk): they sum their gradients (and deferred BatchNorm's statistics).
         self.copies: dict[int, dist.ProcessGroup] = {}
         if top.replicas > 1:
-            for g in range(chunks):
+            for g in range(model_chunks):
                 ranks = top.stage_ranks(worker(g))
                 group = dist.new_group(ranks, backend=backend, timeout=self._start)
                 if me in ranks:
@@ -237,9 +238,9 @@ class World:
             work.wait(left())
         self._peer = None
 
-    def worker_of(self, chunk: int) -> int:
-        """The worker (of a replica) holding model chunk `chunk` (gpipe.topology)."""
-        return self.topology.worker_of(chunk)
+    def worker_of(self, model_chunk: int) -> int:
+        """The worker (of a replica) holding model chunk `model_chunk` (gpipe.topology)."""
+        return self.topology.worker_of(model_chunk)
 
     def _per_replica(self, workers: list[int], timeout: timedelta) -> dist.ProcessGroup:
         """A group of `workers` in each replica, formed by every rank; this rank's own (GroupMember.NON_GROUP_MEMBER
@@ -254,26 +255,27 @@ class World:
                 own = group
         return own
 
-    def combine(self, key: tuple[object, ...], chunks: list[int], chunk: int, t: torch.Tensor, op: Op,
+    def combine(self, key: tuple[object, ...], model_chunks: list[int], model_chunk: int, t: torch.Tensor, op: Op,
                 c10d: Callable[[torch.Tensor], None] | None) -> None:
-        """Reduce `t` in place among this worker's `chunks` (each calls with its own), then, once for the
-        worker, across workers with `c10d` (None: no other worker takes part)."""
-        if len(chunks) == 1:
+        """Reduce `t` in place among this worker's `model_chunks` (each calls with its own, `model_chunk`), then,
+        once for the worker, across workers with `c10d` (None: no other worker takes part)."""
+        if len(model_chunks) == 1:
             if c10d is not None:
                 c10d(t)
             return
-        who, what = chunks.index(chunk), f"the sum {key[0]} of model chunk {chunk} with chunks {chunks}"
-        (mine,) = self.local._reduce((*key, "within"), len(chunks), who, [t], op, what)
-        assert mine is not None  # every chunk gave one
+        who = model_chunks.index(model_chunk)
+        what = f"the sum {key[0]} of model chunk {model_chunk} with model chunks {model_chunks}"
+        (mine,) = self.local._reduce((*key, "within"), len(model_chunks), who, [t], op, what)
+        assert mine is not None  # every model chunk gave one
         if who == 0 and c10d is not None:
             c10d(mine)
-        (out,) = self.local._reduce((*key, "across"), len(chunks), who, [mine if who == 0 else None], op, what)
-        assert out is not None  # the first chunk gave it
+        (out,) = self.local._reduce((*key, "across"), len(model_chunks), who, [mine if who == 0 else None], op, what)
+        assert out is not None  # the first model chunk gave it
         t.copy_(out)
 
 
 class C10dTransport:
-    """Stage (model chunk) `cfg.stage` of replica `cfg.replica`, joined to its process's c10d world (see the
+    """Stage (model chunk) `cfg.model_chunk` of replica `cfg.replica`, joined to its process's c10d world (see the
     module's docstring)."""
 
     def __init__(self, cfg: StageConfig, device: torch.device):
@@ -283,7 +285,7 @@ class C10dTransport:
 
     def _group(self, lane: Lane, peer: int) -> tuple[int, dist.ProcessGroup] | None:
         """(peer rank, group) of a lane to stage `peer`; None when `peer` is on this worker (in memory)."""
-        a, b = sorted((self.cfg.stage, peer))
+        a, b = sorted((self.cfg.model_chunk, peer))
         group = self.world.lanes.get((lane, a, b))
         if group is None:
             return None
@@ -291,31 +293,31 @@ class C10dTransport:
 
     def sender(self, peer: int, lane: Lane, name: str) -> Outbound:
         if (link := self._group(lane, peer)) is None:
-            return self.world.local.transport(self.cfg.stage, 0, self.device).sender(peer, lane, name)
+            return self.world.local.transport(self.cfg.model_chunk, 0, self.device).sender(peer, lane, name)
         return Sender(*link, self.device, name)
 
     def receiver(self, peer: int, lane: Lane, name: str) -> Inbound:
         if (link := self._group(lane, peer)) is None:
-            return self.world.local.transport(self.cfg.stage, 0, self.device).receiver(peer, lane, name)
+            return self.world.local.transport(self.cfg.model_chunk, 0, self.device).receiver(peer, lane, name)
         return Receiver(*link, self.device, name, self.cfg.step_timeout_s)
 
     def all_reduce(self, t: torch.Tensor, among: Among, op: Op = "sum") -> None:
         w = self.world
-        if among == "copies":  # one chunk per worker in the group: no sum within the worker
-            dist.all_reduce(t, op=OPS[op], group=w.copies[self.cfg.stage])
+        if among == "copies":  # one model chunk per worker in the group: no sum within the worker
+            dist.all_reduce(t, op=OPS[op], group=w.copies[self.cfg.model_chunk])
             return
         group = w.pipeline if among == "pipeline" else None
-        w.combine((among,), w.mine, self.cfg.stage, t, op, lambda x: dist.all_reduce(x, op=OPS[op], group=group))
+        w.combine((among,), w.mine, self.cfg.model_chunk, t, op, lambda x: dist.all_reduce(x, op=OPS[op], group=group))
 
     def sum_among(self, t: torch.Tensor, stages: Sequence[int]) -> None:
         w = self.world
         group = w.tied.get(tuple(stages))
         here = [g for g in stages if g in w.mine]
         c10d = None if group is None else (lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group))
-        w.combine(("tied", *stages), here, self.cfg.stage, t, "sum", c10d)
+        w.combine(("tied", *stages), here, self.cfg.model_chunk, t, "sum", c10d)
 
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
-        group = self.world.copies.get(self.cfg.stage)
+        group = self.world.copies.get(self.cfg.model_chunk)
         if group is None or not params:
             return None
         return GradReducer(params, group, self.cfg.step_timeout_s)

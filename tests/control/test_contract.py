@@ -38,8 +38,8 @@ def test_every_spec_field_is_copied_derived_or_the_coordinators_alone():
 def test_a_stage_config_is_derived_from_the_spec_and_says_which_rank_it_is():
     plan = make_plan(parse_spec(yaml.safe_dump(SPEC)), ROOT)
     first, other = (stage_config(plan, 1, r, "cpu", "10.0.0.1", 29500) for r in (0, 1))
-    assert (first.stage, first.replica, first.rank, first.start, first.end) == (1, 0, 1, 1, 4)
-    assert (other.stage, other.replica, other.rank) == (1, 1, 3)
+    assert (first.model_chunk, first.replica, first.rank, first.start, first.end) == (1, 0, 1, 1, 4)
+    assert (other.model_chunk, other.replica, other.rank) == (1, 1, 3)
     assert (first.precision, first.loss_scale, first.batch_size, first.replicas) == ("fp16", (8.0, 2000), 8, 2)
     assert (first.store_host, first.store_port, first.device) == ("10.0.0.1", 29500, "cpu")
     # Replica 0 alone evaluates.

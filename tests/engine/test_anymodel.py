@@ -16,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 import gpipe
+from gpipe import cuts
 from gpipe.capture import CaptureError, capture, select_output
 from tests.support import models
 from tests.support.lm import _cut, batches, fresh, lm_loss, one_device, one_device_job
@@ -75,7 +76,8 @@ def test_gpt2_with_tied_weights_equals_one_device(cut, schedule, checkpointing):
     assert pipe.captured is not None
     assert ["0.transformer.wte.weight", f"{len(pipe.captured.pieces) - 1}.transformer.wte.weight"] in \
         pipe.captured.tied
-    assert pipe._stage_of(0) != pipe._stage_of(len(pipe.captured.pieces) - 1)  # embedding and head apart
+    last = len(pipe.captured.pieces) - 1
+    assert cuts.stage_of(pipe.balance, 0) != cuts.stage_of(pipe.balance, last)  # embedding and head apart
 
 
 def test_gpt2_sequence_lengths_that_change_from_step_to_step_equal_one_device():

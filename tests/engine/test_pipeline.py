@@ -20,7 +20,8 @@ from torch import nn
 import gpipe
 from gpipe import skip
 from gpipe.rng import seeded_forward
-from gpipe.schedule import Action, build, model_chunk
+from gpipe.schedule import Action, build
+from gpipe.topology import model_chunk
 from tests.support import reference
 from tests.support.spec import DELETE, TWO_STAGES, job
 

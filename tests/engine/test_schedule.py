@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from gpipe.schedule import (
+    SCHEDULES,
     Action,
+    Name,
     build,
     cost,
-    model_chunk,
-    place,
     simulate,
     splits_backward,
     steady,
     timing,
 )
+from gpipe.topology import model_chunk, place
 from tests.support.spec import job, regression
 
 STAGES = [1, 2, 3, 4, 8, 16, 64]
+
+
+def test_the_names_the_spec_takes_are_the_schedule_table_s():
+    """JobSpec.schedule is schedule.Name; its values are the schedules the table builds, in order."""
+    assert list(get_args(Name)) == SCHEDULES
+
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
 NAMES = ["gpipe", "1f1b", "zb-h1"]
 
@@ -101,7 +108,7 @@ def test_interleaved_1f1b_runs_each_chunk_once_and_divides_the_bubble(p, rounds,
         pos = {a: n for n, a in enumerate(actions)}
         assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] for i in range(m) for c in range(v))
         # Each chunk's forwards go in micro-batch order: the lanes rely on it.
-        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.worker_chunk == c] == list(range(m))
                    for c in range(v))
     sim = simulate("interleaved-1f1b", p, m, v)
     # A chunk's F a tick, its B two: the bubble is 1f1b's divided by about the chunks per worker.
@@ -124,7 +131,7 @@ def test_zbv_runs_each_chunk_once_in_a_v_and_all_but_removes_the_bubble(p, m):
         pos = {a: n for n, a in enumerate(actions)}
         assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] < pos[Action("W", i, c)]
                    for i in range(m) for c in range(2))
-        assert all([a.micro_batch for a in actions if a.kind == "F" and a.chunk == c] == list(range(m))
+        assert all([a.micro_batch for a in actions if a.kind == "F" and a.worker_chunk == c] == list(range(m))
                    for c in range(2))
         # The V: worker k's chunks are the model's k and 2P-1-k.
         assert [model_chunk("zbv", k, c, p) for c in (0, 1)] == [k, 2 * p - 1 - k]

@@ -12,7 +12,7 @@ from coordinator.configs import stage_config
 from gpipe import net
 from gpipe.contract import Cause, StageError
 from gpipe.state import StageState
-from gpipe.topology import Topology
+from gpipe.topology import Slots, Topology
 from tests.support import reference
 from tests.support.local import attempt_secret, built, plan_of, run, weights_of  # noqa: F401  # attempt_secret: autouse
 from tests.support.spec import ONE_STAGE, job
@@ -86,7 +86,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
             return self.fut
 
     def watch(*activities):
-        return PartitionWatch([Answering(a) for a in activities], Topology(2), 20.0)
+        return PartitionWatch([Answering(a) for a in activities], Slots(2), 20.0)
 
     w = watch(("waiting", "stage 1's gradient of micro-batch 0", 25.0), ("waiting", "stage 0's activation of micro-batch 1", 21.0))
     w.look(7)  # asks, and never waits for the answers
@@ -101,7 +101,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
         assert w.looking is None
 
     # A stage that has not answered yet holds up nothing: the look is kept, and asked again later.
-    w = PartitionWatch([Answering(), Answering()], Topology(2), 20.0)
+    w = PartitionWatch([Answering(), Answering()], Slots(2), 20.0)
     w.look(7)
     looking = w.looking
     w.look(7)

@@ -118,7 +118,7 @@ def test_validate_refuses_a_dtype_no_backend_carries_in_one_line_naming_it_and_t
 
 
 def _cfg(rank: int, port: int, start_s: float) -> StageConfig:
-    return StageConfig(stage=rank, stages=2, start=rank, end=rank + 1, model_factory="", model_args={},
+    return StageConfig(model_chunk=rank, model_chunks=2, start=rank, end=rank + 1, model_factory="", model_args={},
                        optimizer="", optimizer_args={}, loss="", schedule="gpipe", chunks=2,
                        activation_checkpoint="never", seed=0, clip_grad_norm=None, device="cpu",
                        step_timeout_s=10, start_timeout_s=start_s, store_host="127.0.0.1", store_port=port)

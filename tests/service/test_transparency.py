@@ -90,9 +90,9 @@ def test_virtual_stages_over_processes_equal_one_device(cli, name):
     plan = json.loads((out / "plan.json").read_text())
     chunks_of = [[c for c in range(P * V) if c % P == k] for k in range(P)] if spec["schedule"] != "zbv" else \
         [[k, 2 * P - 1 - k] for k in range(P)]
-    assert plan["schedule"]["chunks"] == chunks_of and len(plan["schedule"]["actions"]) == P
+    assert plan["schedule"]["model_chunks"] == chunks_of and len(plan["schedule"]["actions"]) == P
     check_steady(plan["schedule"], spec)
-    assert [w["chunks"] for w in plan["workers"]] == chunks_of * R and len(plan["stages"]) == P * V
+    assert [w["model_chunks"] for w in plan["workers"]] == chunks_of * R and len(plan["stages"]) == P * V
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(spec["steps"]))
     for m in lines:  # a stage per model chunk per replica, with its worker's rank

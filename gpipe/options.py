@@ -1,0 +1,42 @@
+"""The option rules `JobSpec` and `gpipe.Pipeline` share: which schedule, virtual stages and micro-batches go together.
+
+Both the service's spec (coordinator.spec) and the in-process pipeline ask
+`violation`, so a combination one refuses the other refuses too, with the same
+message naming the field. The names of the schedules are gpipe.schedule's table
+(`schedule.Name`), of the checkpointing modes `Checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from gpipe import schedule as schedules
+
+Checkpoint = Literal["always", "except_last", "never"]  # activation checkpointing: which micro-batches recompute
+CHECKPOINTS: tuple[str, ...] = get_args(Checkpoint)
+
+
+def violation(schedule: str, stages: int, virtual_stages: int, chunks: int,
+              activation_checkpoint: str = "never") -> str | None:
+    """The first rule these options break, as "field: why"; None when they go together.
+
+    `stages`: workers per replica; `virtual_stages`: model chunks per worker; `chunks`: micro-batches per step
+    (per replica).
+    """
+    if type(chunks) is not int or chunks < 1:
+        return f"chunks: must be a positive int, got {chunks!r}"
+    if schedule not in schedules.SCHEDULES:
+        return f"schedule: {schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
+    if type(virtual_stages) is not int or virtual_stages < 1:
+        return f"virtual_stages: must be a positive int, got {virtual_stages!r}"
+    if virtual_stages > 1 and schedule not in schedules.VIRTUAL:
+        return (f"virtual_stages: {virtual_stages} model chunks per worker need schedule "
+                f"{' or '.join(schedules.VIRTUAL)}, not {schedule}")
+    if schedule == "zbv" and virtual_stages != 2:
+        return f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {virtual_stages}"
+    if schedule == "interleaved-1f1b" and virtual_stages > 1 and chunks % stages:
+        return (f"chunks: interleaved-1f1b runs the micro-batches in rounds of the {stages} workers: {chunks} is "
+                f"not a multiple of {stages}")
+    if activation_checkpoint not in CHECKPOINTS:
+        return f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}"
+    return None
