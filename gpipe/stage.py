@@ -53,6 +53,12 @@ from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.turns import Turns
 from gpipe.wire import gradient_message, gradients, wants_grad
 
+# The wall-clock time of perf_counter's zero, read once per process: every stage of a process dates its steps'
+# timelines on one clock (reading time.time() beside perf_counter() per step would put each stage's on a clock
+# of its own, off by however long a loaded machine paused the thread between the two reads).
+_EPOCH_PERF = time.perf_counter()
+_EPOCH_UNIX = time.time()
+
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
 # its capture (torch.export, seconds for a language model) are made once in a process, and every model chunk takes a
 # copy of its own pieces from them. One model at a time: an attempt process serves one job.
@@ -335,7 +341,8 @@ class Stage:
 
     def _step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
               batch: int | None) -> StepResult:
-        cfg, t_step, start_unix = self.cfg, time.perf_counter(), time.time()
+        cfg, t_step = self.cfg, time.perf_counter()
+        start_unix = _EPOCH_UNIX + (t_step - _EPOCH_PERF)  # one clock for every stage of this process
         loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
         p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
                  loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))

@@ -144,7 +144,9 @@ class Template:
     async def start(self) -> None:
         """Start the template importing (returns at once; `spawn` waits until it is ready). One that cannot
         start leaves processes to start anew, for COOL_OFF_S."""
-        if self.proc is not None and self.proc.returncode is None or time.monotonic() < self.not_before:
+        # A template whose answers ended (self.sock gone) is ending, reaped or not yet: start anew.
+        alive = self.proc is not None and self.proc.returncode is None and self.sock is not None
+        if alive or time.monotonic() < self.not_before:
             return
         if self.shared is not None:
             self._connect(self.shared)
@@ -267,7 +269,8 @@ class Template:
             request = json.dumps({"module": module, "args": args, "env": dict(env), "cwd": os.getcwd()}).encode()
             if len(request) > MAX_REQUEST:
                 raise OSError(f"a request of {len(request)} bytes is over {MAX_REQUEST}")
-            assert self.sock is not None
+            if self.sock is None:  # the template ended after it was ready: start this one anew (spawn)
+                raise OSError("the template process ended")
             pid_f: asyncio.Future[Forked] = loop.create_future()
             socket.send_fds(self.sock, [request], [*close, stderr])  # a datagram on a local socketpair: never blocks
             self.pending.append(pid_f)
