@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from safetensors.torch import load_file
 from coordinator.records import COMMIT_GRACE_S
 from tests.support import netns, reference
 from tests.support.cli import ROOT, Cli, end_leftovers
+from tests.support.ports import free_port_in
 from tests.support.service import Service, steps_of, with_suppress, worker_pid
 from tests.support.spec import SERVICE, job, slow_mlp
 
@@ -35,17 +34,6 @@ def history(out: Path) -> list[dict[str, Any]]:
 
 PORTS = range(43000, 44000)  # this file's servers listen only here
 HEARTBEAT_TIMEOUT_S = 2  # serve --heartbeat-timeout: a lost worker is seen sooner
-
-
-def port_in_range() -> int:
-    for port in random.sample(PORTS, 50):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.fail(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def elastic_job(name: str, **kw: Any) -> dict[str, Any]:
@@ -74,7 +62,7 @@ def three(tmp_path_factory):
     each test its own job names, and it leaves the three workers up."""
     c = Cli(tmp_path_factory.mktemp("elastic"))
     s = Service(c)
-    s.port = port_in_range()
+    s.port = free_port_in(PORTS)
     s.address = f"127.0.0.1:{s.port}"
     try:
         s.start_serve("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
@@ -198,7 +186,7 @@ def test_a_host_cut_off_for_good_shrinks_the_job_which_finishes_on_the_one_devic
     env = dict(cli.env, PYTHONPATH=str(ROOT))
     py = [sys.executable, "-m"]
     with netns.Hosts(4, prefix="gpe") as hosts:
-        address = f"{hosts.addr(0)}:{port_in_range()}"
+        address = f"{hosts.addr(0)}:{free_port_in(PORTS)}"
         logs = {k: tmp_path / f"{k}.log" for k in ("serve", "submit", "worker0", "worker1", "worker2")}
 
         def log(k: str) -> str:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from safetensors.torch import load_file
 
 from gpipe.errors import EXIT_PREEMPTED
 from tests.support import reference
+from tests.support.ports import free_port_in
 from tests.support.service import Service
 from tests.support.spec import SERVICE, job, slow_mlp
 
@@ -32,18 +31,6 @@ def checkpoints(out: Path) -> list[int]:
 PORTS = range(42000, 43000)  # this module's servers listen here only
 SLOW = slow_mlp(16, 0.03)
 STEPS = 14  # stopped after step 6: the rest for the resumed attempt
-
-
-def port_in_range() -> int:
-    """A free port of PORTS."""
-    for port in random.sample(PORTS, len(PORTS)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def steps_of(out: Path) -> list[tuple[int, int]]:
@@ -72,7 +59,7 @@ def assert_resumed_at_the_boundary(out: Path, spec: dict) -> int:
 
 def service(cli) -> Service:
     s = Service(cli)
-    s.port = port_in_range()
+    s.port = free_port_in(PORTS)
     s.address = f"127.0.0.1:{s.port}"
     return s
 

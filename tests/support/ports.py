@@ -30,3 +30,16 @@ def free_port() -> int:
                 continue
             return int(s.getsockname()[1])
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def free_port_in(ports: range) -> int:
+    """A free port of `ports`: for a test whose servers must listen in a range of its own (a NetworkPolicy's,
+    a firewall's)."""
+    for port in _PICK.sample(ports, min(len(ports), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
