@@ -41,6 +41,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH, DEPTH, BATCH, CHUNKS, STAGES = 1024, 8, 256, 8, 2
 VIRTUAL = ("interleaved-1f1b", "zbv")  # gpipe's schedules of 2 model chunks per worker
+PEER_NAMES = {  # each of our schedules: the peer's same schedule (zb-h1 has none: its nearest is 1F1B)
+    "gpipe": "torch.pipelining ScheduleGPipe", "1f1b": "torch.pipelining Schedule1F1B",
+    "zb-h1": "torch.pipelining Schedule1F1B", "interleaved-1f1b": "torch.pipelining ScheduleInterleaved1F1B",
+    "zbv": "torch.pipelining ScheduleZBVZeroBubble",
+}
 
 
 def env() -> dict[str, str]:
@@ -87,8 +92,9 @@ def run_gpipe(schedule: str, steps: int, tmp: Path, stages: int = STAGES, replic
 
 
 def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, replicas: int = 1,
-                chunks: int = CHUNKS) -> list[dict[str, Any]]:
-    """The metrics of `steps` steps of gpipe (after 3 warm-up steps)."""
+                chunks: int = CHUNKS, checkout: Path | None = None) -> list[dict[str, Any]]:
+    """The metrics of `steps` steps of gpipe (after 3 warm-up steps); with `checkout`, that checkout's gpipe
+    (set up: make setup), from its own environment."""
     name = f"bench-{schedule}-{replicas}x{stages}-{chunks}"
     virtual = 2 if schedule in VIRTUAL else 1  # model chunks per worker
     spec = {
@@ -102,8 +108,12 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
-                        "--no-progress"], env=env(), capture_output=True, text=True, timeout=600)
+    e, cmd = env(), [sys.executable, "-m", "coordinator.cli"]
+    if checkout is not None:
+        e.pop("PYTHONPATH", None)  # it imports its own gpipe
+        cmd = [str(checkout / ".venv/bin/gpipe-coordinator")]
+    r = subprocess.run([*cmd, "run", str(job), "--state-dir", str(tmp), "--no-progress"], env=e,
+                       capture_output=True, text=True, timeout=600, cwd=checkout)
     if r.returncode:
         raise RuntimeError(f"gpipe {schedule} failed: {r.stderr[-2000:]}")
     lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
@@ -134,17 +144,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--chunks", type=int, default=CHUNKS)
+    ap.add_argument("--before", type=Path, help="another checkout, set up (make setup): its gpipe runs each "
+                    "schedule too, interleaved, for a table before and after in one run")
+    ap.add_argument("--only", default="", help="a comma-separated list of schedules (gpipe's names): those alone, "
+                    "ours and the peer's, with one process")
     a = ap.parse_args()
     m = a.chunks
     bubbles: dict[str, list[float]] = {}
     costed: dict[str, list[float]] = {}
 
-    def ours(schedule: str) -> Callable[[Path], float]:
+    def ours(schedule: str, checkout: Path | None = None) -> Callable[[Path], float]:
+        who = f"before {schedule}" if checkout is not None else f"gpipe {schedule}"
+
         def run(tmp: Path) -> float:
-            steps = gpipe_steps(schedule, a.steps, tmp, chunks=m)
-            bubbles.setdefault(f"gpipe {schedule}", []).append(
-                statistics.median(float(x["bubble_fraction"]) for x in steps))
-            costed.setdefault(f"gpipe {schedule}", []).append(costed_bubble(schedule, steps, m))
+            steps = gpipe_steps(schedule, a.steps, tmp, chunks=m, checkout=checkout)
+            bubbles.setdefault(who, []).append(statistics.median(float(x["bubble_fraction"]) for x in steps))
+            costed.setdefault(who, []).append(costed_bubble(schedule, steps, m))
             return statistics.median(float(x["step_time_s"]) for x in steps)
         return run
 
@@ -161,6 +176,14 @@ def main() -> None:
         "torch.pipelining ScheduleInterleavedZeroBubble": lambda tmp: run_pipelining("interleaved-zb", a.steps, m),
         "torch.pipelining ScheduleZBVZeroBubble": lambda tmp: run_pipelining("zbv", a.steps, m),
     }
+    if a.before is not None:  # each of ours beside its before
+        contenders = {k2: v2 for k, v in contenders.items()
+                      for k2, v2 in ([(k, v)] + ([(k.replace("gpipe ", "before ", 1), ours(k[6:], a.before))]
+                                                  if k.startswith("gpipe ") else []))}
+    if a.only:
+        keep = {PEER_NAMES[x] for x in a.only.split(",")} | {f"{who} {x}" for x in a.only.split(",")
+                                                              for who in ("gpipe", "before")}
+        contenders = {k: v for k, v in contenders.items() if k == "one process" or k in keep}
     times: dict[str, list[float]] = {k: [] for k in contenders}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
@@ -183,21 +206,29 @@ def main() -> None:
             at_cost[name] = t * (1 - b) / (1 - c)
             bubble = f"{b:7.3f} {c:7.3f} {at_cost[name] * 1e3:8.1f}"
         print(f"{name:46} {t * 1e3:8.1f} {base / t:9.3f} {base / t / ideal:9.3f} {bubble}")
+    for name in [k for k in times if k.startswith("before ")]:
+        after = f"gpipe {name[7:]}"
+        print(f"{after}: before / after {statistics.median(times[name]) / statistics.median(times[after]):.3f}x")
+        peer = PEER_NAMES[name[7:]]
+        if peer in times:
+            print(f"  before: {name} / {peer}: {statistics.median(times[peer]) / statistics.median(times[name]):.3f}x")
     best = {who: min((statistics.median(ts), name) for name, ts in times.items() if name.startswith(who))
             for who in ("gpipe", "torch.pipelining")}
     print(f"fastest: {best['gpipe'][1]} / {best['torch.pipelining'][1]}: "
-          f"{best['torch.pipelining'][0] / best['gpipe'][0]:.3f}x")
-    floor = min((t, name) for name, t in at_cost.items())
-    print(f"gpipe's fastest at cost (its schedule's bubble at the run's own action costs, no other idle): "
-          f"{floor[1]} {floor[0] * 1e3:.1f} ms, {best['torch.pipelining'][0] / floor[0]:.3f}x the peer's fastest")
-    for fast, slow in (("gpipe gpipe", "torch.pipelining ScheduleGPipe"),
-                       ("gpipe 1f1b", "torch.pipelining Schedule1F1B"),
-                       ("gpipe zb-h1", "gpipe 1f1b"), ("gpipe zb-h1", "torch.pipelining Schedule1F1B")):
-        print(f"{fast} / {slow}: {statistics.median(times[slow]) / statistics.median(times[fast]):.3f}x")
+          f"{best['torch.pipelining'][0] / best['gpipe'][0]:.3f}x (target 1.05x)")
+    if at_cost:
+        floor = min((t, name) for name, t in at_cost.items() if name.startswith("gpipe "))
+        print(f"gpipe's fastest at cost (its schedule's bubble at the run's own action costs, no other idle): "
+              f"{floor[1]} {floor[0] * 1e3:.1f} ms, {best['torch.pipelining'][0] / floor[0]:.3f}x the peer's fastest")
+    for ours_, peer in PEER_NAMES.items():  # the peer's same schedule (target 0.97x)
+        if f"gpipe {ours_}" in times and peer in times:
+            print(f"gpipe {ours_} / {peer}: "
+                  f"{statistics.median(times[peer]) / statistics.median(times[f'gpipe {ours_}']):.3f}x")
     for name in ("gpipe zb-h1", "gpipe zbv", "gpipe interleaved-1f1b"):
-        ratio = statistics.median(bubbles[name]) / statistics.median(bubbles["gpipe 1f1b"])
-        at_cost = statistics.median(costed[name]) / statistics.median(costed["gpipe 1f1b"])
-        print(f"bubble, {name.removeprefix('gpipe ')} / 1f1b: measured {ratio:.3f}, at the measured costs {at_cost:.3f}")
+        if name in bubbles and "gpipe 1f1b" in bubbles:
+            ratio = statistics.median(bubbles[name]) / statistics.median(bubbles["gpipe 1f1b"])
+            at = statistics.median(costed[name]) / statistics.median(costed["gpipe 1f1b"])
+            print(f"bubble, {name.removeprefix('gpipe ')} / 1f1b: measured {ratio:.3f}, at the measured costs {at:.3f}")
 
 
 if __name__ == "__main__":

@@ -235,7 +235,23 @@ def test_a_message_goes_whole_on_the_channels_device_and_arrives_where_the_stage
 
     monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
     monkeypatch.setattr(dist, "isend", isend)
+    class Posted:
+        """A receive posted (on the CPU, from the stage's thread): it lands when waited for."""
+
+        def __init__(self, t: torch.Tensor):
+            self.t, self.done = t, False
+
+        def wait(self, timeout: Any = None) -> bool:
+            if not self.done:
+                recv(self.t, 0, None, timeout)
+                self.done = True
+            return True
+
+        def is_completed(self) -> bool:
+            return self.done
+
     monkeypatch.setattr(channel, "_recv", recv)
+    monkeypatch.setattr(channel, "_irecv", lambda t, peer, group: Posted(t))
     ids = torch.tensor([-32768, -1, 0, 32767], dtype=torch.int16)
     values = [ids.to(dev), {"h": torch.randn(3, 2, device=dev), "cpu": ids, "b": torch.tensor([True, False])}]
     s, r = Sender(1, None, dev, "out"), Receiver(0, None, dev, "in", 30)
