@@ -1,6 +1,6 @@
 """Where an action's time goes, part by part, in the service: a profile of each stage's F, B and W.
 
-    python bench/profile_actions.py [--schedule 1f1b] [--steps 60] [--rounds 1]
+    python bench/profile_actions.py [--schedule 1f1b] [--steps 60] [--rounds 1] [--checkout DIR]
 
 The job is bench/action_cost.py's (4 x (Linear(1024)+ReLU) a stage, 2 stages,
 batch 256 in 8 micro-batches of 32, `gpipe-coordinator run`, one core a
@@ -56,7 +56,7 @@ def _proc(pid: int) -> dict[str, Any] | None:
             "faults": int(rest[7]), "threads": threads}
 
 
-def profile(schedule: str, steps: int, tmp: Path) -> dict[str, Any]:
+def profile(schedule: str, steps: int, tmp: Path, checkout: Path = ROOT) -> dict[str, Any]:
     name = f"profile-{schedule}"
     virtual = 2 if schedule in VIRTUAL else 1  # model chunks per worker, as bench/step_time.py
     spec = {
@@ -71,9 +71,10 @@ def profile(schedule: str, steps: int, tmp: Path) -> dict[str, Any]:
     job.write_text(yaml.safe_dump(spec))
     prefix = tmp / "timed"
     e = env()
-    e["PYTHONPATH"] = f"{Path(__file__).resolve().parent / 'profiling'}{os.pathsep}{ROOT}"
+    e["PYTHONPATH"] = f"{Path(__file__).resolve().parent / 'profiling'}{os.pathsep}{checkout}"
     e["GPIPE_BENCH_PROFILE"] = str(prefix)
-    p = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    python = sys.executable if checkout == ROOT else str(checkout / ".venv/bin/python")
+    p = subprocess.Popen([python, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
                           "--no-progress"], env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = tmp / name / "metrics.jsonl"
 
@@ -137,11 +138,12 @@ def main() -> None:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--checkout", type=Path, default=ROOT, help="profile another checkout's gpipe (set up: make setup)")
     a = ap.parse_args()
     rounds = []
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
-            rounds.append({"alone": alone(), "run": profile(a.schedule, a.steps, Path(d))})
+            rounds.append({"alone": alone(), "run": profile(a.schedule, a.steps, Path(d), a.checkout.resolve())})
             print(f"round {r + 1}: step {rounds[-1]['run']['step'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
     def med(key: str, field: str) -> float:

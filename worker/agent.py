@@ -33,8 +33,13 @@ from gpipe.zygote import Child, Template
 # stage thread that shares it (threads outnumber a core's 8 arenas, and which
 # one a thread gets is a matter of timing) kept a whole set of gradients freed
 # at zero_grad beside the next step's: one stage of the scale run 1.9 GB above
-# the others.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+# the others. A thread's arena is heaps of 64 MiB, and glibc unmaps a heap once
+# it is all free, or shrinks its top, whatever the trim threshold: when a step's
+# allocations moved across a heap's edge, a stage re-faulted 7 MiB a step (1,800
+# minor faults, bench/README.md (s)). A top pad of a whole heap keeps both from
+# happening (each heap growth asks for it; pages cost memory once touched only).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+              "MALLOC_TOP_PAD_": str(64 << 20)}
 
 
 # What a worker's attempt processes import (gpipe.zygote's template imports it once). Its optimizer imports
