@@ -25,23 +25,20 @@ the peer (on gloo, when the peer's receive is already posted, the calling
 thread writes the data to the socket itself), and the stage waits for its
 sends at the step's end (`Sender.flush`). On CUDA, a header goes to the device
 from pinned memory, without waiting for the stage's kernels.
-
-A receive on the CPU is posted from the stage's own thread too, as the peer
-(torch.distributed.pipelining) does: the first transfer of a lane's next
-message (its header, and a packed tensor after it) is posted as soon as the
-previous message has been taken, and waited for where the stage needs it
-(`Receiver.get`); a message whose receive is already done when the stage asks
-costs no wake-up and no other thread. On CUDA a thread per
-channel receives, on a CUDA stream of its own: reading a header means waiting
-for its receive on the host, and the stage's thread must not wait for that
-(nor for the kernels the stage has queued on its own stream); the stage's
-stream waits for a message's receive (an event) when it takes the message, and
-a receive is posted as soon as the previous one finished: the next
-micro-batch is usually already there when the stage needs it. The stage's
-own waits (`Receiver.get`, `Sender.flush`) have the step's deadline and name
-what they waited for. On CUDA a receive is often posted before the stage asks
-for it, so the c10d wait under it has a later backstop (`backstop_s`): that
-deadline must not fire first and report NCCL's words in place of ours.
+Receives run on a thread per channel (not on the stage's own, as the peer's
+do: a wait there would carry the stage's deadline into c10d, and on gloo a
+wait that times out closes the process group's connections, its peers' too,
+so the stage's late neighbour would read as a lost one; bench/README.md (s)),
+on a CUDA stream of its own: reading a
+header waits for that stream (the receive), never for the kernels the stage
+has queued on its own; the stage's stream waits for a message's receive (an
+event) when it takes the message, and a receive is posted as soon as the
+previous one finished: the next micro-batch is usually already there when the
+stage needs it. The stage's own waits (`Receiver.get`, `Sender.flush`) have
+the step's deadline and name what they waited for. A receive is often posted
+before the stage asks for it, so the c10d wait under it has a later backstop
+(`backstop_s`): that deadline must not fire first and report gloo's words in
+place of ours.
 """
 
 from __future__ import annotations
@@ -84,30 +81,10 @@ def backstop_s(timeout: float) -> float:
     return 2 * timeout + 10.0
 
 
-_ALIGN = 64 - HEADER_BYTES % 64  # a buffer's header starts this far in: a packed tensor's data is 64-byte aligned
-
-
-def _left(deadline: float) -> timedelta:
-    """The time to `deadline` (time.monotonic()) for a c10d wait: whole milliseconds, rounded up, at least one
-    (c10d reads a wait of 0 ms as no deadline at all)."""
-    return timedelta(milliseconds=max(1, math.ceil((deadline - time.monotonic()) * 1000)))
-
-
-def _wait(work: dist.Work, deadline: float) -> None:
-    """Wait for `work` until `deadline`: TimeoutError if it has passed, else what the transfer met, if anything."""
-    if deadline <= time.monotonic():
-        raise TimeoutError
-    work.wait(_left(deadline))
-
-
-def _irecv(t: torch.Tensor, peer: int, group: dist.ProcessGroup) -> dist.Work:
-    work = dist.irecv(t, peer, group=group)
-    assert work is not None  # this process is in `group`
-    return work
-
-
 def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedelta) -> None:
-    _irecv(t, peer, group).wait(timeout)
+    work = dist.irecv(t, peer, group=group)
+    assert work is not None
+    work.wait(timeout)
 
 
 class Capacity:
@@ -202,8 +179,12 @@ class Sender:
             raise self._error
         while self._posted:
             mb, work, _ = self._posted[0]
+            left = deadline - time.monotonic()
             try:
-                _wait(work, deadline)
+                if left <= 0:
+                    raise TimeoutError
+                # Whole milliseconds, rounded up: c10d reads a wait of 0 ms as no deadline at all.
+                work.wait(timedelta(milliseconds=max(1, math.ceil(left * 1000))))
             except BaseException as e:
                 if time.monotonic() >= deadline:  # the peer never took it: our deadline, in our words
                     raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}") from None
@@ -225,43 +206,31 @@ class Sender:
 
 
 class Receiver:
-    """Receives (micro-batch, value) pairs from `peer`: on the CPU from the stage's thread, on CUDA on a thread
-    of its own, as they arrive (the module's docstring)."""
+    """Receives (micro-batch, value) pairs from `peer`, on a thread, as they arrive."""
 
     def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, name: str, timeout: float):
         self.peer, self.group, self.device, self.name = peer, group, device, name
         self.timeout = timedelta(seconds=backstop_s(timeout))
         self.bytes = 0  # tensor data received, headers left out
+        self._todo: queue.Queue[int | None] = queue.Queue()
         # micro-batch -> (its value, on CUDA the event of its receive on the channel's stream)
         self._inbox: dict[int, tuple[Any, torch.cuda.Event | None]] = {}
+        self._cv = threading.Condition()
         self._error: BaseException | None = None
         self.backend = str(dist.get_backend(group))
         self._capacity = Capacity(self.backend)
+        # On CUDA the receives run on a stream of their own (the module's docstring); None on the CPU.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self.limit = message_limit(device)  # the most bytes a message may ask for
-        self._threaded = device.type == "cuda"
-        # On the CPU: messages expected and not yet received, and the posted first transfer of the next one.
-        self._expected = 0
-        self._posted: tuple[dist.Work, torch.Tensor] | None = None
-        # On CUDA: a thread receives, on a stream of its own (the module's docstring).
-        self._todo: queue.Queue[int | None] = queue.Queue()
-        self._cv = threading.Condition()
-        self._stream = torch.cuda.Stream(device) if self._threaded else None  # type: ignore[no-untyped-call]
-        if self._threaded:
-            self._thread = threading.Thread(target=self._loop, name=f"recv-{name}", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._loop, name=f"recv-{name}", daemon=True)
+        self._thread.start()
 
     def expect(self, count: int) -> None:
         """Receive `count` more messages (one step's worth)."""
-        if self._threaded:
-            self._todo.put(count)
-            return
-        self._expected += count
-        self._post()
+        self._todo.put(count)
 
     def get(self, mb: int, timeout: float) -> Any:
         """The value of micro-batch `mb`, waiting up to `timeout` seconds for it."""
-        if not self._threaded:
-            return self._take(mb, timeout)
         deadline = time.monotonic() + timeout
         with self._cv:
             while mb not in self._inbox:
@@ -269,7 +238,9 @@ class Receiver:
                     raise self._error
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._late(mb, timeout)
+                    raise TimeoutError(
+                        f"timed out after {timeout:.0f}s waiting for {self.name} of micro-batch {mb}"
+                    )
                 self._cv.wait(left)
             value, received = self._inbox.pop(mb)
         if received is not None:
@@ -279,58 +250,6 @@ class Receiver:
             for t in structure.tensors(value):
                 t.record_stream(stream)
         return value
-
-    def _late(self, mb: int, timeout: float) -> TimeoutError:
-        return TimeoutError(f"timed out after {timeout:.0f}s waiting for {self.name} of micro-batch {mb}")
-
-    # -- on the CPU: the stage's own thread receives ----------------------------------------------------
-
-    def _post(self) -> None:
-        """Post the first transfer of the next message expected, unless one is posted (one at a time: the
-        buffer's size is the lane's capacity as of the messages before it)."""
-        if self._posted is None and self._expected > 0 and self._error is None:
-            # A buffer of its own (a packed tensor stays where it landed), its data on a 64-byte boundary.
-            buffer = torch.empty(_ALIGN + HEADER_BYTES + self._capacity.bytes, dtype=torch.uint8,
-                                 device=self.device)[_ALIGN:]
-            work = _irecv(buffer, self.peer, self.group)
-            self._posted = (work, buffer)
-
-    def _take(self, mb: int, timeout: float) -> Any:
-        """Micro-batch `mb`'s value: messages before it, as they arrive, go to the inbox."""
-        deadline = time.monotonic() + timeout
-        while mb not in self._inbox:
-            if self._error is not None:
-                raise self._error
-            if self._posted is None:  # nothing more is expected: the schedule asks for what will not come
-                raise ConnectionError(f"receiving {self.name} failed: micro-batch {mb} was not expected")
-            work, buffer = self._posted
-            try:
-                _wait(work, deadline)
-            except BaseException as e:
-                if time.monotonic() >= deadline:  # still posted: it may yet arrive, for a later ask
-                    raise self._late(mb, timeout) from None
-                self._error = ConnectionError(f"receiving {self.name} failed: {e}")
-                raise self._error from None
-            self._landed(buffer, deadline)
-        value, _ = self._inbox.pop(mb)
-        # Whatever else has landed meanwhile is read now, and the next receive posted: one always ahead.
-        while self._posted is not None and self._error is None and self._posted[0].is_completed():
-            self._landed(self._posted[1], deadline)
-        return value
-
-    def _landed(self, buffer: torch.Tensor, deadline: float) -> None:
-        """The posted first transfer is done: read its message (its other transfers, if any, by `deadline`), then
-        post the next one's."""
-        self._posted, self._expected = None, self._expected - 1
-        try:
-            mb, value = self._receive(buffer, _left(deadline), copy=False)
-        except BaseException as e:
-            self._error = ConnectionError(f"receiving {self.name} failed: {e}")
-            raise self._error from None
-        self._inbox[mb] = (value, None)
-        self._post()
-
-    # -- on CUDA: a thread receives -----------------------------------------------------------------------
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, received on this channel, in this host's memory. On CUDA a copy on the channel's stream, waited
@@ -342,25 +261,22 @@ class Receiver:
         self._stream.synchronize()
         return host
 
-    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool, timeout: timedelta,
-                packed: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
-        """A tensor as it arrives: its own transfer, or from `packed` (its bytes, received with the header):
-        copied out (the buffer is received into again), or with `copy` false where it landed."""
-        if packed is not None and not copy:  # the buffer is this message's alone
-            t = packed.view(dtype).view(shape)
-            self.bytes += packed.numel()
-            return t.requires_grad_() if grad else t
+    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+        """A tensor as it arrives: its own transfer, or copied from `packed` (its bytes, received with the
+        header)."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
         if t.numel():
             if packed is None:
-                _recv(on_wire(t, self.backend), self.peer, self.group, timeout)
+                _recv(on_wire(t, self.backend), self.peer, self.group, self.timeout)
             else:
                 t.reshape(-1).view(torch.uint8).copy_(packed)
             self.bytes += t.numel() * t.element_size()
         return t.requires_grad_() if grad else t
 
-    def _receive(self, buffer: torch.Tensor, timeout: timedelta, copy: bool = True) -> tuple[int, Any]:
-        """One message whose first transfer (the header, and a packed tensor's data after it) is in `buffer`."""
+    def _receive(self, buffer: torch.Tensor) -> tuple[int, Any]:
+        """One message, its first transfer into `buffer` (the header, and a packed tensor's data after it)."""
+        _recv(buffer, self.peer, self.group, self.timeout)
         h = self._host(buffer[:HEADER_BYTES]).view(torch.int64).tolist()
         mb, code, n, flags = h[0], h[1], h[2], h[3]
         if code != STRUCTURE:
@@ -370,19 +286,19 @@ class Receiver:
             dtype, shape, grad = DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD)
             nbytes = asked_bytes([(dtype, shape)], self.limit)
             if not flags & PACKED:
-                t = self._tensor(dtype, shape, grad, timeout)
+                t = self._tensor(dtype, shape, grad)
                 self._capacity.carried(nbytes)  # once it has arrived (the module's docstring)
                 return mb, t
             if not 0 < nbytes <= len(buffer) - HEADER_BYTES:
                 raise ValueError(f"a packed tensor of {nbytes} bytes, over the lane's {len(buffer) - HEADER_BYTES}")
-            return mb, self._tensor(dtype, shape, grad, timeout, buffer[HEADER_BYTES : HEADER_BYTES + nbytes], copy)
+            return mb, self._tensor(dtype, shape, grad, buffer[HEADER_BYTES : HEADER_BYTES + nbytes])
         if not 0 < n <= MAX_JSON_BYTES:
             raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
         text = torch.empty(n, dtype=torch.uint8, device=self.device)
-        _recv(text, self.peer, self.group, timeout)
+        _recv(text, self.peer, self.group, self.timeout)
         skeleton, metas = decode(self._host(text).numpy().tobytes())
         asked_bytes([(dtype, shape) for dtype, shape, _ in metas], self.limit)
-        return mb, structure.unflatten(skeleton, [self._tensor(*m, timeout) for m in metas])
+        return mb, structure.unflatten(skeleton, [self._tensor(*m) for m in metas])
 
     def _loop(self) -> None:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
@@ -393,8 +309,7 @@ class Receiver:
                         buffer = torch.empty(HEADER_BYTES + self._capacity.bytes, dtype=torch.uint8,
                                              device=self.device)
                     try:
-                        _recv(buffer, self.peer, self.group, self.timeout)
-                        mb, value = self._receive(buffer, self.timeout)
+                        mb, value = self._receive(buffer)
                     except BaseException as e:
                         with self._cv:
                             self._error = ConnectionError(f"receiving {self.name} failed: {e}")
@@ -409,5 +324,4 @@ class Receiver:
                         self._cv.notify_all()
 
     def close(self) -> None:
-        if self._threaded:
-            self._todo.put(None)
+        self._todo.put(None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -236,29 +235,10 @@ def test_a_message_goes_whole_on_the_channels_device_and_arrives_where_the_stage
 
     monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
     monkeypatch.setattr(dist, "isend", isend)
-    class Posted:
-        """A receive posted (on the CPU, from the stage's thread): it lands when waited for."""
-
-        def __init__(self, t: torch.Tensor):
-            self.t, self.done = t, False
-
-        def wait(self, timeout: Any = None) -> bool:
-            if not self.done:
-                recv(self.t, 0, None, timeout)
-                self.done = True
-            return True
-
-        def is_completed(self) -> bool:
-            return self.done
-
     monkeypatch.setattr(channel, "_recv", recv)
-    monkeypatch.setattr(channel, "_irecv", lambda t, peer, group: Posted(t))
     ids = torch.tensor([-32768, -1, 0, 32767], dtype=torch.int16)
     values = [ids.to(dev), {"h": torch.randn(3, 2, device=dev), "cpu": ids, "b": torch.tensor([True, False])}]
-    threads = threading.active_count()
     s, r = Sender(1, None, dev, "out"), Receiver(0, None, dev, "in", 30)
-    # On the CPU the stage's own thread receives; on CUDA a thread per lane reads headers off the stage's stream.
-    assert threading.active_count() == threads + (dev.type == "cuda")
     r.expect(len(values))
     for mb, v in enumerate(values):
         s.send(mb, v)
@@ -266,9 +246,6 @@ def test_a_message_goes_whole_on_the_channels_device_and_arrives_where_the_stage
         for x, y in zip(structure.tensors(v), structure.tensors(got), strict=True):
             assert y.device.type == dev.type and y.dtype == x.dtype and torch.equal(y.cpu(), x.cpu()), (mb, y)
     s.flush(10)
-    if dev.type == "cpu":  # asked for a message none was expected for: said at once, naming the lane
-        with pytest.raises(ConnectionError, match="receiving in failed: micro-batch 2 was not expected"):
-            r.get(2, 30)
     r.close()
     where = dev.type
     assert handed == [f"uint8@{where}", f"uint8@{where}",  # the int16: header, bytes
