@@ -176,10 +176,13 @@ def main() -> None:
         "torch.pipelining ScheduleInterleavedZeroBubble": lambda tmp: run_pipelining("interleaved-zb", a.steps, m),
         "torch.pipelining ScheduleZBVZeroBubble": lambda tmp: run_pipelining("zbv", a.steps, m),
     }
-    if a.before is not None:  # each of ours beside its before
-        contenders = {k2: v2 for k, v in contenders.items()
-                      for k2, v2 in ([(k, v)] + ([(k.replace("gpipe ", "before ", 1), ours(k[6:], a.before))]
-                                                  if k.startswith("gpipe ") else []))}
+    if a.before is not None:  # each of ours, then its before
+        paired: dict[str, Callable[[Path], float]] = {}
+        for name, fn in contenders.items():
+            paired[name] = fn
+            if name.startswith("gpipe "):
+                paired[f"before {name[6:]}"] = ours(name[6:], a.before)
+        contenders = paired
     if a.only:
         keep = {PEER_NAMES[x] for x in a.only.split(",")} | {f"{who} {x}" for x in a.only.split(",")
                                                               for who in ("gpipe", "before")}

@@ -99,27 +99,5 @@ def _install() -> None:  # noqa: C901
     atexit.register(dump)
 
 
-if PREFIX:
-    import importlib.abc
-    import sys
-
-    class _After(importlib.abc.MetaPathFinder):
-        """Installs the timers once worker.channel (the last of the modules they wrap) is first imported."""
-
-        def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
-            if name != "worker.channel":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            loader = spec.loader
-            exec_module = loader.exec_module
-
-            def run(module):  # noqa: ANN001, ANN202
-                exec_module(module)
-                _install()
-            loader.exec_module = run
-            return spec
-
-    import importlib.util
-
-    sys.meta_path.insert(0, _After())
+if PREFIX:  # the run's processes only: each imports what the timers wrap now, before it forks or runs a stage
+    _install()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.error
 import urllib.request
 
@@ -16,7 +15,7 @@ from coordinator import report
 from coordinator.exporter import MAX_ENDED_JOBS, Exporter
 from gpipe.job_records import JobState
 from tests.support.harness import Harness
-from tests.support.ports import free_port
+from tests.support.ports import free_port, free_port_in
 from tests.support.service import Service
 from tests.support.spec import SERVICE, job
 
@@ -29,17 +28,9 @@ def port() -> int:
     if not span:
         return free_port()
     first, last = map(int, span.split("-"))
-    for p in range(first, last + 1):
-        if p in HANDED:
-            continue
-        HANDED.add(p)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            return p
-    raise RuntimeError(f"no free port in GPIPE_TEST_PORTS={span}")
+    p = free_port_in(range(first, last + 1), HANDED)
+    HANDED.add(p)
+    return p
 
 
 def scrape(url: str) -> dict[str, dict[tuple, float]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 _PICK = random.SystemRandom()  # not the `random` that the test runner seeds alike in every worker
@@ -32,10 +33,11 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def free_port_in(ports: range) -> int:
-    """A free port of `ports`: for a test whose servers must listen in a range of its own (a NetworkPolicy's,
-    a firewall's)."""
-    for port in _PICK.sample(ports, min(len(ports), 200)):
+def free_port_in(ports: range, taken: Collection[int] = ()) -> int:
+    """A free port of `ports`, none of `taken` (handed out already, not bound yet): for a test whose servers
+    must listen in a range of its own (a NetworkPolicy's, a firewall's)."""
+    left = [p for p in ports if p not in taken]
+    for port in _PICK.sample(left, min(len(left), 200)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
