@@ -44,6 +44,7 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
         "store_host": store_host, "store_port": store_port,
         "model_factory": spec.model.factory, "model_args": spec.model.args,
         "optimizer": spec.optimizer.name, "optimizer_args": spec.optimizer.torch_kwargs(),
+        "shard_optimizer": spec.optimizer.shard,
         "import_paths": plan.import_paths, "skip_routes": plan.skip_routes(),
         "batch_size": spec.data.batch_size,
         "loss_scale": (spec.loss_scale.init, spec.loss_scale.growth_interval),

@@ -223,6 +223,11 @@ class OptimizerSpec(_Spec):
     )
     betas: tuple[Fraction, Fraction] = Field(default=(0.9, 0.999), description="adam/adamw: betas.")
     eps: Annotated[float, Range(0, 1, lo_open=True)] = Field(default=1e-8, description="adam/adamw: epsilon.")
+    shard: bool = Field(
+        default=False, description="With replicas: each replica of a stage keeps 1/replicas of the stage's "
+        "optimizer state and updates that share of its parameters, then the replicas gather the updated "
+        "weights (ZeRO stage 1: the gradients stay whole). The same weights as unsharded; needs replicas > 1.",
+    )
 
     @model_validator(mode="after")
     def _per_optimizer(self) -> OptimizerSpec:
@@ -570,6 +575,9 @@ class JobSpec(_Spec):
             )
         if self.replicas > 1:
             self._check_replicas()
+        elif self.optimizer.shard:
+            raise ValueError("optimizer.shard: shards the optimizer state across replicas, and this job has one "
+                             "replica; set replicas > 1 or leave shard out")
         if self.elastic is not None:
             if self.elastic.min_stages > self.stages:
                 raise ValueError(f"elastic.min_stages: {self.elastic.min_stages} is more than stages "

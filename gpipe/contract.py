@@ -63,6 +63,7 @@ class StageConfig:
     # taking turns with its others (gpipe.turns).
     virtual_stages: int = 1
     replicas: int = 1
+    shard_optimizer: bool = False  # with replicas: this stage's copies each keep 1/replicas of the optimizer state
     batch_size: int = 0  # the whole batch, all replicas' shards: a micro-batch's loss weighs size/batch_size
     init: str = "exact"  # exact: the weights come from the coordinator; per_layer: initialised here (gpipe.weight_init)
     init_hook: str | None = None  # per_layer: 'module:function' given (layer index, layer)
