@@ -236,12 +236,14 @@ class Run:
             raise JobFailed(f"data: step {step}: {first_line(e)}", error=StageError.of(e, None, step)) from None
         lr, last = lr_at(spec, step), slots.model_chunks - 1
         keep = snapshots and self.snapshot_after(step)
+        sharded = spec.optimizer.shard and slots.replicas > 1
         futs: dict[int, Future] = {}
         for rank in slots.slots():
             (xs, ys, sizes), k = shards[slots.replica_of(rank)], slots.model_chunk_of(rank)
-            # One copy of each stage's state goes into a checkpoint: replica 0's.
+            # One copy of each stage's state goes into a checkpoint: replica 0's, to which the other replicas
+            # give their pieces of a sharded optimizer's state (gpipe.zero).
             futs[rank] = self.stages[rank].run_step(step, lr, xs if k == 0 else None, ys if k == last else None,
-                                                    sizes, keep and slots.replica_of(rank) == 0)
+                                                    sizes, keep and (slots.replica_of(rank) == 0 or sharded))
             watch.notify(futs[rank], (step, rank))
         return futs
 

@@ -52,6 +52,7 @@ from gpipe.topology import place
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.turns import Turns
 from gpipe.wire import gradient_message, gradients, wants_grad
+from gpipe.zero import ShardedOptimizer
 
 # The wall-clock time of perf_counter's zero, read once per process: every stage of a process dates its steps'
 # timelines on one clock (reading time.time() beside perf_counter() per step would put each stage's on a clock
@@ -238,8 +239,13 @@ class Stage:
         self.params = params = [p for _, p in named]
         self.grad_params = [p for p in params if id(p) not in finished_elsewhere]  # whose gradients it finishes
         self.shares_tensors = shares_tensors
-        self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args) \
-            if params and optimizer else None
+        self.optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None
+        if params and optimizer and cfg.shard_optimizer and cfg.replicas > 1:
+            # transport's gather among this stage's copies (the c10d world is formed by the transport already)
+            self.optimizer = ShardedOptimizer(optimizer_class(cfg.optimizer), cfg.optimizer_args, params,
+                                              self.param_names, cfg.replicas, cfg.replica, transport.gather_copies)
+        elif params and optimizer:
+            self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args)
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
                                    *cfg.loss_scale)
         if resume is not None:
@@ -699,7 +705,13 @@ class Stage:
                 tensors[layout.model_key(saved)] = out(t)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
-        if self.optimizer is not None:
+        fetch = None
+        if isinstance(self.optimizer, ShardedOptimizer):  # gathered tensor by tensor as the checkpoint is written
+            deferred = self._sharded_entries()
+            tensors |= {key: meta for key, (_, _, meta) in deferred.items()}
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            fetch = self._fetcher(deferred)
+        elif self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
                 if (saved := self.saved_name(name)) is None:
                     continue
@@ -715,25 +727,60 @@ class Stage:
         json_state = {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names}
         if self.precision.scaler is not None:
             json_state[layout.LOSS_SCALE] = self.precision.scaler.state()
-        return StageState(tensors, json_state)
+        return StageState(tensors, json_state, fetch)
+
+    def _sharded_entries(self) -> dict[str, tuple[int, str, torch.Tensor]]:
+        """With the optimizer sharded: checkpoint key -> (parameter, state key, the whole tensor on meta), for
+        the optimizer tensors a checkpoint holds. Every copy of the stage calls it at the same point."""
+        opt = self.optimizer
+        assert isinstance(opt, ShardedOptimizer)
+        saved = [self.saved_name(n) for n in self.param_names]
+        return {layout.optim_key(saved[i] or "", key): (i, key, meta)
+                for (i, key), meta in opt.snapshot_entries([s is not None for s in saved]).items()}
+
+    def _fetcher(self, deferred: dict[str, tuple[int, str, torch.Tensor]]) -> Callable[[str], torch.Tensor]:
+        opt = self.optimizer
+        assert isinstance(opt, ShardedOptimizer)
+
+        def fetch(key: str) -> torch.Tensor:
+            i, name, meta = deferred[key]
+            whole = opt.fetch(i, name, meta.dim() == 0)
+            assert whole is not None  # replica 0 writes the checkpoint
+            return whole
+        return fetch
+
+    def contribute_snapshot(self) -> None:
+        """A copy other than replica 0's, at a checkpoint with the optimizer sharded: give replica 0 this copy's
+        pieces of every optimizer tensor, in the order its writer takes them (their keys' order)."""
+        if not isinstance(self.optimizer, ShardedOptimizer):
+            return
+        for _key, (i, name, meta) in sorted(self._sharded_entries().items()):
+            self.optimizer.fetch(i, name, meta.dim() == 0)
 
     def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""
-        if self.optimizer is not None:
+        if isinstance(self.optimizer, ShardedOptimizer):
+            entries = {i: e for i, name in enumerate(self.param_names) if (e := resume.optimizer_state_of(name))}
+            self.optimizer.restore(entries, self._saved_groups(resume))
+        elif self.optimizer is not None:
             state: dict[int, dict[str, Any]] = {}
             for i, name in enumerate(self.param_names):
                 if entry := resume.optimizer_state_of(name):
                     state[i] = entry
-            groups = []
-            for g, saved in zip(self.optimizer.param_groups, resume.param_groups, strict=True):
-                restored = {k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()}
-                groups.append({**restored, "params": list(range(len(g["params"])))})
+            groups = [{**g, "params": list(range(len(own["params"])))}
+                      for g, own in zip(self._saved_groups(resume), self.optimizer.param_groups, strict=True)]
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         rng = resume.rng()
         if layout.RNG_CPU in rng:
             torch.set_rng_state(rng[layout.RNG_CPU])
         if layout.RNG_CUDA in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng[layout.RNG_CUDA], self.device)
+
+    def _saved_groups(self, resume: StageState) -> list[dict[str, Any]]:
+        """A checkpoint's hyper-parameters per group, tuples as the optimizer has them (JSON made them lists)."""
+        assert self.optimizer is not None
+        return [{k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()}
+                for g, saved in zip(self.optimizer.param_groups, resume.param_groups, strict=True)]
 
     def close(self) -> None:
         for out in self.senders:

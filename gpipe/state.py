@@ -19,7 +19,7 @@ and its JSON state is
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,18 @@ class StageState:
 
     tensors: dict[str, torch.Tensor]
     json_state: dict[str, Any] = field(default_factory=dict)
+    # A tensor on the meta device is not here yet: fetch(name) makes it, when its turn to be written comes (in
+    # the names' order; the optimizer's state sharded across replicas: gpipe.zero).
+    fetch: Callable[[str], torch.Tensor] | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name`, fetched if it is not here yet."""
+        t = self.tensors[name]
+        if t.is_meta:
+            if self.fetch is None:
+                raise ValueError(f"{name}: on the meta device, with nothing to fetch it")
+            return self.fetch(name)
+        return t
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The weights under the un-partitioned model's names (model/ stripped)."""

@@ -91,6 +91,10 @@ class Transport(Protocol):
     def sum_among(self, t: torch.Tensor, stages: Sequence[int]) -> None:
         """Sum `t` in place with the same tensor on `stages` of this replica (a tied weight's holders)."""
 
+    def gather_copies(self, t: torch.Tensor, everyone: bool) -> list[torch.Tensor] | None:
+        """This stage's copies' `t` (of one shape on every copy), in replica order: on every copy with
+        `everyone`, else on replica 0 alone (None on the others). gpipe.zero's gathers."""
+
     def close(self) -> None: ...
 
 
@@ -332,6 +336,16 @@ class MemoryTransport:
 
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         return _MemoryGradSum(self, params) if self.hub.replicas > 1 and params else None
+
+    def gather_copies(self, t: torch.Tensor, everyone: bool) -> list[torch.Tensor] | None:
+        hub = self.hub
+        values: list[torch.Tensor | None] = [None] * hub.replicas
+        values[self.replica] = t  # a sum of one per column: each copy's own
+        out = hub._reduce(("gather", self.stage), hub.replicas, self.replica, values, "sum",
+                          f"the gather of stage {self.stage}'s copies")
+        if not everyone and self.replica != 0:
+            return None
+        return [v.to(self.device, copy=True) for v in out if v is not None]
 
     def sum_among(self, t: torch.Tensor, stages: Sequence[int]) -> None:
         group = ("tied", self.replica, *stages)

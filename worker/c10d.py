@@ -316,6 +316,16 @@ class C10dTransport:
         c10d = None if group is None else (lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group))
         w.combine(("tied", *stages), here, self.cfg.model_chunk, t, "sum", c10d)
 
+    def gather_copies(self, t: torch.Tensor, everyone: bool) -> list[torch.Tensor] | None:
+        group = self.world.copies[self.cfg.model_chunk]  # its ranks in replica order
+        first = self.cfg.replica == 0
+        outs = [torch.empty_like(t) for _ in range(self.cfg.replicas)] if everyone or first else None
+        if everyone:
+            dist.all_gather(outs, t, group=group)
+        else:
+            dist.gather(t, outs, dst=dist.get_global_rank(group, 0), group=group)
+        return outs
+
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         group = self.world.copies.get(self.cfg.model_chunk)
         if group is None or not params:

@@ -92,12 +92,12 @@ class Outgoing:
         self.file: IO[bytes] | None = None
         self.copies: list[torch.Tensor] = []
         if self.data_bytes <= IN_MEMORY_BYTES:
-            self.copies = [stream.as_bytes(st.tensors[n].detach().to("cpu", copy=True).contiguous())
+            self.copies = [stream.as_bytes(st.tensor(n).detach().to("cpu", copy=True).contiguous())
                            for n in self.order]
             return
         self.file = tempfile.TemporaryFile(prefix="gpipe-checkpoint-")
         for name in self.order:
-            t = st.tensors[name].detach()
+            t = st.tensor(name).detach()
             t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
             if t.numel():
                 stream.write_all(self.file.fileno(), stream.numpy_bytes(t))

@@ -244,6 +244,23 @@ def test_run(case, cli):
     assert_same(_load(cli.tmp / "state" / "m" / "model.safetensors"), one_device(spec, balance(case)))
 
 
+# The optimizer's state sharded across the replicas (optimizer.shard): GPT-2's tied weight, its two copies (the
+# first and the last model chunk, on one worker under zbv) each sharded among its own copies.
+SHARDED = [{"model": "gpt2", "schedule": "zbv", "precision": "fp32", "path": "run", "replicas": 2,
+            "activation_checkpoint": "never"},
+           {"model": "llama", "schedule": "1f1b", "precision": "bf16", "path": "serve", "replicas": 2,
+            "activation_checkpoint": "except_last"}]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c) + "-shard") for c in SHARDED if c["path"] == "run"])
+def test_run_sharded(case, cli):
+    spec = job(preset(case), name="m", optimizer__shard=True)
+    r = cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same(_load(cli.tmp / "state" / "m" / "model.safetensors"), one_device(spec, balance(case)))
+
+
 @pytest.fixture(scope="module")
 def serve_four(tmp_path_factory):
     """One serve and four workers (2 stages x 2 replicas) for this module's serve cases."""
@@ -269,4 +286,14 @@ def test_serve(case, serve_four):
     r = s.client("submit", str(s.cli.write(spec, f"{name}.yaml")), "--follow", "--no-progress", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:] + s.log("serve")[-3000:]
     assert "RESTARTING" not in r.stderr, r.stderr[-3000:]
+    assert_same(_load(s.state / name / "model.safetensors"), one_device(spec, balance(case)))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c) + "-shard") for c in SHARDED if c["path"] == "serve"])
+def test_serve_sharded(case, serve_four):
+    s = serve_four
+    name = case_id(case).replace("_", "-") + "-shard"
+    spec = job(preset(case), name=name, optimizer__shard=True)
+    r = s.client("submit", str(s.cli.write(spec, f"{name}.yaml")), "--follow", "--no-progress", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:] + s.log("serve")[-3000:]
     assert_same(_load(s.state / name / "model.safetensors"), one_device(spec, balance(case)))

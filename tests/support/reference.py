@@ -72,6 +72,7 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
     opt_spec = dict(spec["optimizer"])
     name = opt_spec.pop("name")
+    opt_spec.pop("shard", None)  # one device: nothing to shard across
     if name == "adamw":
         opt_spec.setdefault("weight_decay", 0.01)
     opt = OPTIM[name](model.parameters(), **opt_spec)

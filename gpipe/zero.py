@@ -1,0 +1,252 @@
+"""The optimizer state sharded across a stage's replicas (ZeRO stage 1: `optimizer.shard`).
+
+With R replicas, every copy of a stage holds the same weights and, once the
+replicas have summed them (worker.reducer), the same whole gradients. Unsharded,
+each copy then runs the same optimizer step on all of them, and keeps all of the
+optimizer's state (adam's two moments: 8 bytes a parameter). Sharded, copy r
+keeps the state of, and updates, 1/R of the stage's elements only; then the
+copies gather each other's updated elements, so every copy again holds the
+whole, same, weights.
+
+The cut (`Cut`): the stage's parameters, in order, go into buckets of at most
+BUCKET_BYTES of one dtype (a larger parameter is a bucket of its own), and each
+bucket's elements, laid end to end, are cut into R ranges as equal as whole
+elements allow (copy r's: [r·M//R, (r+1)·M//R)). A parameter may so be cut
+between copies, at an element; a one-element parameter falls to one copy. The
+optimizer is built over the pieces, flat views of the parameters' own storage,
+so its step writes the weights in place; each piece's gradient is the same
+view of the whole gradient. sgd, adam and adamw are element-wise, so each
+element takes the update it takes unsharded.
+
+The gather after the step goes bucket by bucket (an all-gather among the
+copies, each range padded to the bucket's largest), so it holds one bucket's
+copy at a time. Only the optimizer state is sharded: the gradients stay whole,
+as DeepSpeed keeps them under a pipeline (they accumulate over micro-batches),
+so clipping, fp16's unscale and inf check and tied weights' sums are as
+unsharded.
+
+A checkpoint holds the state unsharded, under the model's names (gpipe.state):
+`snapshot_entries` says which tensors it will have (on the meta device) and
+`fetch` gathers one of them on replica 0 when its writer reaches it, so no copy
+ever holds the whole stage's state; the other copies `contribute` the same
+tensors in the same order. `restore` takes each piece's slice of the whole
+tensors a checkpoint holds, so a job resumes sharded or not, on any replica
+count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BUCKET_BYTES = 25 << 20  # the gradient reducer's bucket (worker.reducer): one bucket in flight at a time
+
+# Gathers the copies' tensors (the same shape on each), in replica order: on every copy with `everyone`, else on
+# replica 0 only (None on the others). gpipe.transport.Transport.gather_copies.
+Gather = Callable[[torch.Tensor, bool], "list[torch.Tensor] | None"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [lo, hi) of parameter `param` (flat), held by one copy."""
+
+    param: int
+    lo: int
+    hi: int
+
+
+class Cut:
+    """Which elements of a stage's parameters each of R copies updates (see the module's docstring)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], replicas: int, bucket_bytes: int = BUCKET_BYTES):
+        self.replicas = replicas
+        self.numel = [p.numel() for p in params]
+        # buckets: (first param, one past the last) of consecutive parameters of one dtype
+        self.buckets: list[tuple[int, int]] = []
+        size = 0
+        for i, p in enumerate(params):
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or size + nbytes > bucket_bytes or params[self.buckets[-1][0]].dtype != p.dtype:
+                self.buckets.append((i, i))
+                size = 0
+            self.buckets[-1] = (self.buckets[-1][0], i + 1)
+            size += nbytes
+
+    def bounds(self, b: int) -> list[int]:
+        """Bucket `b`'s R+1 cut points, in its elements laid end to end."""
+        first, end = self.buckets[b]
+        total = sum(self.numel[first:end])
+        return [r * total // self.replicas for r in range(self.replicas + 1)]
+
+    def pieces(self, b: int, replica: int) -> Iterator[Piece]:
+        """Copy `replica`'s pieces of bucket `b`, in order."""
+        first, end = self.buckets[b]
+        bounds = self.bounds(b)
+        lo, hi = bounds[replica], bounds[replica + 1]
+        at = 0
+        for i in range(first, end):
+            n = self.numel[i]
+            a, z = max(lo, at), min(hi, at + n)
+            if a < z:
+                yield Piece(i, a - at, z - at)
+            at += n
+
+    def mine(self, replica: int) -> list[Piece]:
+        return [pc for b in range(len(self.buckets)) for pc in self.pieces(b, replica)]
+
+    def sizes(self) -> list[int]:
+        """Each copy's elements in all: as equal as whole elements allow (at most one apart per bucket)."""
+        return [sum(pc.hi - pc.lo for pc in self.mine(r)) for r in range(self.replicas)]
+
+
+def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"optimizer.shard: parameter {name} is not contiguous in memory; it cannot be cut "
+                         "into flat pieces")
+    return t.detach().view(-1)
+
+
+def state_layout(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, bool]:
+    """The tensors `cls` keeps per parameter once it has stepped: key -> whether it is one number (adam's step)
+    rather than a tensor of the parameter's shape. Found by stepping it once on a throwaway parameter."""
+    p = torch.zeros(2, requires_grad=True)
+    p.grad = torch.zeros(2)
+    opt = cls([p], **kwargs)
+    opt.step()
+    return {k: v.dim() == 0 for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+
+
+class ShardedOptimizer:
+    """Copy `replica` of R's share of a stage's optimizer (see the module's docstring); `names` name the
+    parameters in errors."""
+
+    def __init__(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], params: Sequence[torch.Tensor],
+                 names: Sequence[str], replicas: int, replica: int, gather: Gather):
+        self.params, self.replica, self.gather = list(params), replica, gather
+        self.cut = Cut(self.params, replicas)
+        self.mine = self.cut.mine(replica)
+        flats = [_flat(p, n) for p, n in zip(self.params, names, strict=True)]
+        self.views = [flats[pc.param][pc.lo:pc.hi] for pc in self.mine]
+        self.layout = state_layout(cls, kwargs)
+        # A copy may hold no piece (fewer elements than copies): a throwaway parameter keeps its param_groups
+        # (the LR is set through them) and is never stepped.
+        self.inner = cls(self.views or [torch.zeros(0)], **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No gradients, on the whole parameters (the pieces hold theirs only during a step)."""
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        """This copy's share of the step, from the whole gradients; then every copy gathers the others' weights."""
+        for view, pc in zip(self.views, self.mine, strict=True):
+            g = self.params[pc.param].grad
+            view.grad = None if g is None else g.detach().view(-1)[pc.lo:pc.hi]
+        if self.views:
+            self.inner.step()
+        for view in self.views:
+            view.grad = None
+        self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        cut = self.cut
+        for b in range(len(cut.buckets)):
+            bounds = cut.bounds(b)
+            width = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False))
+            first = self.params[cut.buckets[b][0]]
+            send = first.new_empty(width)
+            at = 0
+            for pc in cut.pieces(b, self.replica):
+                send[at:at + pc.hi - pc.lo].copy_(self.params[pc.param].detach().view(-1)[pc.lo:pc.hi])
+                at += pc.hi - pc.lo
+            got = self.gather(send, True)
+            assert got is not None  # everyone
+            with torch.no_grad():
+                for r, part in enumerate(got):
+                    if r == self.replica:
+                        continue
+                    at = 0
+                    for pc in cut.pieces(b, r):
+                        self.params[pc.param].view(-1)[pc.lo:pc.hi].copy_(part[at:at + pc.hi - pc.lo])
+                        at += pc.hi - pc.lo
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def _stepped(self) -> list[bool]:
+        """Whether the optimizer keeps state for each parameter: the copies that hold its pieces know, the others
+        are told (one all-gather of a flag per parameter)."""
+        flags = torch.zeros(len(self.params), dtype=torch.uint8,
+                            device=self.params[0].device if self.params else "cpu")
+        for view, pc in zip(self.views, self.mine, strict=True):
+            if self.inner.state.get(view):
+                flags[pc.param] = 1
+        got = self.gather(flags, True)
+        assert got is not None
+        return [bool(v) for v in torch.stack(got).amax(0).tolist()]
+
+    def snapshot_entries(self, saved: Sequence[bool]) -> dict[tuple[int, str], torch.Tensor]:
+        """(parameter, key) -> the whole tensor the checkpoint will hold, on the meta device, for every parameter
+        the optimizer keeps state for and the stage saves (`saved`, per parameter: not a tied weight's copy that
+        another stage saves). Every copy calls it at the same point."""
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for i, stepped in enumerate(self._stepped()):
+            if not stepped or not saved[i]:
+                continue
+            p = self.params[i]
+            for key, scalar in self.layout.items():
+                dtype = torch.float32 if scalar else p.dtype
+                out[i, key] = torch.empty(() if scalar else p.shape, dtype=dtype, device="meta")
+        return out
+
+    def fetch(self, i: int, key: str, scalar: bool) -> torch.Tensor | None:
+        """The whole tensor `key` of parameter `i`, on the CPU on replica 0 (None on the others, which take part
+        all the same). Every copy calls it for the same tensors in the same order."""
+        p = self.params[i]
+        parts = [(pc, view) for pc, view in zip(self.mine, self.views, strict=True) if pc.param == i]
+        if scalar:
+            value = self.inner.state[parts[0][1]][key] if parts else None
+            send = torch.tensor([float(value) if value is not None else 0.0, float(value is not None)],
+                                dtype=torch.float64, device=p.device)
+            got = self.gather(send, False)
+            if got is None:
+                return None
+            return torch.tensor(next(float(g[0]) for g in got if float(g[1])), dtype=torch.float32)
+        spans = [[(pc.lo, pc.hi) for pc in self.cut.mine(r) if pc.param == i] for r in range(self.cut.replicas)]
+        width = max(sum(hi - lo for lo, hi in s) for s in spans)
+        send = p.new_zeros(width)
+        at = 0
+        for pc, view in parts:
+            send[at:at + pc.hi - pc.lo].copy_(self.inner.state[view][key])
+            at += pc.hi - pc.lo
+        got = self.gather(send, False)
+        if got is None:
+            return None
+        whole = torch.empty(p.numel(), dtype=p.dtype)
+        for r, s in enumerate(spans):
+            at = 0
+            for lo, hi in s:
+                whole[lo:hi].copy_(got[r][at:at + hi - lo])
+                at += hi - lo
+        return whole.view(p.shape)
+
+    def restore(self, entries: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """Load a checkpoint's optimizer state: per parameter index, its whole tensors (and numbers) by key; each
+        piece takes its slice."""
+        state: dict[int, dict[str, Any]] = {}
+        for n, pc in enumerate(self.mine):
+            entry = entries.get(pc.param)
+            if not entry:
+                continue
+            # each piece its own tensors (adam counts its step in place: a shared one would count twice)
+            state[n] = {k: ((v.reshape(-1)[pc.lo:pc.hi] if v.dim() else v).clone() if isinstance(v, torch.Tensor)
+                            else v) for k, v in entry.items()}
+        count = len(self.inner.param_groups[0]["params"])
+        self.inner.load_state_dict({"state": state if self.views else {},
+                                    "param_groups": [{**g, "params": list(range(count))} for g in groups]})
