@@ -102,6 +102,16 @@ class Cut:
         return [sum(pc.hi - pc.lo for pc in self.mine(r)) for r in range(self.replicas)]
 
 
+def held(layers: torch.nn.Module, replicas: int, replica: int) -> dict[str, tuple[int, int]]:
+    """Per parameter of a stage's layers (by name, as the stage names them), the elements [lo, hi) whose optimizer
+    state copy `replica` keeps ((0, 0): none): what it takes of a checkpoint's state when it resumes."""
+    named = [(n, p) for n, p in layers.named_parameters() if p.requires_grad]  # the stage's own order
+    out = {n: (0, 0) for n, _ in named}
+    for pc in Cut([p for _, p in named], replicas).mine(replica):
+        out[named[pc.param][0]] = (pc.lo, pc.hi)
+    return out
+
+
 def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"optimizer.shard: parameter {name} is not contiguous in memory; it cannot be cut "
@@ -236,6 +246,22 @@ class ShardedOptimizer:
                 at += hi - lo
         return whole.view(p.shape)
 
+    def _slice(self, v: Any, pc: Piece) -> Any:
+        """A piece's own copy of a checkpoint's state value: a number as it is; of a tensor, the piece's slice (the
+        whole tensor, or the slice alone, as a resumed worker keeps it: zero.held); each piece its own tensors
+        (adam counts its step in place: a shared one would count twice)."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.dim() == 0:
+            return v.clone()
+        flat = v.reshape(-1)
+        if flat.numel() == self.cut.numel[pc.param]:
+            flat = flat[pc.lo:pc.hi]
+        if flat.numel() != pc.hi - pc.lo:
+            raise ValueError(f"a checkpoint's optimizer tensor of {v.numel()} elements for a parameter of "
+                             f"{self.cut.numel[pc.param]}")
+        return flat.clone()
+
     def restore(self, entries: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
         """Load a checkpoint's optimizer state: per parameter index, its whole tensors (and numbers) by key; each
         piece takes its slice."""
@@ -245,8 +271,7 @@ class ShardedOptimizer:
             if not entry:
                 continue
             # each piece its own tensors (adam counts its step in place: a shared one would count twice)
-            state[n] = {k: ((v.reshape(-1)[pc.lo:pc.hi] if v.dim() else v).clone() if isinstance(v, torch.Tensor)
-                            else v) for k, v in entry.items()}
+            state[n] = {k: self._slice(v, pc) for k, v in entry.items()}
         count = len(self.inner.param_groups[0]["params"])
         self.inner.load_state_dict({"state": state if self.views else {},
                                     "param_groups": [{**g, "params": list(range(count))} for g in groups]})

@@ -15,9 +15,11 @@ is final; once a bucket's parameters are all final, it is flattened and
 all-reduced asynchronously on the stage's process group (the ranks serving
 this stage, one per replica), while the backward goes on. Buckets are launched
 strictly in order, so every replica issues the same collectives in the same
-order. `finish` launches what the backward left (a parameter the last
-micro-batch did not reach), waits for all, and writes the sums back: then the
-gradients are equal on every replica, before clipping and the optimizer.
+order. Once launched, each gradient is a view of its bucket, which the
+all-reduce sums in place (DDP's gradient_as_bucket_view): one copy of the
+gradients, not two. `finish` launches what the backward left (a parameter the
+last micro-batch did not reach) and waits for all: then the gradients are
+equal on every replica, before clipping and the optimizer.
 
 Each replica's last stage weights a micro-batch's loss by its share of the
 whole batch (not of its shard), so the sum is one device's gradient on the
@@ -81,12 +83,20 @@ class GradReducer:
         parts = [p.grad.detach().reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
         had = params[0].new_tensor([float(p.grad is not None) for p in params])  # how many replicas had a gradient
         flat = torch.cat([*parts, had])
+        # Each gradient is from now on its piece of the bucket, which the all-reduce sums in place (DDP's
+        # gradient_as_bucket_view): the stage holds one copy of its gradients, not two, until the optimizer.
+        offset = 0
+        for p in params:
+            if p.grad is not None:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
         work = dist.all_reduce(flat, group=self.group, async_op=True)  # the replicas' sum of this bucket
         assert work is not None  # async_op
         self._launched.append((b, work, flat))
 
     def finish(self) -> None:
-        """Launch the buckets left, wait for every sum (each wait bounded by the step's timeout), write them back."""
+        """Launch the buckets left, wait for every sum (each wait bounded by the step's timeout): the gradients,
+        views of the buckets, are then the sums."""
         for b in range(len(self.buckets)):
             self._left[b] = 0
         self._launch_ready()
@@ -101,10 +111,8 @@ class GradReducer:
                     offset += p.numel()
                     if had[n] == 0:
                         p.grad = None  # no replica's step reached it
-                    elif p.grad is None:
-                        p.grad = part.clone()
-                    else:
-                        p.grad.copy_(part)
+                    elif p.grad is None:  # this replica's step did not reach it, another's did
+                        p.grad = part
         finally:
             self.reset()
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed.rpc as rpc
 
-from gpipe import determinism
+from gpipe import determinism, zero
 from gpipe.contract import EvalResult, StageConfig, StageError, StepResult
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.rng import SharedGenerators
@@ -135,7 +135,9 @@ class StageServer:
         StageServer.live.append(self)
         try:
             if weights is None:
-                self._incoming = Incoming(build_layers(self._cfg, None, torch.device(self._cfg.device)))
+                layers = build_layers(self._cfg, None, torch.device(self._cfg.device))
+                self._incoming = Incoming(layers, zero.held(layers, self._cfg.replicas, self._cfg.replica)
+                                          if self._cfg.shard_optimizer and self._cfg.replicas > 1 else None)
                 return
             self.stage = self._build(weights, resume)
         except BaseException as e:

@@ -28,12 +28,17 @@ from gpipe.state import StageState
 class Incoming:
     """The tensors a stage is sent before it starts: its layers' (model/<name>) and a checkpoint's others."""
 
-    def __init__(self, layers: nn.Sequential):
+    def __init__(self, layers: nn.Sequential, held: dict[str, tuple[int, int]] | None = None):
+        """`held`: with the optimizer sharded (gpipe.zero), the elements [lo, hi) of each parameter (by name) whose
+        optimizer state this copy of the stage keeps; only those of a checkpoint's optim/<param>/... tensors are
+        held, the rest of each piece let go as it comes."""
         self.layers = layers
+        self.held = held
         # every name, a tensor two pieces share too (a tied weight, a captured constant): each is sent under each
         own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
         self.targets: dict[str, torch.Tensor] = {layout.model_key(n): t for n, t in own.items()}
         self.others: dict[str, torch.Tensor] = {}
+        self.windows: dict[str, tuple[int, int]] = {}  # a held slice's tensor: (its first byte, the whole's bytes)
         self.received: dict[str, int] = {}
         self._lock = threading.Lock()  # two messages may be received at once, on two RPC threads
 
@@ -43,23 +48,44 @@ class Incoming:
             if name.startswith(layout.MODEL):
                 raise ValueError(f"{name}: weights go into the layers, not into declared tensors")
             self.others[name] = torch.empty(shape, dtype=stream.BY_NAME[dtype])
+            if (window := self._window(name, shape)) is not None:
+                lo, hi = window
+                self.others[name] = torch.empty(hi - lo, dtype=stream.BY_NAME[dtype])
+                self.windows[name] = (lo * self.others[name].element_size(), stream.nbytes(
+                    torch.empty(shape, dtype=stream.BY_NAME[dtype], device="meta")))
             self.targets[name] = self.others[name]
 
+    def _window(self, name: str, shape: list[int]) -> tuple[int, int] | None:
+        """The elements [lo, hi) of optimizer tensor `name` this copy holds; None: all of it (a number, or the
+        optimizer is not sharded)."""
+        if self.held is None or not name.startswith(layout.OPTIM) or not shape:
+            return None
+        return self.held.get(name.removeprefix(layout.OPTIM).rsplit("/", 1)[0], (0, 0))
+
     def receive(self, pieces: list[stream.Piece]) -> None:
-        """Copy pieces into their tensors."""
+        """Copy pieces into their tensors (a held slice: the piece's bytes within it)."""
         for name, offset, data in pieces:
             t = self.targets.get(name)
             if t is None:
                 raise ValueError(f"{name}: no such tensor in this stage")
-            stream.write_piece(t, offset, data)
+            if name in self.windows:
+                start, whole = self.windows[name]
+                if offset < 0 or offset + len(data) > whole:
+                    raise ValueError(f"a piece of {len(data)} bytes at {offset} overruns a tensor of {whole} bytes")
+                lo, hi = max(offset, start), min(offset + len(data), start + stream.nbytes(t))
+                if lo < hi:
+                    stream.write_piece(t, lo - start, data[lo - offset:hi - offset])
+            else:
+                stream.write_piece(t, offset, data)
             with self._lock:
                 self.received[name] = self.received.get(name, 0) + len(data)
 
     def finish(self, json_state: dict[str, Any] | None, weights_sent: bool) -> StageState | None:
         """Check that every tensor came whole (the layers' too, when `weights_sent`); the resumed state, if any."""
         for name, t in self.targets.items():
-            if (weights_sent or name in self.others) and self.received.get(name, 0) != stream.nbytes(t):
-                raise ValueError(f"{name}: {self.received.get(name, 0)} of its {stream.nbytes(t)} bytes came")
+            size = self.windows[name][1] if name in self.windows else stream.nbytes(t)
+            if (weights_sent or name in self.others) and self.received.get(name, 0) != size:
+                raise ValueError(f"{name}: {self.received.get(name, 0)} of its {size} bytes came")
         # The pieces came into buffers on the RPC threads, each freed into its thread's arena and kept there (some
         # 100-200 MiB in all): give them back before the first step allocates the gradients.
         memory.give_back()

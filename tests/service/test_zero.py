@@ -113,3 +113,37 @@ def test_shard_with_one_replica_is_refused_in_one_line(cli):
     assert "optimizer.shard" in r.stderr and "replica" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (cli.tmp / "state" / "t").exists()
+
+
+def test_a_resumed_copy_holds_only_its_slice_of_each_optimizer_tensor():
+    """worker.streaming.Incoming with a sharded optimizer: a checkpoint's whole optim/ tensors come in pieces of
+    any size; the copy keeps its elements of each (gpipe.zero.held), nothing of a parameter it holds no piece
+    of, and a number whole; a missing byte is still refused."""
+    from gpipe import stream, zero
+    from worker.streaming import Incoming
+
+    layers = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))  # 15, 3, 3, 1 elements
+    full = {f"optim/{n}/exp_avg": torch.arange(p.numel(), dtype=torch.float32).view_as(p) + 100 * i
+            for i, (n, p) in enumerate(layers.named_parameters())}
+    full["optim/0.weight/step"] = torch.tensor(3.0)
+    for replica in range(2):
+        held = zero.held(layers, 2, replica)
+        inc = Incoming(layers, held)
+        inc.expect({k: (stream.DTYPES[v.dtype], list(v.shape)) for k, v in full.items()})
+        for name, t in full.items():
+            raw = stream.as_bytes(t.contiguous())
+            for at in range(0, len(raw), 7):  # pieces that cut elements
+                inc.receive([(name, at, raw[at:at + 7])])
+        state = inc.finish({"param_groups": []}, weights_sent=False)
+        assert state is not None
+        for n, (lo, hi) in held.items():
+            got = state.tensors[f"optim/{n}/exp_avg"]
+            assert torch.equal(got, full[f"optim/{n}/exp_avg"].reshape(-1)[lo:hi])
+        assert float(state.tensors["optim/0.weight/step"]) == 3.0
+    assert sum(hi - lo for r in range(2) for lo, hi in zero.held(layers, 2, r).values()) == 22
+
+    inc = Incoming(layers, zero.held(layers, 2, 1))
+    inc.expect({"optim/0.weight/exp_avg": ("F32", [3, 5])})
+    inc.receive([("optim/0.weight/exp_avg", 0, stream.as_bytes(torch.zeros(14)))])
+    with pytest.raises(ValueError, match="56 of its 60 bytes"):
+        inc.finish({}, weights_sent=False)
