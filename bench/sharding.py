@@ -1,7 +1,7 @@
 """The optimizer state sharded across replicas (`optimizer.shard`) against unsharded: each worker's peak and the
 step time, side by side in one run.
 
-    python bench/sharding.py [--width 2048] [--depth 12] [--rounds 3] [--steps 8]
+    python bench/sharding.py [--width 6144] [--depth 4] [--rounds 3] [--steps 6]
 
 An AdamW MLP (`depth` Linear+ReLU blocks of `width`, and a head) on 2 replicas x 2 stages, run through `run`,
 sharded and unsharded in turn, `rounds` times each (interleaved). Per worker: the peak resident memory of its
@@ -53,10 +53,10 @@ def run(spec: dict[str, Any], tmp: Path) -> tuple[list[int], list[float], dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--depth", type=int, default=12)
+    ap.add_argument("--width", type=int, default=6144)
+    ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     results: dict[bool, list[tuple[list[int], list[float], dict[str, Any]]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as d:

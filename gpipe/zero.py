@@ -18,9 +18,9 @@ so its step writes the weights in place; each piece's gradient is the same
 view of the whole gradient. sgd, adam and adamw are element-wise, so each
 element takes the update it takes unsharded.
 
-The gather after the step goes bucket by bucket (an all-gather among the
-copies, each range padded to the bucket's largest), so it holds one bucket's
-copy at a time. Only the optimizer state is sharded: the gradients stay whole,
+The gather after the step goes bucket by bucket, each in rounds of an
+all-gather among the copies of at most GATHER_BYTES received (each copy's
+range padded to the longest), so it holds little besides the weights. Only the optimizer state is sharded: the gradients stay whole,
 as DeepSpeed keeps them under a pipeline (they accumulate over micro-batches),
 so clipping, fp16's unscale and inf check and tied weights' sums are as
 unsharded.
@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-BUCKET_BYTES = 25 << 20  # the gradient reducer's bucket (worker.reducer): one bucket in flight at a time
+BUCKET_BYTES = 25 << 20  # the gradient reducer's bucket (worker.reducer)
+GATHER_BYTES = 4 << 20  # the most the weights' gather receives at once
 
 # Gathers the copies' tensors (the same shape on each), in replica order: on every copy with `everyone`, else on
 # replica 0 only (None on the others). gpipe.transport.Transport.gather_copies.
@@ -119,6 +120,11 @@ def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.detach().view(-1)
 
 
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim keeps adam's step in (float32, or float64 under a float64 default)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 def state_layout(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, bool]:
     """The tensors `cls` keeps per parameter once it has stepped: key -> whether it is one number (adam's step)
     rather than a tensor of the parameter's shape. Found by stepping it once on a throwaway parameter."""
@@ -144,6 +150,27 @@ class ShardedOptimizer:
         # A copy may hold no piece (fewer elements than copies): a throwaway parameter keeps its param_groups
         # (the LR is set through them) and is never stepped.
         self.inner = cls(self.views or [torch.zeros(0)], **kwargs)
+        self.prefilled = self._prefill()
+
+    def _prefill(self) -> bool:
+        """adam and adamw begin each parameter's state as zeros and step 0, made at its first gradient: made here
+        instead, once, each kind laid end to end in one tensor of this copy's elements. The state is then one
+        block made before any step's passing tensors (on a CPU, glibc otherwise places the pieces' state among
+        them, and a process's peak grows by what it cannot reuse), and the math is that of the lazy start."""
+        views = self.views
+        if not views or not isinstance(self.inner, torch.optim.Adam | torch.optim.AdamW) or \
+                len({(v.dtype, v.device) for v in views}) != 1:
+            return False
+        total = sum(v.numel() for v in views)
+        blocks = {key: views[0].new_zeros(total) for key, scalar in self.layout.items() if not scalar}
+        at = 0
+        for v in views:
+            state = {key: block[at:at + v.numel()] for key, block in blocks.items()}
+            # adam's step where it keeps it (capturable and fused off, as a job's optimizer runs): a number on the CPU
+            state |= {key: torch.tensor(0.0, dtype=_scalar_dtype()) for key, scalar in self.layout.items() if scalar}
+            self.inner.state[v] = state
+            at += v.numel()
+        return True
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -166,26 +193,41 @@ class ShardedOptimizer:
         self._gather_weights()
 
     def _gather_weights(self) -> None:
+        """Every copy's updated elements to every copy, a bucket at a time, each in rounds of at most GATHER_BYTES
+        received (what the gather holds besides the weights: a bucket's copy, R times over, would cost more than
+        the sharded state saves on a stage of small parameters)."""
         cut = self.cut
         for b in range(len(cut.buckets)):
             bounds = cut.bounds(b)
-            width = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False))
+            lens = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
             first = self.params[cut.buckets[b][0]]
-            send = first.new_empty(width)
-            at = 0
-            for pc in cut.pieces(b, self.replica):
-                send[at:at + pc.hi - pc.lo].copy_(self.params[pc.param].detach().view(-1)[pc.lo:pc.hi])
-                at += pc.hi - pc.lo
-            got = self.gather(send, True)
-            assert got is not None  # everyone
-            with torch.no_grad():
-                for r, part in enumerate(got):
-                    if r == self.replica:
-                        continue
-                    at = 0
-                    for pc in cut.pieces(b, r):
-                        self.params[pc.param].view(-1)[pc.lo:pc.hi].copy_(part[at:at + pc.hi - pc.lo])
-                        at += pc.hi - pc.lo
+            step = max(1, GATHER_BYTES // (cut.replicas * first.element_size()))
+            for j in range(0, max(lens), step):
+                n = min(step, max(lens) - j)
+                send = first.new_empty(n)
+                mine = bounds[self.replica] + j, bounds[self.replica] + min(j + n, lens[self.replica])
+                for i, lo, hi, at in self._segments(b, *mine):
+                    send[at:at + hi - lo].copy_(self.params[i].detach().view(-1)[lo:hi])
+                got = self.gather(send, True)
+                assert got is not None  # everyone
+                with torch.no_grad():
+                    for r, part in enumerate(got):
+                        if r != self.replica:
+                            theirs = bounds[r] + j, bounds[r] + min(j + n, lens[r])
+                            for i, lo, hi, at in self._segments(b, *theirs):
+                                self.params[i].view(-1)[lo:hi].copy_(part[at:at + hi - lo])
+
+    def _segments(self, b: int, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+        """Elements [lo, hi) of bucket `b` laid end to end, by parameter: (parameter, its lo, its hi, the offset
+        from `lo`)."""
+        first, end = self.cut.buckets[b]
+        at = 0
+        for i in range(first, end):
+            n = self.cut.numel[i]
+            a, z = max(lo, at), min(hi, at + n)
+            if a < z:
+                yield i, a - at, z - at, a - lo
+            at += n
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -195,7 +237,8 @@ class ShardedOptimizer:
         flags = torch.zeros(len(self.params), dtype=torch.uint8,
                             device=self.params[0].device if self.params else "cpu")
         for view, pc in zip(self.views, self.mine, strict=True):
-            if self.inner.state.get(view):
+            state = self.inner.state.get(view)
+            if state and not (self.prefilled and float(state["step"]) == 0):  # prefilled: stepped once at least
                 flags[pc.param] = 1
         got = self.gather(flags, True)
         assert got is not None
@@ -272,6 +315,16 @@ class ShardedOptimizer:
                 continue
             # each piece its own tensors (adam counts its step in place: a shared one would count twice)
             state[n] = {k: self._slice(v, pc) for k, v in entry.items()}
+        if self.prefilled:  # into the blocks made already
+            for n, values in state.items():
+                own = self.inner.state[self.views[n]]
+                if set(values) != set(own):
+                    raise ValueError(f"a checkpoint's optimizer state has {sorted(values)}, not {sorted(own)}")
+                for k, v in values.items():
+                    own[k].copy_(v)
+            for g, saved in zip(self.inner.param_groups, groups, strict=True):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+            return
         count = len(self.inner.param_groups[0]["params"])
         self.inner.load_state_dict({"state": state if self.views else {},
                                     "param_groups": [{**g, "params": list(range(count))} for g in groups]})

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpipe import zero
 from gpipe.optim import optimizer_class
 from gpipe.transport import Hub
 from gpipe.zero import Cut, ShardedOptimizer
@@ -88,7 +89,9 @@ def test_the_cut_covers_every_element_once_in_shards_as_equal_as_elements_allow(
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("replicas", [2, 3])
-def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas):
+@pytest.mark.parametrize("gather_bytes", [4 << 20, 24])  # one round a bucket; rounds of two elements a copy
+def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas, gather_bytes, monkeypatch):
+    monkeypatch.setattr(zero, "GATHER_BYTES", gather_bytes)
     cls, kwargs = optimizer_class(name_of(opt_name)), OPTIMIZERS[opt_name]
     want = params_of()
     step_all(cls(want, **kwargs), want, range(4))
@@ -96,10 +99,13 @@ def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas):
     def copy(r: int, gather: Any) -> list[torch.Tensor]:
         params = params_of()
         opt = ShardedOptimizer(cls, kwargs, params, [str(i) for i in range(len(params))], replicas, r, gather)
-        assert len(opt.inner.state) == 0
+        assert not any(opt._stepped())
         step_all(opt, params, range(4))
-        # the copy keeps state for its share only: for the pieces of the parameters that had a gradient
-        assert len(opt.inner.state) == sum(1 for pc in opt.mine if pc.param != 4)
+        # state is kept for the parameters that had a gradient (adam's made at the start, in one block per kind)
+        assert opt._stepped() == [i != 4 for i in range(len(params))]
+        assert opt.prefilled == (opt_name != "sgd-momentum")
+        held = {id(t) for st in opt.inner.state.values() for t in st.values()}
+        assert len(opt.inner.state) <= len(opt.mine) and len(held) == sum(len(st) for st in opt.inner.state.values())
         return params
 
     for got in on_copies(replicas, copy):
