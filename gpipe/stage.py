@@ -244,6 +244,7 @@ class Stage:
             # transport's gather among this stage's copies (the c10d world is formed by the transport already)
             self.optimizer = ShardedOptimizer(optimizer_class(cfg.optimizer), cfg.optimizer_args, params,
                                               self.param_names, cfg.replicas, cfg.replica, transport.gather_copies)
+            self.optimizer.waiting = lambda what: self._doing("waiting", what)
         elif params and optimizer:
             self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args)
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,

@@ -151,6 +151,7 @@ class ShardedOptimizer:
         # (the LR is set through them) and is never stepped.
         self.inner = cls(self.views or [torch.zeros(0)], **kwargs)
         self.prefilled = self._prefill()
+        self.waiting: Callable[[str], None] = lambda what: None  # told before each wait on the other copies
 
     def _prefill(self) -> bool:
         """adam and adamw begin each parameter's state as zeros and step 0, made at its first gradient: made here
@@ -190,6 +191,7 @@ class ShardedOptimizer:
             self.inner.step()
         for view in self.views:
             view.grad = None
+        self.waiting("the other replicas' updated weights")
         self._gather_weights()
 
     def _gather_weights(self) -> None:
