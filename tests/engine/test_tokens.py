@@ -7,10 +7,15 @@ import pickle
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from coordinator.data import DataStream
+from coordinator.plan import make_plan
+from coordinator.spec import parse_spec
+from gpipe.errors import SpecError
 from gpipe.factory import resolve
 from gpipe.tokens import tokens
+from tests.support.spec import TWO_STAGES, job
 
 
 def _write(path, ids, dtype="<u2"):
@@ -82,3 +87,36 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, args, says):
     with pytest.raises((ValueError, FileNotFoundError)) as e:
         tokens(**args)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def _lm_job(path: str, **more) -> dict:
+    return job(TWO_STAGES, model={"factory": "tests.support.models:tiny_lm", "args": {"vocab": 32, "layers": 1}},
+               loss="cross_entropy", data={"factory": "tokens", "args": {"path": path, "seq_len": 8, **more},
+                                           "batch_size": 4})
+
+
+@pytest.mark.parametrize(("path", "more", "says"), [
+    ("missing.bin", {}, "missing.bin: no such file"),
+    ("odd.bin", {}, "wrong dtype for the file's size"),
+    ("t.bin", {"seq_len": 64}, "seq_len 64 is longer than the data"),
+    ("t.bin", {"dtype": "int8"}, "dtype 'int8' is not a token file's"),
+    ("shards/*.bin", {}, "no files match 'shards/*.bin'"),
+])
+def test_the_plan_refuses_bad_token_files_in_one_line(tmp_path, monkeypatch, path, more, says):
+    # Where validate and run check the data (coordinator.plan): SpecError, exit 2, before anything starts.
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "t.bin", np.arange(50) % 32)
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 1001)
+    with pytest.raises(SpecError) as e:
+        make_plan(parse_spec(yaml.safe_dump(_lm_job(path, **more))), tmp_path)
+    assert str(e.value).startswith("data.args: tokens raised ") and says in str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+
+
+def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "train.bin", np.arange(100) % 32)
+    _write(tmp_path / "val.bin", np.arange(41) % 32)
+    spec = _lm_job("train.bin") | {"eval": {"data": _lm_job("val.bin")["data"], "every": 2}}
+    plan = make_plan(parse_spec(yaml.safe_dump(spec)), tmp_path)
+    assert len(plan.eval_dataset) == 5

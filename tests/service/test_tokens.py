@@ -1,0 +1,53 @@
+"""A job on token files through `gpipe-coordinator run` equals one device; their bad inputs are one line at
+validate, exit 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.support.cli import one_error_line
+from tests.support.runs import train_and_compare
+from tests.support.spec import TWO_STAGES, job
+
+VOCAB = 32
+
+
+def _corpus(folder, names: list[str], tokens: int = 400) -> None:
+    """`tokens` random token ids below VOCAB, cut into the files `names` (uint16)."""
+    ids = np.random.default_rng(5).integers(0, VOCAB, tokens).astype("<u2")
+    for name, part in zip(names, np.array_split(ids, len(names)), strict=True):
+        part.tofile(folder / name)
+
+
+def _lm(path, **data) -> dict:
+    return job(TWO_STAGES, model={"factory": "tests.support.models:tiny_lm",
+                                  "args": {"vocab": VOCAB, "d_model": 16, "layers": 2}},
+               loss="cross_entropy", chunks=2, steps=3,
+               data={"factory": "tokens", "args": {"path": path, "seq_len": 8}, "batch_size": 4, **data})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("files", "path"), [(["train.bin"], "train.bin"),
+                                             (["train-0.bin", "train-1.bin"], "train-*.bin")])
+def test_a_token_file_job_equals_one_device(cli, monkeypatch, files, path):
+    # A relative path is the job file's folder's; shuffled, the windows of two files as one stream.
+    _corpus(cli.tmp, files)
+    monkeypatch.chdir(cli.tmp)  # where the one-device reference finds the same relative path
+    train_and_compare(cli, f"tokens {path}", _lm(path, shuffle=True))
+
+
+@pytest.mark.multiprocess
+def test_bad_token_files_are_one_line_exit_2(cli):
+    # Every bad input's line: tests/engine/test_tokens.py. Here: validate and run say it in one line, exit 2.
+    (cli.tmp / "odd.bin").write_bytes(b"\0" * 1001)
+    r = cli.run("validate", str(cli.write(_lm("missing.bin"), "missing.yaml")), timeout=60)
+    assert r.returncode == 2 and "missing.bin: no such file" in one_error_line(r.stderr, "error: data.args: tokens")
+    r = cli.run("run", str(cli.write(_lm("odd.bin"), "odd.yaml")), "--state-dir", str(cli.tmp / "state"),
+                "--no-progress", timeout=60)
+    assert r.returncode == 2 and "wrong dtype for the file's size" in one_error_line(r.stderr, "error: data.args: ")
+    assert not (cli.tmp / "state" / "t").exists()  # nothing written
+    _corpus(cli.tmp, ["train.bin"])
+    spec = _lm("train.bin") | {"eval": {"data": _lm("val.bin")["data"], "every": 2}}  # the same source
+    r = cli.run("validate", str(cli.write(spec, "eval.yaml")), timeout=60)
+    assert r.returncode == 2 and "val.bin: no such file" in one_error_line(r.stderr, "error: eval.data.args: ")
