@@ -3,14 +3,17 @@ validate, exit 2."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
-from tests.support.cli import one_error_line
+from tests.support.cli import ROOT, one_error_line
 from tests.support.runs import train_and_compare
 from tests.support.spec import TWO_STAGES, job
 
 VOCAB = 32
+EXAMPLES = ROOT / "examples"
 
 
 def _corpus(folder, names: list[str], tokens: int = 400) -> None:
@@ -51,3 +54,18 @@ def test_bad_token_files_are_one_line_exit_2(cli):
     spec = _lm("train.bin") | {"eval": {"data": _lm("val.bin")["data"], "every": 2}}  # the same source
     r = cli.run("validate", str(cli.write(spec, "eval.yaml")), timeout=60)
     assert r.returncode == 2 and "val.bin: no such file" in one_error_line(r.stderr, "error: eval.data.args: ")
+
+
+@pytest.mark.multiprocess
+def test_the_gpt2_tokens_example_validates_on_its_token_files(cli):
+    """examples/gpt2-tokens.yaml as written, beside token files of GPT-2's vocabulary (random ids here)."""
+    pytest.importorskip("transformers")
+    for name in ("gpt2-tokens.yaml", "hf.py", "charlm.py"):
+        shutil.copy(EXAMPLES / name, cli.tmp / name)
+    (cli.tmp / "data").mkdir()
+    ids = np.random.default_rng(0).integers(0, 50257, 40_000).astype("<u2")
+    ids[:25_000].tofile(cli.tmp / "data" / "train.bin")
+    ids[25_000:].tofile(cli.tmp / "data" / "val.bin")
+    r = cli.run("validate", str(cli.tmp / "gpt2-tokens.yaml"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{cli.tmp / 'gpt2-tokens.yaml'}: ok")
