@@ -21,7 +21,10 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import sys
+import threading
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,7 +156,7 @@ def _write(files: list[Path], tok_json: str, eos: int | None, dtype: str, part: 
     pool = None
     if args.workers > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.workers, _start_worker, (tok_json, eos))
-        encoded: Iterator[list[int]] = pool.imap(_encode, pieces)
+        encoded: Iterator[list[int]] = _in_pool(pool, pieces, 2 * args.workers)
     else:
         _start_worker(tok_json, eos, parallel=True)
         encoded = map(_encode, pieces)
@@ -174,6 +177,40 @@ def _write(files: list[Path], tok_json: str, eos: int | None, dtype: str, part: 
         if bar is not None:
             bar.close()
     return n
+
+
+def _in_pool(pool: Any, pieces: Iterator[Piece], ahead: int) -> Iterator[list[int]]:
+    """The pieces' ids in order, tokenized in `pool`, with at most `ahead` pieces read but not yet written (a
+    corpus larger than memory stays on disk). A thread reads the corpus; what the pool has done is written
+    while that thread waits on a file (a slow disk, a pipe)."""
+    read: queue.Queue[Piece | BaseException | None] = queue.Queue(ahead)
+
+    def reader() -> None:
+        try:
+            for piece in pieces:
+                read.put(piece)
+            read.put(None)
+        except BaseException as e:  # SpecError at a bad line: raised where the ids are written
+            read.put(e)
+
+    threading.Thread(target=reader, name="tokenize-reader", daemon=True).start()
+    pending: deque[Any] = deque()  # multiprocessing's AsyncResult, in corpus order
+    while True:
+        try:
+            item = read.get(timeout=0.05)
+        except queue.Empty:
+            while pending and pending[0].ready():
+                yield pending.popleft().get()
+            continue
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            break
+        pending.append(pool.apply_async(_encode, (item,)))
+        while pending and (len(pending) >= ahead or pending[0].ready()):
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _split(train: Path, val: Path, at: int, itemsize: int) -> None:

@@ -103,3 +103,15 @@ def test_tokenize_s_bad_input_is_one_line_exit_2(cli):
         assert r.returncode == 2, r.stderr
         one_error_line(r.stderr, says)
     assert sorted(os.listdir(cli.tmp)) == ["a.txt", "afile", "tok"]
+
+
+def test_a_parquet_file_s_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from coordinator.corpus import _pieces
+
+    pq.write_table(pa.table({"id": [1, 2, 3], "body": ["one", None, "three"]}), tmp_path / "c.parquet")
+    (tmp_path / "d.txt").write_text("four\nfive\n")
+    pieces = list(_pieces([tmp_path / "c.parquet", tmp_path / "d.txt"], "body"))
+    assert pieces == [[("one", True), ("", True), ("three", True)], [("four\nfive\n", True)]]
