@@ -18,6 +18,7 @@ no half file under the final name, and a rerun starts over.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -69,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     if args.eos is not None and (eos := tokenizer.token_to_id(args.eos)) is None:
         raise SpecError(f"--eos {args.eos!r}: the tokenizer has no such token")
     val = _val_name(out) if args.val_fraction else None
+    made = not out.parent.exists()  # made here: gone again if the run fails
     parts = [_partial(p) for p in (out, val) if p is not None]
     try:
         n = _write(files, str(tok_json), eos, dtype, parts[0], args)
@@ -82,6 +84,9 @@ def main(args: argparse.Namespace) -> int:
     except BaseException:
         for p in parts:
             p.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                out.parent.rmdir()
         raise
     if val is None:
         print(f"{out}: {n:,} tokens, {dtype} (vocabulary {vocab:,})")

@@ -93,16 +93,19 @@ def test_tokenize_s_bad_input_is_one_line_exit_2(cli):
     _tokenizer(cli.tmp / "tok")
     (cli.tmp / "a.txt").write_text("some text\n")
     (cli.tmp / "afile").write_text("")
+    (cli.tmp / "b.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     for args, says in [
         (["missing.txt", "--tokenizer", "tok"], "error: missing.txt: no such corpus file"),
         (["a.txt", "--tokenizer", "none"], "error: --tokenizer none: no such folder"),
         (["a.txt", "--tokenizer", "."], "error: --tokenizer .: no tokenizer.json in it"),
         (["a.txt", "--tokenizer", "tok", "--out", "afile/train.bin"], "error: --out: "),
+        (["a.txt", "b.jsonl", "--tokenizer", "tok", "--out", "new/train.bin", "--no-progress"],
+         "error: b.jsonl:2: no text field 'text' (--text-field names another)"),
     ]:
         r = cli.run("tokenize", *args, *(["--out", "train.bin"] if "--out" not in args else []), timeout=60)
         assert r.returncode == 2, r.stderr
         one_error_line(r.stderr, says)
-    assert sorted(os.listdir(cli.tmp)) == ["a.txt", "afile", "tok"]
+    assert sorted(os.listdir(cli.tmp)) == ["a.txt", "afile", "b.jsonl", "tok"]  # nothing left behind
 
 
 def test_a_parquet_file_s_rows_are_documents(tmp_path):
