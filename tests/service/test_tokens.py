@@ -7,9 +7,10 @@ import shutil
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
+from tests.support import reference
 from tests.support.cli import ROOT, one_error_line
-from tests.support.runs import train_and_compare
 from tests.support.spec import TWO_STAGES, job
 
 VOCAB = 32
@@ -31,13 +32,20 @@ def _lm(path, **data) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("files", "path"), [(["train.bin"], "train.bin"),
-                                             (["train-0.bin", "train-1.bin"], "train-*.bin")])
-def test_a_token_file_job_equals_one_device(cli, monkeypatch, files, path):
-    # A relative path is the job file's folder's; shuffled, the windows of two files as one stream.
+@pytest.mark.parametrize(("files", "path", "replicas"), [(["train.bin"], "train.bin", 1),
+                                                         (["train-0.bin", "train-1.bin"], "train-*.bin", 2)])
+def test_a_token_file_job_equals_one_device(cli, monkeypatch, files, path, replicas):
+    # A relative path is the job file's folder's; shuffled, the windows of two files as one stream, and
+    # with 2 replicas each its shard of every step's windows.
     _corpus(cli.tmp, files)
     monkeypatch.chdir(cli.tmp)  # where the one-device reference finds the same relative path
-    train_and_compare(cli, f"tokens {path}", _lm(path, shuffle=True))
+    spec = _lm(path, shuffle=True) | {"replicas": replicas}
+    r = cli.run("run", str(cli.write(spec)), "--state-dir", "state", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    got, want = load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec)
+    assert set(got) == set(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-5, f"weights differ from one device by {worst}"
 
 
 @pytest.mark.multiprocess
