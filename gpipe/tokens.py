@@ -12,7 +12,7 @@ stream of tokens, in that order, so a window may begin in one file and end in th
 path is the job folder's (gpipe.factory.enter_job_folder: the factories run there).
 
 The files are memory-mapped, never read whole: an item reads its window's pages, so a set larger than
-memory costs only what the steps touch. The maps open on first use in each process (a copy of the set
+memory costs only what the steps touch. A file is mapped on first use in each process (a copy of the set
 sent to another process carries the paths, not the tokens).
 """
 
@@ -54,25 +54,25 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def read(self, start: int, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Tokens start ... start+count-1 of the stream, as int64, across file boundaries."""
-        maps = self._open()
         out = np.empty(count, dtype=np.int64)
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         done = 0
         while done < count:
             at = start + done - int(self.starts[f])
-            m = maps[f]
             take = min(count - done, self.sizes[f] - at)
-            if m is not None and take > 0:
-                out[done : done + take] = m[at : at + take]
+            if take > 0:  # an empty file holds none
+                out[done : done + take] = self._map(f)[at : at + take]
                 done += take
             f += 1
         return out
 
-    def _open(self) -> list[np.memmap[Any, Any] | None]:
-        if self._maps is None:  # an empty file cannot be mapped: it holds no tokens
-            self._maps = [np.memmap(f, dtype=self.dtype, mode="r") if s else None
-                          for f, s in zip(self.files, self.sizes, strict=True)]
-        return self._maps
+    def _map(self, f: int) -> np.memmap[Any, Any]:
+        """File f, mapped on first use: a step maps only the files its windows are in."""
+        if self._maps is None:
+            self._maps = [None] * len(self.files)
+        if (m := self._maps[f]) is None:
+            m = self._maps[f] = np.memmap(self.files[f], dtype=self.dtype, mode="r")
+        return m
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None}  # the paths travel, not the mapped tokens

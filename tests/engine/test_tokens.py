@@ -120,3 +120,14 @@ def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
     spec = _lm_job("train.bin") | {"eval": {"data": _lm_job("val.bin")["data"], "every": 2}}
     plan = make_plan(parse_spec(yaml.safe_dump(spec)), tmp_path)
     assert len(plan.eval_dataset) == 5
+
+
+def test_a_file_is_mapped_when_a_window_first_reads_it(tmp_path):
+    # validate --memory-mib counts mapped files against the cap: only those the first batch reads count.
+    for k in range(3):
+        _write(tmp_path / f"s{k}.bin", range(k * 100, k * 100 + 100))
+    data = tokens(str(tmp_path / "s*.bin"), 10)
+    assert data[0][0].tolist() == list(range(10))
+    assert [m is not None for m in data._maps] == [True, False, False]
+    assert data[9][1].tolist() == list(range(91, 101))  # across s0.bin's end into s1.bin
+    assert [m is not None for m in data._maps] == [True, True, False]
