@@ -12,14 +12,17 @@ stream of tokens, in that order, so a window may begin in one file and end in th
 path is the job folder's (gpipe.factory.enter_job_folder: the factories run there).
 
 The files are memory-mapped, never read whole: an item reads its window's pages, so a set larger than
-memory costs only what the steps touch. A file is mapped on first use in each process (a copy of the set
-sent to another process carries the paths, not the tokens).
+memory costs only what the steps touch. They are mapped a segment (2 or 4 MiB) at a time, the last 16
+segments read kept mapped: whatever the files' size, the data set takes at most 64 MiB of address space
+(`validate --memory-mib` and serve's validation cap count it), and reading in order maps each segment
+once. A copy of the set sent to another process carries the paths, not the tokens.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,8 @@ import torch
 from torch.utils.data import Dataset
 
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+SEGMENT = 1 << 20  # tokens a mapping holds: 2 or 4 MiB of a file
+MAPPED = 16  # segments kept mapped, the last read: at most 64 MiB of address space
 
 
 class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -39,7 +44,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.starts = np.cumsum([0, *self.sizes])  # token offset of each file in the stream
         self.tokens = int(self.starts[-1])
         self.n = max(0, (self.tokens - 1) // seq_len)
-        self._maps: list[np.memmap[Any, Any] | None] | None = None
+        self._maps: OrderedDict[tuple[int, int], np.memmap[Any, Any]] | None = None
 
     def __len__(self) -> int:
         return self.n
@@ -53,25 +58,34 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return window[:-1], window[1:]
 
     def read(self, start: int, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Tokens start ... start+count-1 of the stream, as int64, across file boundaries."""
+        """Tokens start ... start+count-1 of the stream, as int64, across file and segment boundaries."""
         out = np.empty(count, dtype=np.int64)
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         done = 0
         while done < count:
-            at = start + done - int(self.starts[f])
-            take = min(count - done, self.sizes[f] - at)
-            if take > 0:  # an empty file holds none
-                out[done : done + take] = self._map(f)[at : at + take]
-                done += take
-            f += 1
+            at = start + done - int(self.starts[f])  # in file f
+            if at >= self.sizes[f]:  # past its end (an empty file holds none)
+                f += 1
+                continue
+            segment = self._segment(f, at // SEGMENT)
+            at %= SEGMENT
+            take = min(count - done, len(segment) - at)
+            out[done : done + take] = segment[at : at + take]
+            done += take
         return out
 
-    def _map(self, f: int) -> np.memmap[Any, Any]:
-        """File f, mapped on first use: a step maps only the files its windows are in."""
+    def _segment(self, f: int, k: int) -> np.memmap[Any, Any]:
+        """Segment k of file f (tokens k*SEGMENT ... on), mapped: the last MAPPED segments read stay mapped."""
         if self._maps is None:
-            self._maps = [None] * len(self.files)
-        if (m := self._maps[f]) is None:
-            m = self._maps[f] = np.memmap(self.files[f], dtype=self.dtype, mode="r")
+            self._maps = OrderedDict()
+        if (m := self._maps.get((f, k))) is not None:
+            self._maps.move_to_end((f, k))
+            return m
+        n = min(SEGMENT, self.sizes[f] - k * SEGMENT)
+        m = self._maps[f, k] = np.memmap(self.files[f], dtype=self.dtype, mode="r",
+                                         offset=k * SEGMENT * self.dtype.itemsize, shape=(n,))
+        if len(self._maps) > MAPPED:
+            self._maps.popitem(last=False)  # unmapped once no window holds it
         return m
 
     def __getstate__(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+import gpipe.tokens
 from coordinator.data import DataStream
 from coordinator.plan import make_plan
 from coordinator.spec import parse_spec
@@ -122,12 +123,17 @@ def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
     assert len(plan.eval_dataset) == 5
 
 
-def test_a_file_is_mapped_when_a_window_first_reads_it(tmp_path):
-    # validate --memory-mib counts mapped files against the cap: only those the first batch reads count.
-    for k in range(3):
-        _write(tmp_path / f"s{k}.bin", range(k * 100, k * 100 + 100))
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_windows_read_through_few_small_mappings_equal_the_files(tmp_path, monkeypatch, shuffle):
+    # validate --memory-mib (and serve's validation) counts mapped files against its cap: the set maps at most
+    # MAPPED segments of SEGMENT tokens at a time, whatever the files' size. Here segments of 8 tokens, 3 kept.
+    monkeypatch.setattr(gpipe.tokens, "SEGMENT", 8)
+    monkeypatch.setattr(gpipe.tokens, "MAPPED", 3)
+    ids = np.random.default_rng(0).integers(0, 60_000, 300)
+    for k, part in enumerate(np.split(ids, [45, 45, 160])):  # an empty file among them
+        _write(tmp_path / f"s{k}.bin", part)
     data = tokens(str(tmp_path / "s*.bin"), 10)
-    assert data[0][0].tolist() == list(range(10))
-    assert [m is not None for m in data._maps] == [True, False, False]
-    assert data[9][1].tolist() == list(range(91, 101))  # across s0.bin's end into s1.bin
-    assert [m is not None for m in data._maps] == [True, True, False]
+    for i in DataStream(data, 5, 1, shuffle, seed=1).indices(0) + list(range(len(data))):
+        x, y = data[i]
+        assert x.tolist() == ids[i * 10 : i * 10 + 10].tolist() and y.tolist() == ids[i * 10 + 1 : i * 10 + 11].tolist()
+        assert len(data._maps) <= 3 and all(len(m) <= 8 for m in data._maps.values())
