@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 is this machine's CPU wheel; never let pip reach for a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0 -e '.[test]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,data]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -6,6 +6,7 @@
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
+    gpipe-coordinator tokenize corpus/*.txt --tokenizer tok/ --out data/train.bin  # token files (docs/data.md)
     gpipe-coordinator serve --port 7000 [--state-dir DIR]   # the service (workers: gpipe-worker)
         [--metrics-port 9100]                               # and Prometheus' /metrics
     gpipe-coordinator submit job.yaml --follow              # send a job and its folder's code to serve, follow it
@@ -34,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
+from coordinator import corpus
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 
 if TYPE_CHECKING:
@@ -171,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="the lines of the job's metrics.jsonl, as they are")
     client("stop", help="stop a pending or running job").add_argument("name")
 
+    corpus.add_parser(sub)
     tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
     tl.add_argument("job_dir", help="the job's output directory, <state-dir>/<name>")
     tl.add_argument("--step", type=int, default=None, help="the step to draw, counted from 1 as the progress bar counts (default: the last logged)")
@@ -361,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command in ("submit", "status", "list", "logs", "stop"):
             return asyncio.run(_client(args))
+        if args.command == "tokenize":
+            return corpus.main(args)
         if args.command == "timeline":
             from coordinator import timeline
 

@@ -188,7 +188,7 @@ class DataSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
         description="'module:function' returning a map-style Dataset of (input, target) pairs, "
-        "or a registered name (random_regression).",
+        "or a registered name (random_regression; tokens: token files, docs/data.md).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
     batch_size: Annotated[StrictInt, Range(1, MAX_BATCH_SIZE)] = Field(
@@ -272,7 +272,7 @@ class EvalDataSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
         description="'module:function' returning a map-style Dataset of (input, target) pairs, "
-        "or a registered name (random_regression).",
+        "or a registered name (random_regression; tokens: token files, docs/data.md).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
     batch_size: Annotated[StrictInt, Range(1, MAX_BATCH_SIZE)] = Field(

@@ -13,6 +13,7 @@ from typing import Any
 REGISTRY: dict[str, str] = {
     "mlp": "gpipe.builtins:mlp",
     "random_regression": "gpipe.builtins:random_regression",
+    "tokens": "gpipe.tokens:tokens",
     "cross_entropy": "gpipe.losses:cross_entropy",
     "mse": "gpipe.losses:mse",
 }

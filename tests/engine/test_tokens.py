@@ -1,0 +1,139 @@
+"""Token files (gpipe.tokens): the windows, the stream across files, the glob, and one line per bad input."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import gpipe.tokens
+from coordinator.data import DataStream
+from coordinator.plan import make_plan
+from coordinator.spec import parse_spec
+from gpipe.errors import SpecError
+from gpipe.factory import resolve
+from gpipe.tokens import tokens
+from tests.support.spec import TWO_STAGES, job
+
+
+def _write(path, ids, dtype="<u2"):
+    np.asarray(ids, dtype=dtype).tofile(path)
+    return str(path)
+
+
+def test_item_i_is_the_window_at_i_times_seq_len_and_its_shift(tmp_path):
+    path = _write(tmp_path / "t.bin", range(23))
+    data = resolve("tokens")(path=path, seq_len=5)
+    assert len(data) == 4  # (23 - 1) // 5: the last partial window left out
+    x, y = data[3]
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == [15, 16, 17, 18, 19] and y.tolist() == [16, 17, 18, 19, 20]
+    assert data[-1][0].tolist() == x.tolist()
+    with pytest.raises(IndexError):
+        data[4]
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_files_are_one_stream_in_name_order_and_windows_span_them(tmp_path, dtype):
+    big = 70_000 if dtype == "uint32" else 60_000  # a uint32 file holds ids above 65535
+    ids = [big + i for i in range(40)]
+    np_dtype = "<u2" if dtype == "uint16" else "<u4"
+    for name, part in [("b.bin", ids[13:30]), ("a.bin", ids[:13]), ("c.bin", ids[30:]), ("d.bin", [])]:
+        _write(tmp_path / name, part, np_dtype)
+    whole = _write(tmp_path / "whole.tok", ids, np_dtype)
+    one, glob_ = tokens(whole, 4, dtype), tokens(str(tmp_path / "*.bin"), 4, dtype)
+    listed = tokens([str(tmp_path / n) for n in ["a.bin", "b.bin", "c.bin"]], 4, dtype)
+    assert len(one) == len(glob_) == len(listed) == 9
+    for i in range(9):
+        for d in (glob_, listed):
+            assert all(torch.equal(a, b) for a, b in zip(one[i], d[i], strict=True))
+    assert one[3][0].tolist() == ids[12:16]  # a.bin's last token, then b.bin's first three
+
+
+def test_a_copy_carries_the_paths_not_the_tokens(tmp_path):
+    data = tokens(_write(tmp_path / "t.bin", range(10_000)), 8)
+    data[0]
+    copy = pickle.loads(pickle.dumps(data))
+    assert len(pickle.dumps(data)) < 2_000
+    assert torch.equal(copy[100][1], data[100][1])
+
+
+def test_the_stream_shuffles_and_shards_token_windows(tmp_path):
+    data = tokens(_write(tmp_path / "t.bin", range(200)), 6)
+    stream = DataStream(data, 4, 2, shuffle=True, seed=3, replicas=2)
+    idx = stream.indices(5)
+    (xs, ys, sizes), _ = stream.shards(5)
+    assert sizes == [1, 1]
+    assert xs[0].tolist() == [data[idx[0]][0].tolist()] and ys[1].tolist() == [data[idx[1]][1].tolist()]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ({"path": "missing.bin", "seq_len": 4}, "missing.bin: no such file"),
+    ({"path": "odd.bin", "seq_len": 4}, "odd.bin: 7 bytes is not a whole number of uint16 tokens (2 bytes each): "
+                                        "wrong dtype for the file's size"),
+    ({"path": "t.bin", "seq_len": 4, "dtype": "uint32"}, "wrong dtype for the file's size"),
+    ({"path": "t.bin", "seq_len": 10}, "seq_len 10 is longer than the data: a window takes 11 tokens"),
+    ({"path": "t.bin", "seq_len": 4, "dtype": "int16"}, "dtype 'int16' is not a token file's: expected uint16 or uint32"),
+    ({"path": "shards/*.bin", "seq_len": 4}, "no files match 'shards/*.bin'"),
+    ({"path": "t.bin", "seq_len": 0}, "seq_len 0 must be a whole number of tokens, at least 1"),
+    ({"path": [], "seq_len": 4}, "expected a file, a glob, or a list of them"),
+])
+def test_bad_input_is_one_line(tmp_path, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)  # a relative path is the job folder's: the factories run there
+    _write(tmp_path / "t.bin", range(5))  # 10 bytes: 2.5 uint32 tokens
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        tokens(**args)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def _lm_job(path: str, **more) -> dict:
+    return job(TWO_STAGES, model={"factory": "tests.support.models:tiny_lm", "args": {"vocab": 32, "layers": 1}},
+               loss="cross_entropy", data={"factory": "tokens", "args": {"path": path, "seq_len": 8, **more},
+                                           "batch_size": 4})
+
+
+@pytest.mark.parametrize(("path", "more", "says"), [
+    ("missing.bin", {}, "missing.bin: no such file"),
+    ("odd.bin", {}, "wrong dtype for the file's size"),
+    ("t.bin", {"seq_len": 64}, "seq_len 64 is longer than the data"),
+    ("t.bin", {"dtype": "int8"}, "dtype 'int8' is not a token file's"),
+    ("shards/*.bin", {}, "no files match 'shards/*.bin'"),
+])
+def test_the_plan_refuses_bad_token_files_in_one_line(tmp_path, monkeypatch, path, more, says):
+    # Where validate and run check the data (coordinator.plan): SpecError, exit 2, before anything starts.
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "t.bin", np.arange(50) % 32)
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 1001)
+    with pytest.raises(SpecError) as e:
+        make_plan(parse_spec(yaml.safe_dump(_lm_job(path, **more))), tmp_path)
+    assert str(e.value).startswith("data.args: tokens raised ") and says in str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+
+
+def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "train.bin", np.arange(100) % 32)
+    _write(tmp_path / "val.bin", np.arange(41) % 32)
+    spec = _lm_job("train.bin") | {"eval": {"data": _lm_job("val.bin")["data"], "every": 2}}
+    plan = make_plan(parse_spec(yaml.safe_dump(spec)), tmp_path)
+    assert len(plan.eval_dataset) == 5
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_windows_read_through_few_small_mappings_equal_the_files(tmp_path, monkeypatch, shuffle):
+    # validate --memory-mib (and serve's validation) counts mapped files against its cap: the set maps at most
+    # MAPPED segments of SEGMENT tokens at a time, whatever the files' size. Here segments of 8 tokens, 3 kept.
+    monkeypatch.setattr(gpipe.tokens, "SEGMENT", 8)
+    monkeypatch.setattr(gpipe.tokens, "MAPPED", 3)
+    ids = np.random.default_rng(0).integers(0, 60_000, 300)
+    for k, part in enumerate(np.split(ids, [45, 45, 160])):  # an empty file among them
+        _write(tmp_path / f"s{k}.bin", part)
+    data = tokens(str(tmp_path / "s*.bin"), 10)
+    for i in DataStream(data, 5, 1, shuffle, seed=1).indices(0) + list(range(len(data))):
+        x, y = data[i]
+        assert x.tolist() == ids[i * 10 : i * 10 + 10].tolist() and y.tolist() == ids[i * 10 + 1 : i * 10 + 11].tolist()
+        assert len(data._maps) <= 3 and all(len(m) <= 8 for m in data._maps.values())

@@ -1,0 +1,120 @@
+"""`gpipe-coordinator tokenize`: a corpus into the token ids its tokenizer gives, the same bytes whatever the
+workers, and after a run killed half-way; its bad inputs are one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from tests.support.cli import one_error_line, wait_for
+
+tokenizers = pytest.importorskip("tokenizers")
+
+LINES = ["the quick brown fox jumps over the lazy dog", "a pipeline cuts a model into stages",
+         "each stage sends its activations to the next", "and the gradients come back"]
+
+
+def _tokenizer(folder):
+    """A byte-level BPE tokenizer trained on LINES, saved as folder/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(LINES * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def _corpus(tmp, tok):
+    """a.txt (one document) and b.jsonl (a document a line), and the ids they make, each document followed
+    by <|endoftext|>."""
+    text = "".join(f"{line} {i}\n" for i in range(40) for line in LINES)
+    (tmp / "a.txt").write_text(text)
+    rows = [f"{line}, row {i}" for i, line in enumerate(LINES * 3)]
+    (tmp / "b.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(rows)))
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for doc in [text, *rows]:
+        ids += tok.encode(doc, add_special_tokens=False).ids + [eos]
+    return ids
+
+
+@pytest.mark.multiprocess
+def test_tokenize_writes_the_tokenizer_s_ids_whatever_the_workers(cli):
+    tok = _tokenizer(cli.tmp / "tok")
+    want = _corpus(cli.tmp, tok)
+    for workers, out in [("1", "data/train.bin"), ("2", "two/train.bin")]:
+        r = cli.run("tokenize", "a.txt", "b.jsonl", "--tokenizer", "tok", "--out", out, "--val-fraction", "0.1",
+                    "--eos", "<|endoftext|>", "--workers", workers, timeout=60)
+        assert r.returncode == 0, r.stderr
+        val = len(want) - round(len(want) * 0.9)
+        folder = out.split("/")[0]
+        assert r.stdout.strip() == (f"{folder}/train.bin: {len(want) - val:,} tokens, {folder}/val.bin: {val:,} "
+                                    f"tokens, uint16 (vocabulary 300)")
+        assert "tokens/s" in r.stderr  # the progress bar
+        got = [np.fromfile(cli.tmp / folder / f, dtype="<u2") for f in ("train.bin", "val.bin")]
+        assert np.concatenate(got).tolist() == want and len(got[1]) == val
+        assert sorted(os.listdir(cli.tmp / folder)) == ["train.bin", "val.bin"]
+    assert (cli.tmp / "data" / "train.bin").read_bytes() == (cli.tmp / "two" / "train.bin").read_bytes()
+
+
+@pytest.mark.multiprocess
+def test_tokenize_killed_half_way_leaves_no_file_and_a_rerun_writes_the_same_bytes(cli):
+    tok = _tokenizer(cli.tmp / "tok")
+    want = _corpus(cli.tmp, tok)
+    (cli.tmp / "b.jsonl").rename(cli.tmp / "rows")
+    os.mkfifo(cli.tmp / "b.jsonl")  # the run blocks there, a.txt's tokens written: half-way
+    args = ["tokenize", "a.txt", "b.jsonl", "--tokenizer", "tok", "--out", "data/train.bin",
+            "--eos", "<|endoftext|>"]
+    partial = cli.tmp / "data" / "train.bin.partial"
+    with cli.running(*args, "--workers", "2") as p:
+        wait_for(lambda: partial.exists() and partial.stat().st_size > 0 or p.poll() is not None, 60,
+                 "a.txt's tokens in train.bin.partial")
+        assert p.poll() is None, p.communicate()
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert not (cli.tmp / "data" / "train.bin").exists()
+    (cli.tmp / "b.jsonl").unlink()
+    (cli.tmp / "rows").rename(cli.tmp / "b.jsonl")
+    r = cli.run(*args, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert np.fromfile(cli.tmp / "data" / "train.bin", dtype="<u2").tolist() == want
+    assert os.listdir(cli.tmp / "data") == ["train.bin"]
+
+
+@pytest.mark.multiprocess
+def test_tokenize_s_bad_input_is_one_line_exit_2(cli):
+    _tokenizer(cli.tmp / "tok")
+    (cli.tmp / "a.txt").write_text("some text\n")
+    (cli.tmp / "afile").write_text("")
+    (cli.tmp / "b.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    for args, says in [
+        (["missing.txt", "--tokenizer", "tok"], "error: missing.txt: no such corpus file"),
+        (["a.txt", "--tokenizer", "none"], "error: --tokenizer none: no such folder"),
+        (["a.txt", "--tokenizer", "."], "error: --tokenizer .: no tokenizer.json in it"),
+        (["a.txt", "--tokenizer", "tok", "--out", "afile/train.bin"], "error: --out: "),
+        (["a.txt", "b.jsonl", "--tokenizer", "tok", "--out", "new/train.bin", "--no-progress"],
+         "error: b.jsonl:2: no text field 'text' (--text-field names another)"),
+    ]:
+        r = cli.run("tokenize", *args, *(["--out", "train.bin"] if "--out" not in args else []), timeout=60)
+        assert r.returncode == 2, r.stderr
+        one_error_line(r.stderr, says)
+    assert sorted(os.listdir(cli.tmp)) == ["a.txt", "afile", "b.jsonl", "tok"]  # nothing left behind
+
+
+def test_a_parquet_file_s_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from coordinator.corpus import _pieces
+
+    pq.write_table(pa.table({"id": [1, 2, 3], "body": ["one", None, "three"]}), tmp_path / "c.parquet")
+    (tmp_path / "d.txt").write_text("four\nfive\n")
+    pieces = list(_pieces([tmp_path / "c.parquet", tmp_path / "d.txt"], "body"))
+    assert pieces == [[("one", True), ("", True), ("three", True)], [("four\nfive\n", True)]]
