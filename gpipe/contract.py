@@ -81,6 +81,11 @@ class StageConfig:
     tied: list[tuple[list[str], list[int]]] = field(default_factory=list)
 
     @property
+    def sharded(self) -> bool:
+        """Whether this stage's copies each keep 1/replicas of its optimizer state (gpipe.zero)."""
+        return self.shard_optimizer and self.replicas > 1
+
+    @property
     def workers(self) -> int:
         """Workers per replica (the job's stages): one per model chunk, or one per `virtual_stages` of them."""
         return self.model_chunks // self.virtual_stages

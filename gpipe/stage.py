@@ -240,7 +240,7 @@ class Stage:
         self.grad_params = [p for p in params if id(p) not in finished_elsewhere]  # whose gradients it finishes
         self.shares_tensors = shares_tensors
         self.optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None
-        if params and optimizer and cfg.shard_optimizer and cfg.replicas > 1:
+        if params and optimizer and cfg.sharded:
             # transport's gather among this stage's copies (the c10d world is formed by the transport already)
             self.optimizer = ShardedOptimizer(optimizer_class(cfg.optimizer), cfg.optimizer_args, params,
                                               self.param_names, cfg.replicas, cfg.replica, transport.gather_copies)
@@ -592,10 +592,13 @@ class Stage:
 
     def _update(self, lr: float, skipped: bool) -> None:
         """The optimizer step at `lr` (none for a skipped step, or where the stage holds no optimizer)."""
-        if self.optimizer is not None and not skipped:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+        # Sharded, every model chunk of a worker takes its turn at the gathers, one with no optimizer or a skipped
+        # step too: the turns go round in the same order on every rank.
+        with self.transport.in_turn() if self.cfg.sharded else contextlib.nullcontext():
+            if self.optimizer is not None and not skipped:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
 
     # -- evaluation ---------------------------------------------------------------------------------
 

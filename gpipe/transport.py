@@ -16,6 +16,7 @@ and the fast tests). The same stage code runs over either.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -94,6 +95,10 @@ class Transport(Protocol):
     def gather_copies(self, t: torch.Tensor, everyone: bool) -> list[torch.Tensor] | None:
         """This stage's copies' `t` (of one shape on every copy), in replica order: on every copy with
         `everyone`, else on replica 0 alone (None on the others). gpipe.zero's gathers."""
+
+    def in_turn(self) -> contextlib.AbstractContextManager[None]:
+        """Around a stage's gathers with its copies (gpipe.zero): the stages of one process take their turns in
+        one order."""
 
     def close(self) -> None: ...
 
@@ -336,6 +341,9 @@ class MemoryTransport:
 
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         return _MemoryGradSum(self, params) if self.hub.replicas > 1 and params else None
+
+    def in_turn(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # threads of one process: no communicator to keep in order
 
     def gather_copies(self, t: torch.Tensor, everyone: bool) -> list[torch.Tensor] | None:
         hub = self.hub

@@ -20,7 +20,8 @@ element takes the update it takes unsharded.
 
 The gather after the step goes bucket by bucket, each in rounds of an
 all-gather among the copies of at most GATHER_BYTES received (each copy's
-range padded to the longest), so it holds little besides the weights. Only the optimizer state is sharded: the gradients stay whole,
+range padded to the longest), so it holds little besides the weights.
+Only the optimizer state is sharded: the gradients stay whole,
 as DeepSpeed keeps them under a pipeline (they accumulate over micro-batches),
 so clipping, fp16's unscale and inf check and tied weights' sums are as
 unsharded.
@@ -42,8 +43,13 @@ from typing import Any
 
 import torch
 
-BUCKET_BYTES = 25 << 20  # the gradient reducer's bucket (worker.reducer)
-GATHER_BYTES = 4 << 20  # the most the weights' gather receives at once
+BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb: the gradient reducer's too (worker.reducer)
+GATHER_BYTES = 4 << 20  # the most a gather receives at once on a CPU (what glibc's arenas keep)
+GATHER_BYTES_CUDA = 64 << 20  # on a GPU (the caching allocator reuses it; NCCL's rounds are latency-bound)
+
+
+def _gather_bytes(device: torch.device) -> int:
+    return GATHER_BYTES_CUDA if device.type == "cuda" else GATHER_BYTES
 
 # Gathers the copies' tensors (the same shape on each), in replica order: on every copy with `everyone`, else on
 # replica 0 only (None on the others). gpipe.transport.Transport.gather_copies.
@@ -196,14 +202,14 @@ class ShardedOptimizer:
 
     def _gather_weights(self) -> None:
         """Every copy's updated elements to every copy, a bucket at a time, each in rounds of at most GATHER_BYTES
-        received (what the gather holds besides the weights: a bucket's copy, R times over, would cost more than
+        (on a GPU, GATHER_BYTES_CUDA) received (what the gather holds besides the weights: a bucket's copy, R times over, would cost more than
         the sharded state saves on a stage of small parameters)."""
         cut = self.cut
         for b in range(len(cut.buckets)):
             bounds = cut.bounds(b)
             lens = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
             first = self.params[cut.buckets[b][0]]
-            step = max(1, GATHER_BYTES // (cut.replicas * first.element_size()))
+            step = max(1, _gather_bytes(first.device) // (cut.replicas * first.element_size()))
             for j in range(0, max(lens), step):
                 n = min(step, max(lens) - j)
                 send = first.new_empty(n)
@@ -236,6 +242,7 @@ class ShardedOptimizer:
     def _stepped(self) -> list[bool]:
         """Whether the optimizer keeps state for each parameter: the copies that hold its pieces know, the others
         are told (one all-gather of a flag per parameter)."""
+        self.waiting("the other replicas' list of the optimizer's state, for a checkpoint")
         flags = torch.zeros(len(self.params), dtype=torch.uint8,
                             device=self.params[0].device if self.params else "cpu")
         for view, pc in zip(self.views, self.mine, strict=True):
@@ -262,34 +269,37 @@ class ShardedOptimizer:
 
     def fetch(self, i: int, key: str, scalar: bool) -> torch.Tensor | None:
         """The whole tensor `key` of parameter `i`, on the CPU on replica 0 (None on the others, which take part
-        all the same). Every copy calls it for the same tensors in the same order."""
+        all the same), gathered in rounds of at most GATHER_BYTES, straight into the CPU copy. Every copy calls it
+        for the same tensors in the same order."""
         p = self.params[i]
-        parts = [(pc, view) for pc, view in zip(self.mine, self.views, strict=True) if pc.param == i]
+        self.waiting(f"replica 0's checkpoint of the optimizer's {key} of parameter {i}")
+        own = next(((pc, view) for pc, view in zip(self.mine, self.views, strict=True) if pc.param == i), None)
         if scalar:
-            value = self.inner.state[parts[0][1]][key] if parts else None
+            value = self.inner.state[own[1]][key] if own is not None else None
             send = torch.tensor([float(value) if value is not None else 0.0, float(value is not None)],
                                 dtype=torch.float64, device=p.device)
             got = self.gather(send, False)
             if got is None:
                 return None
-            return torch.tensor(next(float(g[0]) for g in got if float(g[1])), dtype=torch.float32)
-        spans = [[(pc.lo, pc.hi) for pc in self.cut.mine(r) if pc.param == i] for r in range(self.cut.replicas)]
-        width = max(sum(hi - lo for lo, hi in s) for s in spans)
-        send = p.new_zeros(width)
-        at = 0
-        for pc, view in parts:
-            send[at:at + pc.hi - pc.lo].copy_(self.inner.state[view][key])
-            at += pc.hi - pc.lo
-        got = self.gather(send, False)
-        if got is None:
-            return None
-        whole = torch.empty(p.numel(), dtype=p.dtype)
-        for r, s in enumerate(spans):
-            at = 0
-            for lo, hi in s:
-                whole[lo:hi].copy_(got[r][at:at + hi - lo])
-                at += hi - lo
-        return whole.view(p.shape)
+            return torch.tensor(next(float(g[0]) for g in got if float(g[1])), dtype=_scalar_dtype())
+        # each copy's piece of a parameter is one range of it (a parameter is in one bucket)
+        spans = [next(((pc.lo, pc.hi) for pc in self.cut.mine(r) if pc.param == i), (0, 0))
+                 for r in range(self.cut.replicas)]
+        width = max(hi - lo for lo, hi in spans)
+        whole = torch.empty(p.numel(), dtype=p.dtype) if self.replica == 0 else None
+        step = max(1, _gather_bytes(p.device) // (self.cut.replicas * p.element_size()))
+        mine = self.inner.state[own[1]][key] if own is not None else None
+        for j in range(0, width, step):
+            n = min(step, width - j)
+            send = p.new_zeros(n)
+            if mine is not None and j < mine.numel():
+                send[:min(n, mine.numel() - j)].copy_(mine[j:j + n])
+            got = self.gather(send, False)
+            if got is not None and whole is not None:
+                for r, (lo, hi) in enumerate(spans):
+                    k = max(0, min(n, hi - lo - j))
+                    whole[lo + j:lo + j + k].copy_(got[r][:k])
+        return whole.view(p.shape) if whole is not None else None
 
     def _slice(self, v: Any, pc: Piece) -> Any:
         """A piece's own copy of a checkpoint's state value: a number as it is; of a tensor, the piece's slice (the
@@ -315,7 +325,6 @@ class ShardedOptimizer:
             entry = entries.get(pc.param)
             if not entry:
                 continue
-            # each piece its own tensors (adam counts its step in place: a shared one would count twice)
             state[n] = {k: self._slice(v, pc) for k, v in entry.items()}
         if self.prefilled:  # into the blocks made already
             for n, values in state.items():

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -162,6 +162,8 @@ class World:
         self._steady.append((None, step))  # formed: a collective of every rank waits at most a step's timeout
         worker = self.worker_of
         self.mine = [g for g in range(model_chunks) if worker(g) == cfg.worker]  # the model chunks this worker holds
+        self._turn = threading.Condition()
+        self._next = 0  # which of `mine` takes the next turn at the copies' gathers (in_turn)
         every_worker = list(range(top.stages))
         self.lanes: dict[tuple[str, int, int], dist.ProcessGroup] = {}
         if virtual == 1:
@@ -237,6 +239,25 @@ class World:
             assert work is not None
             work.wait(left())
         self._peer = None
+
+    @contextlib.contextmanager
+    def in_turn(self, model_chunk: int, timeout: float) -> Iterator[None]:
+        """The model chunks of this worker take their turns at their copies' gathers in model-chunk order: each
+        chunk's gathers go on a communicator of its own, and NCCL wants the operations on several communicators
+        issued in one order on every rank (each chunk runs on a thread of its own). With one chunk, no wait."""
+        if len(self.mine) == 1:
+            yield
+            return
+        with self._turn:
+            if not self._turn.wait_for(lambda: self.mine[self._next] == model_chunk, timeout):
+                raise TimeoutError(f"model chunk {model_chunk} waited {timeout:.0f}s for model chunk "
+                                   f"{self.mine[self._next]} of its worker to gather with its copies")
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._next = (self._next + 1) % len(self.mine)
+                self._turn.notify_all()
 
     def worker_of(self, model_chunk: int) -> int:
         """The worker (of a replica) holding model chunk `model_chunk` (gpipe.topology)."""
@@ -321,10 +342,15 @@ class C10dTransport:
         first = self.cfg.replica == 0
         outs = [torch.empty_like(t) for _ in range(self.cfg.replicas)] if everyone or first else None
         if everyone:
-            dist.all_gather(outs, t, group=group)
+            work = dist.all_gather(outs, t, group=group, async_op=True)
         else:
-            dist.gather(t, outs, dst=dist.get_global_rank(group, 0), group=group)
+            work = dist.gather(t, outs, dst=dist.get_global_rank(group, 0), group=group, async_op=True)
+        assert work is not None  # async_op
+        work.wait(timedelta(seconds=self.cfg.step_timeout_s))  # each gather its own deadline (NCCL's too)
         return outs
+
+    def in_turn(self) -> contextlib.AbstractContextManager[None]:
+        return self.world.in_turn(self.cfg.model_chunk, self.cfg.step_timeout_s)
 
     def grad_sum(self, params: Sequence[torch.Tensor]) -> GradSum | None:
         group = self.world.copies.get(self.cfg.model_chunk)

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's default bucket_cap_mb
+from gpipe.zero import BUCKET_BYTES  # as DistributedDataParallel's default bucket_cap_mb
 
 
 class GradReducer:

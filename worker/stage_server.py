@@ -17,6 +17,7 @@ supervisor decides by fields.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -137,7 +138,7 @@ class StageServer:
             if weights is None:
                 layers = build_layers(self._cfg, None, torch.device(self._cfg.device))
                 self._incoming = Incoming(layers, zero.held(layers, self._cfg.replicas, self._cfg.replica)
-                                          if self._cfg.shard_optimizer and self._cfg.replicas > 1 else None)
+                                          if self._cfg.sharded else None)
                 return
             self.stage = self._build(weights, resume)
         except BaseException as e:
@@ -292,6 +293,12 @@ class StageServer:
         Between steps, before the next one changes anything: snapshot_s is the stall a checkpoint costs.
         A copy still being pulled is waited for first (snapshot_wait_s), so a stage holds one at most.
         """
+        assert self.stage is not None
+        # sharded: the optimizer state is gathered to replica 0, each model chunk of a worker in its turn
+        with self.stage.transport.in_turn() if self._cfg.sharded else contextlib.nullcontext():
+            self._take_snapshot(step, result)
+
+    def _take_snapshot(self, step: int, result: StepResult) -> None:
         assert self.stage is not None
         t0 = time.perf_counter()
         if self._cfg.replica != 0:  # replica 0's copy is the checkpoint's; a sharded optimizer's pieces go to it

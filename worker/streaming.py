@@ -34,6 +34,7 @@ class Incoming:
         held, the rest of each piece let go as it comes."""
         self.layers = layers
         self.held = held
+        self.params = dict(layers.named_parameters())
         # every name, a tensor two pieces share too (a tied weight, a captured constant): each is sent under each
         own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))
         self.targets: dict[str, torch.Tensor] = {layout.model_key(n): t for n, t in own.items()}
@@ -47,12 +48,13 @@ class Incoming:
         for name, (dtype, shape) in entries.items():
             if name.startswith(layout.MODEL):
                 raise ValueError(f"{name}: weights go into the layers, not into declared tensors")
-            self.others[name] = torch.empty(shape, dtype=stream.BY_NAME[dtype])
             if (window := self._window(name, shape)) is not None:
                 lo, hi = window
                 self.others[name] = torch.empty(hi - lo, dtype=stream.BY_NAME[dtype])
                 self.windows[name] = (lo * self.others[name].element_size(), stream.nbytes(
                     torch.empty(shape, dtype=stream.BY_NAME[dtype], device="meta")))
+            else:
+                self.others[name] = torch.empty(shape, dtype=stream.BY_NAME[dtype])
             self.targets[name] = self.others[name]
 
     def _window(self, name: str, shape: list[int]) -> tuple[int, int] | None:
@@ -60,7 +62,12 @@ class Incoming:
         optimizer is not sharded)."""
         if self.held is None or not name.startswith(layout.OPTIM) or not shape:
             return None
-        return self.held.get(name.removeprefix(layout.OPTIM).rsplit("/", 1)[0], (0, 0))
+        param = name.removeprefix(layout.OPTIM).rsplit("/", 1)[0]
+        p = self.params.get(param)
+        if p is None or p.shape != tuple(shape):
+            raise ValueError(f"{name}: shape {list(shape)}, but the stage's parameter {param} is "
+                             f"{list(p.shape) if p is not None else 'not here'}")
+        return self.held.get(param, (0, 0))
 
     def receive(self, pieces: list[stream.Piece]) -> None:
         """Copy pieces into their tensors (a held slice: the piece's bytes within it)."""

@@ -114,7 +114,10 @@ def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas, gather_
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_the_checkpointed_state_is_the_unsharded_state_and_restores_on_another_replica_count(opt_name):
+@pytest.mark.parametrize("gather_bytes", [4 << 20, 24])  # each tensor in one round; in rounds of two elements
+def test_the_checkpointed_state_is_the_unsharded_state_and_restores_on_another_replica_count(opt_name, gather_bytes,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(zero, "GATHER_BYTES", gather_bytes)
     cls, kwargs = optimizer_class(name_of(opt_name)), OPTIMIZERS[opt_name]
     whole = params_of()
     ref = cls(whole, **kwargs)
