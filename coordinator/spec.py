@@ -265,7 +265,53 @@ class CosineLR(_Spec):
     min_lr: Annotated[float, Range(0, MAX_LR)] = Field(default=0.0, description="The LR at the last step.")
 
 
-LRSchedule = Annotated[StepLR | CosineLR, Field(discriminator="name")]
+class LinearLR(_Spec):
+    name: Literal["linear"] = Field(description="Linear warmup, then linear decay to `min_lr` at the last step.")
+    warmup_steps: Annotated[StrictInt, Range(0, MAX_STEPS)] = Field(
+        default=0, description="Steps of linear warmup from 0; fewer than `steps`."
+    )
+    min_lr: Annotated[float, Range(0, MAX_LR)] = Field(
+        default=0.0, description="The floor: the LR at the last step; at most optimizer.lr."
+    )
+
+
+class WsdLR(_Spec):
+    name: Literal["wsd"] = Field(
+        description="Warmup-stable-decay: linear warmup, optimizer.lr, then a decay over the last "
+        "`decay_fraction` of the steps that reaches the floor at the last step."
+    )
+    warmup_steps: Annotated[StrictInt, Range(0, MAX_STEPS)] = Field(
+        default=0, description="Steps of linear warmup from 0; with the decay's, at most `steps`."
+    )
+    decay_fraction: Annotated[float, Range(0, 1)] = Field(
+        default=0.1, description="The fraction of `steps` that decay, rounded (at least one step unless 0)."
+    )
+    decay_shape: Literal["linear", "sqrt", "cosine"] = Field(
+        default="linear", description="The decay's curve from optimizer.lr to the floor: linear, sqrt or cosine."
+    )
+    min_lr: Annotated[float, Range(0, MAX_LR)] | None = Field(
+        default=None, description="The floor, absolute; at most optimizer.lr. Not with `min_lr_ratio`."
+    )
+    min_lr_ratio: Annotated[float, Range(0, 1)] | None = Field(
+        default=None, description="The floor as a fraction of optimizer.lr. Neither: 0."
+    )
+
+    @model_validator(mode="after")
+    def _one_floor(self) -> WsdLR:
+        if self.min_lr is not None and self.min_lr_ratio is not None:
+            raise ValueError("min_lr and min_lr_ratio both set the floor; give one")
+        return self
+
+    def decay_steps(self, steps: int) -> int:
+        """The steps that decay: the last `decay_fraction` of `steps`, at least one unless the fraction is 0."""
+        return max(1, round(steps * self.decay_fraction)) if self.decay_fraction else 0
+
+    def floor(self, lr: float) -> float:
+        """The LR at the last step, with optimizer.lr `lr`."""
+        return self.min_lr if self.min_lr is not None else lr * (self.min_lr_ratio or 0.0)
+
+
+LRSchedule = Annotated[StepLR | CosineLR | LinearLR | WsdLR, Field(discriminator="name")]
 
 
 class EvalDataSpec(_Spec):
@@ -543,6 +589,7 @@ class JobSpec(_Spec):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         self._check_virtual_stages()
+        self._check_lr_schedule()
         if self.model.split_points is not None:
             if self.model_chunks != len(self.model.split_points) + 1:
                 raise ValueError(f"stages: {self.stages} stages x {self.virtual_stages} virtual_stages but "
@@ -587,6 +634,22 @@ class JobSpec(_Spec):
         if self.keep_best and self.eval is None:
             raise ValueError("keep_best: needs an eval section (the best is the lowest eval loss)")
         return self
+
+    def _check_lr_schedule(self) -> None:
+        sched, lr = self.lr_schedule, self.optimizer.lr
+        if isinstance(sched, LinearLR):
+            if sched.warmup_steps >= self.steps:
+                raise ValueError(f"lr_schedule.linear.warmup_steps: {sched.warmup_steps} leaves no step of the "
+                                 f"{self.steps} to decay")
+            if sched.min_lr > lr:
+                raise ValueError(f"lr_schedule.linear.min_lr: {sched.min_lr:g} is above optimizer.lr {lr:g}")
+        if isinstance(sched, WsdLR):
+            decay = sched.decay_steps(self.steps)
+            if sched.warmup_steps + decay > self.steps:
+                raise ValueError(f"lr_schedule.wsd.warmup_steps: {sched.warmup_steps} steps of warmup and {decay} of "
+                                 f"decay (decay_fraction {sched.decay_fraction:g}) exceed the {self.steps} steps")
+            if sched.floor(lr) > lr:
+                raise ValueError(f"lr_schedule.wsd.min_lr: {sched.floor(lr):g} is above optimizer.lr {lr:g}")
 
     def _check_virtual_stages(self) -> None:
         if why := violation(self.schedule, self.stages, self.virtual_stages, self.chunks, self.activation_checkpoint):

@@ -21,6 +21,7 @@ update runs once on the step's inputs of each layer, all micro-batches together.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -79,8 +80,10 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
     sched = None
     if spec.get("lr_schedule"):
         s = spec["lr_schedule"]
-        assert s["name"] == "step"
-        sched = torch.optim.lr_scheduler.StepLR(opt, s["step_size"], s.get("gamma", 0.1))
+        if s["name"] == "step":
+            sched = torch.optim.lr_scheduler.StepLR(opt, s["step_size"], s.get("gamma", 0.1))
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(spec, k))
     batch, chunks = spec["data"]["batch_size"], spec.get("chunks", 1)
     layers = list(enumerate(model))
     segments, start = [], 0
@@ -139,6 +142,29 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
     if pipe is not None:
         pipe.close()
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def lr_factor(spec: dict[str, Any], k: int) -> float:
+    """The LR of step k over optimizer.lr, written out apart from coordinator.lr for cosine, linear and wsd: a
+    warmup from 0 over warmup_steps, then (cosine, linear) a fall over the steps left to min_lr at the last, or
+    (wsd) optimizer.lr until the last round(steps x decay_fraction) steps, which fall to the floor at the last."""
+    s, steps, lr = spec["lr_schedule"], spec["steps"], spec["optimizer"]["lr"]
+    warmup = s.get("warmup_steps", 0)
+    if k < warmup:
+        return (k + 1) / warmup
+    if s["name"] == "wsd":
+        fraction = s.get("decay_fraction", 0.1)
+        decay = max(1, round(steps * fraction)) if fraction > 0 else 0
+        if k < steps - decay or not decay:
+            return 1.0
+        floor = s["min_lr"] / lr if s.get("min_lr") is not None else s.get("min_lr_ratio") or 0.0
+        p = (k - (steps - decay) + 1) / decay
+        left = {"linear": 1 - p, "sqrt": 1 - math.sqrt(p), "cosine": (1 + math.cos(math.pi * p)) / 2}
+        return floor + (1 - floor) * left[s.get("decay_shape", "linear")]
+    floor = s.get("min_lr", 0.0) / lr
+    t = min(1.0, (k - warmup) / max(1, steps - warmup - 1))
+    left = {"linear": 1 - t, "cosine": (1 + math.cos(math.pi * t)) / 2}
+    return floor + (1 - floor) * left[s["name"]]
 
 
 def to(batch: Any, device: str) -> Any:
