@@ -4,6 +4,7 @@
     gpipe-coordinator run job.yaml --state-dir /data/gpipe  # outputs in /data/gpipe/<name>/
     gpipe-coordinator run job.yaml --resume                 # continue from its last good checkpoint
     gpipe-coordinator validate job.yaml                     # check a spec, start nothing
+    gpipe-coordinator run job.yaml --set chunks=8 --set optimizer.lr=3e-4 --name lr3e-4  # fields overridden
     gpipe-coordinator eval job.yaml [--weights F] [--json]  # the eval loss of a finished job's weights
     gpipe-coordinator timeline gpipe-state/charlm --step 5  # draw step 5 of a run
     gpipe-coordinator tokenize corpus/*.txt --tokenizer tok/ --out data/train.bin  # token files (docs/data.md)
@@ -57,11 +58,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
+def _knobs(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--set and --name: the job file's fields overridden (coordinator.overrides)."""
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field of the job file before it is checked: a dotted path, a YAML value "
+                        "(--set chunks=8 --set optimizer.lr=3e-4 --set 'data.args={n: 64}'); repeatable")
+    p.add_argument("--name", help="the job's name instead of the file's (to run or submit it again as another job)")
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gpipe-coordinator", description="Pipeline-parallel training of one PyTorch model.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="train a job on this machine with local worker processes")
     run.add_argument("job", help="the job spec (YAML)")
+    _knobs(run)
     run.add_argument(
         "--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
         help=f"where <name>/ outputs go (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})",
@@ -87,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                     "without a GPU that check is left to where the job runs (run refuses it, serve fails it "
                     "at placement), and a line says so.")
     val.add_argument("job")
+    _knobs(val)
     val.add_argument("--skip-gpu-check", action="store_true",
                      help="leave out the check of the workers against this machine's GPUs (serve's own "
                           "validation: a job's GPUs are its workers', not the coordinator's)")
@@ -97,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                           "job file's folder)")
     ev = sub.add_parser("eval", help="evaluate a job's weights on its eval data, pipelined across local workers")
     ev.add_argument("job", help="the job spec (YAML), with an eval section")
+    _knobs(ev)
     ev.add_argument("--state-dir", default=os.environ.get("GPIPE_STATE_DIR", DEFAULT_STATE_DIR),
                     help=f"where the job's outputs are (env GPIPE_STATE_DIR; default ./{DEFAULT_STATE_DIR})")
     ev.add_argument("--weights", help="a safetensors file of the model's weights "
@@ -151,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = client("submit", help="send a job spec to serve, or resume a failed or stopped job")
     c.add_argument("job", nargs="?", help="the job spec (YAML)")
+    _knobs(c)
     c.add_argument("--resume", metavar="NAME",
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
@@ -306,7 +320,8 @@ async def _client(args: argparse.Namespace) -> int:
         if args.command == "submit":
             if args.resume:
                 return await c.resume(args.resume, args.follow, not args.no_progress)
-            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib, args.attach)
+            return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib, args.attach,
+                                  overrides=(args.set, args.name))
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
@@ -320,7 +335,7 @@ async def _client(args: argparse.Namespace) -> int:
         await c.close()
 
 
-def _eval(spec: JobSpec, args: argparse.Namespace) -> int:
+def _eval(spec: JobSpec, text: str | None, args: argparse.Namespace) -> int:
     """The eval verb: the loss of a weights file on the spec's eval data; bad input is SpecError (exit 2)."""
     import json
 
@@ -336,7 +351,7 @@ def _eval(spec: JobSpec, args: argparse.Namespace) -> int:
             raise SpecError(f"--weights: {weights} does not exist (has the job finished?)")
     if not weights.is_file() or not os.access(weights, os.R_OK):
         raise SpecError(f"--weights: {weights} is not a readable file")
-    r = eval_local(spec, Path(args.job), Path(args.state_dir), weights)
+    r = eval_local(spec, Path(args.job), Path(args.state_dir), weights, spec_text=text)
     if args.json:
         print(json.dumps(r))
     else:
@@ -351,13 +366,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "submit" and bool(args.job) == bool(args.resume):
         parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: give a job spec or --resume NAME, not both\n"
                     if args.job else "gpipe-coordinator submit: error: give a job spec or --resume NAME\n")
+    if args.command == "submit" and args.resume and (args.set or args.name is not None):
+        parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: --set and --name go with a job spec, not "
+                    "--resume\n")
     if args.command == "submit" and args.resume and args.attach:
         parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: --attach goes with a job spec, not --resume\n")
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
+    from coordinator.overrides import apply
     from coordinator.run import run_local
-    from coordinator.spec import load_spec
+    from coordinator.spec import parse_spec, read_spec_text
 
     try:
         if args.command == "serve":
@@ -372,10 +391,13 @@ def main(argv: list[str] | None = None) -> int:
             trace, png = timeline.write(Path(args.job_dir), args.step)
             print(f"{trace}\n{png}")
             return 0
-        spec = load_spec(args.job)
+        original = read_spec_text(args.job)
+        overridden = apply(original, args.set, args.name, args.job)
+        spec = parse_spec(overridden, source=args.job)
+        text = overridden if overridden is not original else None  # what run records and its attempts read
         job_dir = Path(args.code_dir).resolve() if getattr(args, "code_dir", None) else spec.code_dir(args.job)
         if args.command == "eval":
-            return _eval(spec, args)
+            return _eval(spec, text, args)
         if args.command == "validate":
             from coordinator.plan import make_plan
             from gpipe.factory import enter_job_folder
@@ -397,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_grace(args.grace_s)
         run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume,
-                  oversubscribe=args.oversubscribe, grace_s=args.grace_s)
+                  oversubscribe=args.oversubscribe, grace_s=args.grace_s, spec_text=text)
         return 0
     except GpipeError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

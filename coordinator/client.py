@@ -59,13 +59,15 @@ class Client:
     # -- verbs -------------------------------------------------------------------------
 
     async def submit(self, path: str, follow: bool, progress: bool = True, max_code_mib: int = 50,
-                     attach: bool = False) -> int:
+                     attach: bool = False, overrides: tuple[list[str], str | None] = ([], None)) -> int:
         """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code_archive).
-        With `attach`, a job of that name with this very spec and code is followed, not refused."""
+        With `attach`, a job of that name with this very spec and code is followed, not refused. `overrides`: the
+        --set items and --name, applied to the job file's text (coordinator.overrides): the spec sent."""
+        from coordinator.overrides import apply
         from coordinator.spec import parse_spec, read_spec_text
         from gpipe import code_archive
 
-        text = read_spec_text(path)  # SpecError: unreadable, not UTF-8, or over the size limit
+        text = apply(read_spec_text(path), *overrides, path)  # SpecError: unreadable, not UTF-8, too big, bad --set
         spec = parse_spec(text, source=path)  # what to pack; serve checks the spec again
         limit = code_archive.limit_bytes(max_code_mib, "--max-code-mib")
         folder = spec.code_dir(path)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from coordinator.spec import CosineLR, JobSpec, LinearLR, StepLR, WsdLR
 
 # The wsd decay's curves: progress through the decay (0, 1] to the share of (lr - floor) left.
-DECAY_SHAPES = {
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
     "linear": lambda p: 1 - p,
     "sqrt": lambda p: 1 - math.sqrt(p),
     "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),

@@ -114,9 +114,12 @@ def worker_gpus(spec: JobSpec) -> list[tuple[Gpu | None, dict[str, str]]]:
 
 async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, resume: bool,
                core_sets: list[list[int]], evaluate: Path | None = None,
-               grace_s: float = grpcutil.DEFAULT_GRACE_S) -> tuple[JobRecord, list[dict[str, Any]]]:
+               grace_s: float = grpcutil.DEFAULT_GRACE_S,
+               spec_text: str | None = None) -> tuple[JobRecord, list[dict[str, Any]]]:
     """The job's record once it ended, and its evaluations; with `evaluate`, its attempts evaluate that
-    weights file instead of training (logging to logs/eval/). `core_sets`: each worker's cores, by rank."""
+    weights file instead of training (logging to logs/eval/). `core_sets`: each worker's cores, by rank.
+    `spec_text`: the job file's text with fields overridden (coordinator.overrides), written to the output
+    folder's job.yaml for the attempts to read; the job's code stays by `spec_path`."""
     gpus = worker_gpus(spec)  # before anything starts: a job short of GPUs changes nothing
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     logs = out / "logs" / "eval" if evaluate else out / "logs"
@@ -133,9 +136,12 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
                for k, (cores, (gpu, env)) in enumerate(zip(core_sets, gpus, strict=True))]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
-    job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),
+    read_by_attempts = spec_path.resolve()
+    if spec_text is not None:
+        read_by_attempts = _record_spec(out, spec_text)
+    job = JobRecord(name=spec.name, spec_yaml=read_by_attempts.read_text(), steps=spec.steps, output_dir=str(out),
                     attempts=_attempts_logged(out) if resume else 0)
-    sup.add(job, spec, spec_path.resolve(), spec.code_dir(spec_path), fresh=not resume)
+    sup.add(job, spec, read_by_attempts, spec.code_dir(spec_path), fresh=not resume)
     follower = Follower(spec.name, Progress(spec.steps, enabled=progress))
     evals: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
@@ -194,13 +200,25 @@ def _succeeded(job: JobRecord) -> None:
         raise JobFailed(message, None if job.failed_rank < 0 else job.failed_rank)
 
 
+def _record_spec(out: Path, text: str) -> Path:
+    """<out>/job.yaml holding `text`, the job's spec as overridden on the command line."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "job.yaml").write_text(text)
+    except OSError as e:
+        raise SpecError(f"--state-dir: cannot write {out / 'job.yaml'}: {e.strerror}") from None
+    return out / "job.yaml"
+
+
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,
-              resume: bool = False, oversubscribe: bool = False, grace_s: float = grpcutil.DEFAULT_GRACE_S) -> Path:
+              resume: bool = False, oversubscribe: bool = False, grace_s: float = grpcutil.DEFAULT_GRACE_S,
+              spec_text: str | None = None) -> Path:
     """Train `spec` with local workers, restarting from checkpoints; return the job's output directory.
     Preempted on SIGTERM (checkpointed within `grace_s`)."""
     t0 = time.monotonic()
     core_sets = worker_cores(spec, oversubscribe)
-    job, _ = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume, core_sets, grace_s=grace_s))
+    job, _ = asyncio.run(_run(spec, spec_path, state_dir.resolve(), progress, resume, core_sets, grace_s=grace_s,
+                              spec_text=spec_text))
     _succeeded(job)
     out = Path(job.output_dir)
     again = f" after {job.restarts} restart(s)" if job.restarts else ""
@@ -210,12 +228,14 @@ def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = 
     return out
 
 
-def eval_local(spec: JobSpec, spec_path: Path, state_dir: Path, weights: Path) -> dict[str, Any]:
+def eval_local(spec: JobSpec, spec_path: Path, state_dir: Path, weights: Path,
+               spec_text: str | None = None) -> dict[str, Any]:
     """Evaluate weights file `weights` on the job's eval data, pipelined across local workers as `run` trains:
     {"loss", "samples", "weights", "step" (None if unknown), "time_s"}. Writes nothing but logs/eval/."""
     spec = spec.one_replica()  # evaluating needs one pipeline (the attempt process does the same)
     core_sets = worker_cores(spec, os.environ.get("GPIPE_OVERSUBSCRIBE", "") not in ("", "0"))
-    job, evals = asyncio.run(_run(spec, spec_path, state_dir.resolve(), False, False, core_sets, weights.resolve()))
+    job, evals = asyncio.run(_run(spec, spec_path, state_dir.resolve(), False, False, core_sets, weights.resolve(),
+                                  spec_text=spec_text))
     _succeeded(job)
     if not evals:
         raise JobFailed("the evaluation ended without a result")

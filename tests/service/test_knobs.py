@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
+from safetensors.torch import load_file
 
 from tests.support import reference
+from tests.support.cli import end_leftovers, one_error_line
+from tests.support.ports import free_port_in
 from tests.support.runs import train_and_compare
-from tests.support.spec import TWO_STAGES, job
+from tests.support.service import Service
+from tests.support.spec import SERVICE, TWO_STAGES, job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,3 +33,85 @@ def test_an_lr_schedule_equals_one_device(cli, name):
     lines = train_and_compare(cli, name, spec)
     lr = spec["optimizer"]["lr"]
     assert [m["lr"] for m in lines] == pytest.approx([lr * reference.lr_factor(spec, k) for k in range(spec["steps"])])
+
+
+# --set PATH=VALUE and --name NAME: what each refuses, in the schema's one line (or the --set item's), exit 2.
+BAD_SETS = [
+    (["--set", "optimizer.lrr=3"], "error: optimizer.lrr: unknown field (did you mean lr?)"),
+    (["--set", "chunk=4"], "error: chunk: unknown field (did you mean chunks?)"),
+    (["--set", "chunks=0"], "error: chunks: must be an integer between 1 and 4096, got 0"),
+    (["--set", "chunks.x=3"], "error: --set chunks.x=3: chunks is a number, not a mapping with field 'x'"),
+    (["--set", "balance.2=1"], "error: --set balance.2=1: balance is a list of 2; '2' is not an index in it"),
+    (["--set", "chunks"], "error: --set chunks: expected PATH=VALUE"),
+    (["--set", "chunks=[1"], "error: --set chunks: not valid YAML"),
+    (["--set", "lr_schedule.name=linear", "--set", "lr_schedule.warmup_steps=4"],
+     "error: lr_schedule.linear.warmup_steps: 4 leaves no step of the 4 to decay"),
+    (["--name", "no spaces"], "error: name: 'no spaces' must be 1-64 letters"),
+]
+
+
+@pytest.mark.parametrize("flags,line", BAD_SETS, ids=[" ".join(f[1:]) for f, _ in BAD_SETS])
+def test_validate_refuses_a_bad_override_in_one_line(cli, flags, line):
+    r = cli.run("validate", str(cli.write(job(TWO_STAGES, balance=[3, 3]))), *flags)
+    assert r.returncode == 2
+    one_error_line(r.stderr, line)
+
+
+def test_validate_checks_the_overridden_spec(cli):
+    path = cli.write(job(TWO_STAGES))
+    r = cli.run("validate", str(path), "--set", "stages=3", "--set", "balance=[2, 2, 2]",
+                "--set", "data.args={n: 12, in_features: 16, out_features: 16}", "--name", "three")
+    assert r.returncode == 0, r.stderr
+    assert "balance [2, 2, 2]" in r.stdout and "stage 2:" in r.stdout
+
+
+@pytest.mark.path
+def test_run_with_overrides_trains_and_records_the_overridden_spec(cli):
+    path = cli.write(job(TWO_STAGES, steps=2))
+    before = path.read_text()
+    sets = {"steps": 5, "chunks": 4, "optimizer.lr": 0.05,
+            "lr_schedule": {"name": "wsd", "warmup_steps": 1, "decay_fraction": 0.4, "min_lr": 0.01}}
+    flags = [x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+    r = cli.run("run", str(path), *flags, "--name", "again", "--state-dir", str(cli.tmp / "state"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    want_spec = job(TWO_STAGES, name="again", steps=5, chunks=4, optimizer__lr=0.05, lr_schedule=sets["lr_schedule"])
+    out = cli.tmp / "state" / "again"
+    assert path.read_text() == before and not (cli.tmp / "state" / "t").exists()  # the file is the user's
+    assert yaml.safe_load((out / "job.yaml").read_text()) == want_spec  # what its attempts read
+    saved = json.loads((out / "plan.json").read_text())["spec"]
+    assert (saved["name"], saved["steps"], saved["chunks"], saved["optimizer"]["lr"]) == ("again", 5, 4, 0.05)
+    assert saved["lr_schedule"]["name"] == "wsd"
+    got, want = load_file(out / "model.safetensors"), reference.train(want_spec)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.path
+def test_submit_sends_the_overridden_spec_and_name(cli):
+    s = Service(cli)
+    s.port = free_port_in(range(32000, 33000))
+    s.address = f"127.0.0.1:{s.port}"
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        one = {"stages": 1, "balance": [4]}  # one worker to start
+        path = cli.write(job(SERVICE, one, name="svc", steps=2))
+        r = s.client("submit", str(path), "--set", "optimizer.lrr=1")
+        assert r.returncode == 2
+        one_error_line(r.stderr, "error: optimizer.lrr: unknown field (did you mean lr?)")
+        r = s.client("submit", str(path))  # the file as it is, then again as another job
+        assert r.returncode == 0, r.stderr
+        r = s.client("submit", str(path))
+        assert r.returncode == 2 and "exists" in r.stderr, r.stderr
+        r = s.client("submit", str(path), "--name", "svc2", "--set", "steps=3", "--set", "optimizer.lr=0.01",
+                     "--follow", "--no-progress")
+        assert r.returncode == 0, r.stderr + s.log("serve")
+        assert "svc2: SUCCEEDED: 3/3 steps" in r.stderr
+        want_spec = job(SERVICE, one, name="svc2", steps=3, optimizer__lr=0.01)
+        assert yaml.safe_load((s.state / "svc2" / "job.yaml").read_text()) == want_spec
+        got, want = load_file(s.state / "svc2" / "model.safetensors"), reference.train(want_spec)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+        r = s.client("status", "svc")
+        assert r.returncode == 0 and "SUCCEEDED" in r.stdout and "2/2 steps" in r.stdout, r.stdout
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
