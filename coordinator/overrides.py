@@ -9,6 +9,7 @@ line names whatever is then wrong, an unknown field included. The result is the 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -16,6 +17,10 @@ import yaml
 from coordinator import boundedyaml
 from coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES
 from gpipe.errors import SpecError
+
+# A number YAML 1.1 reads as text (3e-4: no dot before the exponent), which YAML 1.2 and the command line mean
+# as a number.
+EXPONENT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 def apply(text: str, sets: list[str], name: str | None, source: str) -> str:
@@ -41,6 +46,8 @@ def _parse(item: str) -> tuple[list[str], Any]:
         raise SpecError(f"--set {item}: expected PATH=VALUE, PATH a dotted field path (optimizer.lr=3e-4)")
     value = boundedyaml.load(text, source=f"--set {path.strip()}", max_bytes=MAX_SPEC_BYTES, max_depth=MAX_DEPTH,
                              max_nodes=MAX_NODES)
+    if isinstance(value, str) and EXPONENT.match(value):
+        value = float(value)
     return [k.strip() for k in keys], value
 
 

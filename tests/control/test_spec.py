@@ -148,6 +148,8 @@ def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_si
 SGD, ADAM = {"optimizer__name": "sgd"}, {"optimizer__name": "adam"}
 STEP_LR = {"lr_schedule": {"name": "step", "step_size": 10}}
 COSINE_LR = {"lr_schedule": {"name": "cosine"}}
+LINEAR_LR = {"lr_schedule": {"name": "linear"}, "optimizer__lr": 1000, "steps": 10**9}
+WSD_LR = {"lr_schedule": {"name": "wsd", "decay_fraction": 0}, "optimizer__lr": 1000, "steps": 10**9}
 BIG_BATCH = {"data__batch_size": 4096}
 RANGES = [
     ("seed", "seed", {}, [0, 2**32 - 1], [-1, 2**32], "an integer between 0 and 4294967295"),
@@ -174,6 +176,12 @@ RANGES = [
     ("lr_schedule.step.gamma", "lr_schedule__gamma", STEP_LR, [1e-6, 1], [0, 1.5], "greater than 0 and at most 1"),
     ("lr_schedule.cosine.warmup_steps", "lr_schedule__warmup_steps", COSINE_LR, [0, 10**9], [-1, 10**9 + 1], "an integer between 0 and 1000000000"),
     ("lr_schedule.cosine.min_lr", "lr_schedule__min_lr", COSINE_LR, [0, 1000], [-1e-9, 1000.5], "between 0 and 1000"),
+    ("lr_schedule.linear.warmup_steps", "lr_schedule__warmup_steps", LINEAR_LR, [0, 10**9 - 1], [-1, 10**9 + 1], "an integer between 0 and 1000000000"),
+    ("lr_schedule.linear.min_lr", "lr_schedule__min_lr", LINEAR_LR, [0, 1000], [-1e-9, 1000.5], "between 0 and 1000"),
+    ("lr_schedule.wsd.warmup_steps", "lr_schedule__warmup_steps", WSD_LR, [0, 10**9], [-1, 10**9 + 1], "an integer between 0 and 1000000000"),
+    ("lr_schedule.wsd.decay_fraction", "lr_schedule__decay_fraction", WSD_LR, [0, 1], [-1e-9, 1.5], "between 0 and 1"),
+    ("lr_schedule.wsd.min_lr", "lr_schedule__min_lr", WSD_LR, [0, 1000, None], [-1e-9, 1000.5], "between 0 and 1000"),
+    ("lr_schedule.wsd.min_lr_ratio", "lr_schedule__min_lr_ratio", WSD_LR, [0, 1, None], [-1e-9, 1.5], "between 0 and 1"),
     ("clip_grad_norm", "clip_grad_norm", {}, [1e-9, 10**6, None], [0, 10**6 + 1], "greater than 0 and at most 1000000"),
 ]
 # What no number field takes: each is refused with the same line, naming the range.
