@@ -14,6 +14,7 @@
     gpipe-coordinator submit --resume NAME                  # resume a failed or stopped job
     gpipe-coordinator logs NAME [--follow] [--json]         # a step a line, checkpoints and restarts between
     gpipe-coordinator status|stop NAME; gpipe-coordinator list
+    gpipe-coordinator delete NAME --yes [--state-dir DIR]    # an ended job's record and outputs (DIR: run's)
 
 Exit codes: 0 done, 1 the job failed (the failing stage is named) or the
 coordinator cannot be reached, 2 bad input (spec, flag, file or job name;
@@ -186,6 +187,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--follow", action="store_true", help="keep printing until the job ends; exit by its state")
     c.add_argument("--json", action="store_true", help="the lines of the job's metrics.jsonl, as they are")
     client("stop", help="stop a pending or running job").add_argument("name")
+    c = client("delete", help="delete an ended job: its record and outputs (weights, checkpoints, logs)")
+    c.add_argument("name")
+    c.add_argument("--yes", action="store_true", help="do delete (without it, nothing is deleted: exit 2)")
+    c.add_argument("--state-dir", help="delete `run`'s job NAME in this state dir instead of serve's")
 
     corpus.add_parser(sub)
     tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
@@ -330,9 +335,28 @@ async def _client(args: argparse.Namespace) -> int:
             return await c.list(args.limit, args.page_token)
         if args.command == "logs":
             return await c.logs(args.name, args.follow, args.json)
+        if args.command == "delete":
+            return await c.delete(args.name)
         return await c.stop(args.name)
     finally:
         await c.close()
+
+
+def _delete(args: argparse.Namespace) -> int:
+    """The delete verb: serve's job NAME, or with --state-dir `run`'s; bad input and a running job are exit 2."""
+    if not args.yes:
+        raise SpecError(f"delete: removes job {args.name!r}'s record and outputs (weights, checkpoints, logs): "
+                        "add --yes")
+    if args.state_dir is None:
+        return asyncio.run(_client(args))
+    from coordinator.outputs import delete_run_output
+    from coordinator.spec import NAME_RE
+
+    if not NAME_RE.fullmatch(args.name):
+        raise SpecError(f"name: {args.name!r} is not a job name")
+    out = delete_run_output(args.name, Path(args.state_dir))
+    print(f"{args.name}: deleted ({out} removed)", file=sys.stderr)
+    return EXIT_OK
 
 
 def _eval(spec: JobSpec, text: str | None, args: argparse.Namespace) -> int:
@@ -381,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "delete":
+            return _delete(args)
         if args.command in ("submit", "status", "list", "logs", "stop"):
             return asyncio.run(_client(args))
         if args.command == "tokenize":

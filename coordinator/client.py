@@ -227,6 +227,11 @@ class Client:
             raise ClientError(f"{name}: the coordinator ended the stream before the job ended", EXIT_FAILED)
         return EXIT_BY_STATE[final]
 
+    async def delete(self, name: str) -> int:
+        job = serde.job_from_pb(await self.call("DeleteJob", jobs_pb2.DeleteJobRequest(name=name), 120))
+        print(f"{job.name}: deleted ({job.state.value}; {job.output_dir} removed)", file=sys.stderr)
+        return EXIT_OK
+
     async def stop(self, name: str) -> int:
         job = serde.job_from_pb(await self.call("StopJob", jobs_pb2.StopJobRequest(name=name), 120))
         print(f"{job.name}: {job.state.value}", file=sys.stderr)

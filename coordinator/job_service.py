@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
+from coordinator.outputs import delete_output
 from coordinator.spec import NAME_RE
 from coordinator.submissions import Busy, Coordinator, DiskError, Stopping, until_stopping
 from gpipe import code_archive, serde
@@ -101,6 +104,19 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             return serde.job_to_pb(self.c.sup.resume(request.name))
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def DeleteJob(self, request: jobs_pb2.DeleteJobRequest, context: Context) -> jobs_pb2.Job:
+        await self._job(request.name, context)
+        try:
+            job = self.c.sup.forget(request.name)  # first: no resume or submit finds it half deleted
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        try:
+            await asyncio.to_thread(delete_output, Path(job.output_dir))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"job {request.name!r} forgotten, but its folder "
+                                                         f"{job.output_dir} is left: {describe_os_error(e)}")
+        return serde.job_to_pb(job)
 
     async def StopJob(self, request: jobs_pb2.StopJobRequest, context: Context) -> jobs_pb2.Job:
         await self._job(request.name, context)

@@ -96,6 +96,15 @@ class Jobs:
     def record(self, name: str) -> JobRecord:
         return self.jobs[name].record  # KeyError: no such job
 
+    def forget(self, name: str) -> JobRecord:
+        """Drop an ended job from the table (its files are the caller's to delete): its record.
+        ValueError if it has not ended: stop it first."""
+        e = self.jobs[name]  # KeyError: no such job
+        if not e.record.state.ended or name in self.attempts:
+            raise ValueError(f"job {name!r} is {e.record.state.value}: stop it first")
+        del self.jobs[name]
+        return e.record
+
     def job_dir_of(self, attempt_id: str) -> Path | None:
         """The folder of the code of the job whose attempt is `attempt_id` (None: no such attempt now)."""
         attempt = next((a for a in self.attempts.values() if a.id == attempt_id), None)

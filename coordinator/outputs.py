@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpipe.errors import SpecError
@@ -26,3 +32,83 @@ def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:
     except OSError as e:
         raise SpecError(f"--state-dir: cannot write {out}: {e.strerror}") from None
     return out
+
+
+def _run_file(state_dir: Path, spec_name: str, suffix: str) -> Path:
+    """`run`'s own file for job `spec_name` of `state_dir`, outside it (nothing is written there before the
+    job's plan holds): in this user's folder of the machine's temporary directory, named by a hash of both."""
+    d = Path(tempfile.gettempdir()) / f"gpipe-run-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    key = hashlib.sha256(str(state_dir.resolve() / spec_name).encode()).hexdigest()[:24]
+    return d / f"{spec_name}-{key}{suffix}"
+
+def _lock(path: Path) -> int | None:
+    """An fd holding `path` locked (flock, exclusive), or None if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextlib.contextmanager
+def running(spec_name: str, state_dir: Path) -> Iterator[None]:
+    """`run` trains job `spec_name` in `state_dir`: held while it does, so that `delete` refuses, and a second
+    `run` of that name there is one line (exit 2) instead of two runs writing one folder."""
+    try:
+        fd = _lock(_run_file(state_dir, spec_name, ".lock"))
+    except OSError as e:
+        raise SpecError(f"cannot lock job {spec_name!r}: {e.strerror}") from None
+    if fd is None:
+        raise SpecError(f"job {spec_name!r} is running already in {state_dir} (another run holds it)")
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def recorded_spec(spec_name: str, state_dir: Path, text: str) -> Iterator[Path]:
+    """A file holding `text`, the job's spec as overridden on the command line, for its attempts to read while
+    `run` trains it (plan.json's `spec` keeps it in the job's folder); removed after."""
+    folder = _run_file(state_dir, spec_name, "").parent
+    try:
+        fd, name = tempfile.mkstemp(suffix=".yaml", prefix=f"{spec_name}-", dir=folder)
+        path = Path(name)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise SpecError(f"cannot write the job's spec in {folder}: {e.strerror}") from None
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def delete_run_output(spec_name: str, state_dir: Path) -> Path:
+    """Delete `run`'s job `spec_name`: its folder under `state_dir`. SpecError if there is no such job or a `run`
+    is training it."""
+    out = state_dir / spec_name
+    if not (out / "metrics.jsonl").is_file() and not (out / "plan.json").is_file():
+        raise SpecError(f"no job named {spec_name!r} in {state_dir}")
+    try:
+        fd = _lock(_run_file(state_dir, spec_name, ".lock"))
+    except OSError as e:
+        raise SpecError(f"cannot delete {out}: {e.strerror}") from None
+    if fd is None:
+        raise SpecError(f"job {spec_name!r} is running (a run holds it): stop it first")
+    try:
+        delete_output(out)
+    except OSError as e:
+        raise SpecError(f"cannot delete {out}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    return out
+
+
+def delete_output(out: Path) -> None:
+    """Remove a job's folder: its record (job.json) first, so that a folder left half deleted is no job."""
+    (out / "job.json").unlink(missing_ok=True)
+    shutil.rmtree(out)

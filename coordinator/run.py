@@ -36,6 +36,7 @@ from typing import Any
 
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from coordinator.local_workers import LocalWorker
+from coordinator.outputs import recorded_spec, running
 from coordinator.progress import Follower, Progress
 from coordinator.records import final_loss
 from coordinator.spec import JobSpec
@@ -118,9 +119,22 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
                spec_text: str | None = None) -> tuple[JobRecord, list[dict[str, Any]]]:
     """The job's record once it ended, and its evaluations; with `evaluate`, its attempts evaluate that
     weights file instead of training (logging to logs/eval/). `core_sets`: each worker's cores, by rank.
-    `spec_text`: the job file's text with fields overridden (coordinator.overrides), written to the output
-    folder's job.yaml for the attempts to read; the job's code stays by `spec_path`."""
+    `spec_text`: the job file's text with fields overridden (coordinator.overrides), what the attempts read
+    (outputs.recorded_spec); the job's code stays by `spec_path`."""
     gpus = worker_gpus(spec)  # before anything starts: a job short of GPUs changes nothing
+    with contextlib.ExitStack() as held:
+        if evaluate is None:
+            held.enter_context(running(spec.name, state_dir))  # `delete` refuses meanwhile
+        read = spec_path.resolve() if spec_text is None else \
+            held.enter_context(recorded_spec(spec.name, state_dir, spec_text))
+        return await _train(spec, read, spec.code_dir(spec_path), state_dir, progress, resume, core_sets, gpus,
+                            evaluate, grace_s)
+
+
+async def _train(spec: JobSpec, spec_path: Path, code_dir: Path, state_dir: Path, progress: bool, resume: bool,
+                 core_sets: list[list[int]], gpus: list[tuple[Gpu | None, dict[str, str]]], evaluate: Path | None,
+                 grace_s: float) -> tuple[JobRecord, list[dict[str, Any]]]:
+    """_run's job, its spec read from `spec_path` by the attempts, its code in `code_dir`."""
     out = state_dir / spec.name  # the first attempt prepares it, once the plan holds
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
@@ -136,12 +150,9 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
                for k, (cores, (gpu, env)) in enumerate(zip(core_sets, gpus, strict=True))]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
-    read_by_attempts = spec_path.resolve()
-    if spec_text is not None:
-        read_by_attempts = _record_spec(out, spec_text)
-    job = JobRecord(name=spec.name, spec_yaml=read_by_attempts.read_text(), steps=spec.steps, output_dir=str(out),
+    job = JobRecord(name=spec.name, spec_yaml=spec_path.read_text(), steps=spec.steps, output_dir=str(out),
                     attempts=_attempts_logged(out) if resume else 0)
-    sup.add(job, spec, read_by_attempts, spec.code_dir(spec_path), fresh=not resume)
+    sup.add(job, spec, spec_path, code_dir, fresh=not resume)
     follower = Follower(spec.name, Progress(spec.steps, enabled=progress))
     evals: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
@@ -198,16 +209,6 @@ def _succeeded(job: JobRecord) -> None:
         if job.exit_code == EXIT_BAD_INPUT:
             raise SpecError(message)
         raise JobFailed(message, None if job.failed_rank < 0 else job.failed_rank)
-
-
-def _record_spec(out: Path, text: str) -> Path:
-    """<out>/job.yaml holding `text`, the job's spec as overridden on the command line."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "job.yaml").write_text(text)
-    except OSError as e:
-        raise SpecError(f"--state-dir: cannot write {out / 'job.yaml'}: {e.strerror}") from None
-    return out / "job.yaml"
 
 
 def run_local(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool = True,

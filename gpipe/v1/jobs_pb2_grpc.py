@@ -64,6 +64,11 @@ class JobServiceStub:
                 request_serializer=gpipe_dot_v1_dot_jobs__pb2.ResumeJobRequest.SerializeToString,
                 response_deserializer=gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/gpipe.v1.JobService/DeleteJob',
+                request_serializer=gpipe_dot_v1_dot_jobs__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/gpipe.v1.JobService/WatchJob',
                 request_serializer=gpipe_dot_v1_dot_jobs__pb2.WatchJobRequest.SerializeToString,
@@ -129,6 +134,15 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Delete an ended job: its record and its output folder (weights,
+        checkpoints, metrics, logs); its name is free again. NOT_FOUND if there
+        is no such job; FAILED_PRECONDITION if it has not ended (stop it first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchJob(self, request, context):
         """The job's events from its start (state changes, every logged step, log
         lines), then live ones, until the job ends.
@@ -168,6 +182,11 @@ def add_JobServiceServicer_to_server(servicer, server):
             'ResumeJob': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeJob,
                     request_deserializer=gpipe_dot_v1_dot_jobs__pb2.ResumeJobRequest.FromString,
+                    response_serializer=gpipe_dot_v1_dot_jobs__pb2.Job.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=gpipe_dot_v1_dot_jobs__pb2.DeleteJobRequest.FromString,
                     response_serializer=gpipe_dot_v1_dot_jobs__pb2.Job.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
@@ -337,6 +356,33 @@ class JobService:
             target,
             '/gpipe.v1.JobService/ResumeJob',
             gpipe_dot_v1_dot_jobs__pb2.ResumeJobRequest.SerializeToString,
+            gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpipe.v1.JobService/DeleteJob',
+            gpipe_dot_v1_dot_jobs__pb2.DeleteJobRequest.SerializeToString,
             gpipe_dot_v1_dot_jobs__pb2.Job.FromString,
             options,
             channel_credentials,

@@ -9,11 +9,11 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.support import reference
-from tests.support.cli import end_leftovers, one_error_line
+from tests.support.cli import end_leftovers, one_error_line, wait_for
 from tests.support.ports import free_port_in
 from tests.support.runs import train_and_compare
 from tests.support.service import Service
-from tests.support.spec import SERVICE, TWO_STAGES, job
+from tests.support.spec import SERVICE, TWO_STAGES, job, slow_mlp
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,19 +77,24 @@ def test_run_with_overrides_trains_and_records_the_overridden_spec(cli):
     want_spec = job(TWO_STAGES, name="again", steps=5, chunks=4, optimizer__lr=0.05, lr_schedule=sets["lr_schedule"])
     out = cli.tmp / "state" / "again"
     assert path.read_text() == before and not (cli.tmp / "state" / "t").exists()  # the file is the user's
-    assert yaml.safe_load((out / "job.yaml").read_text()) == want_spec  # what its attempts read
-    saved = json.loads((out / "plan.json").read_text())["spec"]
+    assert not (cli.tmp / "state" / ".run").exists()
+    saved = json.loads((out / "plan.json").read_text())["spec"]  # what the attempts read
     assert (saved["name"], saved["steps"], saved["chunks"], saved["optimizer"]["lr"]) == ("again", 5, 4, 0.05)
-    assert saved["lr_schedule"]["name"] == "wsd"
+    assert {k: saved["lr_schedule"][k] for k in sets["lr_schedule"]} == sets["lr_schedule"]
     got, want = load_file(out / "model.safetensors"), reference.train(want_spec)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
 
 
-@pytest.mark.path
-def test_submit_sends_the_overridden_spec_and_name(cli):
+def service(cli) -> Service:
     s = Service(cli)
     s.port = free_port_in(range(32000, 33000))
     s.address = f"127.0.0.1:{s.port}"
+    return s
+
+
+@pytest.mark.path
+def test_submit_sends_the_overridden_spec_and_name(cli):
+    s = service(cli)
     try:
         s.start_serve()
         s.start_worker(0)
@@ -112,6 +117,59 @@ def test_submit_sends_the_overridden_spec_and_name(cli):
         assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
         r = s.client("status", "svc")
         assert r.returncode == 0 and "SUCCEEDED" in r.stdout and "2/2 steps" in r.stdout, r.stdout
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
+
+
+def test_delete_removes_an_ended_run_s_outputs_and_refuses_a_running_one(cli):
+    state = cli.tmp / "state"
+    path = cli.write(job(TWO_STAGES, steps=1))
+    assert cli.run("run", str(path), "--state-dir", str(state), "--no-progress").returncode == 0
+    r = cli.run("delete", "t", "--state-dir", str(state))
+    assert r.returncode == 2 and (state / "t" / "model.safetensors").exists()
+    one_error_line(r.stderr, "error: delete: removes job 't'")
+    slow = cli.write(job(TWO_STAGES, name="slow", steps=1000, model=slow_mlp(16, 0.05), balance=[2, 2]), "slow.yaml")
+    with cli.running("run", str(slow), "--state-dir", str(state), "--no-progress") as p:
+        wait_for(lambda: (state / "slow" / "metrics.jsonl").exists() and
+                 (state / "slow" / "metrics.jsonl").read_text(), 60, "the slow job's first step")
+        r = cli.run("delete", "slow", "--yes", "--state-dir", str(state))
+        assert r.returncode == 2
+        one_error_line(r.stderr, "error: job 'slow' is running (a run holds it): stop it first")
+        r = cli.run("run", str(slow), "--state-dir", str(state))
+        assert r.returncode == 2
+        one_error_line(r.stderr, f"error: job 'slow' is running already in {state}")
+        assert p.poll() is None
+    r = cli.run("delete", "t", "--yes", "--state-dir", str(state))
+    assert r.returncode == 0, r.stderr
+    assert not (state / "t").exists() and (state / "slow").exists()
+    r = cli.run("delete", "t", "--yes", "--state-dir", str(state))
+    assert r.returncode == 2
+    one_error_line(r.stderr, f"error: no job named 't' in {state}")
+
+
+def test_delete_under_serve_refuses_a_job_not_ended_then_frees_its_name(cli):
+    s = service(cli)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        spec = job(SERVICE, name="slow", stages=1, balance=[4], steps=1000, model=slow_mlp(16, 0.05))
+        path = cli.write(spec)
+        assert s.client("submit", str(path)).returncode == 0
+        r = s.client("delete", "slow", "--yes")
+        assert r.returncode == 2 and "stop it first" in r.stderr, r.stderr
+        assert s.client("stop", "slow").returncode == 0
+        assert (s.state / "slow" / "job.json").exists()
+        r = s.client("delete", "slow")
+        assert r.returncode == 2 and "add --yes" in r.stderr
+        r = s.client("delete", "slow", "--yes")
+        assert r.returncode == 0, r.stderr
+        assert "slow: deleted (STOPPED;" in r.stderr and not (s.state / "slow").exists()
+        assert s.client("status", "slow").returncode == 2
+        assert s.client("delete", "slow", "--yes").returncode == 2
+        r = s.client("submit", str(path), "--set", "steps=1", "--set", "model={factory: mlp, args: {width: 16, depth: 3}}",
+                     "--follow", "--no-progress")
+        assert r.returncode == 0, r.stderr  # the name is free again
     finally:
         s.stop_all()
         assert not end_leftovers(cli)
