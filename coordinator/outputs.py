@@ -42,6 +42,7 @@ def _run_file(state_dir: Path, spec_name: str, suffix: str) -> Path:
     key = hashlib.sha256(str(state_dir.resolve() / spec_name).encode()).hexdigest()[:24]
     return d / f"{spec_name}-{key}{suffix}"
 
+
 def _lock(path: Path) -> int | None:
     """An fd holding `path` locked (flock, exclusive), or None if another process holds it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -66,6 +67,8 @@ def running(spec_name: str, state_dir: Path) -> Iterator[None]:
     try:
         yield
     finally:
+        with contextlib.suppress(OSError):  # while still held: nothing is left in the temporary directory
+            _run_file(state_dir, spec_name, ".lock").unlink()
         os.close(fd)
 
 
