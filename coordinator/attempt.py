@@ -149,7 +149,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     placement, devices = _placed(a, spec)
     import torch
 
-    from coordinator import checkpoint
+    from coordinator import baseline, checkpoint, prediction
     from coordinator.board import Board
     from coordinator.driver import drive
     from coordinator.eval_weights import BEST, Best
@@ -190,8 +190,16 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     virtual = f" x {spec.virtual_stages} model chunks" if spec.virtual_stages > 1 else ""
     tell(report.Log(f"{copies}{spec.stages} stages{virtual}, balance {plan.balance}, {spec.chunks} micro-batches, "
                     f"schedule {spec.schedule}, {'/'.join(map(str, threads))} thread(s) per stage"))
+    try:
+        predicted = prediction.predictions(plan, devices, lambda device: baseline.runtime_bytes(plan, device))
+    except Exception as e:  # a prediction that fails stops nothing
+        predicted = None
+        tell(report.Log(f"predicted peak memory: not predicted: {type(e).__name__}: {e}"))
+    if predicted is not None:
+        tell(report.Log("predicted peak memory: " + ", ".join(
+            f"rank {n} {prediction.human(p.peak)}" for n, p in enumerate(predicted))))
     write_plan(out, plan, [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
-                           for k, p in enumerate(placement)])
+                           for k, p in enumerate(placement)], predicted)
     log = MetricsLog(out, spec.log_every, spec.steps)
     # A resumed attempt runs the steps from its checkpoint's again: TensorBoard drops what was shown of them.
     board = Board(out, purge_step=resume.step if resume else 0)

@@ -1,0 +1,83 @@
+"""Each worker's predicted peak memory: the plan's footprint (gpipe.footprint) through gpipe.memory_model.
+
+plan.json's `workers` carry it (`predicted_peak_bytes`, and `predicted_memory`: its parts), `validate` prints
+it, and every step's metrics show the peak measured beside it (`peak_memory_bytes`). docs/memory.md says how
+to read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from coordinator.plan import Plan
+from gpipe import schedule, structure
+from gpipe.footprint import Footprint, Line
+from gpipe.memory_model import ChunkMemory, Prediction, Setting, checkpointing, predict
+from gpipe.optim import state_slots
+from gpipe.topology import model_chunk
+
+
+def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
+    """What model chunk `chunk` (a stage) holds: its weights, and per micro-batch its activations."""
+    start, end = plan.bounds[chunk]
+    layers = nn.ModuleList(plan.model[i] for i in range(start, end))
+    params = list(layers.parameters())  # a tied weight once
+    trainable = [p.numel() * p.element_size() for p in params if p.requires_grad]
+    return ChunkMemory(
+        params=sum(p.numel() * p.element_size() for p in params) +
+        sum(b.numel() * b.element_size() for b in layers.buffers()),
+        trainable=sum(trainable), largest=max(trainable, default=0),
+        held=fp.line(lambda m: m.held(start, end)),
+        kept=fp.line(lambda m: m.kept_for_weights(start, end)),
+        inputs=fp.line(lambda m: m.input_bytes(start)) if start else Line(),  # the first's: the data's (buffers)
+        outputs=fp.line(lambda m: m.output_bytes(end)) if end < len(plan.model) else Line(),
+    )
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in structure.tensors(value))
+
+
+def predictions(plan: Plan, devices: Sequence[str], baseline: Callable[[str], int]) -> list[Prediction] | None:
+    """Per rank, its predicted peak (gpipe.memory_model); None without a footprint (probe: false).
+    `devices`: each rank's device; `baseline(device)`: the runtime's own bytes there (coordinator.baseline)."""
+    fp = plan.footprint
+    if fp is None:
+        return None
+    spec, top = plan.spec, plan.spec.topology
+    chunks = [chunk_memory(plan, fp, g) for g in range(len(plan.bounds))]
+    shards = plan.stream().shards(0)  # per replica: its micro-batches, their sizes
+    last_chunk = spec.model_chunks - 1
+    out = []
+    for rank in top.ranks():
+        k, replica = top.stage_of(rank), top.replica_of(rank)
+        xs, ys, sizes = shards[replica]
+        actions = schedule.build(spec.schedule, k, spec.stages, len(sizes), spec.virtual_stages)
+        held = [model_chunk(spec.schedule, k, c, spec.stages) for c in range(spec.virtual_stages)]
+        first, last = 0 in held, last_chunk in held
+        setting = Setting(
+            split=schedule.splits_backward(actions),
+            checkpointed=checkpointing(spec.activation_checkpoint, len(sizes)),
+            sizes=sizes, state_slots=state_slots(spec.optimizer.name, spec.optimizer.momentum),
+            replicas=spec.replicas, shard=spec.optimizer.shard, foreach=devices[rank].startswith("cuda"),
+            data=(_bytes(xs) if first else 0) + (_bytes(ys) if last else 0), baseline=baseline(devices[rank]),
+        )
+        out.append(predict(actions, [chunks[g] for g in held], setting))
+    return out
+
+
+def describe(p: Prediction) -> str:
+    """'1.2 GiB: params 10.0 MiB, grads ..., baseline 330 MiB (at after F3)'."""
+    parts = ", ".join(f"{name} {human(v)}" for name, v in p.parts.items())
+    return f"{human(p.peak)} ({parts}; at its fullest {p.moment})"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # unreachable
