@@ -19,6 +19,13 @@ from gpipe.memory_model import ChunkMemory, Prediction, Setting, checkpointing, 
 from gpipe.optim import state_slots
 from gpipe.topology import model_chunk
 
+# On the CPU a worker's peak is its process's resident peak, and glibc's heaps keep what a step frees (a worker
+# never trims them: worker.agent's MALLOC_TRIM_THRESHOLD_); each micro-batch's backward makes its weights'
+# gradients before adding them into .grad, and those blocks, freed between the activations' smaller ones, leave
+# the heap larger than what is alive. bench/memory_model.py measured it at 2 to 4 times the gradients' bytes
+# per thread that runs a worker's actions (the same in a plain torch loop of one thread); this is the middle.
+CPU_HEAP_SLACK = 3.0
+
 
 def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
     """What model chunk `chunk` (a stage) holds: its weights, and per micro-batch its activations."""
@@ -64,6 +71,7 @@ def predictions(plan: Plan, devices: Sequence[str], baseline: Callable[[str], in
             sizes=sizes, state_slots=state_slots(spec.optimizer.name, spec.optimizer.momentum),
             replicas=spec.replicas, shard=spec.optimizer.shard, foreach=devices[rank].startswith("cuda"),
             data=(_bytes(xs) if first else 0) + (_bytes(ys) if last else 0), baseline=baseline(devices[rank]),
+            heap_slack=0.0 if devices[rank].startswith("cuda") else CPU_HEAP_SLACK,
         )
         out.append(predict(actions, [chunks[g] for g in held], setting))
     return out

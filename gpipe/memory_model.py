@@ -10,8 +10,10 @@
                  their action, two steps' inputs (first stage) and targets (last), and the transient buffers of
                  the replicas' gradient sum (a bucket), the sharded optimizer's weight gather (a bucket) and
                  the optimizer's step
-    baseline     the process before any of it: torch and the runtime (measured on the host, gpipe-coordinator's
-                 coordinator.baseline); 0 on CUDA, whose allocator counts tensors only
+    allocator    what the CPU's heap keeps beyond the bytes alive (`Setting.heap_slack`; 0 on CUDA, whose
+                 max_memory_allocated counts the tensors alive)
+    baseline     the process before any of it: torch, the runtime and the model's own modules (measured on the
+                 host: coordinator.baseline); 0 on CUDA, whose allocator counts tensors only
 
 The moment is found by walking the worker's actions of a step, in its
 schedule's order (gpipe.schedule), after the first step (the optimizer's state
@@ -24,7 +26,8 @@ gradients of a model chunk appear at its first backward that reaches its
 weights (B, or W when split). The other moment a step has is its optimizer
 step: every gradient, no activation. Between two actions nothing else is
 alive, so the peak is the largest of those sums; the work of an action itself
-(a layer's temporaries, the gradient flowing back) is left out.
+(a layer's temporaries, the gradient flowing back) is left out, but for what
+the CPU's heap keeps of it (`allocator`).
 
 Pure arithmetic over numbers: the footprints come from gpipe.footprint, the
 spec's choices from the caller.
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 from gpipe.footprint import Line
 from gpipe.schedule import Action
 
-PARTS = ("params", "grads", "optimizer", "activations", "buffers", "baseline")  # what a prediction adds up
+PARTS = ("params", "grads", "optimizer", "activations", "buffers", "allocator", "baseline")  # a prediction's sum
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class Setting:
     data: int = 0  # bytes of one step's inputs (on the first stage) and targets (on the last) it gets
     steps_ahead: int = 2  # steps whose data a stage holds (coordinator.driver.STEPS_AHEAD)
     baseline: int = 0  # the process's own bytes before the job (coordinator.baseline)
+    # Bytes the heap keeps beyond those alive, per byte of gradient, for each thread that runs the worker's
+    # actions (one per model chunk: gpipe.turns runs a step on whichever chunk's thread comes last).
+    heap_slack: float = 0.0
 
 
 @dataclass
@@ -89,6 +95,7 @@ class _Moment:
     activations: int
     grads: int
     what: str
+    most: int = 0  # the most activations at any moment of the step (not only this one's)
 
 
 def checkpointing(mode: str, chunks: int) -> Callable[[int], bool]:
@@ -104,9 +111,12 @@ def walk(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting) -
     grads: set[int] = set()  # the worker chunks whose gradients exist
     best = _Moment(0, 0, "the step's start")
 
+    most = 0
+
     def note(what: str) -> None:
-        nonlocal best
+        nonlocal best, most
         now = _Moment(sum(held.values()), sum(chunks[c].trainable for c in grads), what)
+        most = max(most, now.activations)
         if now.activations + now.grads > best.activations + best.grads:
             best = now
 
@@ -131,6 +141,7 @@ def walk(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting) -
             del held[(c, mb)]
             grads.add(c)
             note(f"after {a!r}")
+    best.most = most
     return best
 
 
@@ -155,13 +166,14 @@ def predict(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting
     ahead = max((c.inputs.at(n) for c in chunks), default=0) + max((c.outputs.at(n) for c in chunks), default=0)
     data = s.data * s.steps_ahead
     step = _step_buffers(chunks, s, share)
-    acts = moment.activations + moment.grads
-    if trainable + step > acts:  # the optimizer step is the fullest moment
+    kept = round(s.heap_slack * trainable * len(chunks))
+    if trainable + step > moment.activations + moment.grads:  # the optimizer step is the fullest moment
         return Prediction({"params": params, "grads": trainable, "optimizer": optimizer, "activations": 0,
-                           "buffers": ahead + data + step, "baseline": s.baseline}, "the optimizer step")
+                           "buffers": ahead + data + step, "allocator": kept, "baseline": s.baseline},
+                          "the optimizer step")
     return Prediction({"params": params, "grads": moment.grads, "optimizer": optimizer,
-                       "activations": moment.activations, "buffers": ahead + data, "baseline": s.baseline},
-                      moment.what)
+                       "activations": moment.activations, "buffers": ahead + data, "allocator": kept,
+                       "baseline": s.baseline}, moment.what)
 
 
 def _step_buffers(chunks: Sequence[ChunkMemory], s: Setting, share: int) -> int:

@@ -165,3 +165,11 @@ def test_footprint_on_the_meta_device_counts_the_layers_as_in_memory():
     b = footprint.measure_layers(meta, x.to("meta"))
     assert [a.held(0, k) for k in (1, 2, 3)] == [b.held(0, k) for k in (1, 2, 3)]
     assert [a.kept_for_weights(1, k) for k in (2, 3)] == [b.kept_for_weights(1, k) for k in (2, 3)]
+
+
+def test_the_cpu_heap_keeps_a_multiple_of_the_gradients_per_thread_that_runs_the_actions():
+    one = predict(schedule.build("1f1b", 0, 2, 4), [chunk(trainable=100)], setting(heap_slack=3.0))
+    two = predict(schedule.build("zbv", 0, 2, 4, 2), [chunk(trainable=100)] * 2, setting(split=True, heap_slack=3.0))
+    cuda = predict(schedule.build("1f1b", 0, 2, 4), [chunk(trainable=100)], setting())
+    # Two model chunks: twice the gradients, each kept by either chunk's thread.
+    assert (one.parts["allocator"], two.parts["allocator"], cuda.parts["allocator"]) == (300, 3 * 200 * 2, 0)
