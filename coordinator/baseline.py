@@ -37,6 +37,8 @@ TIMEOUT_S = 180.0  # importing torch and the model's modules, and capturing it, 
 # The measuring process: stdin is the request (the worker's modules, the model's factory and its capture).
 _CHILD = """
 import importlib, json, sys
+from gpipe.proc import adopt
+adopt()  # dies with the plan's process
 req = json.loads(sys.stdin.read())
 for m in req["preload"]:
     importlib.import_module(m)
@@ -86,9 +88,10 @@ def _key(req: dict[str, Any]) -> str:
 def measure(req: dict[str, Any]) -> int:
     """A fresh worker-like process's peak resident bytes (see the module's docstring); 0 where that cannot be
     read (no /proc) or the process fails."""
+    from gpipe.proc import child_env
     from worker.agent import MALLOC_ENV
 
-    env = dict(os.environ, **MALLOC_ENV, OMP_NUM_THREADS="1")
+    env = child_env(dict(os.environ, **MALLOC_ENV, OMP_NUM_THREADS="1"))
     try:
         out = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req), env=env, capture_output=True,
                              text=True, timeout=TIMEOUT_S, check=True).stdout
@@ -100,28 +103,41 @@ def measure(req: dict[str, Any]) -> int:
 _seen: dict[str, int] = {}  # this process's answers, by key
 
 
-def runtime_bytes(plan: Plan, device: str = "cpu") -> int:
-    """The baseline of a worker of `plan` on `device` (see the module's docstring): cached, else measured now."""
+def known(plan: Plan, device: str = "cpu") -> int | None:
+    """The baseline of a worker of `plan` on `device` where it is known without measuring (CUDA's, or one this
+    host measured before); None where it is not."""
     if device.startswith("cuda"):
         return 0
+    key = _key(_request(plan))
+    if key not in _seen:
+        cached = _cached().get(key)
+        if not isinstance(cached, int):
+            return None
+        _seen[key] = cached
+    return _seen[key]
+
+
+def runtime_bytes(plan: Plan, device: str = "cpu") -> int:
+    """The baseline of a worker of `plan` on `device` (see the module's docstring): known, else measured now."""
+    got = known(plan, device)
+    if got is not None:
+        return got
     req = _request(plan)
     key = _key(req)
-    if key in _seen:
-        return _seen[key]
-    path = cache_file()
-    try:
-        cached = json.loads(path.read_text())
-        cached = cached if isinstance(cached, dict) else {}
-    except (OSError, ValueError):
-        cached = {}
-    if isinstance(cached.get(key), int):
-        _seen[key] = cached[key]
-        return _seen[key]
     got = _seen[key] = measure(req)
     if got:
         try:
+            path = cache_file()
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, {**cached, key: got})
+            atomic_write_json(path, {**_cached(), key: got})
         except OSError:
             pass
     return got
+
+
+def _cached() -> dict[str, Any]:
+    try:
+        cached = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}

@@ -148,10 +148,10 @@ def step_waits(spec: JobSpec, tied: Sequence[Collection[int]]) -> list[set[int]]
 
 
 def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
-               predicted: Sequence[Prediction] | None = None) -> None:
+               predicted: Sequence[Prediction] | None = None, missing: str = "") -> None:
     """plan.json: the balance, what it was chosen by, where each stage (model chunk) runs (replica 0's copy),
     and every worker by rank: its replica, stage, model chunks, placement (`placement`, by rank) and predicted
-    peak memory (`predicted`, by rank: coordinator.prediction)."""
+    peak memory (`predicted`, by rank: coordinator.prediction; without it, why: `missing`, else the plan's)."""
     spec, top = plan.spec, plan.spec.topology
     slots = top.model_chunks()
     held: dict[int, list[int]] = {}  # rank -> the model chunks it holds
@@ -172,7 +172,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
         ],
         "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n),
                      **({"model_chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n],
-                     **_predicted(predicted[n] if predicted else None, plan.footprint_missing)}
+                     **_predicted(predicted[n] if predicted else None, missing or plan.footprint_missing)}
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
     })

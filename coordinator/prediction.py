@@ -7,11 +7,13 @@ to read it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
+from coordinator import baseline
 from coordinator.plan import Plan
 from gpipe import schedule, structure
 from gpipe.footprint import Footprint, Line
@@ -75,6 +77,40 @@ def predictions(plan: Plan, devices: Sequence[str], baseline: Callable[[str], in
         )
         out.append(predict(actions, [chunks[g] for g in held], setting))
     return out
+
+
+class Announced:
+    """An attempt's predictions, written (`write`: plan.json's workers, with why none when none) and logged
+    (`log`): at once where this host's baseline is known (coordinator.baseline's cache), else once a thread has
+    measured it, a few seconds on, the job running meanwhile. `finish` waits for that thread."""
+
+    def __init__(self, plan: Plan, devices: Sequence[str],
+                 write: Callable[[list[Prediction] | None, str], None], log: Callable[[str], None]):
+        self.plan, self.devices, self.write, self.log = plan, devices, write, log
+        self._thread: threading.Thread | None = None
+        if plan.footprint is None or all(baseline.known(plan, d) is not None for d in set(devices)):
+            self._announce()
+            return
+        write(None, "measuring this host's baseline (coordinator.baseline)")
+        self._thread = threading.Thread(target=self._announce, name="baseline", daemon=True)
+        self._thread.start()
+
+    def _announce(self) -> None:
+        try:
+            predicted = predictions(self.plan, self.devices, lambda d: baseline.runtime_bytes(self.plan, d))
+        except Exception as e:  # a prediction that fails stops nothing
+            self.log(f"predicted peak memory: not predicted: {type(e).__name__}: {e}")
+            self.write(None, f"{type(e).__name__}: {e}")
+            return
+        if predicted is not None:
+            self.log("predicted peak memory: " + ", ".join(f"rank {n} {human(p.peak)}"
+                                                            for n, p in enumerate(predicted)))
+        self.write(predicted, "")
+
+    def finish(self) -> None:
+        """Wait for the baseline's measurement, if one runs (bounded by its own timeout)."""
+        if self._thread is not None:
+            self._thread.join(baseline.TIMEOUT_S + 10)
 
 
 def describe(p: Prediction) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 from coordinator.metrics import write_plan
 from coordinator.plan import make_plan
@@ -38,3 +39,25 @@ def test_without_the_probe_there_is_no_prediction_and_plan_json_says_why(tmp_pat
     write_plan(tmp_path, plan, [{"device": "cpu"}] * 2)
     w = json.loads((tmp_path / "plan.json").read_text())["workers"][0]
     assert w["predicted_peak_bytes"] is None and w["predicted_missing"] == "probe: false"
+
+
+def test_an_unknown_baseline_is_measured_beside_the_job_and_plan_json_written_again(tmp_path, monkeypatch):
+    from coordinator import baseline, prediction
+
+    plan = make_plan(parse_spec(job_yaml()), tmp_path)
+    measured = threading.Event()
+
+    def measure(plan, device):
+        measured.wait(10)  # the job goes on meanwhile
+        return 1234
+
+    monkeypatch.setattr(baseline, "known", lambda plan, device: None)
+    monkeypatch.setattr(baseline, "runtime_bytes", measure)
+    writes, logs = [], []
+    announced = prediction.Announced(plan, ["cpu", "cpu"], lambda p, why: writes.append((p, why)), logs.append)
+    assert writes == [(None, "measuring this host's baseline (coordinator.baseline)")] and not logs
+    measured.set()
+    announced.finish()
+    (predicted, why), = writes[1:]
+    assert why == "" and [p.parts["baseline"] for p in predicted] == [1234, 1234]
+    assert logs[0].startswith("predicted peak memory: rank 0 ")
