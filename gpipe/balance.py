@@ -67,11 +67,18 @@ def param_costs(model: nn.Sequential) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters()) + 1) for layer in model]
 
 
+class _Replay(skip.Context):
+    """A layer runs several times here: a pop leaves the stashed tensor for the next run."""
+
+    def pop(self, name: str) -> torch.Tensor:
+        return self.stashed[name]
+
+
 def _layer_runs(model: nn.Sequential, sample: Any, device: torch.device) -> Iterator[tuple[nn.Module, Any]]:
     """Yield (layer, input) for each layer of a throwaway copy of the model, input ready for autograd."""
     model = copy.deepcopy(model).to(device)  # the plan's model holds the initial weights: leave it be
     x = structure.to(sample, device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), skip.use(skip.Replay()):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), skip.use(_Replay()):
         for layer in model:
             x_in = structure.map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
             yield layer, x_in

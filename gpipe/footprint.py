@@ -143,6 +143,15 @@ def _first(value: Any, n: int) -> Any:
     return structure.map_tensors(value, lambda t: t[:n].clone())
 
 
+class _Received(skip.Context):
+    """Skip connections as a stage receives them: a pop gets the stashed tensor detached (its storage the same),
+    requiring grad as it would on the popping stage, so each layer's backward stays its own."""
+
+    def pop(self, name: str) -> torch.Tensor:
+        t = super().pop(name)
+        return t.detach().requires_grad_(t.is_floating_point() and t.requires_grad)
+
+
 @contextlib.contextmanager
 def _left_as_it_was(model: nn.Module) -> Iterator[None]:
     """Run on the model itself, then take back what running it changed: gradients, buffers, the train flags and
@@ -150,7 +159,7 @@ def _left_as_it_was(model: nn.Module) -> Iterator[None]:
     buffers = [(b, b.clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
     try:
-        with torch.random.fork_rng(), skip.use(skip.Replay()):
+        with torch.random.fork_rng(), skip.use(_Received()):
             model.train()
             yield
     finally:

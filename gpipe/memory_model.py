@@ -95,7 +95,6 @@ class _Moment:
     activations: int
     grads: int
     what: str
-    most: int = 0  # the most activations at any moment of the step (not only this one's)
 
 
 def checkpointing(mode: str, chunks: int) -> Callable[[int], bool]:
@@ -111,12 +110,9 @@ def walk(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting) -
     grads: set[int] = set()  # the worker chunks whose gradients exist
     best = _Moment(0, 0, "the step's start")
 
-    most = 0
-
     def note(what: str) -> None:
-        nonlocal best, most
+        nonlocal best
         now = _Moment(sum(held.values()), sum(chunks[c].trainable for c in grads), what)
-        most = max(most, now.activations)
         if now.activations + now.grads > best.activations + best.grads:
             best = now
 
@@ -141,7 +137,6 @@ def walk(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting) -
             del held[(c, mb)]
             grads.add(c)
             note(f"after {a!r}")
-    best.most = most
     return best
 
 

@@ -56,14 +56,6 @@ class Context:
             raise SkipError(f"skip.pop({name!r}): nothing was stashed under that name") from None
 
 
-class Replay(Context):
-    """A context for running a model's layers one at a time, each maybe several times (gpipe.balance,
-    gpipe.footprint): a pop leaves the stashed tensor for the next run."""
-
-    def pop(self, name: str) -> torch.Tensor:
-        return self.stashed[name]
-
-
 _local = threading.local()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe import footprint, schedule
+from gpipe import footprint, schedule, skip
 from gpipe.builtins import mlp
 from gpipe.footprint import Line
 from gpipe.memory_model import ChunkMemory, Setting, in_flight, predict, walk
@@ -173,3 +173,22 @@ def test_the_cpu_heap_keeps_a_multiple_of_the_gradients_per_thread_that_runs_the
     cuda = predict(schedule.build("1f1b", 0, 2, 4), [chunk(trainable=100)], setting())
     # Two model chunks: twice the gradients, each kept by either chunk's thread.
     assert (one.parts["allocator"], two.parts["allocator"], cuda.parts["allocator"]) == (300, 3 * 200 * 2, 0)
+
+
+class _Stash(nn.Module):
+    def forward(self, x):
+        skip.stash("s", x * 2)
+        return x + 1
+
+
+class _Pop(nn.Module):
+    def forward(self, x):
+        return x * skip.pop("s")  # saves both
+
+
+def test_footprint_takes_skip_connections_as_the_popping_stage_receives_them():
+    model = nn.Sequential(nn.Linear(8, 8), _Stash(), nn.Linear(8, 8), _Pop())
+    m = footprint.measure_layers(model, torch.randn(4, 8), torch.randn(4, 8), nn.functional.mse_loss)
+    act = 4 * 8 * 4
+    assert len(m.saved[3]) >= 2 and act in m.saved[3].values()  # its input and the popped tensor (and mse's)
+    assert all(p.grad is None for p in model.parameters())
