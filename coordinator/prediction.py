@@ -50,9 +50,9 @@ def _bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in structure.tensors(value))
 
 
-def predictions(plan: Plan, devices: Sequence[str], baseline: Callable[[str], int]) -> list[Prediction] | None:
+def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int]) -> list[Prediction] | None:
     """Per rank, its predicted peak (gpipe.memory_model); None without a footprint (probe: false).
-    `devices`: each rank's device; `baseline(device)`: the runtime's own bytes there (coordinator.baseline)."""
+    `devices`: each rank's device; `runtime(device)`: the runtime's own bytes there (coordinator.baseline)."""
     fp = plan.footprint
     if fp is None:
         return None
@@ -72,7 +72,7 @@ def predictions(plan: Plan, devices: Sequence[str], baseline: Callable[[str], in
             checkpointed=checkpointing(spec.activation_checkpoint, len(sizes)),
             sizes=sizes, state_slots=state_slots(spec.optimizer.name, spec.optimizer.momentum),
             replicas=spec.replicas, shard=spec.optimizer.shard, foreach=devices[rank].startswith("cuda"),
-            data=(_bytes(xs) if first else 0) + (_bytes(ys) if last else 0), baseline=baseline(devices[rank]),
+            data=(_bytes(xs) if first else 0) + (_bytes(ys) if last else 0), baseline=runtime(devices[rank]),
             heap_slack=0.0 if devices[rank].startswith("cuda") else CPU_HEAP_SLACK,
         )
         out.append(predict(actions, [chunks[g] for g in held], setting))
@@ -88,24 +88,32 @@ class Announced:
                  write: Callable[[list[Prediction] | None, str], None], log: Callable[[str], None]):
         self.plan, self.devices, self.write, self.log = plan, devices, write, log
         self._thread: threading.Thread | None = None
-        if plan.footprint is None or all(baseline.known(plan, d) is not None for d in set(devices)):
+        unknown = {d for d in devices if baseline.known(plan, d) is None}
+        try:  # here, not on the thread: the plan's data is the driver's once the thread runs
+            self.predicted = predictions(plan, devices, lambda d: baseline.known(plan, d) or 0)
+        except Exception as e:  # a prediction that fails stops nothing
+            log(f"predicted peak memory: not predicted: {type(e).__name__}: {e}")
+            write(None, f"{type(e).__name__}: {e}")
+            return
+        if self.predicted is None or not unknown:
             self._announce()
             return
         write(None, "measuring this host's baseline (coordinator.baseline)")
-        self._thread = threading.Thread(target=self._announce, name="baseline", daemon=True)
+        self._thread = threading.Thread(target=self._measure, args=(unknown,), name="baseline", daemon=True)
         self._thread.start()
 
+    def _measure(self, unknown: set[str]) -> None:
+        assert self.predicted is not None
+        for p, device in zip(self.predicted, self.devices, strict=True):
+            if device in unknown:
+                p.parts["baseline"] = baseline.runtime_bytes(self.plan, device)
+        self._announce()
+
     def _announce(self) -> None:
-        try:
-            predicted = predictions(self.plan, self.devices, lambda d: baseline.runtime_bytes(self.plan, d))
-        except Exception as e:  # a prediction that fails stops nothing
-            self.log(f"predicted peak memory: not predicted: {type(e).__name__}: {e}")
-            self.write(None, f"{type(e).__name__}: {e}")
-            return
-        if predicted is not None:
+        if self.predicted is not None:
             self.log("predicted peak memory: " + ", ".join(f"rank {n} {human(p.peak)}"
-                                                            for n, p in enumerate(predicted)))
-        self.write(predicted, "")
+                                                            for n, p in enumerate(self.predicted)))
+        self.write(self.predicted, "")
 
     def finish(self) -> None:
         """Wait for the baseline's measurement, if one runs (bounded by its own timeout)."""
@@ -114,7 +122,7 @@ class Announced:
 
 
 def describe(p: Prediction) -> str:
-    """'1.2 GiB: params 10.0 MiB, grads ..., baseline 330 MiB (at after F3)'."""
+    """'321.6 MiB (params 2.0 MiB, grads 2.0 MiB, ..., baseline 298.5 MiB; at its fullest after F2)'."""
     parts = ", ".join(f"{name} {human(v)}" for name, v in p.parts.items())
     return f"{human(p.peak)} ({parts}; at its fullest {p.moment})"
 

@@ -51,7 +51,7 @@ def test_an_unknown_baseline_is_measured_beside_the_job_and_plan_json_written_ag
         measured.wait(10)  # the job goes on meanwhile
         return 1234
 
-    monkeypatch.setattr(baseline, "known", lambda plan, device: None)
+    monkeypatch.setattr(baseline, "known", lambda plan, device: None)  # never measured on this host
     monkeypatch.setattr(baseline, "runtime_bytes", measure)
     writes, logs = [], []
     announced = prediction.Announced(plan, ["cpu", "cpu"], lambda p, why: writes.append((p, why)), logs.append)
