@@ -64,6 +64,7 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
     for rank in top.ranks():
         k, replica = top.stage_of(rank), top.replica_of(rank)
         xs, ys, sizes = shards[replica]
+        cuda = devices[rank].startswith("cuda")
         actions = schedule.build(spec.schedule, k, spec.stages, len(sizes), spec.virtual_stages)
         held = [model_chunk(spec.schedule, k, c, spec.stages) for c in range(spec.virtual_stages)]
         first, last = 0 in held, last_chunk in held
@@ -71,9 +72,10 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
             split=schedule.splits_backward(actions),
             checkpointed=checkpointing(spec.activation_checkpoint, len(sizes)),
             sizes=sizes, state_slots=state_slots(spec.optimizer.name, spec.optimizer.momentum),
-            replicas=spec.replicas, shard=spec.optimizer.shard, foreach=devices[rank].startswith("cuda"),
-            data=(_bytes(xs) if first else 0) + (_bytes(ys) if last else 0), baseline=runtime(devices[rank]),
-            heap_slack=0.0 if devices[rank].startswith("cuda") else CPU_HEAP_SLACK,
+            replicas=spec.replicas, shard=spec.optimizer.shard, foreach=cuda,
+            # The steps' data waits in the host's memory (a micro-batch goes to the GPU at its forward).
+            data=0 if cuda else (_bytes(xs) if first else 0) + (_bytes(ys) if last else 0),
+            baseline=runtime(devices[rank]), heap_slack=0.0 if cuda else CPU_HEAP_SLACK,
         )
         out.append(predict(actions, [chunks[g] for g in held], setting))
     return out
