@@ -235,8 +235,9 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if captured is not None and spec.probe:
         _probe_captured(model, xs[0], ys[0], loss_fn, backend, captured.modules)
     fits = balance_of is not None and len(balance_of) == spec.model_chunks and sum(balance_of) == layers
-    fp, missing = _footprint(spec, model, xs[0], ys[0], loss_fn) if spec.probe or spec.balance == "by_memory" \
-        else (None, "probe: false")
+    # Also without the probe on the meta device (init per_layer, model.weights), where it costs no memory.
+    fp, missing = _footprint(spec, model, xs[0], ys[0], loss_fn) \
+        if spec.probe or spec.balance == "by_memory" or buffers is not None else (None, "probe: false")
     if captured is not None and spec.model.split_points:
         balance, costs, by = capture.balance_of_cuts(captured.cuts, layers), None, "spec"
     elif isinstance(spec.balance, str) and fits:
@@ -404,10 +405,13 @@ def _footprint(spec: JobSpec, model: nn.Sequential, x: Any, y: Any,
     or None and why not. The probe ran the model already: a failure here stops only by_memory (SpecError), which
     needs it; the job runs on without a prediction."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
-    device = next((t.device.type for t in model.parameters()), "cpu")
+    if any(t.is_meta for t in model.parameters()):  # built on the meta device: the shapes alone, there
+        from gpipe import structure
 
-    def autocast() -> Any:
-        return torch.autocast(device, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        x, y = (structure.map_tensors(v, lambda t: t.to("meta")) for v in (x, y))
+
+    def autocast() -> Any:  # (the CPU's: a model on the meta device counts its activations in float32)
+        return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     try:
         return footprint.measure(model, x, y, loss_fn, autocast), ""
