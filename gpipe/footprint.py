@@ -9,7 +9,7 @@ activations per micro-batch are then the union of its layers' storages, each
 counted once (a layer's output that the next one saves is one tensor, as on
 the stage). The backward is split as the zero-bubble schedules split it
 (gpipe.split_backward): B, whose releasing shows what a micro-batch keeps for
-its W, then W.
+its W (which is not run: its gradients are not wanted).
 
 Measured at 2 and at 4 samples of the first micro-batch (SAMPLES), each figure
 is a line in the micro-batch's size (`Line`): what grows with it, and what does
@@ -198,7 +198,7 @@ def measure_layers(model: nn.Sequential, x: Any, target: Any = None, loss_fn: Lo
             kept = [g for group in w.groups for grads in group.kept.values() for g in grads if g is not None]
             alive += kept
             out.kept.append(meter.held() | _storages(kept))
-            w.run()
+            del w  # W itself is not run: what it would free is known, and its gradients are not wanted
             x = structure.map_tensors(y, lambda t: t.detach().requires_grad_(t.is_floating_point() and
                                                                               t.requires_grad))
     return out
