@@ -21,6 +21,7 @@ allocator's peak counts tensors only: the baseline there is 0.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -70,7 +71,9 @@ def _request(plan: Plan) -> dict[str, Any]:
             "args": m.args, "capture": plan.capture_args()}
 
 
-def _key(req: dict[str, Any]) -> str:
+@functools.cache
+def _software() -> list[str]:
+    """The host and the software a baseline holds for: its name, the Python, torch and gpipe."""
     import torch
 
     try:
@@ -79,10 +82,14 @@ def _key(req: dict[str, Any]) -> str:
         ours = version("gpipe")
     except Exception:
         ours = "?"
+    return [platform.node(), sys.prefix, platform.python_version(), torch.__version__, ours,
+            str(Path(__file__).resolve().parent.parent)]
+
+
+def _key(req: dict[str, Any]) -> str:
     # An nn.Sequential's arguments change its weights, not what the process imports.
     model = {k: req[k] for k in ("factory", "args", "capture")} if req["capture"] is not None else req["factory"]
-    return json.dumps([platform.node(), sys.prefix, platform.python_version(), torch.__version__, ours,
-                       str(Path(__file__).resolve().parent.parent), req["preload"], model], sort_keys=True)
+    return json.dumps([*_software(), req["preload"], model], sort_keys=True)
 
 
 def measure(req: dict[str, Any]) -> int:
