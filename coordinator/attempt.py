@@ -149,7 +149,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     placement, devices = _placed(a, spec)
     import torch
 
-    from coordinator import checkpoint
+    from coordinator import checkpoint, prediction
     from coordinator.board import Board
     from coordinator.driver import drive
     from coordinator.eval_weights import BEST, Best
@@ -190,8 +190,10 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     virtual = f" x {spec.virtual_stages} model chunks" if spec.virtual_stages > 1 else ""
     tell(report.Log(f"{copies}{spec.stages} stages{virtual}, balance {plan.balance}, {spec.chunks} micro-batches, "
                     f"schedule {spec.schedule}, {'/'.join(map(str, threads))} thread(s) per stage"))
-    write_plan(out, plan, [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
-                           for k, p in enumerate(placement)])
+    placed = [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
+              for k, p in enumerate(placement)]
+    predicted = prediction.Announced(plan, devices, lambda p, why: write_plan(out, plan, placed, p, why),
+                                     lambda line: tell(report.Log(line)))
     log = MetricsLog(out, spec.log_every, spec.steps)
     # A resumed attempt runs the steps from its checkpoint's again: TensorBoard drops what was shown of them.
     board = Board(out, purge_step=resume.step if resume else 0)
@@ -219,6 +221,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     finally:
         log.close()
         board.close()
+    predicted.finish()  # plan.json complete before the job is done
     if stopped_at is not None:
         tell(report.Log(f"preempted: stopped after step {stopped_at - 1}, with checkpoint step-{stopped_at}"))
         tell(report.Preempted(stopped_at))

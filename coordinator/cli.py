@@ -41,6 +41,7 @@ from coordinator import corpus
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 
 if TYPE_CHECKING:
+    from coordinator.plan import Plan
     from coordinator.spec import JobSpec
 
 T = TypeVar("T")
@@ -384,6 +385,18 @@ def _eval(spec: JobSpec, text: str | None, args: argparse.Namespace) -> int:
     return 0
 
 
+def _predicted_lines(plan: Plan) -> list[str]:
+    """Each worker's predicted peak memory (coordinator.prediction; docs/memory.md), a line a rank."""
+    from coordinator import baseline, prediction
+
+    top = plan.spec.topology
+    predicted = prediction.predictions(plan, [plan.spec.device] * top.world,
+                                         lambda device: baseline.runtime_bytes(plan, device))
+    if predicted is None:
+        return [f"predicted peak memory: not predicted ({plan.footprint_missing})"]
+    return [f"rank {n} ({top.name(n)}): predicted peak {prediction.describe(p)}" for n, p in enumerate(predicted)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -439,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                 on = f" (rank {spec.topology.worker_of(k)})" if spec.virtual_stages > 1 else ""
                 print(f"  stage {k}{on}: {plan.stage_parameters(k):,} parameters: {', '.join(plan.stage_modules(k))}")
             for line in plan.cut_lines():
+                print(f"  {line}")
+            for line in _predicted_lines(plan):
                 print(f"  {line}")
             return 0
         from gpipe.grpcutil import check_grace

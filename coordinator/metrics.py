@@ -19,6 +19,7 @@ from gpipe import schedule
 from gpipe.contract import Cause, StepResult
 from gpipe.errors import JobFailed, describe_os_error
 from gpipe.files import atomic_write_json
+from gpipe.memory_model import Prediction
 from gpipe.topology import Slots, model_chunk
 
 
@@ -146,9 +147,11 @@ def step_waits(spec: JobSpec, tied: Sequence[Collection[int]]) -> list[set[int]]
     return [h for h in holders if len(h) > 1]
 
 
-def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
+def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
+               predicted: Sequence[Prediction] | None = None, missing: str = "") -> None:
     """plan.json: the balance, what it was chosen by, where each stage (model chunk) runs (replica 0's copy),
-    and every worker by rank: its replica, stage, model chunks and placement (`placement`, by rank)."""
+    and every worker by rank: its replica, stage, model chunks, placement (`placement`, by rank) and predicted
+    peak memory (`predicted`, by rank: coordinator.prediction; without it, why: `missing`, else the plan's)."""
     spec, top = plan.spec, plan.spec.topology
     slots = top.model_chunks()
     held: dict[int, list[int]] = {}  # rank -> the model chunks it holds
@@ -168,10 +171,18 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]]) -> None:
             for k, b in enumerate(plan.bounds)
         ],
         "workers": [{"rank": n, "replica": top.replica_of(n), "stage": top.stage_of(n),
-                     **({"model_chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n]}
+                     **({"model_chunks": held[n]} if spec.virtual_stages > 1 else {}), **placement[n],
+                     **_predicted(predicted[n] if predicted else None, missing or plan.footprint_missing)}
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
     })
+
+
+def _predicted(p: Prediction | None, missing: str) -> dict[str, Any]:
+    """A worker's predicted peak in plan.json: the bytes, and their parts and moment (docs/memory.md)."""
+    if p is None:
+        return {"predicted_peak_bytes": None, **({"predicted_missing": missing} if missing else {})}
+    return {"predicted_peak_bytes": p.peak, "predicted_memory": {**p.parts, "moment": p.moment}}
 
 
 class MetricsLog:

@@ -6,6 +6,7 @@ field, so a bad job never reaches a worker.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch.utils.data import Dataset
 from coordinator.data import DataStream, EvalStream
 from coordinator.pretrained import Pretrained, match, open_weights
 from coordinator.spec import JobSpec
-from gpipe import balance, batchnorm, capture, cuts, schedule, skeleton, weight_init
+from gpipe import balance, batchnorm, capture, cuts, footprint, schedule, skeleton, weight_init
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
@@ -52,6 +53,10 @@ class Plan:
     # model's names; empty when the model was built whole.
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     on_meta: bool = False  # whether `model` was built on the meta device (it then holds no weights)
+    # What each layer keeps for its backward, measured on the first micro-batch (gpipe.footprint): the memory
+    # balance and each worker's predicted peak (coordinator.prediction) read it. None without, and why.
+    footprint: footprint.Footprint | None = None
+    footprint_missing: str = ""
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -230,19 +235,22 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if captured is not None and spec.probe:
         _probe_captured(model, xs[0], ys[0], loss_fn, backend, captured.modules)
     fits = balance_of is not None and len(balance_of) == spec.model_chunks and sum(balance_of) == layers
+    # Also without the probe on the meta device (init per_layer, model.weights), where it costs no memory.
+    fp, missing = _footprint(spec, model, xs[0], ys[0], loss_fn) \
+        if spec.probe or spec.balance == "by_memory" or buffers is not None else (None, "probe: false")
     if captured is not None and spec.model.split_points:
         balance, costs, by = capture.balance_of_cuts(captured.cuts, layers), None, "spec"
     elif isinstance(spec.balance, str) and fits:
         balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]  # balance_by names the spec's choices, and this one
     else:
-        balance, costs = _balance(spec, model, xs[0], torch.device(device), threads)
+        balance, costs = _balance(spec, model, xs[0], torch.device(device), threads, fp)
         by = spec.balance if isinstance(spec.balance, str) else "spec"
     shared = _shared_parameters(model, balance) if captured is None else None
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
                 captured=captured, sample=sample, original=original, buffers=buffers or {},
-                on_meta=buffers is not None)
+                on_meta=buffers is not None, footprint=fp, footprint_missing=missing)
     if pretrained is not None:
         _match_weights(plan, pretrained)
     if spec.eval is not None:
@@ -391,8 +399,31 @@ def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str
 BY_RUNNING = ("by_time", "by_memory")  # balances that run the whole model: it is then built whole
 
 
+def _footprint(spec: JobSpec, model: nn.Sequential, x: Any, y: Any,
+               loss_fn: Callable[[Any, Any], Any]) -> tuple[footprint.Footprint | None, str]:
+    """What each layer keeps for its backward, in the job's precision (gpipe.footprint), on the first micro-batch;
+    or None and why not. The probe ran the model already: a failure here stops only by_memory (SpecError), which
+    needs it; the job runs on without a prediction."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+    if any(t.is_meta for t in model.parameters()):  # built on the meta device: the shapes alone, there
+        from gpipe import structure
+
+        x, y = (structure.map_tensors(v, lambda t: t.to("meta")) for v in (x, y))
+
+    def autocast() -> Any:  # (the CPU's: a model on the meta device counts its activations in float32)
+        return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    try:
+        return footprint.measure(model, x, y, loss_fn, autocast), ""
+    except Exception as e:
+        why = f"measuring the layers' memory on the first micro-batch: {first_line(e)}"
+        if spec.balance == "by_memory":
+            raise SpecError(f"balance: by_memory could not run the model: {why}") from None
+        return None, why
+
+
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,
-             threads: int) -> tuple[list[int], list[float] | None]:
+             threads: int, fp: footprint.Footprint | None) -> tuple[list[int], list[float] | None]:
     """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
     layers = len(model)
     if isinstance(spec.balance, list):
@@ -408,7 +439,8 @@ def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.dev
             else:
                 in_flight = max(schedule.simulate(spec.schedule, spec.stages, spec.chunks,
                                                   spec.virtual_stages).max_in_flight)
-                costs = balance.memory_costs(model, sample, device, spec.optimizer.name,
+                assert fp is not None  # measured for by_memory
+                costs = balance.memory_costs(model, fp, footprint.samples_of(sample), spec.optimizer.name,
                                              spec.optimizer.momentum, in_flight)
         except Exception as e:
             raise SpecError(f"balance: {spec.balance} could not run the model on a sample micro-batch: "

@@ -9,8 +9,9 @@ cut into `stages` non-empty parts that minimises the largest part's cost.
   the plan is made on: the CPU of the coordinator (which never touches a GPU),
   so for a `device: cuda` job the CPU's times stand in for the GPU's.
 - by_memory: a layer's bytes at its peak: parameters, gradients and optimizer
-  state, plus the activations it keeps for backward times the micro-batches in
-  flight at once (chunks under gpipe, stages under 1f1b).
+  state, plus the activations it keeps for backward (gpipe.footprint, as the
+  predicted peaks count them) times the micro-batches in flight at once (chunks
+  under gpipe, stages under 1f1b).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import copy
 import statistics
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe import skip, structure
-from gpipe.memory import ActivationMeter
+from gpipe.footprint import Footprint, Layers
 from gpipe.optim import state_slots
 
 
@@ -121,18 +123,18 @@ def time_costs(model: nn.Sequential, sample: Any, device: torch.device, threads:
     return costs
 
 
-def memory_costs(model: nn.Sequential, sample: Any, device: torch.device, optimizer: str,
-                 momentum: float, in_flight: int) -> list[float]:
-    """Bytes per layer: parameters x (weight, gradient, optimizer state) + activations x in_flight."""
+def _saved(i: int, m: Layers) -> int:
+    return sum(m.saved[i].values())
+
+
+def memory_costs(model: nn.Sequential, fp: Footprint, samples: int, optimizer: str, momentum: float,
+                 in_flight: int) -> list[float]:
+    """Bytes per layer: parameters x (weight, gradient, optimizer state) + activations x in_flight, the
+    activations what the layer saves for its backward on a micro-batch of `samples` (`fp`: gpipe.footprint)."""
     slots = state_slots(optimizer, momentum)
     costs = []
-    for layer, x in _layer_runs(model, sample, device):
-        params = list(layer.parameters())
-        meter = ActivationMeter(params)
-        with meter.hooks():
-            y = layer(x)
-        activations = meter.peak
-        del y
-        param_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    for i, layer in enumerate(model):
+        param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+        activations = fp.line(partial(_saved, i)).at(samples)
         costs.append(float(param_bytes * (2 + slots) + activations * in_flight))
     return costs

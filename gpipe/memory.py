@@ -21,7 +21,7 @@ class ActivationMeter:
     lock keeps their counts apart from one another's threads."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
-        self._skip = {p.untyped_storage().data_ptr() for p in params}
+        self._skip = {storage_key(p) for p in params}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._lock = threading.Lock()
         self.current = 0
@@ -30,7 +30,7 @@ class ActivationMeter:
 
     def skip(self, params: Sequence[torch.Tensor]) -> None:
         """Count `params` not (the weights of another model chunk that shares this meter)."""
-        self._skip |= {p.untyped_storage().data_ptr() for p in params}
+        self._skip |= {storage_key(p) for p in params}
 
     @contextlib.contextmanager
     def releasing(self) -> Iterator[None]:
@@ -44,6 +44,11 @@ class ActivationMeter:
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+    def held(self) -> dict[int, int]:
+        """What is counted now: storage (storage_key) -> its bytes."""
+        with self._lock:
+            return {ptr: entry[0] for ptr, entry in self._live.items()}
 
     def hold(self, t: torch.Tensor) -> _Held:
         """Count `t` until the returned handle is dropped."""
@@ -82,11 +87,10 @@ class _Held:
         self.tensor: torch.Tensor | None = t.detach()
         self._meter: ActivationMeter | None = None
         self._owner = meter
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(t)
         if ptr and ptr not in meter._skip:
             self._meter, self._ptr = meter, ptr
-            meter._add(ptr, storage.nbytes())
+            meter._add(ptr, t.untyped_storage().nbytes())
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
@@ -105,6 +109,14 @@ class _Held:
     def __del__(self) -> None:
         if self._meter is not None:
             self._meter._drop(self._ptr)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Which storage `t` views, as a number: its address (0 for an empty one); on the meta device, which holds no
+    data, the storage object's own (so a model built there is counted as one in memory would be)."""
+    storage = t.untyped_storage()
+    ptr: int = storage.data_ptr()
+    return ptr if ptr or t.device.type != "meta" else int(storage._cdata)
 
 
 def resident_peak_bytes(pid: int | str = "self") -> int:

@@ -1,0 +1,63 @@
+"""coordinator.prediction on a plan, in process: per rank, the parts by device, and plan.json's workers."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from coordinator.metrics import write_plan
+from coordinator.plan import make_plan
+from coordinator.prediction import CPU_HEAP_SLACK, predictions
+from coordinator.spec import parse_spec
+from tests.support.spec import job_yaml
+
+
+def test_each_rank_gets_its_stages_parts_and_cuda_has_no_baseline_or_heap(tmp_path):
+    spec = parse_spec(job_yaml(model__args__width=64, data__args__in_features=64, data__args__out_features=64,
+                               optimizer={"name": "adam", "lr": 0.01}, replicas=2, chunks=2,
+                               data__batch_size=8))
+    plan = make_plan(spec, tmp_path)
+    cpu = predictions(plan, ["cpu"] * 4, lambda device: 1000)
+    cuda = predictions(plan, [f"cuda:{n}" for n in range(4)], lambda device: 0)
+    assert cpu is not None and cuda is not None and len(cpu) == len(cuda) == 4
+    for n in range(4):
+        stage = n % 2
+        weights = sum(p.numel() * 4 for i in range(*plan.bounds[stage]) for p in plan.model[i].parameters())
+        assert cpu[n].parts["params"] == weights and cpu[n].parts["optimizer"] == 2 * weights
+        assert cpu[n].parts["baseline"] == 1000 and cpu[n].parts["allocator"] == round(CPU_HEAP_SLACK * weights)
+        assert cuda[n].parts["baseline"] == cuda[n].parts["allocator"] == 0
+    assert cpu[0].parts == cpu[2].parts  # the replicas of a stage alike
+    write_plan(tmp_path, plan, [{"device": "cpu"}] * 4, cpu)
+    workers = json.loads((tmp_path / "plan.json").read_text())["workers"]
+    assert [w["predicted_peak_bytes"] for w in workers] == [p.peak for p in cpu]
+    assert set(workers[0]["predicted_memory"]) == {*cpu[0].parts, "moment"}
+
+
+def test_without_the_probe_there_is_no_prediction_and_plan_json_says_why(tmp_path):
+    plan = make_plan(parse_spec(job_yaml(probe=False)), tmp_path)
+    assert predictions(plan, ["cpu", "cpu"], lambda device: 0) is None
+    write_plan(tmp_path, plan, [{"device": "cpu"}] * 2)
+    w = json.loads((tmp_path / "plan.json").read_text())["workers"][0]
+    assert w["predicted_peak_bytes"] is None and w["predicted_missing"] == "probe: false"
+
+
+def test_an_unknown_baseline_is_measured_beside_the_job_and_plan_json_written_again(tmp_path, monkeypatch):
+    from coordinator import baseline, prediction
+
+    plan = make_plan(parse_spec(job_yaml()), tmp_path)
+    measured = threading.Event()
+
+    def measure(plan, device):
+        measured.wait(10)  # the job goes on meanwhile
+        return 1234
+
+    monkeypatch.setattr(baseline, "known", lambda plan, device: None)  # never measured on this host
+    monkeypatch.setattr(baseline, "runtime_bytes", measure)
+    writes, logs = [], []
+    announced = prediction.Announced(plan, ["cpu", "cpu"], lambda p, why: writes.append((p, why)), logs.append)
+    assert writes == [(None, "measuring this host's baseline (coordinator.baseline)")] and not logs
+    measured.set()
+    announced.finish()
+    (predicted, why), = writes[1:]
+    assert why == "" and [p.parts["baseline"] for p in predicted] == [1234, 1234]
+    assert logs[0].startswith("predicted peak memory: rank 0 ")
