@@ -7,7 +7,8 @@ An AdamW MLP (`depth` Linear+ReLU blocks of `width`, and a head) on 2 replicas x
 sharded and unsharded in turn, `rounds` times each (interleaved). Per worker: the peak resident memory of its
 process (each step's `peak_memory_bytes`, the last step's), the median over rounds; the step time: the median
 of every round's steps after the first two. The target (issue 37): the sharded peak at least 0.6 x (half the
-stage's moments) below the unsharded one, the step at most 5% longer.
+stage's moments) below the unsharded one, the step at most 5% longer. Beside each measured peak, plan.json's
+prediction for that worker (gpipe.memory_model) and its ratio to the measured peak.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def run(spec: dict[str, Any], tmp: Path) -> tuple[list[int], list[float], dict[s
     return [peaks[r] for r in sorted(peaks)], [m["step_time_s"] for m in lines[2:]], plan
 
 
+def predicted(plan: dict[str, Any], rank: int) -> float:
+    """plan.json's predicted peak of worker `rank` (NaN where the plan has none)."""
+    return float(next((w.get("predicted_peak_bytes") or "nan" for w in plan["workers"] if w["rank"] == rank), "nan"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=6144)
@@ -70,14 +76,17 @@ def main() -> None:
     print(f"AdamW MLP width {args.width} depth {args.depth}, 2 replicas x 2 stages, {args.rounds} rounds "
           f"interleaved, {args.steps} steps each")
     print(f"{'rank':>4} {'stage':>5} {'unsharded MiB':>14} {'sharded MiB':>12} {'saved MiB':>10} "
-          f"{'half the moments MiB':>21} {'saved/(half)':>13}")
+          f"{'half the moments MiB':>21} {'saved/(half)':>13} {'predicted: unsharded':>21} {'sharded':>8}")
     for rank in range(ranks):
         whole = statistics.median(res[0][rank] for res in results[False])
         part = statistics.median(res[0][rank] for res in results[True])
         stage = rank % 2
         half = params[stage] * 8 / 2 if params[stage] else float("nan")  # adamw: two fp32 moments, 8 B a parameter
+        # plan.json's prediction for the rank (gpipe.memory_model), against the measured peak
+        guess = [predicted(results[shard][0][2], rank) for shard in (False, True)]
         print(f"{rank:>4} {stage:>5} {whole / 2**20:>14.1f} {part / 2**20:>12.1f} {(whole - part) / 2**20:>10.1f} "
-              f"{half / 2**20:>21.1f} {(whole - part) / half:>13.2f}")
+              f"{half / 2**20:>21.1f} {(whole - part) / half:>13.2f} {guess[0] / 2**20:>15.1f} "
+              f"({guess[0] / whole:.2f}) {guess[1] / 2**20:>8.1f} ({guess[1] / part:.2f})")
     step = {shard: statistics.median(t for res in results[shard] for t in res[1]) for shard in (False, True)}
     rounds = [statistics.median(s[1]) / statistics.median(w[1]) for w, s in zip(results[False], results[True],
                                                                                 strict=True)]
