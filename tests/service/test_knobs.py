@@ -26,7 +26,6 @@ LR_CASES = {
 }
 
 
-@pytest.mark.path
 @pytest.mark.parametrize("name", list(LR_CASES))
 def test_an_lr_schedule_equals_one_device(cli, name):
     spec = LR_CASES[name]
@@ -92,7 +91,6 @@ def service(cli) -> Service:
     return s
 
 
-@pytest.mark.path
 def test_submit_sends_the_overridden_spec_and_name(cli):
     s = service(cli)
     try:

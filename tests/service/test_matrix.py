@@ -289,6 +289,7 @@ def test_serve(case, serve_four):
     assert_same(_load(s.state / name / "model.safetensors"), one_device(spec, balance(case)))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c) + "-shard") for c in SHARDED if c["path"] == "serve"])
 def test_serve_sharded(case, serve_four):
     s = serve_four
