@@ -55,21 +55,32 @@ def _lock(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
-def running(spec_name: str, state_dir: Path) -> Iterator[None]:
-    """`run` trains job `spec_name` in `state_dir`: held while it does, so that `delete` refuses, and a second
-    `run` of that name there is one line (exit 2) instead of two runs writing one folder."""
+def _job_lock(spec_name: str, state_dir: Path, busy: str, cannot: str) -> Iterator[None]:
+    """Held: `run`'s lock on job `spec_name` of `state_dir` (SpecError `busy` when another process holds it,
+    `cannot` and the reason when it cannot be taken); its file is removed while still held, so nothing is left
+    in the temporary directory."""
+    path = _run_file(state_dir, spec_name, ".lock")
     try:
-        fd = _lock(_run_file(state_dir, spec_name, ".lock"))
+        fd = _lock(path)
     except OSError as e:
-        raise SpecError(f"cannot lock job {spec_name!r}: {e.strerror}") from None
+        raise SpecError(f"{cannot}: {e.strerror}") from None
     if fd is None:
-        raise SpecError(f"job {spec_name!r} is running already in {state_dir} (another run holds it)")
+        raise SpecError(busy)
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):  # while still held: nothing is left in the temporary directory
-            _run_file(state_dir, spec_name, ".lock").unlink()
+        with contextlib.suppress(OSError):
+            path.unlink()
         os.close(fd)
+
+
+@contextlib.contextmanager
+def running(spec_name: str, state_dir: Path) -> Iterator[None]:
+    """`run` trains job `spec_name` in `state_dir`: held while it does, so that `delete` refuses, and a second
+    `run` of that name there is one line (exit 2) instead of two runs writing one folder."""
+    with _job_lock(spec_name, state_dir, f"job {spec_name!r} is running already in {state_dir} (another run "
+                   "holds it)", f"cannot lock job {spec_name!r}"):
+        yield
 
 
 @contextlib.contextmanager
@@ -96,18 +107,12 @@ def delete_run_output(spec_name: str, state_dir: Path) -> Path:
     out = state_dir / spec_name
     if not (out / "metrics.jsonl").is_file() and not (out / "plan.json").is_file():
         raise SpecError(f"no job named {spec_name!r} in {state_dir}")
-    try:
-        fd = _lock(_run_file(state_dir, spec_name, ".lock"))
-    except OSError as e:
-        raise SpecError(f"cannot delete {out}: {e.strerror}") from None
-    if fd is None:
-        raise SpecError(f"job {spec_name!r} is running (a run holds it): stop it first")
-    try:
-        delete_output(out)
-    except OSError as e:
-        raise SpecError(f"cannot delete {out}: {e.strerror}") from None
-    finally:
-        os.close(fd)
+    with _job_lock(spec_name, state_dir, f"job {spec_name!r} is running (a run holds it): stop it first",
+                   f"cannot delete {out}"):
+        try:
+            delete_output(out)
+        except OSError as e:
+            raise SpecError(f"cannot delete {out}: {e.strerror}") from None
     return out
 
 

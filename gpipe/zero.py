@@ -150,6 +150,11 @@ class ShardedOptimizer:
         self.params, self.replica, self.gather = list(params), replica, gather
         self.cut = Cut(self.params, replicas)
         self.mine = self.cut.mine(replica)
+        # per parameter, each copy's range of it ((0, 0): none; one range, a parameter being in one bucket)
+        self.spans = [[(0, 0)] * replicas for _ in self.params]
+        for r in range(replicas):
+            for pc in self.cut.mine(r):
+                self.spans[pc.param][r] = (pc.lo, pc.hi)
         flats = [_flat(p, n) for p, n in zip(self.params, names, strict=True)]
         self.views = [flats[pc.param][pc.lo:pc.hi] for pc in self.mine]
         self.layout = state_layout(cls, kwargs)
@@ -282,9 +287,7 @@ class ShardedOptimizer:
             if got is None:
                 return None
             return torch.tensor(next(float(g[0]) for g in got if float(g[1])), dtype=_scalar_dtype())
-        # each copy's piece of a parameter is one range of it (a parameter is in one bucket)
-        spans = [next(((pc.lo, pc.hi) for pc in self.cut.mine(r) if pc.param == i), (0, 0))
-                 for r in range(self.cut.replicas)]
+        spans = self.spans[i]
         width = max(hi - lo for lo, hi in spans)
         whole = torch.empty(p.numel(), dtype=p.dtype) if self.replica == 0 else None
         step = max(1, _gather_bytes(p.device) // (self.cut.replicas * p.element_size()))
