@@ -15,18 +15,22 @@ from torch import nn
 
 from coordinator import baseline
 from coordinator.plan import Plan
-from gpipe import schedule, structure
+from gpipe import grad_in_place, schedule, structure
 from gpipe.footprint import Footprint, Line
 from gpipe.memory_model import ChunkMemory, Prediction, Setting, checkpointing, predict
 from gpipe.optim import state_slots
 from gpipe.topology import model_chunk
+from worker.agent import MALLOC_ENV
 
 # On the CPU a worker's peak is its process's resident peak, and glibc's heaps keep what a step frees (a worker
 # never trims them: worker.agent's MALLOC_TRIM_THRESHOLD_); each micro-batch's backward makes its weights'
 # gradients before adding them into .grad, and those blocks, freed between the activations' smaller ones, leave
 # the heap larger than what is alive. bench/memory_model.py measured it at 2 to 4 times the gradients' bytes
 # per thread that runs a worker's actions (the same in a plain torch loop of one thread); this is the middle.
+# It counts the gradients made that way: not a captured model's large weights' (gpipe.grad_in_place computes
+# them into .grad), nor blocks of at least glibc's mmap threshold (mapped on their own, unmapped when freed).
 CPU_HEAP_SLACK = 3.0
+MMAP_THRESHOLD = int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"])
 
 
 def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
@@ -35,6 +39,9 @@ def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
     layers = nn.ModuleList(plan.model[i] for i in range(start, end))
     params = list(layers.parameters())  # a tied weight once
     trainable = [p.numel() * p.element_size() for p in params if p.requires_grad]
+    in_place = grad_in_place.in_place_params(layers)
+    heaped = sum(p.numel() * p.element_size() for p in params
+                 if p.requires_grad and id(p) not in in_place and p.numel() * p.element_size() < MMAP_THRESHOLD)
     return ChunkMemory(
         params=sum(p.numel() * p.element_size() for p in params) +
         sum(b.numel() * b.element_size() for b in layers.buffers()),
@@ -43,6 +50,7 @@ def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
         kept=fp.line(lambda m: m.kept_for_weights(start, end)),
         inputs=fp.line(lambda m: m.input_bytes(start)) if start else Line(),  # the first's: the data's (buffers)
         outputs=fp.line(lambda m: m.output_bytes(end)) if end < len(plan.model) else Line(),
+        heaped=heaped,
     )
 
 

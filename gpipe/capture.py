@@ -40,6 +40,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from gpipe import grad_in_place
+
 MAX_SPLIT_POINTS = 255
 
 # torch.export keeps its tracing state process-wide (the fx patcher, the proxy-mode stack): two captures at
@@ -79,6 +81,10 @@ class Piece(nn.Module):
                  state: dict[str, tuple[str, torch.Tensor, str]], in_spec: pytree.TreeSpec | None,
                  out_spec: pytree.TreeSpec | None, output: str | None, device: torch.device):
         super().__init__()
+        # A large weight's gradient is computed into its .grad (gpipe.grad_in_place): one copy of it, not two.
+        if grad_in_place.rewrite(gm, {a for a, (_, t, kind) in state.items()
+                                      if kind == "parameter" and grad_in_place.is_large(t)}):
+            gm.recompile()
         self._gp_graph = gm  # a submodule, so that .to() moves its constants; it holds no parameters
         self._gp_eval = _eval_graph(gm)  # the same graph with dropout and batch norm in eval mode (or None)
         self._gp_ins, self._gp_args, self._gp_outs, self._gp_emits = ins, args, outs, emits

@@ -10,8 +10,9 @@
                  their action, two steps' inputs (first stage) and targets (last), and the transient buffers of
                  the replicas' gradient sum (a bucket), the sharded optimizer's weight gather (a bucket) and
                  the optimizer's step
-    allocator    what the CPU's heap keeps beyond the bytes alive (`Setting.heap_slack`; 0 on CUDA, whose
-                 max_memory_allocated counts the tensors alive)
+    allocator    what the CPU's heap keeps beyond the bytes alive (`Setting.heap_slack` times the gradients
+                 made anew each micro-batch there, ChunkMemory.heaped; 0 on CUDA, whose max_memory_allocated
+                 counts the tensors alive)
     baseline     the process before any of it: torch, the runtime and the model's own modules (measured on the
                  host: coordinator.baseline); 0 on CUDA, whose allocator counts tensors only
 
@@ -56,6 +57,9 @@ class ChunkMemory:
     kept: Line  # from B to W, with a split backward
     inputs: Line  # its input: all a checkpointed micro-batch keeps from F to B
     outputs: Line  # what it sends on per micro-batch (the gradient it gets back is as large)
+    # bytes of the gradients its backward makes anew at every micro-batch in the CPU's heaps (the `allocator`
+    # part): not those computed into .grad (gpipe.grad_in_place), nor blocks glibc maps on their own
+    heaped: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ def predict(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting
     ahead = max((c.inputs.at(n) for c in chunks), default=0) + max((c.outputs.at(n) for c in chunks), default=0)
     data = s.data * s.steps_ahead
     step = _step_buffers(chunks, s, share)
-    kept = round(s.heap_slack * trainable * len(chunks))
+    kept = round(s.heap_slack * sum(c.heaped for c in chunks) * len(chunks))
     if trainable + step > moment.activations + moment.grads:  # the optimizer step is the fullest moment
         return Prediction({"params": params, "grads": trainable, "optimizer": optimizer, "activations": 0,
                            "buffers": ahead + data + step, "allocator": kept, "baseline": s.baseline},

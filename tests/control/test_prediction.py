@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+import torch
+
 from coordinator.metrics import write_plan
 from coordinator.plan import make_plan
 from coordinator.prediction import CPU_HEAP_SLACK, predictions
@@ -61,3 +64,26 @@ def test_an_unknown_baseline_is_measured_beside_the_job_and_plan_json_written_ag
     (predicted, why), = writes[1:]
     assert why == "" and [p.parts["baseline"] for p in predicted] == [1234, 1234]
     assert logs[0].startswith("predicted peak memory: rank 0 ")
+
+
+def test_the_heap_slack_leaves_out_the_gradients_computed_into_grad(tmp_path):
+    # A captured GPT-2 whose tied embedding/head and MLP weights reach grad_in_place.IN_PLACE_BYTES: their
+    # gradients are added into .grad, never made anew in the heap, so the allocator part counts the others only.
+    pytest.importorskip("transformers")
+    from gpipe import grad_in_place
+    from tests.support.spec import GPT2, job
+
+    spec = parse_spec(json.dumps(job(GPT2, model__args={"vocab": 4096, "width": 1024, "layers": 2, "heads": 4},
+                                     model__split_points=["transformer.h.1"])))
+    plan = make_plan(spec, tmp_path)
+    cpu = predictions(plan, ["cpu"] * 2, lambda device: 0)
+    assert cpu is not None
+    for stage, p in enumerate(cpu):
+        layers = torch.nn.ModuleList(plan.model[i] for i in range(*plan.bounds[stage]))
+        params = list(layers.parameters())
+        in_place = grad_in_place.in_place_params(layers)
+        large = [q for q in params if id(q) in in_place]
+        assert large and all(grad_in_place.is_large(q) for q in large)  # the tied weight, c_fc, the MLP's c_proj
+        heaped = sum(q.numel() * 4 for q in params if id(q) not in in_place)
+        assert p.parts["allocator"] == round(CPU_HEAP_SLACK * heaped)
+        assert p.parts["grads"] == sum(q.numel() * 4 for q in params) > heaped

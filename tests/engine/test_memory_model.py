@@ -45,9 +45,11 @@ def test_in_flight_is_the_schedules_own_count(name, virtual, stages, chunks):
 
 
 def chunk(held: int = 100, kept: int = 40, inputs: int = 10, trainable: int = 1000, params: int = 1000,
-          outputs: int = 0) -> ChunkMemory:
-    """A model chunk whose figures do not grow with the micro-batch."""
-    return ChunkMemory(params, trainable, trainable, Line(held), Line(kept), Line(inputs), Line(outputs))
+          outputs: int = 0, heaped: int | None = None) -> ChunkMemory:
+    """A model chunk whose figures do not grow with the micro-batch (its gradients all made in the heap unless
+    `heaped` says how many bytes are)."""
+    return ChunkMemory(params, trainable, trainable, Line(held), Line(kept), Line(inputs), Line(outputs),
+                       trainable if heaped is None else heaped)
 
 
 def setting(split: bool = False, ckpt: bool = False, chunks: int = 4, **kw) -> Setting:
@@ -173,6 +175,9 @@ def test_the_cpu_heap_keeps_a_multiple_of_the_gradients_per_thread_that_runs_the
     cuda = predict(schedule.build("1f1b", 0, 2, 4), [chunk(trainable=100)], setting())
     # Two model chunks: twice the gradients, each kept by either chunk's thread.
     assert (one.parts["allocator"], two.parts["allocator"], cuda.parts["allocator"]) == (300, 3 * 200 * 2, 0)
+    # Only the gradients made anew in the heap each micro-batch (not those computed into .grad).
+    part = predict(schedule.build("1f1b", 0, 2, 4), [chunk(trainable=100, heaped=30)], setting(heap_slack=3.0))
+    assert part.parts["allocator"] == 90 and part.parts["grads"] == one.parts["grads"]
 
 
 class _Stash(nn.Module):
