@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.errors import SpecError, describe_os_error
+from gpipe.tokens import dtype_for
 
 KINDS = (".txt", ".jsonl", ".parquet")
 PIECE_CHARS = 1 << 20  # text a worker tokenizes at a time
-UINT16_VOCAB = 65535  # vocabularies up to this size are written as uint16
 
 Piece = list[tuple[str, bool]]  # (text, ends a document) in corpus order
 
@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
     tok_json = _tokenizer_json(Path(args.tokenizer))
     tokenizer = _load(tok_json)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = "uint16" if vocab <= UINT16_VOCAB else "uint32"
+    dtype = dtype_for(vocab)
     eos = None
     if args.eos is not None and (eos := tokenizer.token_to_id(args.eos)) is None:
         raise SpecError(f"--eos {args.eos!r}: the tokenizer has no such token")

@@ -188,7 +188,8 @@ class DataSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
         description="'module:function' returning a map-style Dataset of (input, target) pairs, "
-        "or a registered name (random_regression; tokens: token files, docs/data.md).",
+        "or a registered name (random_regression; tokens: token files; hf_dataset: a local Hugging Face dataset; "
+        "docs/data.md).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
     batch_size: Annotated[StrictInt, Range(1, MAX_BATCH_SIZE)] = Field(
@@ -318,7 +319,8 @@ class EvalDataSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
         description="'module:function' returning a map-style Dataset of (input, target) pairs, "
-        "or a registered name (random_regression; tokens: token files, docs/data.md).",
+        "or a registered name (random_regression; tokens: token files; hf_dataset: a local Hugging Face dataset; "
+        "docs/data.md).",
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
     batch_size: Annotated[StrictInt, Range(1, MAX_BATCH_SIZE)] = Field(

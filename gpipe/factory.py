@@ -14,6 +14,7 @@ REGISTRY: dict[str, str] = {
     "mlp": "gpipe.builtins:mlp",
     "random_regression": "gpipe.builtins:random_regression",
     "tokens": "gpipe.tokens:tokens",
+    "hf_dataset": "gpipe.hf_dataset:hf_dataset",
     "cross_entropy": "gpipe.losses:cross_entropy",
     "mse": "gpipe.losses:mse",
 }

@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SEGMENT = 1 << 20  # tokens a mapping holds: 2 or 4 MiB of a file
 MAPPED = 16  # segments kept mapped, the last read: at most 64 MiB of address space
+UINT16_VOCAB = 65535  # vocabularies up to this size are written as uint16
 
 
 class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -97,8 +98,7 @@ def tokens(path: str | list[str], seq_len: int, dtype: str = "uint16") -> TokenW
     (FileNotFoundError for a missing file) in one line naming what is wrong."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not a token file's: expected {' or '.join(DTYPES)}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len {seq_len!r} must be a whole number of tokens, at least 1")
+    check_seq_len(seq_len)
     files = find_files(path)
     size = DTYPES[dtype].itemsize
     for f in files:
@@ -111,6 +111,17 @@ def tokens(path: str | list[str], seq_len: int, dtype: str = "uint16") -> TokenW
         raise ValueError(f"seq_len {seq_len} is longer than the data: a window takes {seq_len + 1} tokens, "
                          f"{where} holds {data.tokens}")
     return data
+
+
+def check_seq_len(seq_len: object) -> None:
+    """ValueError unless `seq_len` is a whole number of tokens, at least 1."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len {seq_len!r} must be a whole number of tokens, at least 1")
+
+
+def dtype_for(vocab: int) -> str:
+    """The token files' dtype of a vocabulary of `vocab` ids: uint16 where they fit, else uint32."""
+    return "uint16" if vocab <= UINT16_VOCAB else "uint32"
 
 
 def find_files(path: str | list[str]) -> list[Path]:
