@@ -4,6 +4,7 @@ exit 2."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -88,12 +89,16 @@ def test_a_shuffled_token_file_job_resumes_on_other_stage_and_replica_counts(cli
     _corpus(cli.tmp, ["train.bin"], tokens=600)  # 74 windows: the 6 steps of 4 shuffled ones stay in epoch 0
     spec = _lm(str(cli.tmp / "train.bin"), shuffle=True) | {"steps": 6, "checkpoint_every": 2}
     path = str(cli.write(spec))
-    legs = [(2, []), (4, ["--set", "stages=3", "--set", "balance=[2, 2, 1]"]), (6, ["--set", "replicas=2", "--set", "chunks=1"])]
-    for steps, sets in legs:
+    legs = [(2, [], (1, 2)), (4, ["--set", "stages=3", "--set", "balance=[2, 2, 1]"], (1, 3)),
+            (6, ["--set", "replicas=2", "--set", "chunks=1"], (2, 2))]
+    out = cli.tmp / "state" / "t"
+    for steps, sets, (replicas, stages) in legs:
         r = cli.run("run", path, "--set", f"steps={steps}", *sets, "--state-dir", str(cli.tmp / "state"),
                     "--no-progress", *(["--resume"] if steps > 2 else []), timeout=180)
         assert r.returncode == 0, r.stderr
         assert steps == 2 or f"t: resuming from checkpoint step-{steps - 2} " in r.stderr, r.stderr
+        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["step"] == steps - 1 and len(last["stages"]) == replicas * stages, last["stages"]
     worst = _worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
     assert worst <= 1e-5, f"weights differ from one device by {worst}"
 
