@@ -3,8 +3,9 @@
 Per step it sends one call through each stage's handle (coordinator.handle:
 to each replica's first stage the inputs of its shard, to its last stage the
 targets, the LR to all) and gets one answer back from each, so control costs
-O(workers) messages per step, and activations never pass through here. Step
-s+1 is sent while step s runs, so the first stage never waits for its inputs.
+O(workers) messages per step, and activations never pass through here. Steps
+s+1 ... s+read_ahead-1 (the spec's data.read_ahead, 2 by default) are read and
+sent while step s runs, so the first stage never waits for its inputs.
 The handles reach the stages over torch RPC (coordinator.rpcworld: the service
 and `run`) or in this process (LocalStage: tests).
 
@@ -45,7 +46,6 @@ from gpipe.state import model_key
 from gpipe.topology import Slots
 
 T = TypeVar("T")
-STEPS_AHEAD = 2  # steps sent to the stages before the oldest one finished
 EVAL_AHEAD = 2  # eval batches sent to the stages before the oldest one finished
 
 
@@ -171,7 +171,7 @@ class Run:
     # -- training --------------------------------------------------------------------------------------
 
     def train(self, first_step: int = 0, on_snapshot: Callable[[checkpoint.Snapshot], None] | None = None) -> None:
-        """Run steps first_step .. steps-1, STEPS_AHEAD at a time, reporting each as it ends.
+        """Run steps first_step .. steps-1, data.read_ahead at a time, reporting each as it ends.
 
         After every checkpoint_every-th step and the last, replica 0's stages also hand back a copy of their
         state, which goes to `on_snapshot`. Once `preempted()` says so, the first step not yet sent is the last,
@@ -197,7 +197,7 @@ class Run:
         while finished < end:
             if self.stop_after is None and issued < end - 1 and self.preempted():  # (the last step ends the job)
                 self.stop_after, end = issued, issued + 1
-            while issued < end and issued - finished < STEPS_AHEAD:
+            while issued < end and issued - finished < spec.data.read_ahead:
                 pending[issued], results[issued] = self._issue(data, issued, on_snapshot is not None, watch), {}
                 issued += 1
             s, rank = watch.next(finished, timed_out)

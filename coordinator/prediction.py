@@ -83,6 +83,7 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
             replicas=spec.replicas, shard=spec.optimizer.shard, foreach=cuda,
             # The steps' data waits in the host's memory (a micro-batch goes to the GPU at its forward).
             data=0 if cuda else (_bytes(xs) if first else 0) + (_bytes(ys) if last else 0),
+            steps_ahead=spec.data.read_ahead,
             baseline=runtime(devices[rank]), heap_slack=0.0 if cuda else CPU_HEAP_SLACK,
         )
         out.append(predict(actions, [chunks[g] for g in held], setting))

@@ -184,6 +184,9 @@ class ModelSpec(_Spec):
     _factory = field_validator("factory")(_check_factory)
 
 
+MAX_READ_AHEAD = 16  # data.read_ahead: each step sent ahead holds its inputs and targets in the stages' memory
+
+
 class DataSpec(_Spec):
     factory: str = Field(
         max_length=MAX_FACTORY_CHARS,
@@ -205,6 +208,14 @@ class DataSpec(_Spec):
         description="'module:function' taking a step's list of items and returning the batch as an "
         "(input, target) pair; none: torch's default_collate, which stacks tensors. Every tensor of "
         "the batch is then cut into micro-batches along dim 0, which must be batch_size long.",
+    )
+
+    read_ahead: Annotated[StrictInt, Range(1, MAX_READ_AHEAD)] = Field(
+        default=2,
+        description="Steps whose batches the coordinator reads, cuts and sends to the stages before the oldest "
+        "of them has finished: 1 sends step s+1 once step s is done (the first stage then waits for it); more "
+        "keep the stages fed through a slow read, each step ahead holding its inputs and targets in the "
+        "stages' memory. The weights do not depend on it.",
     )
 
     _factory = field_validator("factory")(_check_factory)

@@ -75,7 +75,7 @@ class Setting:
     foreach: bool = False  # the optimizer steps all parameters at once (on CUDA): its temporaries are a full set
     bucket: int = 25 << 20  # the replicas' gradient bucket and the sharded gather's (worker.reducer, gpipe.zero)
     data: int = 0  # bytes of one step's inputs (on the first stage) and targets (on the last) it holds
-    steps_ahead: int = 2  # steps whose data a stage holds (coordinator.driver.STEPS_AHEAD)
+    steps_ahead: int = 2  # steps whose data a stage holds (the job's data.read_ahead)
     baseline: int = 0  # the process's own bytes before the job (coordinator.baseline)
     # Bytes the heap keeps beyond those alive, per byte of gradient, for each thread that runs the worker's
     # actions (one per model chunk: gpipe.turns runs a step on whichever chunk's thread comes last).

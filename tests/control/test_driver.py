@@ -113,6 +113,21 @@ def test_a_preemption_stops_at_the_first_step_not_yet_sent_with_a_checkpoint_tha
     assert worst(model_weights(tmp_path / "b", 8), reference.train(spec)) <= 1e-5
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_the_read_ahead_is_how_many_steps_are_sent_before_the_oldest_ends(tmp_path, ahead):
+    # Asked once step 1 has ended, the preemption ends the attempt at the first step not yet sent: the
+    # steps in flight then are 2 ... 1 + data.read_ahead - 1, so that step is 1 + read_ahead.
+    spec = job(THREE_STAGES, steps=8, checkpoint_every=100, data__read_ahead=ahead)
+    steps: list[StepMetrics] = []
+    run = Run(plan_of(spec), steps.append)
+    run.preempted = lambda: len(steps) >= 2
+    writer = checkpoint.Writer(checkpoint.folder(tmp_path), 2, lambda *a: None)
+    run.build(local_stages(run.plan, 0))
+    run.train(0, writer.submit)
+    writer.close()
+    assert run.stop_after == 1 + ahead and [m.step for m in steps] == list(range(2 + ahead))
+
+
 # -- virtual stages: several model chunks per worker ----------------------------------------------------------
 
 VIRTUAL = {

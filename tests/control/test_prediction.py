@@ -36,6 +36,19 @@ def test_each_rank_gets_its_stages_parts_and_cuda_has_no_baseline_or_heap(tmp_pa
     assert set(workers[0]["predicted_memory"]) == {*cpu[0].parts, "moment"}
 
 
+def test_each_step_read_ahead_holds_its_data_on_the_first_and_last_stage_of_the_cpu(tmp_path):
+    # 8 samples of 16 float32 inputs (the first stage) and as many targets (the last), per step sent ahead.
+    def buffers(ahead: int) -> list[int]:
+        spec = parse_spec(job_yaml(model__args__width=16, data__args__in_features=16, data__args__out_features=16,
+                                   data__batch_size=8, data__read_ahead=ahead))
+        got = predictions(make_plan(spec, tmp_path), ["cpu"] * 2, lambda device: 0)
+        assert got is not None
+        return [p.parts["buffers"] for p in got]
+
+    one, five = buffers(1), buffers(5)
+    assert [b - a for a, b in zip(one, five, strict=True)] == [4 * 8 * 16 * 4] * 2
+
+
 def test_without_the_probe_there_is_no_prediction_and_plan_json_says_why(tmp_path):
     plan = make_plan(parse_spec(job_yaml(probe=False)), tmp_path)
     assert predictions(plan, ["cpu", "cpu"], lambda device: 0) is None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,43 @@ def test_the_demo_runs_on_one_core_with_one_warning_line(cli):
     # The last line gives the final loss; a fresh run says nothing of resuming.
     assert re.match(r"charlm: done in [\d.]+s: 2/2 steps, final loss \d+\.\d{4}; weights in ", r.stderr.splitlines()[-1])
     assert "resum" not in r.stderr
+
+
+@pytest.mark.multiprocess
+def test_the_gpt2_tokens_recipe_tokenizes_trains_and_generates(cli):
+    """docs/data.md's end to end on examples/gpt2-tokens.yaml, small: a corpus and a byte-level BPE tokenizer
+    made here (no download), `tokenize`, `run` (4 steps of a narrower model on shorter windows), then
+    examples/generate.py continues a prompt with the run's model.safetensors, read by from_pretrained."""
+    pytest.importorskip("transformers")
+    from tests.support.lm import LINES, bpe_tokenizer
+
+    job = cli.tmp / "job"
+    job.mkdir()
+    for name in ("gpt2-tokens.yaml", "hf.py", "charlm.py"):
+        shutil.copy(EXAMPLES / name, job / name)
+    bpe_tokenizer(cli.tmp / "tok")
+    (cli.tmp / "corpus").mkdir()
+    for k in range(2):
+        (cli.tmp / "corpus" / f"{k}.txt").write_text("".join(f"{line}, {k} {i}.\n" for i in range(30) for line in LINES))
+    r = cli.run("tokenize", "corpus/0.txt", "corpus/1.txt", "--tokenizer", "tok", "--out", "job/data/train.bin",
+                "--val-fraction", "0.1", "--eos", "<|endoftext|>", "--no-progress", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("uint16 (vocabulary 300)"), r.stdout
+    small = {"steps": 4, "model.args": {"vocab": 300, "width": 32, "layers": 4, "heads": 2, "positions": 64},
+             "data.args.seq_len": 32, "eval.data.args.seq_len": 32, "eval.every": 2, "eval.batches": 1,
+             "lr_schedule.warmup_steps": 1, "checkpoint_every": 2}
+    sets = [x for k, v in small.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+    r = cli.run("run", "job/gpt2-tokens.yaml", *sets, "--state-dir", "state", "--no-progress", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = cli.tmp / "state" / "gpt2-tokens"
+    assert {"model.safetensors", "config.json"} <= {p.name for p in out.iterdir()}
+    g = subprocess.run([sys.executable, str(EXAMPLES / "generate.py"), str(out), "--tokenizer", "tok",
+                        "--prompt", "a pipeline", "--tokens", "8"], cwd=cli.tmp, env=cli.env, capture_output=True,
+                       text=True, timeout=120)
+    assert g.returncode == 0, g.stderr[-3000:]
+    text = g.stdout.rstrip("\n")  # 4 steps in, the continuation may be spaces
+    assert text.startswith("a pipeline") and len(text) > len("a pipeline"), g.stdout
+    g = subprocess.run([sys.executable, str(EXAMPLES / "generate.py"), str(cli.tmp / "state"), "--tokenizer", "tok"],
+                       cwd=cli.tmp, env=cli.env, capture_output=True, text=True, timeout=120)
+    assert g.returncode == 2 and g.stderr == f"error: {cli.tmp / 'state' / 'model.safetensors'}: no such file\n"
+

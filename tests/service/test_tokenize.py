@@ -11,24 +11,9 @@ import numpy as np
 import pytest
 
 from tests.support.cli import one_error_line, wait_for
+from tests.support.lm import LINES, bpe_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
-
-LINES = ["the quick brown fox jumps over the lazy dog", "a pipeline cuts a model into stages",
-         "each stage sends its activations to the next", "and the gradients come back"]
-
-
-def _tokenizer(folder):
-    """A byte-level BPE tokenizer trained on LINES, saved as folder/tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(LINES * 5, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
-    return tok
 
 
 def _corpus(tmp, tok):
@@ -47,7 +32,7 @@ def _corpus(tmp, tok):
 
 @pytest.mark.multiprocess
 def test_tokenize_writes_the_tokenizer_s_ids_whatever_the_workers(cli):
-    tok = _tokenizer(cli.tmp / "tok")
+    tok = bpe_tokenizer(cli.tmp / "tok")
     want = _corpus(cli.tmp, tok)
     for workers, out in [("1", "data/train.bin"), ("2", "two/train.bin")]:
         r = cli.run("tokenize", "a.txt", "b.jsonl", "--tokenizer", "tok", "--out", out, "--val-fraction", "0.1",
@@ -66,7 +51,7 @@ def test_tokenize_writes_the_tokenizer_s_ids_whatever_the_workers(cli):
 
 @pytest.mark.multiprocess
 def test_tokenize_killed_half_way_leaves_no_file_and_a_rerun_writes_the_same_bytes(cli):
-    tok = _tokenizer(cli.tmp / "tok")
+    tok = bpe_tokenizer(cli.tmp / "tok")
     want = _corpus(cli.tmp, tok)
     (cli.tmp / "b.jsonl").rename(cli.tmp / "rows")
     os.mkfifo(cli.tmp / "b.jsonl")  # the run blocks there, a.txt's tokens written: half-way
@@ -90,7 +75,7 @@ def test_tokenize_killed_half_way_leaves_no_file_and_a_rerun_writes_the_same_byt
 
 @pytest.mark.multiprocess
 def test_tokenize_s_bad_input_is_one_line_exit_2(cli):
-    _tokenizer(cli.tmp / "tok")
+    bpe_tokenizer(cli.tmp / "tok")
     (cli.tmp / "a.txt").write_text("some text\n")
     (cli.tmp / "afile").write_text("")
     (cli.tmp / "b.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')

@@ -1,8 +1,10 @@
-"""A job on token files through `gpipe-coordinator run` equals one device; their bad inputs are one line at
-validate, exit 2."""
+"""A job on token files equals one device: through `gpipe-coordinator run` and through serve and its workers,
+resumed on other stage and replica counts, whatever its read-ahead; their bad inputs are one line at validate,
+exit 2."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.support import reference
-from tests.support.cli import ROOT, one_error_line
+from tests.support.cli import ROOT, end_leftovers, one_error_line
+from tests.support.service import Service
 from tests.support.spec import TWO_STAGES, job
 
 VOCAB = 32
@@ -31,6 +34,16 @@ def _lm(path, **data) -> dict:
                data={"factory": "tokens", "args": {"path": path, "seq_len": 8}, "batch_size": 4, **data})
 
 
+def _worst(got: dict, want: dict) -> float:
+    assert set(got) == set(want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def _run(cli, spec: dict, *flags: str):
+    return cli.run("run", str(cli.write(spec)), "--state-dir", str(cli.tmp / "state"), "--no-progress", *flags,
+                   timeout=180)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("files", "path", "replicas"), [(["train.bin"], "train.bin", 1),
                                                          (["train-0.bin", "train-1.bin"], "train-*.bin", 2)])
@@ -40,12 +53,71 @@ def test_a_token_file_job_equals_one_device(cli, monkeypatch, files, path, repli
     _corpus(cli.tmp, files)
     monkeypatch.chdir(cli.tmp)  # where the one-device reference finds the same relative path
     spec = _lm(path, shuffle=True) | {"replicas": replicas}
-    r = cli.run("run", str(cli.write(spec)), "--state-dir", "state", "--no-progress")
+    r = _run(cli, spec)
     assert r.returncode == 0, r.stderr
-    got, want = load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec)
-    assert set(got) == set(want)
-    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    worst = _worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
     assert worst <= 1e-5, f"weights differ from one device by {worst}"
+
+
+@pytest.mark.multiprocess
+def test_a_token_file_job_through_serve_equals_one_device(cli):
+    # The recipe of docs/data.md under serve: the token file stays on serve's machine (an absolute path), its
+    # folder left out of what submit packs; serve's coordinator reads the windows and streams them to 2 workers.
+    (cli.tmp / "data").mkdir()
+    _corpus(cli.tmp / "data", ["train.bin"])
+    spec = _lm(str(cli.tmp / "data" / "train.bin"), shuffle=True) | {"name": "lm", "exclude": ["data"]}
+    s = Service(cli)
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1)
+        r = s.client("submit", str(cli.write(spec)), "--follow", "--no-progress", timeout=180)
+        assert r.returncode == 0, r.stderr + s.log("serve")[-3000:]
+        assert "lm: SUCCEEDED: 3/3 steps" in r.stderr, r.stderr
+        worst = _worst(load_file(s.state / "lm" / "model.safetensors"), reference.train(spec))
+        assert worst <= 1e-5, f"weights differ from one device by {worst}"
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
+
+
+@pytest.mark.multiprocess
+def test_a_shuffled_token_file_job_resumes_on_other_stage_and_replica_counts(cli):
+    # 2 steps on 2 stages, 2 more resumed on 3 stages, the last 2 on 2 stages x 2 replicas (run --resume with
+    # --set): a step's windows are a function of the step alone, so the weights are 6 uninterrupted steps'.
+    # Each replica cuts its shard into 1 micro-batch: the step's 2 micro-batches stay those of one replica of 2.
+    _corpus(cli.tmp, ["train.bin"], tokens=600)  # 74 windows: the 6 steps of 4 shuffled ones stay in epoch 0
+    spec = _lm(str(cli.tmp / "train.bin"), shuffle=True) | {"steps": 6, "checkpoint_every": 2}
+    path = str(cli.write(spec))
+    legs = [(2, [], (1, 2)), (4, ["--set", "stages=3", "--set", "balance=[2, 2, 1]"], (1, 3)),
+            (6, ["--set", "replicas=2", "--set", "chunks=1"], (2, 2))]
+    out = cli.tmp / "state" / "t"
+    for steps, sets, (replicas, stages) in legs:
+        r = cli.run("run", path, "--set", f"steps={steps}", *sets, "--state-dir", str(cli.tmp / "state"),
+                    "--no-progress", *(["--resume"] if steps > 2 else []), timeout=180)
+        assert r.returncode == 0, r.stderr
+        assert steps == 2 or f"t: resuming from checkpoint step-{steps - 2} " in r.stderr, r.stderr
+        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["step"] == steps - 1 and len(last["stages"]) == replicas * stages, last["stages"]
+    worst = _worst(load_file(cli.tmp / "state" / "t" / "model.safetensors"), reference.train(spec))
+    assert worst <= 1e-5, f"weights differ from one device by {worst}"
+
+
+@pytest.mark.multiprocess
+def test_the_read_ahead_changes_no_weight_and_is_bounded(cli):
+    # 1: each step's batch is read once the step before it is done; 6: more steps than the job has.
+    _corpus(cli.tmp, ["train.bin"])
+    spec = _lm(str(cli.tmp / "train.bin"), shuffle=True) | {"steps": 4}
+    weights = []
+    for ahead in (1, 6):
+        r = _run(cli, spec | {"name": f"ahead{ahead}"}, "--set", f"data.read_ahead={ahead}")
+        assert r.returncode == 0, r.stderr
+        weights.append(load_file(cli.tmp / "state" / f"ahead{ahead}" / "model.safetensors"))
+    assert _worst(*weights) == 0  # bit for bit
+    for bad in (0, 17):
+        r = cli.run("validate", str(cli.write(spec)), "--set", f"data.read_ahead={bad}", timeout=60)
+        assert r.returncode == 2
+        one_error_line(r.stderr, f"error: data.read_ahead: must be an integer between 1 and 16, got {bad}")
 
 
 @pytest.mark.multiprocess

@@ -107,3 +107,22 @@ def _edit(src: Path, dst: Path, change) -> Path:
 
 def _drop(t: dict) -> None:
     del t["transformer.h.1.mlp.c_fc.weight"]
+
+
+# A small English corpus's lines: what tests train a tokenizer on and tokenize.
+LINES = ["the quick brown fox jumps over the lazy dog", "a pipeline cuts a model into stages",
+         "each stage sends its activations to the next", "and the gradients come back"]
+
+
+def bpe_tokenizer(folder: Path, lines: list[str] = LINES, vocab: int = 300):
+    """A byte-level BPE tokenizer (GPT-2's kind, with <|endoftext|>) trained here on `lines`, no download, saved
+    as folder/tokenizer.json; the tokenizers package's Tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(lines * 5, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
