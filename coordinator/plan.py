@@ -19,7 +19,18 @@ from torch.utils.data import Dataset
 from coordinator.data import DataStream, EvalStream
 from coordinator.pretrained import Pretrained, match, open_weights
 from coordinator.spec import JobSpec
-from gpipe import balance, batchnorm, capture, cuts, footprint, schedule, skeleton, weight_init
+from gpipe import (
+    balance,
+    batchnorm,
+    capture,
+    cuts,
+    footprint,
+    optim,
+    optim_check,
+    schedule,
+    skeleton,
+    weight_init,
+)
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
@@ -57,6 +68,7 @@ class Plan:
     # balance and each worker's predicted peak (coordinator.prediction) read it. None without, and why.
     footprint: footprint.Footprint | None = None
     footprint_missing: str = ""
+    state_slots: int = 0  # the optimizer's state tensors per parameter (gpipe.optim_check measures one by import path)
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -163,6 +175,18 @@ def _call(field: str, ref: str, args: dict[str, Any]) -> Any:
         raise SpecError(f"{field}.args: {ref} raised {type(e).__name__}: {e}") from None
 
 
+def optimizer_slots(spec: JobSpec) -> int:
+    """The optimizer's state tensors per parameter; one by import path is checked first (gpipe.optim_check:
+    imported from the job's code, its options bound, two steps on a dummy parameter)."""
+    o = spec.optimizer
+    if not o.by_path:
+        return optim.state_slots(o.name, o.momentum)
+    try:
+        return optim_check.check(o.name, o.torch_kwargs())
+    except optim_check.OptimizerError as e:
+        raise SpecError(f"optimizer.{e}") from None
+
+
 def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1,
               balance_of: list[int] | None = None, meta: bool | None = None) -> Plan:
     """Build the model and the data, check them against the spec, and choose the balance.
@@ -181,6 +205,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     pretrained = _open_weights(spec, job_dir)  # a file that cannot be read is refused before the model is built
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
+    slots = optimizer_slots(spec)  # before the model: a bad option answers at once
     model, buffers = _build_model(spec, meta)
     if isinstance(model, nn.Sequential) and buffers is not None and spec.probe and spec.init == "exact":
         model, buffers = _build_model(spec, meta=False)  # the probe runs an nn.Sequential for real
@@ -243,14 +268,14 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     elif isinstance(spec.balance, str) and fits:
         balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]  # balance_by names the spec's choices, and this one
     else:
-        balance, costs = _balance(spec, model, xs[0], torch.device(device), threads, fp)
+        balance, costs = _balance(spec, model, xs[0], torch.device(device), threads, fp, slots)
         by = spec.balance if isinstance(spec.balance, str) else "spec"
     shared = _shared_parameters(model, balance) if captured is None else None
     if shared:
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
                 captured=captured, sample=sample, original=original, buffers=buffers or {},
-                on_meta=buffers is not None, footprint=fp, footprint_missing=missing)
+                on_meta=buffers is not None, footprint=fp, footprint_missing=missing, state_slots=slots)
     if pretrained is not None:
         _match_weights(plan, pretrained)
     if spec.eval is not None:
@@ -423,8 +448,9 @@ def _footprint(spec: JobSpec, model: nn.Sequential, x: Any, y: Any,
 
 
 def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.device,
-             threads: int, fp: footprint.Footprint | None) -> tuple[list[int], list[float] | None]:
-    """The balance, and the per-layer costs it was chosen by (none when given in the spec)."""
+             threads: int, fp: footprint.Footprint | None, slots: int) -> tuple[list[int], list[float] | None]:
+    """The balance, and the per-layer costs it was chosen by (none when given in the spec); `slots`: the
+    optimizer's state tensors per parameter."""
     layers = len(model)
     if isinstance(spec.balance, list):
         if why := cuts.misfit(spec.balance, layers):
@@ -440,8 +466,7 @@ def _balance(spec: JobSpec, model: nn.Sequential, sample: Any, device: torch.dev
                 in_flight = max(schedule.simulate(spec.schedule, spec.stages, spec.chunks,
                                                   spec.virtual_stages).max_in_flight)
                 assert fp is not None  # measured for by_memory
-                costs = balance.memory_costs(model, fp, footprint.samples_of(sample), spec.optimizer.name,
-                                             spec.optimizer.momentum, in_flight)
+                costs = balance.memory_costs(model, fp, footprint.samples_of(sample), slots, in_flight)
         except Exception as e:
             raise SpecError(f"balance: {spec.balance} could not run the model on a sample micro-batch: "
                             f"{type(e).__name__}: {e}") from None

@@ -18,7 +18,6 @@ from coordinator.plan import Plan
 from gpipe import grad_in_place, schedule, structure
 from gpipe.footprint import Footprint, Line
 from gpipe.memory_model import ChunkMemory, Prediction, Setting, checkpointing, predict
-from gpipe.optim import state_slots
 from gpipe.topology import model_chunk
 from worker.agent import MALLOC_ENV
 
@@ -79,7 +78,7 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
         setting = Setting(
             split=schedule.splits_backward(actions),
             checkpointed=checkpointing(spec.activation_checkpoint, len(sizes)),
-            sizes=sizes, state_slots=state_slots(spec.optimizer.name, spec.optimizer.momentum),
+            sizes=sizes, state_slots=plan.state_slots,
             replicas=spec.replicas, shard=spec.optimizer.shard, foreach=cuda,
             # The steps' data waits in the host's memory (a micro-batch goes to the GPU at its forward).
             data=0 if cuda else (_bytes(xs) if first else 0) + (_bytes(ys) if last else 0),

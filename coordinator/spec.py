@@ -29,6 +29,7 @@ from pydantic import (
     GetJsonSchemaHandler,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -38,7 +39,7 @@ from pydantic_core import CoreSchema, core_schema
 from coordinator import boundedyaml
 from gpipe import schedule as schedules
 from gpipe.errors import SpecError
-from gpipe.optim import OptimizerName
+from gpipe.optim import NAMES, is_import_path
 from gpipe.options import Checkpoint, violation
 from gpipe.show import one_line, short
 from gpipe.topology import Topology
@@ -222,8 +223,24 @@ class DataSpec(_Spec):
     _collate = field_validator("collate")(_check_collate)
 
 
+OPTIMIZER_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+TYPED_OPTIONS = ("momentum", "dampening", "nesterov", "weight_decay", "betas", "eps")  # sgd's, adam's, adamw's
+
+
+def _check_optimizer_name(v: str) -> str:
+    if v not in NAMES and not OPTIMIZER_RE.match(v):
+        raise ValueError(f"{v!r} is neither {', '.join(NAMES)} nor a class's import path 'module:Class' "
+                         "(torch.optim:RMSprop)")
+    return v
+
+
 class OptimizerSpec(_Spec):
-    name: OptimizerName = Field(description="The optimizer, run on every stage.")
+    name: str = Field(
+        max_length=MAX_FACTORY_CHARS,
+        description="The optimizer, run on every stage: sgd, adam or adamw (their options are the fields below), "
+        "or any torch.optim.Optimizer subclass by import path, 'torch.optim:RMSprop' or 'module:Class' of the "
+        "job's own code, its options in `args`.",
+    )
     lr: Annotated[float, Range(0, MAX_LR, lo_open=True)] = Field(
         description="Learning rate (the peak, under an LR schedule)."
     )
@@ -238,19 +255,65 @@ class OptimizerSpec(_Spec):
     shard: bool = Field(
         default=False, description="With replicas: each replica of a stage keeps 1/replicas of the stage's "
         "optimizer state and updates that share of its parameters, then the replicas gather the updated "
-        "weights (ZeRO stage 1: the gradients stay whole). The same weights as unsharded; needs replicas > 1.",
+        "weights (ZeRO stage 1: the gradients stay whole). The same weights as unsharded; needs replicas > 1. "
+        "sgd, adam and adamw only: their updates are element-wise, which updating flat slices needs.",
     )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="An optimizer by import path: its keyword arguments but params and lr "
+        "({alpha: 0.9, momentum: 0.5}). validate checks them against the class's __init__ and by two steps on "
+        "a dummy parameter.",
+    )
+
+    _name = field_validator("name")(_check_optimizer_name)
+
+    @field_validator(*TYPED_OPTIONS)
+    @classmethod
+    def _typed_only_by_name(cls, v: Any, info: ValidationInfo) -> Any:
+        if is_import_path(name := info.data.get("name", "")):
+            raise ValueError(f"applies to sgd, adam and adamw; {name} takes its options in args "
+                             f"(args: {{{info.field_name}: ...}})")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _args_by_path(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        name = info.data.get("name")
+        if name is not None and v and not is_import_path(name):
+            raise ValueError(f"applies to an optimizer by import path (torch.optim:RMSprop); {name}'s options "
+                             f"are fields of optimizer ({', '.join(TYPED_OPTIONS)})")
+        for key in ("params", "lr"):
+            if key in v:
+                raise ValueError(f"{key} is no option here: " + ("the LR is optimizer.lr" if key == "lr" else
+                                                                 "each stage gives its own parameters"))
+        return v
+
+    @field_validator("shard")
+    @classmethod
+    def _shard_by_name(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and is_import_path(name := info.data.get("name", "")):
+            raise ValueError(f"shards sgd, adam and adamw only, not {name}: each replica steps flat slices of "
+                             "the parameters, which is right only for an update element by element; leave shard "
+                             "out")
+        return v
 
     @model_validator(mode="after")
     def _per_optimizer(self) -> OptimizerSpec:
-        if self.name != "sgd" and (self.momentum or self.nesterov or self.dampening):
-            raise ValueError(f"momentum, dampening and nesterov apply to sgd only, not {self.name}")
+        if self.name == "adam" or self.name == "adamw":
+            if self.momentum or self.nesterov or self.dampening:
+                raise ValueError(f"momentum, dampening and nesterov apply to sgd only, not {self.name}")
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening 0")
         return self
 
+    @property
+    def by_path(self) -> bool:
+        """Named by import path (gpipe.optim checks it where the job's code is: coordinator.plan)."""
+        return is_import_path(self.name)
+
     def torch_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of the torch.optim class, but `params`."""
+        """The keyword arguments of the optimizer's class, but `params`."""
+        if self.by_path:
+            return {"lr": self.lr, **self.args}
         if self.name == "sgd":
             return {
                 "lr": self.lr,

@@ -28,7 +28,6 @@ from torch import nn
 
 from gpipe import skip, structure
 from gpipe.footprint import Footprint, Layers
-from gpipe.optim import state_slots
 
 
 def partition(costs: Sequence[float], stages: int) -> list[int]:
@@ -127,11 +126,10 @@ def _saved(i: int, m: Layers) -> int:
     return sum(m.saved[i].values())
 
 
-def memory_costs(model: nn.Sequential, fp: Footprint, samples: int, optimizer: str, momentum: float,
-                 in_flight: int) -> list[float]:
-    """Bytes per layer: parameters x (weight, gradient, optimizer state) + activations x in_flight, the
-    activations what the layer saves for its backward on a micro-batch of `samples` (`fp`: gpipe.footprint)."""
-    slots = state_slots(optimizer, momentum)
+def memory_costs(model: nn.Sequential, fp: Footprint, samples: int, slots: int, in_flight: int) -> list[float]:
+    """Bytes per layer: parameters x (weight, gradient, `slots` optimizer state tensors) + activations x
+    in_flight, the activations what the layer saves for its backward on a micro-batch of `samples` (`fp`:
+    gpipe.footprint; `slots`: gpipe.optim)."""
     costs = []
     for i, layer in enumerate(model):
         param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)

@@ -42,7 +42,7 @@ class StageConfig:
     end: int  # one past the last layer
     model_factory: str
     model_args: dict[str, Any]
-    optimizer: str
+    optimizer: str  # sgd, adam, adamw or a class's import path (gpipe.optim)
     optimizer_args: dict[str, Any]
     loss: str
     schedule: str

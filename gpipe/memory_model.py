@@ -3,8 +3,9 @@
     params       its model chunks' parameters and buffers
     grads        the gradients alive at that moment (none before the step's first backward: the optimizer's
                  zero_grad frees them at every step's start)
-    optimizer    the optimizer's state: state_slots (gpipe.optim) tensors per parameter, 1/R of them on each of
-                 R replicas with optimizer.shard
+    optimizer    the optimizer's state: state_slots (gpipe.optim) tensors per parameter (by import path: those
+                 shaped like their parameter after validate's dummy steps), 1/R of them on each of R replicas
+                 with optimizer.shard
     activations  the micro-batches in flight at that moment, each as its schedule and checkpointing hold it
     buffers      what moves through the worker: the next micro-batch's input and gradient received ahead of
                  their action, two steps' inputs (first stage) and targets (last), and the transient buffers of

@@ -31,6 +31,7 @@ from gpipe import (
     capture,
     determinism,
     eval_schedule,
+    optim,
     schedule,
     skeleton,
     skip,
@@ -41,7 +42,6 @@ from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter
-from gpipe.optim import optimizer_class
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import SharedGenerators, seeded_forward
@@ -242,11 +242,11 @@ class Stage:
         self.optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None
         if params and optimizer and cfg.sharded:
             # transport's gather among this stage's copies (the c10d world is formed by the transport already)
-            self.optimizer = ShardedOptimizer(optimizer_class(cfg.optimizer), cfg.optimizer_args, params,
+            self.optimizer = ShardedOptimizer(optim.optimizer_class(cfg.optimizer), cfg.optimizer_args, params,
                                               self.param_names, cfg.replicas, cfg.replica, transport.gather_copies)
             self.optimizer.waiting = lambda what: self._doing("waiting", what)
         elif params and optimizer:
-            self.optimizer = optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args)
+            self.optimizer = optim.optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args)
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
                                    *cfg.loss_scale)
         if resume is not None:
@@ -771,9 +771,7 @@ class Stage:
             for i, name in enumerate(self.param_names):
                 if entry := resume.optimizer_state_of(name):
                     state[i] = entry
-            groups = [{**g, "params": list(range(len(own["params"])))}
-                      for g, own in zip(self._saved_groups(resume), self.optimizer.param_groups, strict=True)]
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            optim.restore(self.optimizer, state, self._saved_groups(resume))
         rng = resume.rng()
         if layout.RNG_CPU in rng:
             torch.set_rng_state(rng[layout.RNG_CPU])
@@ -783,8 +781,7 @@ class Stage:
     def _saved_groups(self, resume: StageState) -> list[dict[str, Any]]:
         """A checkpoint's hyper-parameters per group, tuples as the optimizer has them (JSON made them lists)."""
         assert self.optimizer is not None
-        return [{k: type(g[k])(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()}
-                for g, saved in zip(self.optimizer.param_groups, resume.param_groups, strict=True)]
+        return optim.saved_groups(self.optimizer.param_groups, resume.param_groups)
 
     def close(self) -> None:
         for out in self.senders:

@@ -41,7 +41,7 @@ BAD = [
     ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "balance": [1, 1]},
      "balance: has 2 entries but stages x virtual_stages 2 is 4"),
     ({"activation_checkpoint": "sometimes"}, "activation_checkpoint: Input should be"),
-    ({"optimizer__name": "lbfgs"}, "optimizer.name: Input should be 'sgd', 'adam' or 'adamw'"),
+    ({"optimizer__name": "lbfgs"}, "optimizer.name: 'lbfgs' is neither sgd, adam, adamw nor a class's import path"),
     ({"optimizer__lr": -1}, "optimizer.lr: must be greater than 0 and at most 1000, got -1"),
     ({"optimizer__momentum": 0.9, "optimizer__name": "adam"}, "optimizer: momentum, dampening and nesterov apply to sgd only"),
     ({"optimizer__betas": [0.9, 1.5], "optimizer__name": "adam"}, "optimizer.betas.1: must be at least 0 and less than 1, got 1.5"),

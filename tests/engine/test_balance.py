@@ -15,6 +15,7 @@ from coordinator.plan import make_plan
 from coordinator.spec import parse_spec
 from gpipe import balance, footprint
 from gpipe.builtins import mlp
+from gpipe.optim import state_slots
 from gpipe.schedule import simulate
 from tests.support.models import Slow
 from tests.support.spec import DELETE, job_yaml, regression
@@ -66,11 +67,11 @@ def test_by_memory_counts_weights_state_and_activations():
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 4))
     x = torch.randn(5, 8)
     fp = footprint.measure(model, x)  # at 2 and 4 samples, a line through them: exact at 5
-    costs = balance.memory_costs(model, fp, 5, "adam", 0.0, in_flight=3)
+    costs = balance.memory_costs(model, fp, 5, state_slots("adam"), in_flight=3)
     # Linear keeps its input, ReLU its output: 2 x 5x8 floats. Adam: weight, grad, 2 slots.
     assert costs[0] == (8 * 8 + 8) * 4 * (2 + 2) + 2 * 5 * 8 * 4 * 3
     assert costs[1] == (8 * 4 + 4) * 4 * (2 + 2) + 5 * 8 * 4 * 3
-    plain = balance.memory_costs(model, fp, 5, "sgd", 0.0, in_flight=1)
+    plain = balance.memory_costs(model, fp, 5, state_slots("sgd"), in_flight=1)
     assert plain[0] == (8 * 8 + 8) * 4 * 2 + 2 * 5 * 8 * 4
 
 

@@ -40,6 +40,19 @@ OPTIM = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def optimizer(opt_spec: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    """The spec's optimizer over `params`: sgd, adam, adamw by their fields, or a class by import path
+    ('torch.optim:RMSprop', a module of the job's on sys.path) with lr and `args`."""
+    opt_spec = dict(opt_spec)
+    name = opt_spec.pop("name")
+    opt_spec.pop("shard", None)  # one device: nothing to shard across
+    if ":" in name:
+        return resolve(name)(params, lr=opt_spec["lr"], **opt_spec.get("args", {}))
+    if name == "adamw":
+        opt_spec.setdefault("weight_decay", 0.01)
+    return OPTIM[name](params, **opt_spec)
+
+
 def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = None,
           pipelined: bool = False) -> dict[str, torch.Tensor]:
     """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another.
@@ -71,12 +84,7 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
                                       growth_interval=s.get("growth_interval", 2000))
     data = resolve(spec["data"]["factory"])(**spec["data"].get("args", {}))
     loss_fn = resolve(spec.get("loss", "cross_entropy"))
-    opt_spec = dict(spec["optimizer"])
-    name = opt_spec.pop("name")
-    opt_spec.pop("shard", None)  # one device: nothing to shard across
-    if name == "adamw":
-        opt_spec.setdefault("weight_decay", 0.01)
-    opt = OPTIM[name](model.parameters(), **opt_spec)
+    opt = optimizer(spec["optimizer"], model.parameters())
     sched = None
     if spec.get("lr_schedule"):
         s = spec["lr_schedule"]
