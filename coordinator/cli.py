@@ -109,6 +109,19 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--code-dir", default=None,
                      help="import the job's modules from this folder (default: the spec's working_dir, or the "
                           "job file's folder)")
+    pl = sub.add_parser(
+        "plan", help="the fastest configuration of a job that fits the workers' memory, from measured costs",
+        description="Measure the job's layers on this host (as one of N local workers would run them), then "
+                    "predict every configuration's step time and per-worker peak memory: stages x replicas, "
+                    "schedule, chunks, activation checkpointing, optimizer.shard, the balance by time. Prints "
+                    "those that fit, fastest first (docs/plan.md). Exit 2 when none fits.")
+    pl.add_argument("job")
+    _knobs(pl)
+    pl.add_argument("--workers", type=int, required=True, help="the workers the job may use (stages x replicas)")
+    pl.add_argument("--memory-gib", type=float, required=True, help="each worker's memory (GiB)")
+    pl.add_argument("--json", action="store_true", help="print a JSON list, best first, as the last line")
+    pl.add_argument("--write", metavar="FILE", help="write the job file with the best configuration filled in")
+    pl.add_argument("--top", type=int, default=10, help="configurations shown (default 10)")
     ev = sub.add_parser("eval", help="evaluate a job's weights on its eval data, pipelined across local workers")
     ev.add_argument("job", help="the job spec (YAML), with an eval section")
     _knobs(ev)
@@ -437,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         job_dir = Path(args.code_dir).resolve() if getattr(args, "code_dir", None) else spec.code_dir(args.job)
         if args.command == "eval":
             return _eval(spec, text, args)
+        if args.command == "plan":
+            from coordinator import planner
+
+            return planner.main(args, spec, overridden, job_dir)
         if args.command == "validate":
             from coordinator.plan import make_plan
             from gpipe.factory import enter_job_folder

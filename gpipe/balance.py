@@ -73,7 +73,7 @@ class _Replay(skip.Context):
         return self.stashed[name]
 
 
-def _layer_runs(model: nn.Sequential, sample: Any, device: torch.device) -> Iterator[tuple[nn.Module, Any]]:
+def layer_runs(model: nn.Sequential, sample: Any, device: torch.device) -> Iterator[tuple[nn.Module, Any]]:
     """Yield (layer, input) for each layer of a throwaway copy of the model, input ready for autograd."""
     model = copy.deepcopy(model).to(device)  # the plan's model holds the initial weights: leave it be
     x = structure.to(sample, device)
@@ -92,7 +92,7 @@ def _backward(y: Any) -> None:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -104,14 +104,14 @@ def time_costs(model: nn.Sequential, sample: Any, device: torch.device, threads:
     torch.set_num_threads(threads)
     costs = []
     try:
-        for layer, x in _layer_runs(model, sample, device):
+        for layer, x in layer_runs(model, sample, device):
             runs = []
             for _ in range(repeats + 1):  # the first run warms up
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 y = layer(x)
                 _backward(y)
-                _sync(device)
+                sync(device)
                 runs.append(time.perf_counter() - t0)
                 layer.zero_grad(set_to_none=True)
                 for t in structure.tensors(x):

@@ -1,0 +1,412 @@
+"""`gpipe-coordinator plan`: the fastest configuration of a job that fits its workers' memory, from measured costs.
+
+One measurement, then a search over arithmetic:
+
+1. The job's plan (coordinator.plan.make_plan: the model, captured and cut at
+   its blocks when it is no nn.Sequential, its data, the probe's footprint of
+   what each layer keeps) and each layer's costs (gpipe.costs: forward,
+   input-gradient and weight-gradient seconds as lines in the micro-batch
+   size), measured on this host with the threads a worker gets when N local
+   workers split its cores (on CUDA: the GPU).
+2. Every configuration within the job's batch: stages x replicas at most N;
+   each schedule (interleaved-1f1b and zbv with 2 virtual stages); chunks
+   (powers of two, and the stage count and its multiples, up to a sample a
+   micro-batch); activation checkpointing never / except_last / always;
+   optimizer.shard with replicas, where the optimizer keeps state; the balance
+   by measured time for each. What the spec's validation refuses is skipped.
+3. Each configuration's step time: gpipe.schedule.steady (steps in a row, as
+   the service runs them) with each action's length from the measured costs
+   (a recomputed forward before a checkpointed micro-batch's backward), plus
+   a per-action overhead and each transfer (LINKS: latency + bytes /
+   bandwidth) on the sender, plus at each worker's step end its optimizer step
+   and, with replicas, the gradients' all-reduce (and the sharded optimizer's
+   gather). Its peak per worker: coordinator.prediction (gpipe.memory_model).
+4. Those whose every worker fits the budget, fastest first.
+
+Transfers and the per-action overhead are constants per device kind, not
+measured here: bench/plan.py says where they and the machine disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from coordinator import baseline, prediction
+from coordinator.metrics import step_waits
+from coordinator.plan import Plan, make_plan, optimizer_slots
+from coordinator.spec import JobSpec
+from gpipe import balance as balancing
+from gpipe import costs, cuts, schedule
+from gpipe.costs import LayerCosts
+from gpipe.errors import SpecError
+from gpipe.footprint import Layers, Line
+from gpipe.memory_model import checkpointing
+from gpipe.topology import model_chunk
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
+VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # the virtual stages a schedule is searched with
+CHECKPOINTS = ("never", "except_last", "always")
+MAX_WORKERS = 64
+MAX_CHUNKS = 64
+MAX_CANDIDATES = 20_000  # configurations simulated at most: past it, one line saying so
+
+
+@dataclass(frozen=True)
+class Link:
+    """A transfer's cost: latency + bytes / bandwidth; and the engine's own time per action."""
+
+    latency_s: float
+    bytes_per_s: float
+    action_s: float  # the engine's per-action work beyond the layers' (receive, send, bookkeeping)
+
+    def transfer(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes else 0.0
+
+
+# gloo between processes of one host (bench/README.md (b): 0.2-0.3 ms for small messages, 2-4 GB/s at 8 MiB;
+# (n): 0.3-1 ms of engine time per action); NCCL between GPUs of one host.
+LINKS = {"cpu": Link(3e-4, 3e9, 5e-4), "cuda": Link(3e-5, 2e10, 1e-4)}
+OPTIMIZER_BYTES_PER_S = {"cpu": 2e9, "cuda": 5e11}  # an optimizer step's speed, per byte of its parameters
+
+
+@dataclass(frozen=True)
+class Config:
+    stages: int
+    replicas: int
+    schedule: str
+    virtual_stages: int
+    chunks: int
+    activation_checkpoint: str
+    shard: bool
+    balance: tuple[int, ...] = ()
+
+    @property
+    def workers(self) -> int:
+        return self.stages * self.replicas
+
+    def describe(self) -> str:
+        v = f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        shard = ", shard" if self.shard else ""
+        return (f"{self.stages} stage(s) x {self.replicas} replica(s), {self.schedule}{v}, {self.chunks} chunks, "
+                f"checkpoint {self.activation_checkpoint}{shard}")
+
+    def overrides(self) -> dict[str, Any]:
+        """The spec's fields this configuration sets."""
+        return {"stages": self.stages, "replicas": self.replicas, "schedule": self.schedule,
+                "virtual_stages": self.virtual_stages, "chunks": self.chunks,
+                "activation_checkpoint": self.activation_checkpoint, "balance": list(self.balance),
+                "optimizer.shard": self.shard}
+
+
+@dataclass
+class Candidate:
+    config: Config
+    step_s: float  # predicted, steps in a row
+    bubble: float  # the workers' idle share at that period
+    peaks: list[int] = field(default_factory=list)  # predicted peak bytes per worker (rank order)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks, default=0)
+
+    def as_json(self, batch: int) -> dict[str, Any]:
+        c = self.config
+        return {"stages": c.stages, "replicas": c.replicas, "balance": list(c.balance), "schedule": c.schedule,
+                "virtual_stages": c.virtual_stages, "chunks": c.chunks,
+                "activation_checkpoint": c.activation_checkpoint, "shard": c.shard,
+                "predicted_step_s": round(self.step_s, 6), "samples_per_s": round(batch / self.step_s, 2),
+                "bubble_fraction": round(self.bubble, 4), "predicted_peak_bytes": self.peak}
+
+
+@dataclass
+class Measured:
+    """What the search needs of the job, measured once: per layer, its costs and the bytes it sends on per
+    sample; the parameters' bytes per layer; and how the memory model sees the job (`plan`)."""
+
+    plan: Plan
+    layers: list[LayerCosts]
+    out_bytes: list[Line]  # per layer: its output's bytes by micro-batch size (what crosses a cut after it)
+    param_bytes: list[int]  # per layer: its trainable parameters' bytes
+    device: str  # "cpu" or "cuda"
+    baseline_bytes: int = 0
+
+
+def chunk_choices(batch: int, replicas: int, stages: int) -> list[int]:
+    """Chunks searched: powers of two and multiples of the stage count, a sample a micro-batch at least."""
+    per = batch // replicas
+    out = {1 << k for k in range(7)} | {stages * k for k in (1, 2, 4)}
+    return sorted(c for c in out if 1 <= c <= min(per, MAX_CHUNKS))
+
+
+def configurations(layers: int, batch: int, workers: int, has_state: bool) -> Iterator[Config]:
+    """Every configuration of the search (balance left for the costs to choose)."""
+    for replicas in range(1, workers + 1):
+        if batch % replicas:  # each replica takes an equal share of the batch
+            continue
+        for stages in range(1, workers // replicas + 1):
+            for name in SCHEDULES:
+                virtual = VIRTUAL.get(name, 1)
+                if stages * virtual > layers or (stages == 1 and name != "gpipe"):
+                    continue
+                for chunks in chunk_choices(batch, replicas, stages):
+                    for ckpt in CHECKPOINTS:
+                        if ckpt == "except_last" and chunks == 1:  # its one micro-batch is the last: never
+                            continue
+                        for shard in ((False, True) if replicas > 1 and has_state else (False,)):
+                            yield Config(stages, replicas, name, virtual, chunks, ckpt, shard)
+
+
+def _spec_of(base: JobSpec, c: Config) -> JobSpec | None:
+    """`base` with configuration `c`; None where the spec's validation refuses the combination."""
+    data = base.model_dump(mode="json", exclude_unset=True)
+    data.update({"stages": c.stages, "replicas": c.replicas, "schedule": c.schedule,
+                 "virtual_stages": c.virtual_stages, "chunks": c.chunks,
+                 "activation_checkpoint": c.activation_checkpoint, "balance": list(c.balance)})
+    data["optimizer"] = {**data["optimizer"], "shard": c.shard}
+    data.get("model", {}).pop("split_points", None)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def _sizes(batch: int, replicas: int, chunks: int) -> list[int]:
+    """A replica's micro-batch sizes (coordinator.data cuts a batch so, the first ones one larger)."""
+    per = batch // replicas
+    return [per // chunks + (1 if i < per % chunks else 0) for i in range(chunks)]
+
+
+def balance_for(m: Measured, c: Config, n: int) -> list[int]:
+    """The balance by measured time at micro-batch size `n` (a checkpointed forward counted twice)."""
+    twice = c.activation_checkpoint != "never"
+    per_layer = [lc.f.at(n) * (2 if twice else 1) + lc.b.at(n) + lc.w.at(n) for lc in m.layers]
+    return balancing.partition(per_layer, c.stages * c.virtual_stages)
+
+
+def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int]] = ()) -> tuple[float, float]:
+    """(seconds a step, bubble) of configuration `c` (with its balance; `spec`: the job under it, `tied`: each
+    tied weight's holders), steps in a row (the module's doc)."""
+    link = LINKS[m.device]
+    sizes = _sizes(m.plan.spec.data.batch_size, c.replicas, c.chunks)
+    bounds = cuts.bounds(list(c.balance))
+    last_chunk = len(bounds) - 1
+    ckpt = checkpointing(c.activation_checkpoint, c.chunks)
+
+    def chunk_of(k: int, a: schedule.Action) -> int:
+        return model_chunk(c.schedule, k, a.worker_chunk, c.stages)
+
+    splits = [schedule.splits_backward(schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages))
+              for k in range(c.stages)]
+    ends = [schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages)[-1] for k in range(c.stages)]
+    params = [sum(m.param_bytes[i] for i in range(*bounds[g])) for g in range(len(bounds))]
+    share = c.replicas if c.shard else 1
+    opt_rate = OPTIMIZER_BYTES_PER_S[m.device]
+    end_work = []
+    for k in range(c.stages):
+        held = sum(params[model_chunk(c.schedule, k, j, c.stages)] for j in range(c.virtual_stages))
+        t = held / share / opt_rate
+        if c.replicas > 1:
+            t += link.transfer(int(2 * (c.replicas - 1) / c.replicas * held))  # the gradients' all-reduce
+            if c.shard:
+                t += link.transfer(int((c.replicas - 1) / c.replicas * held))  # the weights' gather
+        end_work.append(t)
+
+    def length(k: int, a: schedule.Action) -> float:
+        g = chunk_of(k, a)
+        lo, hi = bounds[g]
+        n = sizes[a.micro_batch]
+        layers = m.layers[lo:hi]
+        if a.kind == "F":
+            t = sum(lc.f.at(n) for lc in layers)
+            if g < last_chunk:
+                t += link.transfer(m.out_bytes[hi - 1].at(n))
+        elif a.kind == "B":
+            t = sum(lc.b.at(n) for lc in layers)
+            if not splits[k]:
+                t += sum(lc.w.at(n) for lc in layers)
+            if ckpt(a.micro_batch):
+                t += sum(lc.f.at(n) for lc in layers)  # the recomputed forward
+            if g > 0:
+                t += link.transfer(m.out_bytes[lo - 1].at(n))  # its input's gradient, sent back
+        else:
+            t = sum(lc.w.at(n) for lc in layers)
+        t += link.action_s
+        if a == ends[k]:
+            t += end_work[k]
+        return t
+
+    waits = step_waits(spec, tied)
+    period, bubble = schedule.steady(c.schedule, c.stages, c.chunks, c.virtual_stages, length, waits=waits)
+    return period, max(0.0, bubble)
+
+
+def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
+    """Each worker's predicted peak bytes under `c` (coordinator.prediction); None without a footprint."""
+    plan = dataclasses.replace(m.plan, spec=spec, balance=list(c.balance))
+    device = "cuda:0" if m.device == "cuda" else "cpu"
+    got = prediction.predictions(plan, [device] * spec.topology.world, lambda _d: m.baseline_bytes)
+    return None if got is None else [p.peak for p in got]
+
+
+def search(m: Measured, workers: int, budget: int) -> tuple[list[Candidate], list[Candidate]]:
+    """(the configurations that fit `budget` bytes a worker, fastest first; those that do not, smallest peak
+    first)."""
+    spec = m.plan.spec
+    batch = spec.data.batch_size
+    has_state = optimizer_slots(spec) > 0 and not spec.optimizer.by_path  # (shard takes the short names only)
+    fits: list[Candidate] = []
+    over: list[Candidate] = []
+    seen = 0
+    for c in configurations(len(m.layers), batch, workers, has_state):
+        seen += 1
+        if seen > MAX_CANDIDATES:
+            raise SpecError(f"--workers: {workers} workers make more than {MAX_CANDIDATES} configurations to "
+                            "simulate; give fewer workers")
+        n = max(_sizes(batch, c.replicas, c.chunks))
+        c = dataclasses.replace(c, balance=tuple(balance_for(m, c, n)))
+        candidate_spec = _spec_of(spec, c)
+        if candidate_spec is None:
+            continue
+        tied = [stages for _, stages in dataclasses.replace(m.plan, spec=candidate_spec,
+                                                            balance=list(c.balance)).tied_stages()]
+        step, bubble = step_time(m, c, candidate_spec, tied)
+        got = peaks(m, c, candidate_spec) or []
+        cand = Candidate(c, step, bubble, got)
+        (fits if cand.peak <= budget else over).append(cand)
+    fits.sort(key=lambda x: (x.step_s, x.peak))
+    over.sort(key=lambda x: (x.peak, x.step_s))
+    return fits, over
+
+
+def measure(spec: JobSpec, job_dir: Path, workers: int) -> Measured:
+    """The job's plan and its layers' costs on this host, as a worker of `workers` measures them."""
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    data["model"].pop("split_points", None)  # the search cuts the model itself: at its blocks
+    data.update({"stages": 1, "virtual_stages": 1, "replicas": 1, "chunks": 1, "schedule": "gpipe",
+                 "balance": "by_params", "activation_checkpoint": "never",
+                 "optimizer": {**data["optimizer"], "shard": False}})
+    base = JobSpec.model_validate(data)
+    plan = make_plan(base, job_dir)
+    if plan.footprint is None:
+        raise SpecError(f"probe: plan needs each layer's memory, which the probe measures: {plan.footprint_missing}")
+    device = "cuda" if spec.device == "cuda" else "cpu"
+    if device == "cuda":
+        torch_device, threads = torch.device("cuda:0"), torch.get_num_threads()
+    else:
+        from worker.cores import split_cores, threads_for
+
+        torch_device, threads = torch.device("cpu"), threads_for(split_cores(workers)[0])
+    xs, _, _ = plan.stream().shards(0)[0]  # the whole first batch: chunks 1, one replica
+    batch = spec.data.batch_size
+    small = max(1, batch // (workers * 8))
+    layers = costs.measure(plan.model, xs[0], torch_device, threads, (small, batch))
+    fp = plan.footprint
+    out_bytes = [fp.line(partial(_output_bytes, i + 1)) for i in range(len(plan.model))]
+    param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+                   for layer in plan.model]
+    base_bytes = 0 if device == "cuda" else baseline.runtime_bytes(plan)
+    return Measured(plan, layers, out_bytes, param_bytes, device, base_bytes)
+
+
+def _output_bytes(end: int, m: Layers) -> int:
+    return m.output_bytes(end)
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def table(fits: Sequence[Candidate], batch: int, top: int) -> list[str]:
+    head = "| # | workers | stages x replicas | schedule | chunks | checkpoint | shard | balance | step ms | " \
+           "samples/s | bubble | peak GiB |"
+    lines = [head, "| " + " | ".join(["---:"] * 2 + ["---"] * 6 + ["---:"] * 4) + " |"]
+    for i, x in enumerate(fits[:top], 1):
+        c = x.config
+        v = f" x{c.virtual_stages}" if c.virtual_stages > 1 else ""
+        lines.append(f"| {i} | {c.workers} | {c.stages} x {c.replicas} | {c.schedule}{v} | {c.chunks} | "
+                     f"{c.activation_checkpoint} | {'yes' if c.shard else 'no'} | {list(c.balance)} | "
+                     f"{x.step_s * 1e3:.1f} | {batch / x.step_s:.1f} | {x.bubble:.0%} | {_gib(x.peak)} |")
+    return lines
+
+
+def why_best(fits: Sequence[Candidate], budget: int) -> str:
+    """Why the first of `fits` wins: against the fastest of another schedule, and the memory it leaves."""
+    best = fits[0]
+    other = next((x for x in fits if x.config.schedule != best.config.schedule), None)
+    line = f"{best.config.schedule}: {best.step_s * 1e3:.1f} ms a step, bubble {best.bubble:.0%}"
+    if other is not None:
+        line += (f" vs {other.config.schedule}'s {other.bubble:.0%} at best ({other.step_s * 1e3:.1f} ms, "
+                 f"{other.step_s / best.step_s:.2f}x)")
+    return f"{line}; fits in {_gib(best.peak)} of {_gib(budget)} GiB"
+
+
+def refusal(over: Sequence[Candidate], budget: int) -> str:
+    """The one line when nothing fits."""
+    if not over:
+        return "plan: no configuration of this job could be predicted (no footprint)"
+    low = over[0]
+    return (f"--memory-gib: no configuration fits {_gib(budget)} GiB a worker; the smallest predicted peak is "
+            f"{_gib(low.peak)} GiB ({low.config.describe()}): give more memory or workers, a smaller "
+            "data.batch_size, or a smaller model")
+
+
+def written(text: str, source: str, c: Config) -> str:
+    """The job file's text with configuration `c` filled in (coordinator.overrides: the rest as it was)."""
+    from coordinator.overrides import apply
+
+    sets = [f"{k}={json.dumps(v)}" for k, v in c.overrides().items()]
+    if "split_points" in text:
+        sets.append("model.split_points=null")
+    return apply(text, sets, None, source)
+
+
+def main(args: Any, spec: JobSpec, text: str, job_dir: Path) -> int:
+    """`gpipe-coordinator plan`: the table (or --json's list as the last line), and --write's file."""
+    from coordinator.spec import parse_spec
+    from gpipe.factory import enter_job_folder
+
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise SpecError(f"--workers: {args.workers} is outside 1..{MAX_WORKERS}")
+    if not 0 < args.memory_gib <= 1 << 20:
+        raise SpecError(f"--memory-gib: {args.memory_gib} is not a positive size in GiB")
+    if not 1 <= args.top <= 1000:
+        raise SpecError(f"--top: {args.top} is outside 1..1000")
+    budget = int(args.memory_gib * 2**30)
+    enter_job_folder(job_dir)
+    m = measure(spec, job_dir, args.workers)
+    fits, over = search(m, args.workers, budget)
+    if not fits:
+        raise SpecError(refusal(over, budget))
+    batch = spec.data.batch_size
+    if args.write:
+        out = Path(args.write)
+        best = fits[0]
+        new = (f"# {args.job} as `gpipe-coordinator plan --workers {args.workers} --memory-gib {args.memory_gib:g}` "
+               f"chose: {best.config.describe()}; predicted {best.step_s * 1e3:.1f} ms a step, peak "
+               f"{_gib(best.peak)} GiB\n" + written(text, args.job, best.config))
+        parse_spec(new, source=str(out))  # what validate reads back
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        tmp.write_text(new)
+        tmp.replace(out)
+    if args.json:
+        print(json.dumps([x.as_json(batch) for x in fits[:args.top]]))
+        return 0
+    print(f"{args.job}: {len(fits)} configuration(s) fit {_gib(budget)} GiB a worker on {args.workers} "
+          f"worker(s) ({len(over)} do not); predicted from costs measured on this host, fastest first:")
+    for line in table(fits, batch, args.top):
+        print(line)
+    print(why_best(fits, budget))
+    if args.write:
+        print(f"wrote {args.write}")
+    return 0
+
