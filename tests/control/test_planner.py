@@ -1,0 +1,141 @@
+"""coordinator.planner in process, on a real plan with fake costs: the search, the step-time model, the balance it
+picks, the memory filter and the refusal; and gpipe.costs' lines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordinator import planner
+from coordinator.plan import make_plan
+from coordinator.planner import Config, Link, Measured
+from coordinator.spec import parse_spec
+from gpipe.costs import Cost, LayerCosts
+from gpipe.errors import SpecError
+from tests.support.spec import job_yaml
+
+FREE = Link(0.0, float("inf"), 0.0)  # transfers and the engine's own time left out
+
+
+@pytest.fixture
+def free(monkeypatch):
+    monkeypatch.setitem(planner.LINKS, "cpu", FREE)
+    monkeypatch.setitem(planner.OPTIMIZER_BYTES_PER_S, "cpu", float("inf"))
+
+
+def measured(tmp_path, f: list[float], b: list[float] | None = None, w: list[float] | None = None,
+             **changes) -> Measured:
+    """A real plan of an MLP of len(f) layers (batch 16), with fake per-sample costs: F, B, W seconds a sample."""
+    depth = len(f) - 1  # tests.support's mlp: depth hidden layers and the output layer
+    spec = parse_spec(job_yaml(model__args={"width": 8, "depth": depth}, data__batch_size=16,
+                               data__args__n=64, stages=1, chunks=1, **changes))
+    plan = make_plan(spec, tmp_path)
+    assert len(plan.model) == len(f)
+    b, w = b or f, w or f
+    layers = [LayerCosts(Cost(0.0, fi), Cost(0.0, bi), Cost(0.0, wi)) for fi, bi, wi in zip(f, b, w, strict=True)]
+    out = [plan.footprint.line(lambda m, i=i: m.output_bytes(i + 1)) for i in range(len(plan.model))]
+    params = [sum(p.numel() * 4 for p in layer.parameters()) for layer in plan.model]
+    return Measured(plan, layers, out, params, "cpu", 0)
+
+
+def test_a_cost_is_a_line_in_the_micro_batch_size_fitted_through_two_sizes():
+    c = Cost.fit(2, 0.003, 10, 0.011)
+    assert c.at(2) == pytest.approx(0.003) and c.at(10) == pytest.approx(0.011) and c.at(6) == pytest.approx(0.007)
+    assert Cost.fit(4, 0.02, 4, 0.01).per_sample == 0.0  # one size (or times that fall): flat
+    assert Cost(-1.0, 0.1).at(1) == 0.0
+
+
+def test_one_stage_s_step_is_its_work_and_two_stages_with_a_bubble_take_more_than_half(tmp_path, free):
+    m = measured(tmp_path, [1e-3] * 4)
+    one = Config(1, 1, "gpipe", 1, 4, "never", False, (4,))
+    step, bubble = planner.step_time(m, one, m.plan.spec)
+    assert step == pytest.approx(16 * 4 * 3e-3) and bubble == pytest.approx(0.0, abs=1e-9)  # 16 samples x 4 layers
+    two = Config(2, 1, "gpipe", 1, 4, "never", False, (2, 2))
+    step2, bubble2 = planner.step_time(m, two, planner._spec_of(m.plan.spec, two))
+    assert step / 2 < step2 < step and bubble2 > 0
+    # Recomputing every micro-batch's forward costs one more forward of the work.
+    again, _ = planner.step_time(m, dataclasses.replace(one, activation_checkpoint="always"), m.plan.spec)
+    assert again == pytest.approx(16 * 4 * 4e-3)
+
+
+def test_the_balance_is_by_measured_time_and_a_split_backward_shrinks_the_bubble(tmp_path, free):
+    m = measured(tmp_path, [1e-3, 1e-3, 1e-3, 6e-3])  # the last layer as costly as the other three together
+    c = Config(2, 1, "1f1b", 1, 8, "never", False)
+    assert planner.balance_for(m, c, 2) == [3, 1]
+    even = measured(tmp_path, [1e-3] * 4, w=[2e-3] * 4)
+    base = Config(2, 1, "1f1b", 1, 8, "never", False, (2, 2))
+    _, plain = planner.step_time(even, base, planner._spec_of(even.plan.spec, base))
+    zb = dataclasses.replace(base, schedule="zb-h1")
+    _, split = planner.step_time(even, zb, planner._spec_of(even.plan.spec, zb))
+    assert split < plain
+
+
+def test_transfers_and_the_per_action_cost_lengthen_the_step(tmp_path, free, monkeypatch):
+    m = measured(tmp_path, [1e-3] * 4)
+    c = Config(2, 1, "1f1b", 1, 4, "never", False, (2, 2))
+    spec = planner._spec_of(m.plan.spec, c)
+    quiet, _ = planner.step_time(m, c, spec)
+    monkeypatch.setitem(planner.LINKS, "cpu", Link(1e-3, float("inf"), 0.0))
+    sent, _ = planner.step_time(m, c, spec)
+    monkeypatch.setitem(planner.LINKS, "cpu", Link(0.0, float("inf"), 1e-3))
+    busy, _ = planner.step_time(m, c, spec)
+    assert quiet < sent and quiet < busy
+
+
+def test_the_search_ranks_what_fits_fastest_first_and_a_budget_leaves_out_the_rest(tmp_path, free):
+    m = measured(tmp_path, [1e-3] * 4, optimizer={"name": "adam", "lr": 0.01})
+    fits, over = planner.search(m, 2, 1 << 40)
+    assert fits and not over
+    assert [x.step_s for x in fits] == sorted(x.step_s for x in fits)
+    shapes = {(x.config.stages, x.config.replicas) for x in fits}
+    assert shapes == {(1, 1), (1, 2), (2, 1)}  # at most 2 workers
+    assert {x.config.schedule for x in fits} == set(planner.SCHEDULES)
+    assert any(x.config.shard for x in fits) and all(x.config.replicas > 1 for x in fits if x.config.shard)
+    assert all(sum(x.config.balance) == 4 and len(x.config.balance) == x.config.stages * x.config.virtual_stages
+               for x in fits)
+    # A budget between the smallest and the largest peak: exactly those above it are left out.
+    peaks = sorted(x.peak for x in fits)
+    budget = peaks[len(peaks) // 2]
+    kept, left = planner.search(m, 2, budget)
+    assert kept and left and all(x.peak <= budget for x in kept) and all(x.peak > budget for x in left)
+    assert len(kept) + len(left) == len(fits)
+    assert [x.peak for x in left] == sorted(x.peak for x in left)  # the smallest first, for the refusal
+
+
+def test_nothing_fits_is_one_line_with_the_smallest_peak_and_what_to_change(tmp_path, free):
+    m = measured(tmp_path, [1e-3] * 4)
+    fits, over = planner.search(m, 2, 1)
+    assert not fits
+    line = planner.refusal(over, 1)
+    assert "\n" not in line and line.startswith("--memory-gib:")
+    assert f"{over[0].peak / 2**30:.2f} GiB" in line and "more memory or workers" in line
+
+
+def test_why_the_best_wins_names_the_runner_up_of_another_schedule(tmp_path, free):
+    m = measured(tmp_path, [1e-3] * 4)
+    fits, _ = planner.search(m, 2, 1 << 40)
+    line = planner.why_best(fits, 1 << 40)
+    other = next(x for x in fits if x.config.schedule != fits[0].config.schedule)
+    assert line.startswith(f"{fits[0].config.schedule}:") and f"vs {other.config.schedule}'s" in line
+
+
+def test_the_written_spec_is_the_job_with_the_configuration_and_reads_back(tmp_path):
+    text = job_yaml(model__args={"width": 8, "depth": 3}, data__batch_size=16, optimizer={"name": "adam", "lr": 0.1})
+    c = Config(2, 2, "zbv", 2, 4, "except_last", True, (1, 1, 1, 1))
+    spec = parse_spec(planner.written(text, "job.yaml", c))
+    assert (spec.stages, spec.replicas, spec.schedule, spec.virtual_stages, spec.chunks) == (2, 2, "zbv", 2, 4)
+    assert spec.activation_checkpoint == "except_last" and spec.optimizer.shard and spec.balance == [1, 1, 1, 1]
+    assert spec.optimizer.lr == 0.1 and spec.data.batch_size == 16  # the rest as it was
+
+
+def test_the_flags_out_of_range_are_one_line(tmp_path):
+    class Args:
+        workers, memory_gib, top, job, write, json = 0, 4.0, 10, "job.yaml", None, False
+
+    spec = parse_spec(job_yaml())
+    with pytest.raises(SpecError, match="--workers: 0"):
+        planner.main(Args(), spec, job_yaml(), tmp_path)
+    Args.workers, Args.memory_gib = 2, -1.0
+    with pytest.raises(SpecError, match="--memory-gib"):
+        planner.main(Args(), spec, job_yaml(), tmp_path)

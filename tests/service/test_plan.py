@@ -1,0 +1,67 @@
+"""`gpipe-coordinator plan` through the CLI: the table, --json's last line, --write's file read back by validate and
+run with the configuration the plan chose; nothing that fits is one line, exit 2. The search and its models in
+process: tests/control/test_planner.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.support.cli import one_error_line
+from tests.support.spec import job
+
+SPEC = job(name="planned", model__args={"width": 16, "depth": 5}, data__batch_size=16,
+           data__args={"n": 64, "in_features": 16, "out_features": 16}, optimizer={"name": "adam", "lr": 0.01},
+           steps=3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.path  # plan, then run what it wrote (make test)
+def test_plan_prints_what_fits_fastest_first_and_writes_a_spec_that_runs_as_chosen(cli):
+    path = cli.write(SPEC)
+    r = cli.run("plan", str(path), "--workers", "2", "--memory-gib", "8", "--json", "--top", "5",
+                "--write", str(cli.tmp / "best.yaml"), timeout=180)
+    assert r.returncode == 0, r.stderr
+    picks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 1 <= len(picks) <= 5
+    assert [p["predicted_step_s"] for p in picks] == sorted(p["predicted_step_s"] for p in picks)
+    best = picks[0]
+    assert best["stages"] * best["replicas"] <= 2 and best["predicted_peak_bytes"] <= 8 << 30
+    assert set(best) >= {"stages", "replicas", "balance", "schedule", "virtual_stages", "chunks",
+                         "activation_checkpoint", "shard", "predicted_step_s", "predicted_peak_bytes"}
+    written = yaml.safe_load((cli.tmp / "best.yaml").read_text())
+    for key in ("stages", "replicas", "balance", "schedule", "virtual_stages", "chunks", "activation_checkpoint"):
+        assert written[key] == best[key], key
+    assert written["optimizer"]["shard"] == best["shard"] and written["optimizer"]["lr"] == 0.01
+    r = cli.run("validate", str(cli.tmp / "best.yaml"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = cli.run("run", str(cli.tmp / "best.yaml"), "--state-dir", str(cli.tmp / "state"), "--no-progress",
+                "--oversubscribe", timeout=180)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((cli.tmp / "state" / "planned" / "plan.json").read_text())
+    assert plan["balance"] == best["balance"] and plan["schedule"]["name"] == best["schedule"]
+    assert len(plan["workers"]) == best["stages"] * best["replicas"]
+
+    # The table: a header, a row per configuration, and why the first wins.
+    r = cli.run("plan", str(path), "--workers", "2", "--memory-gib", "8", "--top", "3", timeout=180)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "configuration(s) fit" in lines[0] and lines[1].startswith("| # |") and lines[-1].split(":")[0] in \
+        {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"}
+    assert [x.split("|")[1].strip() for x in lines[3:6]] == ["1", "2", "3"]
+
+
+@pytest.mark.multiprocess
+def test_nothing_that_fits_and_bad_flags_are_one_line_exit_2_and_write_nothing(cli):
+    path = cli.write(SPEC)
+    out = cli.tmp / "best.yaml"
+    r = cli.run("plan", str(path), "--workers", "2", "--memory-gib", "0.01", "--write", str(out), timeout=180)
+    assert r.returncode == 2
+    assert "smallest predicted peak" in one_error_line(r.stderr, "error: --memory-gib:")
+    assert not out.exists()
+    r = cli.run("plan", str(path), "--workers", "0", "--memory-gib", "8", timeout=60)
+    assert r.returncode == 2 and "--workers" in one_error_line(r.stderr, "error: --workers")
+    r = cli.run("plan", str(path), "--memory-gib", "8", timeout=60)  # --workers is required
+    assert r.returncode == 2 and "--workers" in r.stderr
