@@ -7,9 +7,10 @@ Two uint16 token files of random ids below GPT-2's vocabulary (50257) are writte
 8 M tokens at a time, and deleted at the end: one of `--mb` MB, one of 1 MB. The same job then runs through
 `gpipe-coordinator run` on each: tests.support.models' tiny_lm (an embedding of the 50257 ids, 2 transformer
 layers of width 32, a head) on 2 stages, `data: {factory: tokens, seq_len: 64}`, shuffle on, batches of 16
-windows, `--steps` steps (each step reads 16 windows from anywhere in the file, so the large file's steps map
-a new segment for nearly every window: gpipe.tokens). The data is read by the coordinator only: `run`'s
-supervisor process opens the files to validate the job, its attempt process reads every step's windows.
+windows, `--steps` steps (each step reads 16 windows from anywhere in the file, one read each: gpipe.tokens;
+the shuffle keeps a permutation of every window, 4 bytes each: coordinator.data). The data is read by the
+coordinator only: `run`'s supervisor process opens the files to validate the job, its attempt process reads
+every step's windows.
 
 Reported: each process's peak resident memory (VmHWM from /proc/<pid>/status, polled every 0.2 s: file pages
 mapped count, as they do for the kernel), on each file, and the difference, against the target: the

@@ -2,7 +2,9 @@
 
 With shuffle off, step s takes items s*B ... s*B+B-1 modulo the data set's
 length. With shuffle on, epoch e visits the items in the order of a
-permutation seeded by (seed, e). Either way a step's batch is a function of
+permutation seeded by (seed, e): torch.randperm's, kept for the epoch as int32
+where the length is below 2**31 (4 bytes an item, not 8; randperm draws the
+same permutation in either dtype). Either way a step's batch is a function of
 the step alone, so a resumed job sees exactly the batches it would have.
 
 An item is an (input, target) pair, each a tensor or a structure of them
@@ -46,7 +48,9 @@ class DataStream:
             epoch = p // self.n
             if self._perm is None or self._perm[0] != epoch:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._perm = (epoch, torch.randperm(self.n, generator=g))
+                # int32 where it holds n: the permutation int64 would be (the same draws), half the bytes
+                dtype = torch.int32 if self.n < 2**31 else torch.int64
+                self._perm = (epoch, torch.randperm(self.n, generator=g, dtype=dtype))
             out.append(int(self._perm[1][p % self.n]))
         return out
 

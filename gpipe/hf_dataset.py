@@ -13,8 +13,8 @@ Nothing is fetched: the datasets library runs offline and the tokenizer is read 
 A relative path is the job folder's (gpipe.factory.enter_job_folder: the factories run there).
 
 Why a token file: the stream is tokenized once, written to a cache file, and read from then on as token
-files are (gpipe.tokens.TokenWindows: memory-mapped, at most 64 MiB of address space, a copy sent to
-another process carries the path). Tokenizing in datasets' own `map` cache instead would keep a table of
+files are (gpipe.tokens.TokenWindows: a window at a time, nothing mapped, a copy sent to another
+process carries the path). Tokenizing in datasets' own `map` cache instead would keep a table of
 id lists per row, still to be concatenated and cut at every start, and would import datasets and
 transformers (seconds) at every start too. The cache file is named by a hash of the source's and the
 tokenizer's files (path, size, modification time), the split, the column and eos: a hit costs a few

@@ -11,11 +11,15 @@ is left out.
 stream of tokens, in that order, so a window may begin in one file and end in the next. A relative
 path is the job folder's (gpipe.factory.enter_job_folder: the factories run there).
 
-The files are memory-mapped, never read whole: an item reads its window's pages, so a set larger than
-memory costs only what the steps touch. They are mapped a segment (2 or 4 MiB) at a time, the last 16
-segments read kept mapped: whatever the files' size, the data set takes at most 64 MiB of address space
-(`validate --memory-mib` and serve's validation cap count it), and reading in order maps each segment
-once. A copy of the set sent to another process carries the paths, not the tokens.
+The files are read with os.pread, never mapped nor read whole: an item reads its window's bytes (one
+call, or one per file it spans) into a buffer of its own, so a set larger than memory costs only what
+the steps touch, and no page of the files is resident in the process: the kernel's page cache holds
+them, shared and given back under memory pressure. Mapped windows would cost the process their pages,
+and more: a read of one window of a mapping can make megabytes around it resident, so mappings kept for
+reuse cost megabytes each. The last 16 files read are kept open, so reading in order opens each file
+once and a glob of thousands of shards holds 16 descriptors. Nothing is mapped: `validate --memory-mib`
+and serve's validation cap, which count mapped files, count none of the set whatever the files' size.
+A copy of the set sent to another process carries the paths, not the tokens nor the open files.
 """
 
 from __future__ import annotations
@@ -31,9 +35,19 @@ import torch
 from torch.utils.data import Dataset
 
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-SEGMENT = 1 << 20  # tokens a mapping holds: 2 or 4 MiB of a file
-MAPPED = 16  # segments kept mapped, the last read: at most 64 MiB of address space
+OPEN = 16  # files kept open, the last read
 UINT16_VOCAB = 65535  # vocabularies up to this size are written as uint16
+
+
+class _File:
+    """A file open for reading: its descriptor, closed when the last reference to it goes."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)  # not inherited by a program the process starts
+
+    def __del__(self) -> None:
+        if hasattr(self, "fd"):  # the open succeeded
+            os.close(self.fd)
 
 
 class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -45,7 +59,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.starts = np.cumsum([0, *self.sizes])  # token offset of each file in the stream
         self.tokens = int(self.starts[-1])
         self.n = max(0, (self.tokens - 1) // seq_len)
-        self._maps: OrderedDict[tuple[int, int], np.memmap[Any, Any]] | None = None
+        self._files: OrderedDict[int, _File] | None = None  # opened by the process that reads
 
     def __len__(self) -> int:
         return self.n
@@ -59,7 +73,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return window[:-1], window[1:]
 
     def read(self, start: int, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Tokens start ... start+count-1 of the stream, as int64, across file and segment boundaries."""
+        """Tokens start ... start+count-1 of the stream, as int64, across file boundaries."""
         out = np.empty(count, dtype=np.int64)
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         done = 0
@@ -68,29 +82,37 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             if at >= self.sizes[f]:  # past its end (an empty file holds none)
                 f += 1
                 continue
-            segment = self._segment(f, at // SEGMENT)
-            at %= SEGMENT
-            take = min(count - done, len(segment) - at)
-            out[done : done + take] = segment[at : at + take]
+            take = min(count - done, self.sizes[f] - at)
+            out[done : done + take] = self._pread(f, at, take)
             done += take
         return out
 
-    def _segment(self, f: int, k: int) -> np.memmap[Any, Any]:
-        """Segment k of file f (tokens k*SEGMENT ... on), mapped: the last MAPPED segments read stay mapped."""
-        if self._maps is None:
-            self._maps = OrderedDict()
-        if (m := self._maps.get((f, k))) is not None:
-            self._maps.move_to_end((f, k))
-            return m
-        n = min(SEGMENT, self.sizes[f] - k * SEGMENT)
-        m = self._maps[f, k] = np.memmap(self.files[f], dtype=self.dtype, mode="r",
-                                         offset=k * SEGMENT * self.dtype.itemsize, shape=(n,))
-        if len(self._maps) > MAPPED:
-            self._maps.popitem(last=False)  # unmapped once no window holds it
-        return m
+    def _pread(self, f: int, at: int, count: int) -> np.ndarray[Any, Any]:
+        """Tokens at ... at+count-1 of file f, in its dtype; OSError where the file is shorter than it was."""
+        size = self.dtype.itemsize
+        file, want = self._open(f), count * size  # held: a read under way keeps its file open
+        data = os.pread(file.fd, want, at * size)
+        while len(data) < want:  # short only at a file's end: this one was cut short since the set was made
+            more = os.pread(file.fd, want - len(data), at * size + len(data))
+            if not more:
+                raise OSError(f"{self.files[f]}: ends before token {at + count} (cut short since the job started)")
+            data += more
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def _open(self, f: int) -> _File:
+        """File f, open: the last OPEN files read stay open."""
+        if self._files is None:
+            self._files = OrderedDict()
+        if (file := self._files.get(f)) is not None:
+            self._files.move_to_end(f)
+            return file
+        file = self._files[f] = _File(self.files[f])
+        if len(self._files) > OPEN:
+            self._files.popitem(last=False)  # closed once no read holds it
+        return file
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": None}  # the paths travel, not the mapped tokens
+        return {**self.__dict__, "_files": None}  # the paths travel, not the tokens nor the open files
 
 
 def tokens(path: str | list[str], seq_len: int, dtype: str = "uint16") -> TokenWindows:

@@ -1,4 +1,5 @@
-"""Token files (gpipe.tokens): the windows, the stream across files, the glob, and one line per bad input."""
+"""Token files (gpipe.tokens): the windows, the stream across files, the glob, the shuffle's permutation, and one
+line per bad input."""
 
 from __future__ import annotations
 
@@ -124,16 +125,40 @@ def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_windows_read_through_few_small_mappings_equal_the_files(tmp_path, monkeypatch, shuffle):
-    # validate --memory-mib (and serve's validation) counts mapped files against its cap: the set maps at most
-    # MAPPED segments of SEGMENT tokens at a time, whatever the files' size. Here segments of 8 tokens, 3 kept.
-    monkeypatch.setattr(gpipe.tokens, "SEGMENT", 8)
-    monkeypatch.setattr(gpipe.tokens, "MAPPED", 3)
+def test_windows_read_through_few_open_files_equal_the_files(tmp_path, monkeypatch, shuffle):
+    # The set maps nothing (validate --memory-mib and serve's validation count mapped files against their
+    # cap) and keeps at most OPEN files open, whatever the files' count and size. Here 2 kept of 5 files.
+    monkeypatch.setattr(gpipe.tokens, "OPEN", 2)
     ids = np.random.default_rng(0).integers(0, 60_000, 300)
-    for k, part in enumerate(np.split(ids, [45, 45, 160])):  # an empty file among them
+    for k, part in enumerate(np.split(ids, [45, 45, 52, 160])):  # an empty file, and one shorter than a window
         _write(tmp_path / f"s{k}.bin", part)
     data = tokens(str(tmp_path / "s*.bin"), 10)
     for i in DataStream(data, 5, 1, shuffle, seed=1).indices(0) + list(range(len(data))):
         x, y = data[i]
         assert x.tolist() == ids[i * 10 : i * 10 + 10].tolist() and y.tolist() == ids[i * 10 + 1 : i * 10 + 11].tolist()
-        assert len(data._maps) <= 3 and all(len(m) <= 8 for m in data._maps.values())
+        assert len(data._files) <= 2
+    assert data.read(44, 10).tolist() == ids[44:54].tolist()  # across the empty file and the short one
+    assert data.read(0, 300).tolist() == ids.tolist()
+
+
+def test_a_shortened_file_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "t.bin"
+    data = tokens(_write(path, range(100)), 8)
+    data[0]
+    path.write_bytes(path.read_bytes()[:100])  # 50 tokens left
+    assert data[5][0].tolist() == list(range(40, 48))
+    with pytest.raises(OSError, match="t.bin: ends before token 81"):
+        data[9]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 65_537, 10**6 + 3, 10**7])
+def test_the_shuffles_int32_permutation_is_the_int64_one(n):
+    # The stream keeps its permutation as int32 (half the bytes of a set's worth of int64): the same draws,
+    # so every batch is the one the int64 permutation made.
+    for seed in (0, 5):
+        want = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + 2))
+        stream = DataStream(torch.utils.data.TensorDataset(torch.zeros(n)), 1, 1, shuffle=True, seed=seed)
+        for k in {0, n // 3, n // 2, n - 1}:  # step 2n + k: epoch 2's item k
+            assert stream.indices(2 * n + k) == [int(want[k])]
+        assert stream._perm is not None and stream._perm[1].dtype == torch.int32
+        assert torch.equal(stream._perm[1].long(), want)
