@@ -32,6 +32,7 @@ if __name__ == "__main__":
     proc.adopt()  # first, before the seconds torch takes to import: die with the parent from the start
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ import traceback
 import warnings
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from coordinator import policy, report
 from coordinator.records import Placement
@@ -64,7 +66,7 @@ def device_for(spec: JobSpec, device: str, rank: int) -> str:
 def _parse_placement(text: str) -> list[Placement]:
     try:
         return [Placement(str(p["host"]), str(p["device"]), [int(c) for c in p["cores"]], int(p["threads"]),
-                          None if p.get("rank") is None else int(p["rank"]))
+                          None if p.get("rank") is None else int(p["rank"]), int(p.get("memory_bytes", 0)))
                 for p in json.loads(text)]
     except (ValueError, KeyError, TypeError) as e:
         raise SpecError(f"--placement: not a list of stage placements ({e})") from None
@@ -85,6 +87,41 @@ def _placed(a: argparse.Namespace, spec: JobSpec) -> tuple[list[Placement], list
                         "stages")
     # A worker's device follows its own rank, not the slot it serves (elastic: a spare serves another's).
     return placement, [device_for(spec, p.device, k if p.rank is None else p.rank) for k, p in enumerate(placement)]
+
+
+def _auto(spec: JobSpec, a: argparse.Namespace, placement: list[Placement], out: Path,
+          tell: report.Reporter) -> tuple[JobSpec, dict[str, Any] | None]:
+    """`spec` with its `auto` fields chosen (coordinator.planner.resolve), and the record plan.json keeps; a
+    resumed attempt takes the choice its job made before (plan.json's `auto`), so its micro-batches stay."""
+    if not spec.auto:
+        return spec, None
+    from coordinator import planner
+
+    if a.resume:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            before = json.loads((out / "plan.json").read_text())["auto"]
+            if before and before.get("fields") == sorted(spec.auto):
+                resolved = planner.chosen(spec, before)
+                tell(report.Log(f"auto: as chosen before: {_chosen_line(before)}"))
+                return resolved, before
+    budget = min(p.memory_bytes or _cpu_share(spec.topology.world) for p in placement)
+    resolved, record = planner.resolve(spec, Path(a.job_dir), spec.topology.world, placement[0].threads, budget)
+    tell(report.Log(f"auto: {_chosen_line(record)}; {record['why']}"))
+    return resolved, record
+
+
+def _chosen_line(record: dict[str, Any]) -> str:
+    chosen = ", ".join(f"{k} {v}" for k, v in record["chosen"].items())
+    return f"{chosen} (predicted {record['predicted_step_s'] * 1e3:.1f} ms a step)"
+
+
+def _cpu_share(workers: int) -> int:
+    """A CPU worker's memory, as the auto values plan for it: this host's available memory split among `workers`
+    (run's local workers; under serve, workers on other hosts are taken to have as much)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 // max(1, workers)
+    return 1 << 40  # no /proc: not bounded here
 
 
 def _rendezvous(a: argparse.Namespace, spec: JobSpec) -> tuple[int, str]:
@@ -171,10 +208,12 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
             tell(report.Log("no checkpoint to resume from: starting at step 0"))
     tell(report.Resumed(resume.step if resume else 0))
     port, secret = _rendezvous(a, spec)
+    spec, auto = _auto(spec, a, placement, out, tell)
     # Planned on this process's CPU: the coordinator never touches a GPU (its pod has none); by_time measures
     # the layers there, a stand-in for the workers' devices.
     plan = make_plan(spec, Path(a.job_dir), "cpu", placement[0].threads,
                      balance_of=resume.meta.get("balance") if resume else None)
+    plan.auto = auto
     if resume is not None:
         resume_parts(plan, resume)  # the checkpoint fits this job's model and data, or nothing starts
     # The plan holds: only now is anything written (a fresh start drops an earlier run's outputs).

@@ -462,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
             enter_job_folder(job_dir)  # a process of this job's own: its factories run in its folder
             plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
             print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
+            if spec.auto:
+                print(f"  auto: {', '.join(spec.auto)}: chosen when the job starts, for its workers and their "
+                      "memory (`gpipe-coordinator plan` shows the choice); the figures below are the meanwhile "
+                      "values")
             if gpus:
                 print(f"  {gpus}")
             for k in range(len(plan.balance)):

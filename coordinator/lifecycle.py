@@ -39,7 +39,7 @@ class Lifecycle(Reshape):
         e.last_ranks = list(attempt.ranks)
         end = Ending()
         try:
-            placement = [Placement(w.host, w.device, w.cores, w.threads, w.rank)
+            placement = [Placement(w.host, w.device, w.cores, w.threads, w.rank, w.gpu.memory_bytes if w.gpu else 0)
                          for w in (self.workers[r] for r in attempt.ranks)]
             attempt.process = await self.launcher(Launch(
                 job.name, attempt.id, job.attempts, e.spec_path, e.job_dir, placement, resume=not e.fresh,

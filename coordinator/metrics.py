@@ -175,6 +175,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
                      **_predicted(predicted[n] if predicted else None, missing or plan.footprint_missing)}
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
+        **({"auto": plan.auto} if plan.auto else {}),
     })
 
 

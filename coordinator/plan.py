@@ -58,6 +58,7 @@ class Plan:
     captured: capture.Captured | None = None  # a model that is not an nn.Sequential: its pieces are `model`
     sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
     original: nn.Module | None = None  # then: the model as the factory returned it
+    auto: dict[str, Any] | None = None  # the spec's auto values as chosen (coordinator.planner.resolve): plan.json
     weights: Pretrained | None = None  # model.weights: the pretrained checkpoint the stages start from
     weights_at: dict[str, tuple[int, str]] = field(default_factory=dict)  # model name -> (its file, name there)
     # Built on the meta device (model.weights, init per_layer: gpipe.skeleton): its buffers' values, by the

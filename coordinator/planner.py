@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -262,18 +262,23 @@ def search(m: Measured, workers: int, budget: int) -> tuple[list[Candidate], lis
     """(the configurations that fit `budget` bytes a worker, fastest first; those that do not, smallest peak
     first)."""
     spec = m.plan.spec
-    batch = spec.data.batch_size
     has_state = optimizer_slots(spec) > 0 and not spec.optimizer.by_path  # (shard takes the short names only)
+    return evaluate(m, configurations(len(m.layers), spec.data.batch_size, workers, has_state), budget)
+
+
+def evaluate(m: Measured, configs: Iterable[Config], budget: int,
+             balance: Sequence[int] | None = None) -> tuple[list[Candidate], list[Candidate]]:
+    """`search`'s answer over `configs`: each with `balance`, or the balance by measured time."""
+    spec = m.plan.spec
+    batch = spec.data.batch_size
     fits: list[Candidate] = []
     over: list[Candidate] = []
-    seen = 0
-    for c in configurations(len(m.layers), batch, workers, has_state):
-        seen += 1
+    for seen, c in enumerate(configs, 1):
         if seen > MAX_CANDIDATES:
-            raise SpecError(f"--workers: {workers} workers make more than {MAX_CANDIDATES} configurations to "
-                            "simulate; give fewer workers")
+            raise SpecError(f"--workers: more than {MAX_CANDIDATES} configurations to simulate; give fewer workers")
         n = max(_sizes(batch, c.replicas, c.chunks))
-        c = dataclasses.replace(c, balance=tuple(balance_for(m, c, n)))
+        chosen = list(balance) if balance is not None else balance_for(m, c, n)
+        c = dataclasses.replace(c, balance=tuple(chosen))
         candidate_spec = _spec_of(spec, c)
         if candidate_spec is None:
             continue
@@ -288,9 +293,70 @@ def search(m: Measured, workers: int, budget: int) -> tuple[list[Candidate], lis
     return fits, over
 
 
-def measure(spec: JobSpec, job_dir: Path, workers: int) -> Measured:
-    """The job's plan and its layers' costs on this host, as a worker of `workers` measures them."""
+def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: int,
+            on: str = "cpu") -> tuple[JobSpec, dict[str, Any]]:
+    """`spec` with its `auto` fields (schedule, chunks, activation_checkpoint) chosen as `plan` would, its other
+    fields as they are (the balance by measured time unless the spec gives one that still fits), for `workers`
+    workers of `threads` threads and `budget` bytes each, the layers measured `on` that device (the
+    coordinator's CPU stands in for the workers' GPUs); and plan.json's record of the choice. SpecError when
+    nothing fits (one line, as `plan`'s)."""
+    m = measure(spec, job_dir, workers, threads, on)
+    auto = set(spec.auto)
+    names = SCHEDULES if "schedule" in auto else (spec.schedule,)
+    checkpoints = CHECKPOINTS if "activation_checkpoint" in auto else (spec.activation_checkpoint,)
+
+    def configs() -> Iterator[Config]:
+        for name in names:
+            virtual = VIRTUAL.get(name, 1) if "schedule" in auto else spec.virtual_stages
+            if spec.stages * virtual > len(m.layers) or (spec.stages == 1 and name != "gpipe" and "schedule" in auto):
+                continue
+            chunks = chunk_choices(spec.data.batch_size, spec.replicas, spec.stages) if "chunks" in auto \
+                else [spec.chunks]
+            for n in chunks:
+                for ckpt in checkpoints:
+                    if ckpt == "except_last" and n == 1 and "activation_checkpoint" in auto:
+                        continue
+                    yield Config(spec.stages, spec.replicas, name, virtual, n, ckpt, spec.optimizer.shard)
+
+    given = spec.balance if isinstance(spec.balance, list) else None
+    fits, over = evaluate(m, configs(), budget, given if given and "schedule" not in auto else None)
+    if not fits:
+        raise SpecError(refusal(over, budget, "auto"))
+    best = fits[0]
+    c = best.config
     data = spec.model_dump(mode="json", exclude_unset=True)
+    data.pop("auto", None)
+    data.update({"schedule": c.schedule, "virtual_stages": c.virtual_stages, "chunks": c.chunks,
+                 "activation_checkpoint": c.activation_checkpoint})
+    data["balance"] = list(c.balance)
+    resolved = JobSpec.model_validate(data)
+    picked: dict[str, Any] = {k: getattr(resolved, k) for k in sorted(auto)}
+    if "schedule" in auto:
+        picked["virtual_stages"] = resolved.virtual_stages
+    record = {"fields": sorted(auto), "chosen": picked,
+              "balance": list(c.balance), "predicted_step_s": round(best.step_s, 6),
+              "predicted_peak_bytes": best.peak, "budget_bytes": budget, "workers": workers,
+              "why": why_best(fits, budget) if len(fits) > 1 else "the one configuration that fits",
+              "candidates": len(fits) + len(over)}
+    return resolved, record
+
+
+def chosen(spec: JobSpec, record: dict[str, Any]) -> JobSpec:
+    """`spec` with the choice an earlier attempt recorded (plan.json's `auto`): a restarted or resumed job keeps
+    its micro-batches, so its steps stay the same."""
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    data.pop("auto", None)
+    data.update(record["chosen"])
+    data["balance"] = record["balance"]
+    return JobSpec.model_validate(data)
+
+
+def measure(spec: JobSpec, job_dir: Path, workers: int, threads: int | None = None,
+            on: str | None = None) -> Measured:
+    """The job's plan and its layers' costs on this host, as a worker of `workers` measures them (`threads`:
+    a CPU worker's; None: as `workers` local workers split this host's cores)."""
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    data.pop("auto", None)
     data["model"].pop("split_points", None)  # the search cuts the model itself: at its blocks
     data.update({"stages": 1, "virtual_stages": 1, "replicas": 1, "chunks": 1, "schedule": "gpipe",
                  "balance": "by_params", "activation_checkpoint": "never",
@@ -299,13 +365,14 @@ def measure(spec: JobSpec, job_dir: Path, workers: int) -> Measured:
     plan = make_plan(base, job_dir)
     if plan.footprint is None:
         raise SpecError(f"probe: plan needs each layer's memory, which the probe measures: {plan.footprint_missing}")
-    device = "cuda" if spec.device == "cuda" else "cpu"
-    if device == "cuda":
-        torch_device, threads = torch.device("cuda:0"), torch.get_num_threads()
+    device = "cuda" if spec.device == "cuda" else "cpu"  # the links' and the memory model's kind
+    if (on or device) == "cuda":
+        torch_device, threads = torch.device("cuda:0"), torch.get_num_threads()  # (the coordinator's stand-in)
     else:
         from worker.cores import split_cores, threads_for
 
-        torch_device, threads = torch.device("cpu"), threads_for(split_cores(workers)[0])
+        torch_device = torch.device("cpu")
+        threads = threads or threads_for(split_cores(workers)[0])
     xs, _, _ = plan.stream().shards(0)[0]  # the whole first batch: chunks 1, one replica
     batch = spec.data.batch_size
     small = max(1, batch // (workers * 8))
@@ -350,12 +417,12 @@ def why_best(fits: Sequence[Candidate], budget: int) -> str:
     return f"{line}; fits in {_gib(best.peak)} of {_gib(budget)} GiB"
 
 
-def refusal(over: Sequence[Candidate], budget: int) -> str:
-    """The one line when nothing fits."""
+def refusal(over: Sequence[Candidate], budget: int, field: str = "--memory-gib") -> str:
+    """The one line when nothing fits (`field`: what it names)."""
     if not over:
         return "plan: no configuration of this job could be predicted (no footprint)"
     low = over[0]
-    return (f"--memory-gib: no configuration fits {_gib(budget)} GiB a worker; the smallest predicted peak is "
+    return (f"{field}: no configuration fits {_gib(budget)} GiB a worker; the smallest predicted peak is "
             f"{_gib(low.peak)} GiB ({low.config.describe()}): give more memory or workers, a smaller "
             "data.batch_size, or a smaller model")
 

@@ -72,6 +72,7 @@ class Placement:
     cores: list[int]
     threads: int
     rank: int | None = None  # the worker's own; None: the slot
+    memory_bytes: int = 0  # its GPU's memory as the worker registered it; 0: a CPU's (the host's, not known here)
 
 
 @dataclass(frozen=True)

@@ -446,6 +446,9 @@ class LossScaleSpec(_Spec):
         return v
 
 
+AUTO_FIELDS = ("schedule", "chunks", "activation_checkpoint")  # what `auto` may stand for
+
+
 class JobSpec(_Spec):
     """A training job: what to train, how to cut it into stages, and how long."""
 
@@ -465,7 +468,9 @@ class JobSpec(_Spec):
         description="Layers per stage, in order; or by_params, by_time (measured on a sample "
         "micro-batch) or by_memory (weights, optimizer state and activations in flight).",
     )
-    chunks: Annotated[StrictInt, Range(1, MAX_CHUNKS)] = Field(default=1, description="Micro-batches per step.")
+    chunks: Annotated[StrictInt, Range(1, MAX_CHUNKS)] = Field(
+        default=1, description="Micro-batches per step; auto: chosen before the job starts (see auto)."
+    )
     schedule: schedules.Name = Field(
         default="gpipe",
         description="gpipe: all forwards, then all backwards. 1f1b: one forward, one backward; "
@@ -475,7 +480,8 @@ class JobSpec(_Spec):
         "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (model chunk c on "
         "worker c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
         "virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the backward split "
-        "as zb-h1's: about no bubble at 1f1b's activation memory.",
+        "as zb-h1's: about no bubble at 1f1b's activation memory. auto: chosen before the job starts "
+        "(see auto).",
     )
     virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
         default=1,
@@ -485,7 +491,15 @@ class JobSpec(_Spec):
     activation_checkpoint: Checkpoint = Field(
         default="never",
         description="Recompute a stage's forward in its backward instead of keeping its "
-        "activations: for every micro-batch, all but the last, or none.",
+        "activations: for every micro-batch, all but the last, or none; auto: chosen before the job starts "
+        "(see auto).",
+    )
+    auto: list[Literal["schedule", "chunks", "activation_checkpoint"]] = Field(
+        default_factory=list, max_length=3,
+        description="Which of schedule, chunks and activation_checkpoint the job plans before it starts: "
+        "written as `schedule: auto` (and so on), not here. run and serve then choose them as "
+        "`gpipe-coordinator plan` would, for the workers the job runs on and their memory (docs/plan.md), "
+        "and plan.json's `auto` says what was chosen and why.",
     )
     deferred_batch_norm: bool = Field(
         default=False,
@@ -653,6 +667,28 @@ class JobSpec(_Spec):
                     and (len(points) + 1) % virtual == 0:
                 return {**data, "stages": (len(points) + 1) // virtual}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_values(cls, data: Any) -> Any:
+        """`schedule: auto`, `chunks: auto`, `activation_checkpoint: auto`: listed in `auto`, and a value that
+        validates meanwhile (the job's plan replaces it before anything starts: coordinator.planner.resolve)."""
+        if not isinstance(data, dict):
+            return data
+        autos = [k for k in AUTO_FIELDS if data.get(k) == "auto"]
+        if not autos:
+            return data
+        if data.get("auto"):
+            raise ValueError("auto: write `auto` as the value of schedule, chunks or activation_checkpoint, "
+                             "not this list")
+        if isinstance(data.get("model"), dict) and data["model"].get("split_points"):
+            raise ValueError(f"{autos[0]}: auto plans the cut too (the balance by measured time): leave "
+                             "model.split_points out, give stages")
+        stages, virtual = data.get("stages", 1), data.get("virtual_stages", 1)
+        meanwhile = {"schedule": "gpipe" if virtual == 1 else "interleaved-1f1b",
+                     "chunks": stages if type(stages) is int and stages >= 1 else 1,
+                     "activation_checkpoint": "never"}
+        return {**data, **{k: meanwhile[k] for k in autos}, "auto": autos}
 
     @model_validator(mode="before")
     @classmethod

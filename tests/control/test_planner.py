@@ -4,6 +4,7 @@ picks, the memory filter and the refusal; and gpipe.costs' lines."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -139,3 +140,28 @@ def test_the_flags_out_of_range_are_one_line(tmp_path):
     Args.workers, Args.memory_gib = 2, -1.0
     with pytest.raises(SpecError, match="--memory-gib"):
         planner.main(Args(), spec, job_yaml(), tmp_path)
+
+
+def test_auto_values_are_listed_and_validate_meanwhile_and_split_points_are_refused():
+    spec = parse_spec(job_yaml(schedule="auto", chunks="auto", activation_checkpoint="auto", stages=2))
+    assert spec.auto == ["schedule", "chunks", "activation_checkpoint"]
+    assert (spec.schedule, spec.chunks, spec.activation_checkpoint) == ("gpipe", 2, "never")  # meanwhile
+    assert parse_spec(job_yaml()).auto == []
+    with pytest.raises(SpecError, match="chunks: auto plans the cut too"):
+        parse_spec(job_yaml(chunks="auto", model={"factory": "tests.support.models:gpt2",
+                                                  "split_points": ["transformer.h.2"]}, stages=2))
+    with pytest.raises(SpecError, match="auto: write `auto` as the value"):
+        parse_spec(job_yaml(chunks="auto", auto=["chunks"]))
+
+
+def test_resolve_chooses_only_the_auto_fields_and_a_recorded_choice_comes_back(tmp_path, free):
+    spec = parse_spec(job_yaml(model__args={"width": 8, "depth": 3}, data__batch_size=16, data__args__n=64,
+                               stages=2, replicas=1, chunks="auto", schedule="1f1b", balance=[3, 1]))
+    resolved, record = planner.resolve(spec, tmp_path, 2, 1, 1 << 40)
+    assert resolved.auto == [] and resolved.schedule == "1f1b" and resolved.balance == [3, 1]  # as given
+    assert resolved.chunks in planner.chunk_choices(16, 1, 2) and record["chosen"] == {"chunks": resolved.chunks}
+    assert record["predicted_step_s"] > 0 and record["fields"] == ["chunks"] and record["workers"] == 2
+    again = planner.chosen(spec, json.loads(json.dumps(record)))  # as plan.json keeps it
+    assert again == resolved
+    with pytest.raises(SpecError, match="auto: no configuration fits"):
+        planner.resolve(spec, tmp_path, 2, 1, 1)

@@ -8,8 +8,12 @@ import json
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 
-from tests.support.cli import one_error_line
+from tests.support import reference
+from tests.support.cli import end_leftovers, one_error_line
+from tests.support.ports import free_port_in
+from tests.support.service import Service
 from tests.support.spec import job
 
 SPEC = job(name="planned", model__args={"width": 16, "depth": 5}, data__batch_size=16,
@@ -65,3 +69,43 @@ def test_nothing_that_fits_and_bad_flags_are_one_line_exit_2_and_write_nothing(c
     assert r.returncode == 2 and "--workers" in one_error_line(r.stderr, "error: --workers")
     r = cli.run("plan", str(path), "--memory-gib", "8", timeout=60)  # --workers is required
     assert r.returncode == 2 and "--workers" in r.stderr
+
+
+AUTO = job(SPEC, name="auto", stages=2, chunks="auto", schedule="auto", activation_checkpoint="auto")
+
+
+@pytest.mark.multiprocess
+def test_auto_values_are_chosen_at_start_recorded_in_plan_json_and_train_as_one_device(cli):
+    r = cli.run("run", str(cli.write(AUTO)), "--state-dir", str(cli.tmp / "state"), "--no-progress",
+                "--oversubscribe", timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "auto: " in r.stderr and "predicted" in r.stderr  # the choice, said
+    plan = json.loads((cli.tmp / "state" / "auto" / "plan.json").read_text())
+    auto, spec = plan["auto"], plan["spec"]
+    assert auto["fields"] == ["activation_checkpoint", "chunks", "schedule"] and spec["auto"] == []
+    for key, value in auto["chosen"].items():
+        assert spec[key] == value, key
+    assert plan["schedule"]["name"] == spec["schedule"] and plan["balance"] == auto["balance"]
+    assert auto["predicted_step_s"] > 0 and 0 < auto["predicted_peak_bytes"] <= auto["budget_bytes"]
+    chosen = job(SPEC, name="auto", stages=2, balance=auto["balance"],
+                 **{k: v for k, v in auto["chosen"].items()})
+    got, want = load_file(cli.tmp / "state" / "auto" / "model.safetensors"), reference.train(chosen)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_auto_values_under_serve(cli):
+    s = Service(cli)
+    s.port = free_port_in(range(33000, 34000))
+    s.address = f"127.0.0.1:{s.port}"
+    try:
+        s.start_serve()
+        s.start_worker(0)
+        s.start_worker(1)
+        r = s.client("submit", str(cli.write(AUTO)), "--follow", "--no-progress", timeout=240)
+        assert r.returncode == 0, r.stderr + s.log("serve")
+        plan = json.loads((s.state / "auto" / "plan.json").read_text())
+        assert plan["auto"]["chosen"]["chunks"] == plan["spec"]["chunks"] and plan["spec"]["auto"] == []
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
