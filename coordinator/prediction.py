@@ -38,7 +38,8 @@ def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
     layers = nn.ModuleList(plan.model[i] for i in range(start, end))
     params = list(layers.parameters())  # a tied weight once
     trainable = [p.numel() * p.element_size() for p in params if p.requires_grad]
-    in_place = grad_in_place.in_place_params(layers)
+    # (under autocast the weights are cast on the way: autograd's own gradients)
+    in_place = grad_in_place.in_place_params(layers) if plan.spec.precision == "fp32" else set()
     heaped = sum(p.numel() * p.element_size() for p in params
                  if p.requires_grad and id(p) not in in_place and p.numel() * p.element_size() < MMAP_THRESHOLD)
     return ChunkMemory(

@@ -49,22 +49,56 @@ _EMBEDDING: Callable[..., torch.Tensor] = _aten.embedding.default
 
 
 def _runs(node: Any) -> bool:
-    """Whether this backward runs autograd's node `node` (an input's edge; None: no gradient goes there)."""
-    return node is not None and torch._C._will_engine_execute_node(node)
+    """Whether this backward computes the gradient that goes to autograd's node `node` (an input's edge; None:
+    no gradient goes there). A leaf that autograd.grad captures (a stage's received input, in a split
+    backward's B) is one torch cannot answer for: it wants its gradient."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf captured by autograd.grad
+        return True
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether this backward adds into the weight's .grad (runs its AccumulateGrad), so that the gradient may be
+    computed into .grad: not under autograd.grad, which hands the gradient back and leaves .grad be, nor
+    under create_graph (a gradient with a graph of its own)."""
+    if node is None or torch.is_grad_enabled():
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # autograd.grad captures the weight: its gradient goes back to the caller
+        return False
+
+
+_SHARED = "_gpipe_gradient_shared"  # the attribute that marks a weight whose backward runs on several threads
+
+
+def exclude(weight: torch.Tensor) -> None:
+    """Keep `weight`'s gradient autograd's own: gpipe.Pipeline's stages run their backwards on threads of their
+    own, and a weight two of them share (a tied embedding and head) must be added into under AccumulateGrad's
+    lock, not taken from .grad by one thread while the other adds."""
+    setattr(weight, _SHARED, True)
 
 
 def _wants(weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether the in-place gradient applies: grad mode on, a leaf weight taking a gradient, no autocast, and
-    every floating input of the weight's dtype."""
+    """Whether the in-place gradient applies: grad mode on, a leaf weight taking a gradient and no other thread's
+    nor a tensor hook (a hook sees a micro-batch's gradient, not the sum so far), no autocast, no deterministic
+    mode (whose one-device reference adds in autograd's order, bit for bit), and every floating input of the
+    weight's dtype."""
     if not (torch.is_grad_enabled() and weight.requires_grad and weight.is_leaf) or weight.is_meta:
         return False  # (the meta device: a probe's shapes, no gradient kept)
+    if weight._backward_hooks or getattr(weight, _SHARED, False) or torch.are_deterministic_algorithms_enabled():
+        return False
     if torch.is_autocast_enabled(weight.device.type):
         return False
     return all(t is None or not t.is_floating_point() or t.dtype == weight.dtype for t in others)
 
 
 def _taken(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight`'s `.grad`, taken from it: the backward adds into it and hands it on to AccumulateGrad."""
+    """`weight`'s `.grad`, taken from it: the backward adds into it and hands it on to AccumulateGrad. (A backward
+    that fails in between leaves .grad unset: a failed step starts again from zero_grad.)"""
     g = weight.grad
     if g is not None:
         weight.grad = None
@@ -88,7 +122,8 @@ class _Linear(torch.autograd.Function):
         gw = gb = None
         if _runs(w_edge):
             rows = x.reshape(-1, x.shape[-1])
-            acc = _taken(w_edge.variable)  # the parameter (a saved tensor unpacks as another tensor object)
+            # the parameter (a saved tensor unpacks as another tensor object)
+            acc = _taken(w_edge.variable) if _accumulates(w_edge) else None
             gw = g.T @ rows if acc is None else acc.addmm_(g.T, rows)
         if b_edge and _runs(b_edge[0]):
             gb = g.sum(0)
@@ -115,7 +150,7 @@ class _Addmm(torch.autograd.Function):
         if _runs(m1_edge):
             gm1 = grad @ mat2.T
         if _runs(w_edge):
-            acc = _taken(w_edge.variable)
+            acc = _taken(w_edge.variable) if _accumulates(w_edge) else None
             gw = mat1.T @ grad if acc is None else acc.addmm_(mat1.T, grad)
         return gb, gm1, gw
 
@@ -140,7 +175,7 @@ class _Embedding(torch.autograd.Function):
             keep = rows != ctx.padding_idx
             rows, g = rows[keep], g[keep]
         weight = w_edge.variable  # the weight's AccumulateGrad holds it
-        acc = _taken(weight)
+        acc = _taken(weight) if _accumulates(w_edge) else None
         if acc is None:
             acc = torch.zeros_like(weight, memory_format=torch.contiguous_format)
         return acc.index_add_(0, rows, g.to(acc.dtype)), None, None
@@ -197,9 +232,9 @@ def rewrite(gm: fx.GraphModule, large: set[str]) -> int:
 
 def in_place_params(module: torch.nn.Module) -> set[int]:
     """The ids of the parameters of `module`'s captured pieces whose gradients are computed into `.grad`
-    (`rewrite` made their operations the forms above)."""
+    (`rewrite` made their one use the forms above)."""
     forms = {form: i for form, i in _IN_PLACE.values()}
-    out: set[int] = set()
+    uses: dict[int, int] = {}
     for piece in module.modules():
         graph, state = getattr(piece, "_gp_graph", None), getattr(piece, "_gp_state", None)
         if not isinstance(graph, fx.GraphModule) or state is None:
@@ -208,8 +243,9 @@ def in_place_params(module: torch.nn.Module) -> set[int]:
             i = forms.get(n.target) if n.op == "call_function" else None
             w = n.args[i] if i is not None and len(n.args) > i else None
             if isinstance(w, fx.Node) and w.target in state:
-                out.add(id(getattr(*state[w.target])))
-    return out
+                key = id(getattr(*state[w.target]))
+                uses[key] = uses.get(key, 0) + 1
+    return {key for key, n in uses.items() if n == 1}  # a weight used twice makes its second gradient anew
 
 
 def is_large(t: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gpipe import balance as balancing
-from gpipe import batchnorm, capture, cuts, determinism, options, skip, structure
+from gpipe import batchnorm, capture, cuts, determinism, grad_in_place, options, skip, structure
 from gpipe.contract import StageConfig, StepResult, blamed, classify
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.probe import Recorder
@@ -215,6 +215,11 @@ class Pipeline:
             # A parameter used by two stages is one tensor here (GPT-2's embedding and head).
             shared = any(first_holder[id(p)] != k for k, (start, end) in enumerate(self.bounds)
                          for i in range(start, end) for p in own[i].parameters())
+            for k, (start, end) in enumerate(self.bounds):  # their backwards on two stages' threads
+                for i in range(start, end):
+                    for p in own[i].parameters():
+                        if first_holder[id(p)] != k:
+                            grad_in_place.exclude(p)
             for k, (start, end) in enumerate(self.bounds):
                 layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
                 layers = layers.to(self._device(k))  # in place: the model's own parameters, on the stage's device

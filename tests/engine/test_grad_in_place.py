@@ -60,16 +60,22 @@ def _in_place_nodes(pipe: gpipe.Pipeline) -> int:
     (models.gpt2, {"stages": 1}, "gpipe", "never", 1),  # the tied weight used twice in one stage
     (models.gpt2, {"split_points": ["transformer.h.2"]}, "1f1b", "never", 2),  # the replicas' bucketed sums
     (models.llama, {"split_points": ["model.layers.2"]}, "zb-h1", "never", 1),  # linear without bias
+    (models.gpt2, {"split_points": ["lm_head"]}, "zb-h1", "never", 1),  # the received input straight into the head
 ], ids=["gpt2-gpipe", "gpt2-1f1b-recompute", "gpt2-zb-h1", "gpt2-zbv", "gpt2-one-stage", "gpt2-replicas",
-        "llama-zb-h1"])
-def test_in_place_gradients_equal_one_device(every_weight, factory, cut, schedule, checkpointing, replicas):
+        "llama-zb-h1", "gpt2-zb-h1-head-alone"])
+def test_in_place_gradients_equal_one_device(every_weight, monkeypatch, factory, cut, schedule, checkpointing,
+                                             replicas):
     data = batches(3, 8, 10)
     want = fresh(factory)
     one_device(want, data, chunks=4, replicas=replicas)
     got = fresh(factory)
+    taken = []
+    take = grad_in_place._taken
+    monkeypatch.setattr(grad_in_place, "_taken", lambda w: taken.append(w.grad is not None) or take(w))
     pipe = _pipelined(got, data, chunks=4, schedule=schedule, activation_checkpoint=checkpointing,
                       replicas=replicas, **cut)
     assert _in_place_nodes(pipe) > 0  # the captured graphs took the in-place forms
+    assert any(taken)  # and their backwards added into .grad
     assert _worst(got, want) <= 1e-5
 
 
@@ -154,3 +160,34 @@ def test_only_weights_of_at_least_in_place_bytes_are_rewritten():
     assert targets.count(grad_in_place.embedding) == 2  # tokens and positions
     assert targets.count(grad_in_place.linear) == 1  # the head
     assert targets.count(grad_in_place.addmm) == 4 * 4  # four Conv1D a block
+
+
+def test_hooks_autograd_grad_determinism_and_a_pipeline_s_shared_weight_keep_autograd_s_own():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    # A tensor hook sees each micro-batch's gradient: the weight's gradient stays autograd's.
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    w.register_hook(lambda g: g * 0.5)
+    for _ in range(2):
+        grad_in_place.linear(x, w).sum().backward()
+    plain = w.detach().clone().requires_grad_()
+    plain.register_hook(lambda g: g * 0.5)
+    for _ in range(2):
+        torch.nn.functional.linear(x, plain).sum().backward()
+    assert torch.equal(w.grad, plain.grad)
+    # autograd.grad on a weight hands its gradient back and leaves .grad as it was.
+    v = torch.nn.Parameter(torch.randn(8, 8))
+    grad_in_place.linear(x, v).sum().backward()
+    before = v.grad.clone()
+    (g,) = torch.autograd.grad(grad_in_place.linear(x, v).sum(), [v])
+    assert torch.equal(v.grad, before) and torch.allclose(g, before)
+    # Deterministic mode and a weight gpipe.Pipeline shares between stage threads: autograd's own op.
+    u = torch.nn.Parameter(torch.randn(8, 8))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert grad_in_place.linear(x, u).grad_fn.name() != "_LinearBackward"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    grad_in_place.exclude(u)
+    assert grad_in_place.linear(x, u).grad_fn.name() != "_LinearBackward"
+    assert grad_in_place.linear(x, torch.nn.Parameter(torch.randn(8, 8))).grad_fn.name() == "_LinearBackward"
