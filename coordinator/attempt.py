@@ -36,13 +36,14 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import sys
 import threading
 import traceback
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator import policy, report
 from coordinator.records import Placement
@@ -50,6 +51,9 @@ from coordinator.spec import JobSpec, load_spec
 from gpipe.contract import Cause
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
 from gpipe.factory import enter_job_folder
+
+if TYPE_CHECKING:
+    from coordinator.plan import Plan
 
 
 def device_for(spec: JobSpec, device: str, rank: int) -> str:
@@ -108,6 +112,30 @@ def _auto(spec: JobSpec, a: argparse.Namespace, placement: list[Placement], out:
     resolved, record = planner.resolve(spec, Path(a.job_dir), spec.topology.world, placement[0].threads, budget)
     tell(report.Log(f"auto: {_chosen_line(record)}; {record['why']}"))
     return resolved, record
+
+
+def _predict_step(plan: Plan, threads: int) -> None:
+    """plan.json's predicted step time: the auto choice's, or the job's own (coordinator.planner.predict_step);
+    a prediction that fails stops nothing."""
+    if plan.auto:
+        plan.predicted_step_s = plan.auto["predicted_step_s"]
+        return
+    from coordinator import planner
+
+    try:
+        plan.predicted_step_s, plan.predicted_step_missing = planner.predict_step(plan, threads)
+    except Exception as e:
+        plan.predicted_step_missing = f"{type(e).__name__}: {e}"
+
+
+def _step_against_prediction(times: list[float], predicted: float | None) -> str | None:
+    """The attempt's step time (the median, past the first step, which builds the optimizer's state) against
+    the predicted one: `step 112.0 ms (predicted 105.0)`."""
+    if not times:
+        return None
+    ms = statistics.median(times[1:] or times) * 1e3
+    said = f"predicted {predicted * 1e3:.1f}" if predicted is not None else "not predicted"
+    return f"step {ms:.1f} ms, the median of {len(times)} ({said})"
 
 
 def _chosen_line(record: dict[str, Any]) -> str:
@@ -216,6 +244,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     plan.auto = auto
     if resume is not None:
         resume_parts(plan, resume)  # the checkpoint fits this job's model and data, or nothing starts
+    _predict_step(plan, placement[0].threads)
     # The plan holds: only now is anything written (a fresh start drops an earlier run's outputs).
     prepare_output(spec.name, Path(a.state_dir), fresh=not a.resume)
     if a.log:
@@ -238,7 +267,10 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     board = Board(out, purge_step=resume.step if resume else 0)
     best = Best(out / BEST, lambda line: tell(report.Log(line))) if spec.keep_best else None
 
+    step_times: list[float] = []
+
     def on_step(m: StepMetrics) -> None:
+        step_times.append(m.step_time_s)
         if log.write(m):
             board.step(m)
             tell(report.Metrics(asdict(m)))
@@ -265,6 +297,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
         tell(report.Log(f"preempted: stopped after step {stopped_at - 1}, with checkpoint step-{stopped_at}"))
         tell(report.Preempted(stopped_at))
         return stopped_at
+    if (line := _step_against_prediction(step_times, plan.predicted_step_s)) is not None:
+        tell(report.Log(line))
     # What this process held at most: with init per_layer, not the model (docs/running.md: bigger than one machine).
     tell(report.Log(f"attempt {a.attempt}: peak resident memory {resident_peak_bytes() / 2**20:.1f} MiB (VmHWM)"))
     return None

@@ -176,6 +176,8 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
                     for n in top.ranks()],
         "spec": spec.model_dump(mode="json"),
         **({"auto": plan.auto} if plan.auto else {}),
+        "predicted_step_s": None if plan.predicted_step_s is None else round(plan.predicted_step_s, 6),
+        **({"predicted_step_missing": plan.predicted_step_missing} if plan.predicted_step_missing else {}),
     })
 
 

@@ -59,6 +59,8 @@ class Plan:
     sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
     original: nn.Module | None = None  # then: the model as the factory returned it
     auto: dict[str, Any] | None = None  # the spec's auto values as chosen (coordinator.planner.resolve): plan.json
+    predicted_step_s: float | None = None  # the step time predicted (coordinator.planner.predict_step)
+    predicted_step_missing: str = ""  # why not, when it is None
     weights: Pretrained | None = None  # model.weights: the pretrained checkpoint the stages start from
     weights_at: dict[str, tuple[int, str]] = field(default_factory=dict)  # model name -> (its file, name there)
     # Built on the meta device (model.weights, init per_layer: gpipe.skeleton): its buffers' values, by the

@@ -377,12 +377,38 @@ def measure(spec: JobSpec, job_dir: Path, workers: int, threads: int | None = No
     batch = spec.data.batch_size
     small = max(1, batch // (workers * 8))
     layers = costs.measure(plan.model, xs[0], torch_device, threads, (small, batch))
-    fp = plan.footprint
-    out_bytes = [fp.line(partial(_output_bytes, i + 1)) for i in range(len(plan.model))]
-    param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
-                   for layer in plan.model]
     base_bytes = 0 if device == "cuda" else baseline.runtime_bytes(plan)
-    return Measured(plan, layers, out_bytes, param_bytes, device, base_bytes)
+    return Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), device, base_bytes)
+
+
+def _out_bytes(plan: Plan) -> list[Line]:
+    fp = plan.footprint
+    assert fp is not None
+    return [fp.line(partial(_output_bytes, i + 1)) for i in range(len(plan.model))]
+
+
+def _param_bytes(plan: Plan) -> list[int]:
+    return [sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad) for layer in plan.model]
+
+
+def predict_step(plan: Plan, threads: int) -> tuple[float | None, str]:
+    """The job's own step time, predicted as `plan` predicts a configuration's, from its layers measured at its
+    micro-batch size on this CPU with a worker's `threads`: (seconds, ""), or (None, why not)."""
+    spec = plan.spec
+    if spec.device != "cpu":
+        return None, "device cuda: the coordinator measures on its CPU, no stand-in for a GPU's step time"
+    if plan.footprint is None:
+        return None, f"no footprint: {plan.footprint_missing}"
+    if any(t.is_meta for t in plan.model.parameters()):
+        return None, "the model is built on the meta device here (model.weights, init per_layer)"
+    xs, _, sizes = plan.stream().shards(0)[0]
+    n = max(sizes)
+    layers = costs.measure(plan.model, xs[0], torch.device("cpu"), threads, (n, n), repeats=1)
+    m = Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), "cpu")
+    c = Config(spec.stages, spec.replicas, spec.schedule, spec.virtual_stages, spec.chunks,
+               spec.activation_checkpoint, spec.optimizer.shard, tuple(plan.balance))
+    step, _ = step_time(m, c, spec, [stages for _, stages in plan.tied_stages()])
+    return step, ""
 
 
 def _output_bytes(end: int, m: Layers) -> int:

@@ -47,6 +47,10 @@ def test_plan_prints_what_fits_fastest_first_and_writes_a_spec_that_runs_as_chos
     plan = json.loads((cli.tmp / "state" / "planned" / "plan.json").read_text())
     assert plan["balance"] == best["balance"] and plan["schedule"]["name"] == best["schedule"]
     assert len(plan["workers"]) == best["stages"] * best["replicas"]
+    # Every job predicts its step time, and its log says the measured one beside it.
+    assert plan["predicted_step_s"] > 0
+    (said,) = [x for x in r.stderr.splitlines() if "ms, the median of 3 (predicted " in x]
+    assert f"(predicted {plan['predicted_step_s'] * 1e3:.1f})" in said
 
     # The table: a header, a row per configuration, and why the first wins.
     r = cli.run("plan", str(path), "--workers", "2", "--memory-gib", "8", "--top", "3", timeout=180)
