@@ -258,7 +258,8 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     virtual = f" x {spec.virtual_stages} model chunks" if spec.virtual_stages > 1 else ""
     tell(report.Log(f"{copies}{spec.stages} stages{virtual}, balance {plan.balance}, {spec.chunks} micro-batches, "
                     f"schedule {spec.schedule}, {'/'.join(map(str, threads))} thread(s) per stage"))
-    placed = [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads}
+    placed = [{"device": devices[k], "host": p.host, "cores": p.cores, "threads": p.threads,
+               "worker": k if p.rank is None else p.rank}  # the worker's own rank (the pool's: any idle one)
               for k, p in enumerate(placement)]
     predicted = prediction.Announced(plan, devices, lambda p, why: write_plan(out, plan, placed, p, why),
                                      lambda line: tell(report.Log(line)))

@@ -182,6 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     _knobs(c)
     c.add_argument("--resume", metavar="NAME",
                    help="resume job NAME (FAILED or STOPPED) from its last good checkpoint, instead of a spec")
+    c.add_argument("--priority", type=int, default=None,
+                   help="the job's priority in serve's queue (-1000..1000; the spec's `priority`, default 0)")
     c.add_argument("--follow", action="store_true", help="show progress until the job ends; exit by its state")
     c.add_argument("--attach", action="store_true",
                    help="when serve has a job of that name with this very spec and code (submitted before, e.g. "
@@ -340,7 +342,8 @@ async def _client(args: argparse.Namespace) -> int:
             if args.resume:
                 return await c.resume(args.resume, args.follow, not args.no_progress)
             return await c.submit(args.job, args.follow, not args.no_progress, args.max_code_mib, args.attach,
-                                  overrides=(args.set, args.name))
+                                  overrides=([*args.set, *([f"priority={args.priority}"]
+                                                          if args.priority is not None else [])], args.name))
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":

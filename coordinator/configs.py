@@ -19,7 +19,7 @@ DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval
 # or the coordinator's alone: the stages never see it.
 COORDINATOR_ONLY = ("name", "balance", "probe", "lr_schedule", "device", "log_every", "trace_step",
                     "checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout_s", "peer_timeout_s",
-                    "keep_best", "working_dir", "exclude", "elastic", "auto")
+                    "keep_best", "working_dir", "exclude", "elastic", "auto", "priority")
 
 
 def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_host: str,

@@ -81,7 +81,9 @@ class Jobs:
         if spec is None:
             return e
         if not job.history:
-            self._set_state(e, JobState.PENDING, f"waiting for workers of {spec.topology.describe_ranks()}")
+            n = spec.topology.world
+            self._set_state(e, JobState.PENDING, f"waiting for {n} idle worker{'s' if n > 1 else ''} at once "
+                            f"(priority {spec.priority}; {spec.topology.describe_ranks()} first)")
         elif job.state == JobState.PREEMPTED:  # stays PREEMPTED (no restart counted) until it runs again
             job.checkpoint_step = max(job.checkpoint_step, newest_committed(Path(job.output_dir)))
         elif job.state in (JobState.RUNNING, JobState.RESTARTING):

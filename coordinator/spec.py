@@ -578,6 +578,11 @@ class JobSpec(_Spec):
     loss_scale: LossScaleSpec = Field(
         default_factory=LossScaleSpec, description="precision fp16: the loss scale's start and growth.",
     )
+    priority: Annotated[StrictInt, Range(-1000, 1000)] = Field(
+        default=0, description="serve's queue: higher first, then in order of submission; a job that cannot "
+        "start preempts the fewest running jobs of lower priority that make it fit (they checkpoint at their "
+        "next step boundary and resume later). `submit --priority` sets it. docs/service.md.",
+    )
     replicas: Annotated[StrictInt, Range(1, MAX_REPLICAS)] = Field(
         default=1, description="Data-parallel copies of the pipeline: replicas x stages workers (at most "
         f"{MAX_WORKERS}). Each step's batch is cut into one contiguous shard per replica, each shard into "

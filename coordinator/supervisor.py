@@ -49,9 +49,9 @@ import contextlib
 import sys
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
-from coordinator import elastic, policy, report
+from coordinator import policy, pool, report
 from coordinator.lifecycle import Lifecycle
 from coordinator.records import Attempt, Clock, Entry, Launcher, NoStore, Store, SystemClock, Worker
 from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, shared_gpu
@@ -115,6 +115,9 @@ class Supervisor(Lifecycle):
                         break
                     if action == policy.Action.FAIL:
                         missing = [r for r in spec.topology.ranks() if r not in self.workers]
+                        if len(self.workers) >= e.topology.world and any(
+                                w.attempt_id is not None for w in self.workers.values()):
+                            continue  # the pool's workers are there, busy with other jobs: it waits its turn
                         who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
                                else "its workers stayed busy")
                         first = f"; the first failure: {job.error}" if job.error else ""
@@ -137,35 +140,73 @@ class Supervisor(Lifecycle):
                     self._set_state(e, JobState.FAILED, f"internal error: {type(ex).__name__}: {ex}")
 
     def schedule(self) -> None:
-        """Start each waiting job, oldest first, once every rank it needs has an idle worker heard from lately."""
+        """Start the waiting jobs that the pool's policy places, and preempt the running ones it asks to stop
+        (coordinator.pool: gang placement on idle workers, priorities, backfill)."""
         now = self.clock.monotonic()
         if self.draining:
             return
+        seq = {name: i for i, name in enumerate(self.jobs)}
+        waiting: dict[str, Entry] = {}
         for e in list(self.jobs.values()):
             job = e.record
-            if job.state not in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED) or job.name in self.attempts:
-                continue
-            if now < e.not_before:
-                continue
+            if job.state in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED) and \
+                    job.name not in self.attempts and now >= e.not_before:
+                with self._own_trouble(e):
+                    e.job_spec  # noqa: B018  # a record that no longer parses fails here, alone
+                    waiting[job.name] = e
+        if not waiting:
+            return
+        idle = {r: w for r, w in self.workers.items() if w.attempt_id is None and not w.leaving}
+        running = [pool.Running(a.job, self._priority(a.job), seq.get(a.job, 0), tuple(a.ranks), bool(a.preempt))
+                   for a in self.attempts.values()]
+        wall = self.clock.time()
+        asks = [pool.Waiting(name, e.job_spec.priority, seq[name], e.topology.world,
+                             wall - e.record.history[-1].time_unix if e.record.history else 0.0)
+                for name, e in waiting.items()]
+
+        def fits(ask: pool.Waiting, left: Mapping[int, Worker]) -> dict[int, Worker]:
+            e = waiting[ask.name]
+            cuda = e.job_spec.device == "cuda"
+            return {r: w for r, w in left.items() if w.last_seen > e.failed_at and w.device.startswith("cuda") == cuda}
+
+        def prefer(ask: pool.Waiting) -> list[int]:
+            e = waiting[ask.name]
+            return e.last_ranks or list(e.job_spec.topology.ranks())
+
+        d = pool.decide(asks, idle, running, prefer, fits, lambda w: w.host, len(self.workers))
+        for victim, by in d.preempts.items():
+            if (attempt := self.attempts.get(victim)) is not None:
+                self.preempt(attempt, f"preempted by job {by} (priority {self._priority(by)})", pool.PREEMPT_GRACE_S)
+        for name, ranks in d.starts.items():
+            e = waiting[name]
             with self._own_trouble(e):
-                ready = self._ready(e)
-                if job.state == JobState.PENDING:  # the first placement: each rank its own slot
-                    ready = {r: w for r, w in ready.items() if r < e.topology.world}
-                # The spec's shape where it fits (a re-planned job grows back at a restart), else the re-planned.
-                for top in dict.fromkeys([e.job_spec.topology, e.topology]):
-                    placed = elastic.place(top.world, ready)
-                    if placed is not None and e.job_spec.device == "cuda" and (why := shared_gpu(placed)):
-                        job.exit_code, job.error = EXIT_BAD_INPUT, why  # no attempt could start: never waits
-                        self._set_state(e, JobState.FAILED, why)
-                        break
-                    if placed is not None:
-                        e.shape = None if top == e.job_spec.topology else top
-                        attempt = Attempt(uuid.uuid4().hex[:12], job.name, [w.rank for w in placed], top)
-                        for w in placed:
-                            w.attempt_id = attempt.id
-                        self.attempts[job.name] = attempt
-                        self._spawn(self._run(e, attempt))
-                        break
+                self._start(e, [self.workers[r] for r in ranks], idle)
+
+    def _priority(self, name: str) -> int:
+        e = self.jobs.get(name)
+        return e.job_spec.priority if e is not None and e.spec is not None else 0
+
+    def _start(self, e: Entry, placed: list[Worker], idle: Mapping[int, Worker]) -> None:
+        """An attempt of `e` on `placed` (by slot); a re-planned job grows back to its spec's shape where the
+        idle workers allow it (coordinator.elastic)."""
+        job = e.record
+        top = e.topology
+        spec_top = e.job_spec.topology
+        if top != spec_top:
+            more = [w for r, w in sorted(idle.items()) if w.attempt_id is None and w not in placed
+                    and w.last_seen > e.failed_at][:spec_top.world - len(placed)]
+            if len(placed) + len(more) == spec_top.world:
+                placed, top = placed + more, spec_top
+        if e.job_spec.device == "cuda" and (why := shared_gpu(placed)):
+            job.exit_code, job.error = EXIT_BAD_INPUT, why  # no attempt could start: never waits
+            self._set_state(e, JobState.FAILED, why)
+            return
+        e.shape = None if top == spec_top else top
+        attempt = Attempt(uuid.uuid4().hex[:12], job.name, [w.rank for w in placed], top)
+        for w in placed:
+            w.attempt_id = attempt.id
+        self.attempts[job.name] = attempt
+        self._spawn(self._run(e, attempt))
 
     async def serve_forever(self) -> None:
         """Run `tick` every heartbeat interval and `schedule` whenever something changed."""

@@ -1,0 +1,100 @@
+"""The shared pool, in process: coordinator.pool's policy on its own (placement, order, backfill, starvation,
+victims), then the supervisor carrying it out on a fake clock (tests.support.harness): two jobs at once on four
+workers, backfill, a priority job preempting a running one, and the preempted job resuming without a restart
+counted. Through real serve and worker processes: tests/service/test_pool.py."""
+
+from __future__ import annotations
+
+from coordinator import pool, report
+from coordinator.pool import Running, Waiting
+from gpipe.job_records import JobState
+
+
+def _decide(waiting, idle, running=(), prefer=None, pool_size=None, starve=pool.STARVE_AFTER_S):
+    hosts = idle if isinstance(idle, dict) else {r: "h" for r in idle}
+    return pool.decide(waiting, hosts, running, prefer or (lambda w: []), lambda w, left: left,
+                       lambda h: h, len(hosts) + sum(len(r.ranks) for r in running) if pool_size is None
+                       else pool_size, starve)
+
+
+def test_placement_takes_the_preferred_ranks_then_one_host_s_workers_together():
+    idle = {0: "a", 1: "b", 2: "b", 3: "a", 5: "b"}
+    assert pool.place(2, idle, [3, 0], lambda h: h) == [3, 0]
+    assert pool.place(3, idle, [9, 1], lambda h: h) == [0, 1, 3]  # 1 as preferred, then one host's together
+    assert pool.place(2, {0: "a", 1: "b", 2: "b"}, [], lambda h: h) == [1, 2]  # the host with more first
+    assert pool.place(6, idle, [], lambda h: h) is None
+
+
+def test_order_is_priority_then_submission():
+    jobs = [Waiting("a", 0, 0, 1, 0), Waiting("b", 5, 2, 1, 0), Waiting("c", 5, 1, 1, 0), Waiting("d", -1, 3, 1, 0)]
+    assert [w.name for w in pool.order(jobs)] == ["c", "b", "a", "d"]
+
+
+def test_two_jobs_start_at_once_on_their_own_workers_and_a_small_one_backfills_past_a_large_one():
+    d = _decide([Waiting("x", 0, 0, 2, 0), Waiting("y", 0, 1, 2, 0)], [0, 1, 2, 3])
+    assert d.starts == {"x": [0, 1], "y": [2, 3]} and not d.preempts
+    # A 4-worker job waits for workers that are busy; the 1-worker job after it starts beside it.
+    d = _decide([Waiting("big", 0, 0, 4, 10.0), Waiting("small", 0, 1, 1, 0)], [2, 3],
+                [Running("r", 0, 5, (0, 1))])
+    assert d.starts == {"small": [2]} and d.blocked_by is None
+
+
+def test_a_job_waiting_past_the_bound_stops_backfill_and_one_that_can_never_fit_does_not():
+    running = [Running("r", 0, 5, (0, 1))]
+    d = _decide([Waiting("big", 0, 0, 4, 601.0), Waiting("small", 0, 1, 1, 0)], [2, 3], running)
+    assert d.starts == {} and d.blocked_by == "big"
+    d = _decide([Waiting("huge", 0, 0, 9, 601.0), Waiting("small", 0, 1, 1, 0)], [2, 3], running)
+    assert d.starts == {"small": [2]}  # 9 workers: more than the pool has, it holds nothing back
+
+
+def test_a_higher_priority_job_preempts_the_fewest_lower_ones_and_no_more_while_they_stop():
+    running = [Running("a", 0, 1, (0, 1)), Running("b", 0, 2, (2,)), Running("c", 5, 3, (3,))]
+    d = _decide([Waiting("urgent", 3, 9, 2, 0), Waiting("later", 0, 10, 1, 0)], [], running)
+    assert d.preempts == {"a": "urgent"} and d.starts == {} and d.blocked_by == "urgent"  # c's priority is higher
+    stopping = [Running("a", 0, 1, (0, 1), preempting=True), *running[1:]]
+    d = _decide([Waiting("urgent", 3, 9, 2, 0)], [], stopping)
+    assert d.preempts == {}  # a's two workers are on their way
+    d = _decide([Waiting("equal", 0, 9, 1, 0)], [], running)
+    assert d.preempts == {}  # never a job of the same priority
+
+
+async def started(h, job, *ranks):
+    a = next(x for x in h.attempts if x.launch.job == job.name)
+    a.queue.put_nowait(report.Master("127.0.0.1:1234", "0" * 32))
+    await h.settle()
+    return a
+
+
+async def test_the_supervisor_runs_two_jobs_at_once_on_four_workers(h):
+    x, y = h.submit("x"), h.submit("y")
+    h.register(0, 1, 2, 3)
+    await h.settle()
+    assert x.state == y.state == JobState.RUNNING
+    by_job = {a.launch.job: [p.rank for p in a.launch.placement] for a in h.attempts}
+    assert by_job == {"x": [0, 1], "y": [2, 3]}
+
+
+async def test_a_priority_job_preempts_a_running_one_which_resumes_after_without_a_restart(h):
+    first, low = h.submit("first"), h.submit("low")
+    h.register(0, 1, 2, 3)
+    await h.settle()
+    await started(h, first)
+    a = await started(h, low)
+    urgent = h.submit("urgent", priority=5)
+    await h.settle()
+    # Two running jobs of equal size and priority: the newest is stopped, at its next step boundary.
+    assert urgent.state == JobState.PENDING and a.preempted and not a.killed
+    a.queue.put_nowait(report.Checkpoint(2, "/x/step-2", 10, 0.1, 0.0))
+    a.end(0, report.Preempted(2))
+    await h.settle()
+    assert low.state == JobState.PREEMPTED and low.restarts == 0
+    assert "preempted by job urgent (priority 5)" in low.history[-1].message
+    assert urgent.state == JobState.RUNNING and first.state == JobState.RUNNING
+    u = next(x for x in h.attempts if x.launch.job == "urgent")
+    assert sorted(p.rank for p in u.launch.placement) == sorted(p.rank for p in a.launch.placement)
+    (await started(h, urgent)).end(0, report.Done())
+    h.clock.advance(1)
+    h.beat(0, 1, 2, 3)  # heard from since low stopped
+    await h.settle()
+    assert urgent.state == JobState.SUCCEEDED and low.state == JobState.RUNNING  # back, resuming
+    assert low.attempts == 2 and low.restarts == 0 and h.attempts[-1].launch.resume

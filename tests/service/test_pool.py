@@ -1,0 +1,102 @@
+"""The shared pool through real serve and worker processes: two jobs at once on four workers, each the same bits
+as its own `run` alone; a job of higher priority preempting one of two running jobs, all three SUCCEEDED, the
+preempted one the same bits as an uninterrupted twin. The policy in process: tests/control/test_pool.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.cli import end_leftovers
+from tests.support.ports import free_port_in
+from tests.support.service import Service
+from tests.support.spec import SERVICE, job, slow_mlp
+
+PORTS = range(43000, 44000)  # this module's servers listen here only
+
+
+def _service(cli) -> Service:
+    s = Service(cli)
+    s.port = free_port_in(PORTS)
+    s.address = f"127.0.0.1:{s.port}"
+    return s
+
+
+def _alone(cli, spec: dict, name: str) -> dict[str, torch.Tensor]:
+    """`spec` trained by `run` alone: the twin a pool's job must equal bit for bit."""
+    r = cli.run("run", str(cli.write(spec | {"name": name}, f"{name}.yaml")), "--state-dir", str(cli.tmp / "alone"),
+                "--no-progress", "--oversubscribe", timeout=240)
+    assert r.returncode == 0, r.stderr
+    return load_file(cli.tmp / "alone" / name / "model.safetensors")
+
+
+def _same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _ranks(out) -> list[int]:
+    return [w["worker"] for w in json.loads((out / "plan.json").read_text())["workers"]]
+
+
+def _steps(out) -> list[tuple[int, int]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    return [(r["attempt"], r["step"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.mark.multiprocess
+def test_two_jobs_run_at_once_on_four_workers_each_the_bits_of_its_run_alone(cli):
+    x = job(SERVICE, name="x", model=slow_mlp(16, 0.05), steps=12)
+    y = job(SERVICE, name="y", seed=7, model=slow_mlp(16, 0.05), steps=12, optimizer={"name": "adam", "lr": 0.01})
+    s = _service(cli)
+    try:
+        s.start_serve()
+        for rank in range(4):
+            s.start_worker(rank)
+        for spec in (x, y):
+            assert s.client("submit", str(cli.write(spec, f"{spec['name']}.yaml"))).returncode == 0
+        # Both running at once (before: y waited for ranks 0-1 while 2-3 sat idle).
+        s.wait_for(lambda: all(_steps(s.state / n) for n in ("x", "y")), "both jobs stepping", 120)
+        for n in ("x", "y"):
+            r = s.client("logs", n, "--follow", timeout=180)  # exits by the job's state
+            assert r.returncode == 0, r.stdout + r.stderr
+        # y on the idle ranks 2-3 while x held 0-1 (alone, it would have taken the ranks it names: 0-1)
+        assert (_ranks(s.state / "x"), _ranks(s.state / "y")) == ([0, 1], [2, 3])
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
+    for spec in (x, y):
+        got = load_file(s.state / spec["name"] / "model.safetensors")
+        assert _same_bits(got, _alone(cli, spec, f"alone-{spec['name']}")), spec["name"]
+
+
+@pytest.mark.multiprocess
+def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(cli):
+    slow = job(SERVICE, model=slow_mlp(16, 0.15), steps=16, checkpoint_every=1000)
+    first, low = slow | {"name": "first"}, slow | {"name": "low", "seed": 3}
+    urgent = job(SERVICE, name="urgent", steps=3, priority=5)
+    s = _service(cli)
+    try:
+        s.start_serve()
+        for rank in range(4):
+            s.start_worker(rank)
+        for spec in (first, low):
+            assert s.client("submit", str(cli.write(spec, f"{spec['name']}.yaml"))).returncode == 0
+        s.wait_for(lambda: all(len(_steps(s.state / n)) >= 3 for n in ("first", "low")), "both at step 3", 120)
+        assert s.client("submit", str(cli.write(urgent, "urgent.yaml"))).returncode == 0
+        for n in ("urgent", "first", "low"):
+            r = s.client("logs", n, "--follow", timeout=240)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        r = s.client("logs", "low")
+        assert "preempted by job urgent (priority 5)" in r.stdout + r.stderr, r.stdout
+        steps = _steps(s.state / "low")
+        assert {a for a, _ in steps} == {1, 2}  # stopped once, resumed: no step lost or run twice
+        assert [st for _, st in steps] == list(range(16))
+        assert [a for a, _ in _steps(s.state / "first")] == [1] * 16  # the other ran on
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
+    got = load_file(s.state / "low" / "model.safetensors")
+    assert _same_bits(got, _alone(cli, low, "twin"))
