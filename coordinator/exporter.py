@@ -43,6 +43,7 @@ from gpipe.errors import SpecError
 from gpipe.job_records import JobState
 
 WAITING = (JobState.RESTARTING, JobState.PREEMPTED)  # jobs that wait for their ranks' workers to come back
+QUEUED = (JobState.PENDING, *WAITING)  # the pool's queue
 
 MAX_REQUEST_BYTES = 8192  # a request's line and headers; a scrape sends a few hundred bytes
 REQUEST_TIMEOUT_S = 10.0  # to send them, and to take the answer
@@ -84,8 +85,26 @@ class JobsCollector(Collector):
         for state in JobState:
             jobs.add_metric([state.value], count[state])
         yield jobs
+        yield from self._queue()
         yield from self._jobs(self._shown())
         yield from self._workers()
+
+    def _queue(self) -> Iterator[Metric]:
+        """The pool's queue (coordinator.pool): jobs waiting for workers by priority, and how long each has."""
+        waiting = [e for e in self.sup.jobs.values() if e.record.state in QUEUED and e.spec is not None
+                   and e.record.name not in self.sup.attempts]
+        by_priority = GaugeMetricFamily("gpipe_queue_jobs", "Jobs waiting for workers (pending, restarting, "
+                                        "preempted), by priority.", labels=["priority"])
+        for priority, n in sorted(Counter(e.job_spec.priority for e in waiting).items()):
+            by_priority.add_metric([str(priority)], n)
+        yield by_priority
+        wait = GaugeMetricFamily("gpipe_queue_wait_seconds", "Seconds each waiting job has waited in its state.",
+                                 labels=["job", "priority"])
+        now = self.sup.clock.time()
+        for e in waiting[:MAX_ENDED_JOBS * 10]:  # bounded as the labels are
+            since = e.record.history[-1].time_unix if e.record.history else now
+            wait.add_metric([e.record.name, str(e.job_spec.priority)], max(0.0, now - since))
+        yield wait
 
     def _shown(self) -> list[Entry]:
         """The jobs with series of their own: every one that has not ended, and the newest that have."""

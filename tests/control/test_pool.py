@@ -98,3 +98,21 @@ async def test_a_priority_job_preempts_a_running_one_which_resumes_after_without
     await h.settle()
     assert urgent.state == JobState.SUCCEEDED and low.state == JobState.RUNNING  # back, resuming
     assert low.attempts == 2 and low.restarts == 0 and h.attempts[-1].launch.resume
+
+
+async def test_prometheus_shows_the_queue_by_priority_and_each_job_s_wait(h):
+    from coordinator.exporter import JobsCollector
+
+    h.submit("a", priority=2)
+    h.submit("b")
+    h.submit("c")
+    h.register(0, 1)
+    await h.settle()  # a runs; b and c wait
+    h.clock.advance(30)
+    families = {m.name: m for m in JobsCollector(h.sup).collect()}
+    queued = {s.labels["priority"]: s.value for s in families["gpipe_queue_jobs"].samples}
+    assert queued == {"0": 2}
+    waits = {s.labels["job"]: s.value for s in families["gpipe_queue_wait_seconds"].samples}
+    assert waits == {"b": 30.0, "c": 30.0}
+    busy = {s.labels["state"]: s.value for s in families["gpipe_workers"].samples}
+    assert busy["busy"] == 2 and busy["idle"] == 0
