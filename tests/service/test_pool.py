@@ -33,6 +33,15 @@ def _alone(cli, spec: dict, name: str) -> dict[str, torch.Tensor]:
     return load_file(cli.tmp / "alone" / name / "model.safetensors")
 
 
+def _submit_all(cli, s: Service, specs: list[dict]) -> None:
+    """Submit `specs` at once (one client process each), so that they queue together."""
+    procs = [cli.start("submit", str(cli.write(spec, f"{spec['name']}.yaml")), "--coordinator", s.address,
+                       *s.auth()) for spec in specs]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+
+
 def _same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -55,15 +64,14 @@ def test_two_jobs_run_at_once_on_four_workers_each_the_bits_of_its_run_alone(cli
         s.start_serve()
         for rank in range(4):
             s.start_worker(rank)
-        for spec in (x, y):
-            assert s.client("submit", str(cli.write(spec, f"{spec['name']}.yaml"))).returncode == 0
-        # Both running at once (before: y waited for ranks 0-1 while 2-3 sat idle).
+        _submit_all(cli, s, [x, y])
+        # Both running at once (before: the second waited for ranks 0-1 while 2-3 sat idle).
         s.wait_for(lambda: all(_steps(s.state / n) for n in ("x", "y")), "both jobs stepping", 120)
         for n in ("x", "y"):
             r = s.client("logs", n, "--follow", timeout=180)  # exits by the job's state
             assert r.returncode == 0, r.stdout + r.stderr
-        # y on the idle ranks 2-3 while x held 0-1 (alone, it would have taken the ranks it names: 0-1)
-        assert (_ranks(s.state / "x"), _ranks(s.state / "y")) == ([0, 1], [2, 3])
+        # one on ranks 0-1, the other on the idle 2-3 (alone, each would have taken the ranks it names: 0-1)
+        assert sorted([_ranks(s.state / "x"), _ranks(s.state / "y")]) == [[0, 1], [2, 3]]
     finally:
         s.stop_all()
         assert not end_leftovers(cli)
@@ -82,21 +90,49 @@ def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(c
         s.start_serve()
         for rank in range(4):
             s.start_worker(rank)
-        for spec in (first, low):
-            assert s.client("submit", str(cli.write(spec, f"{spec['name']}.yaml"))).returncode == 0
+        _submit_all(cli, s, [first, low])
         s.wait_for(lambda: all(len(_steps(s.state / n)) >= 3 for n in ("first", "low")), "both at step 3", 120)
         assert s.client("submit", str(cli.write(urgent, "urgent.yaml"))).returncode == 0
         for n in ("urgent", "first", "low"):
             r = s.client("logs", n, "--follow", timeout=240)
             assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
-        r = s.client("logs", "low")
-        assert "preempted by job urgent (priority 5)" in r.stdout + r.stderr, r.stdout
-        steps = _steps(s.state / "low")
+        said = {n: s.client("logs", n).stdout for n in ("first", "low")}
+        (hit,) = [n for n, text in said.items() if "preempted by job urgent (priority 5)" in text]  # the newest
+        calm = "low" if hit == "first" else "first"
+        steps = _steps(s.state / hit)
         assert {a for a, _ in steps} == {1, 2}  # stopped once, resumed: no step lost or run twice
         assert [st for _, st in steps] == list(range(16))
-        assert [a for a, _ in _steps(s.state / "first")] == [1] * 16  # the other ran on
+        assert [a for a, _ in _steps(s.state / calm)] == [1] * 16  # the other ran on
     finally:
         s.stop_all()
         assert not end_leftovers(cli)
-    got = load_file(s.state / "low" / "model.safetensors")
-    assert _same_bits(got, _alone(cli, low, "twin"))
+    got = load_file(s.state / hit / "model.safetensors")
+    assert _same_bits(got, _alone(cli, first if hit == "first" else low, "twin"))
+
+
+@pytest.mark.multiprocess
+def test_a_worker_lost_while_two_jobs_run_restarts_its_job_alone(cli):
+    slow = job(SERVICE, model=slow_mlp(16, 0.1), steps=24, checkpoint_every=2)
+    one, two = slow | {"name": "one"}, slow | {"name": "two", "seed": 5}
+    s = _service(cli)
+    try:
+        s.start_serve()
+        for rank in range(4):
+            s.start_worker(rank)
+        _submit_all(cli, s, [one, two])
+        s.wait_for(lambda: all(len(_steps(s.state / n)) >= 3 for n in ("one", "two")), "both at step 3", 120)
+        hit = next(n for n in ("one", "two") if 3 in _ranks(s.state / n))
+        calm = "two" if hit == "one" else "one"
+        s.kill("worker3")  # one of `hit`'s workers
+        s.start_worker(3)  # and back, as Kubernetes restarts a pod
+        for n in ("one", "two"):
+            r = s.client("logs", n, "--follow", timeout=240)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        assert {a for a, _ in _steps(s.state / calm)} == {1}  # never stopped
+        assert max(a for a, _ in _steps(s.state / hit)) >= 2  # restarted from its checkpoint
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
+    for spec in (one, two):
+        got = load_file(s.state / spec["name"] / "model.safetensors")
+        assert _same_bits(got, _alone(cli, spec, f"alone-{spec['name']}")), spec["name"]
