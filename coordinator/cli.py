@@ -198,6 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=int, default=None,
                    help="show one page of at most this many jobs (1-1000), and the command for the next page")
     c.add_argument("--page-token", default="", help="start at this page (a previous list's 'more:' line)")
+    c.add_argument("--workers", action="store_true",
+                   help="the pool's workers instead: each one's rank, host, device, and the job it serves or free")
     c = client("logs", help="a job's per-step metrics and events")
     c.add_argument("name")
     c.add_argument("--follow", action="store_true", help="keep printing until the job ends; exit by its state")
@@ -347,6 +349,8 @@ async def _client(args: argparse.Namespace) -> int:
         if args.command == "status":
             return await c.status(args.name)
         if args.command == "list":
+            if args.workers:
+                return await c.list_workers()
             if args.limit is not None and not 1 <= args.limit <= MAX_PAGE_SIZE:
                 raise SpecError(f"--limit: {args.limit} is outside 1..{MAX_PAGE_SIZE}")
             return await c.list(args.limit, args.page_token)

@@ -181,6 +181,21 @@ class Client:
             lines.append(f"rank {rank}: {w.hostname or w.host} ({w.host}) {w.device}{gpu}")
         return lines
 
+    async def list_workers(self) -> int:
+        """The pool: each registered worker, by rank, and the job it serves (or free)."""
+        try:
+            r = await workers_pb2_grpc.WorkerDirectoryStub(self.channel).ListWorkers(workers_pb2.ListWorkersRequest(),
+                                                                                     timeout=30)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        print(f"{'RANK':>4}  {'HOST':24} {'DEVICE':8} STATE")
+        for w in sorted(r.workers, key=lambda w: w.rank):
+            state = f"job {w.job}" if w.job else "busy" if w.attempt_id else "free"
+            if w.leaving:
+                state += " (leaving)"
+            print(f"{w.rank:>4}  {(w.hostname or w.host)[:24]:24} {w.device:8} {state}")
+        return 0
+
     async def list(self, limit: int | None = None, page_token: str = "") -> int:
         """Every job from `page_token` on; with `limit`, one page of at most that many, and the command for the
         next page on stderr."""

@@ -149,11 +149,12 @@ class WorkerDirectory(workers_pb2_grpc.WorkerDirectoryServicer):
 
     async def ListWorkers(self, request: workers_pb2.ListWorkersRequest,
                           context: Context) -> workers_pb2.ListWorkersResponse:
+        held = {a.id: a.job for a in self.c.sup.attempts.values()}  # attempt -> its job
         return workers_pb2.ListWorkersResponse(workers=[
             workers_pb2.RegisteredWorker(
                 rank=w.rank, hostname=w.hostname, host=w.host, device=w.device, attempt_id=w.attempt_id or "",
                 device_name=w.gpu.name if w.gpu else "", device_memory_bytes=w.gpu.memory_bytes if w.gpu else 0,
-                threads=w.threads)
+                threads=w.threads, job=held.get(w.attempt_id or "", ""), leaving=w.leaving)
             for _, w in sorted(self.c.sup.workers.items())])
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpipe/v1/workers.proto\x12\x08gpipe.v1\"\x14\n\x12ListWorkersRequest\"\xa7\x01\n\x10RegisteredWorker\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x12\n\nattempt_id\x18\x07 \x01(\t\x12\x0f\n\x07threads\x18\x08 \x01(\x05\"B\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.gpipe.v1.RegisteredWorker\"2\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\"&\n\rLeaveResponse\x12\x15\n\rcheckpointing\x18\x01 \x01(\x08\"3\n\x0eGetCodeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\x19\n\tCodePiece\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xb6\x01\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\r\n\x05\x63ores\x18\x05 \x03(\x05\x12\x0f\n\x07threads\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65vice_name\x18\x07 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x08 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"C\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"}\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61ttempt_exit\x18\x03 \x01(\x05\x12\x15\n\rattempt_ended\x18\x04 \x01(\x08\x12\x15\n\rattempt_error\x18\x05 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"$\n\x0f\x43ommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x8c\x01\n\x0bJoinAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x0e\n\x06master\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05world\x18\x04 \x01(\x05\x12\x17\n\x0fstart_timeout_s\x18\x05 \x01(\x01\x12\x0e\n\x06secret\x18\x06 \x01(\t\x12\x13\n\x0b\x63ode_sha256\x18\x07 \x01(\t\"\"\n\x0c\x41\x62ortAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\"j\n\rWorkerCommand\x12%\n\x04join\x18\x01 \x01(\x0b\x32\x15.gpipe.v1.JoinAttemptH\x00\x12\'\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x16.gpipe.v1.AbortAttemptH\x00\x42\t\n\x07\x63ommand2\xd0\x02\n\rWorkerService\x12\x41\n\x08Register\x12\x19.gpipe.v1.RegisterRequest\x1a\x1a.gpipe.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.gpipe.v1.HeartbeatRequest\x1a\x1b.gpipe.v1.HeartbeatResponse\x12@\n\x08\x43ommands\x12\x19.gpipe.v1.CommandsRequest\x1a\x17.gpipe.v1.WorkerCommand0\x01\x12:\n\x07GetCode\x12\x18.gpipe.v1.GetCodeRequest\x1a\x13.gpipe.v1.CodePiece0\x01\x12\x38\n\x05Leave\x12\x16.gpipe.v1.LeaveRequest\x1a\x17.gpipe.v1.LeaveResponse2]\n\x0fWorkerDirectory\x12J\n\x0bListWorkers\x12\x1c.gpipe.v1.ListWorkersRequest\x1a\x1d.gpipe.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16gpipe/v1/workers.proto\x12\x08gpipe.v1\"\x14\n\x12ListWorkersRequest\"\xc5\x01\n\x10RegisteredWorker\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x03\x12\x12\n\nattempt_id\x18\x07 \x01(\t\x12\x0f\n\x07threads\x18\x08 \x01(\x05\x12\x0b\n\x03job\x18\t \x01(\t\x12\x0f\n\x07leaving\x18\n \x01(\x08\"B\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.gpipe.v1.RegisteredWorker\"2\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\"&\n\rLeaveResponse\x12\x15\n\rcheckpointing\x18\x01 \x01(\x08\"3\n\x0eGetCodeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\x19\n\tCodePiece\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xb6\x01\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\r\n\x05\x63ores\x18\x05 \x03(\x05\x12\x0f\n\x07threads\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65vice_name\x18\x07 \x01(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x08 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"C\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"}\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61ttempt_exit\x18\x03 \x01(\x05\x12\x15\n\rattempt_ended\x18\x04 \x01(\x08\x12\x15\n\rattempt_error\x18\x05 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"$\n\x0f\x43ommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x8c\x01\n\x0bJoinAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\x12\x0e\n\x06master\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05world\x18\x04 \x01(\x05\x12\x17\n\x0fstart_timeout_s\x18\x05 \x01(\x01\x12\x0e\n\x06secret\x18\x06 \x01(\t\x12\x13\n\x0b\x63ode_sha256\x18\x07 \x01(\t\"\"\n\x0c\x41\x62ortAttempt\x12\x12\n\nattempt_id\x18\x01 \x01(\t\"j\n\rWorkerCommand\x12%\n\x04join\x18\x01 \x01(\x0b\x32\x15.gpipe.v1.JoinAttemptH\x00\x12\'\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x16.gpipe.v1.AbortAttemptH\x00\x42\t\n\x07\x63ommand2\xd0\x02\n\rWorkerService\x12\x41\n\x08Register\x12\x19.gpipe.v1.RegisterRequest\x1a\x1a.gpipe.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.gpipe.v1.HeartbeatRequest\x1a\x1b.gpipe.v1.HeartbeatResponse\x12@\n\x08\x43ommands\x12\x19.gpipe.v1.CommandsRequest\x1a\x17.gpipe.v1.WorkerCommand0\x01\x12:\n\x07GetCode\x12\x18.gpipe.v1.GetCodeRequest\x1a\x13.gpipe.v1.CodePiece0\x01\x12\x38\n\x05Leave\x12\x16.gpipe.v1.LeaveRequest\x1a\x17.gpipe.v1.LeaveResponse2]\n\x0fWorkerDirectory\x12J\n\x0bListWorkers\x12\x1c.gpipe.v1.ListWorkersRequest\x1a\x1d.gpipe.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTWORKERSREQUEST']._serialized_start=36
   _globals['_LISTWORKERSREQUEST']._serialized_end=56
   _globals['_REGISTEREDWORKER']._serialized_start=59
-  _globals['_REGISTEREDWORKER']._serialized_end=226
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=228
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=294
-  _globals['_LEAVEREQUEST']._serialized_start=296
-  _globals['_LEAVEREQUEST']._serialized_end=346
-  _globals['_LEAVERESPONSE']._serialized_start=348
-  _globals['_LEAVERESPONSE']._serialized_end=386
-  _globals['_GETCODEREQUEST']._serialized_start=388
-  _globals['_GETCODEREQUEST']._serialized_end=439
-  _globals['_CODEPIECE']._serialized_start=441
-  _globals['_CODEPIECE']._serialized_end=466
-  _globals['_REGISTERREQUEST']._serialized_start=469
-  _globals['_REGISTERREQUEST']._serialized_end=651
-  _globals['_REGISTERRESPONSE']._serialized_start=653
-  _globals['_REGISTERRESPONSE']._serialized_end=720
-  _globals['_HEARTBEATREQUEST']._serialized_start=722
-  _globals['_HEARTBEATREQUEST']._serialized_end=847
-  _globals['_HEARTBEATRESPONSE']._serialized_start=849
-  _globals['_HEARTBEATRESPONSE']._serialized_end=883
-  _globals['_COMMANDSREQUEST']._serialized_start=885
-  _globals['_COMMANDSREQUEST']._serialized_end=921
-  _globals['_JOINATTEMPT']._serialized_start=924
-  _globals['_JOINATTEMPT']._serialized_end=1064
-  _globals['_ABORTATTEMPT']._serialized_start=1066
-  _globals['_ABORTATTEMPT']._serialized_end=1100
-  _globals['_WORKERCOMMAND']._serialized_start=1102
-  _globals['_WORKERCOMMAND']._serialized_end=1208
-  _globals['_WORKERSERVICE']._serialized_start=1211
-  _globals['_WORKERSERVICE']._serialized_end=1547
-  _globals['_WORKERDIRECTORY']._serialized_start=1549
-  _globals['_WORKERDIRECTORY']._serialized_end=1642
+  _globals['_REGISTEREDWORKER']._serialized_end=256
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=258
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=324
+  _globals['_LEAVEREQUEST']._serialized_start=326
+  _globals['_LEAVEREQUEST']._serialized_end=376
+  _globals['_LEAVERESPONSE']._serialized_start=378
+  _globals['_LEAVERESPONSE']._serialized_end=416
+  _globals['_GETCODEREQUEST']._serialized_start=418
+  _globals['_GETCODEREQUEST']._serialized_end=469
+  _globals['_CODEPIECE']._serialized_start=471
+  _globals['_CODEPIECE']._serialized_end=496
+  _globals['_REGISTERREQUEST']._serialized_start=499
+  _globals['_REGISTERREQUEST']._serialized_end=681
+  _globals['_REGISTERRESPONSE']._serialized_start=683
+  _globals['_REGISTERRESPONSE']._serialized_end=750
+  _globals['_HEARTBEATREQUEST']._serialized_start=752
+  _globals['_HEARTBEATREQUEST']._serialized_end=877
+  _globals['_HEARTBEATRESPONSE']._serialized_start=879
+  _globals['_HEARTBEATRESPONSE']._serialized_end=913
+  _globals['_COMMANDSREQUEST']._serialized_start=915
+  _globals['_COMMANDSREQUEST']._serialized_end=951
+  _globals['_JOINATTEMPT']._serialized_start=954
+  _globals['_JOINATTEMPT']._serialized_end=1094
+  _globals['_ABORTATTEMPT']._serialized_start=1096
+  _globals['_ABORTATTEMPT']._serialized_end=1130
+  _globals['_WORKERCOMMAND']._serialized_start=1132
+  _globals['_WORKERCOMMAND']._serialized_end=1238
+  _globals['_WORKERSERVICE']._serialized_start=1241
+  _globals['_WORKERSERVICE']._serialized_end=1577
+  _globals['_WORKERDIRECTORY']._serialized_start=1579
+  _globals['_WORKERDIRECTORY']._serialized_end=1672
 # @@protoc_insertion_point(module_scope)

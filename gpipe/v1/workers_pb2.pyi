@@ -11,7 +11,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisteredWorker(_message.Message):
-    __slots__ = ("rank", "hostname", "host", "device", "device_name", "device_memory_bytes", "attempt_id", "threads")
+    __slots__ = ("rank", "hostname", "host", "device", "device_name", "device_memory_bytes", "attempt_id", "threads", "job", "leaving")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class RegisteredWorker(_message.Message):
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     hostname: str
     host: str
@@ -28,7 +30,9 @@ class RegisteredWorker(_message.Message):
     device_memory_bytes: int
     attempt_id: str
     threads: int
-    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., attempt_id: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
+    job: str
+    leaving: bool
+    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., attempt_id: _Optional[str] = ..., threads: _Optional[int] = ..., job: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
