@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 STARVE_AFTER_S = 600.0  # a job waiting this long stops backfill past it
+MAX_QUEUED = 1000  # jobs waiting for workers at most: submit answers RESOURCE_EXHAUSTED past it
 PREEMPT_GRACE_S = 120.0  # a preempted job's time to checkpoint at its step boundary, then it is killed
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 

@@ -13,13 +13,14 @@ from typing import TypeVar
 from coordinator.job_table import JobTable
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from coordinator.outputs import prepare_output
+from coordinator.pool import MAX_QUEUED
 from coordinator.registry import HEARTBEAT_TIMEOUT_S
 from coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
 from coordinator.supervisor import Supervisor
 from gpipe import code_archive, grpcutil
 from gpipe.errors import GpipeError, SpecError, describe_os_error
 from gpipe.files import naming
-from gpipe.job_records import SHA256_RE, JobRecord
+from gpipe.job_records import SHA256_RE, JobRecord, JobState
 from gpipe.text import printable
 from gpipe.zygote import Template
 
@@ -120,6 +121,7 @@ class Coordinator:
         try:
             spec = await asyncio.to_thread(_parse, spec_yaml)
             self._unused(spec.name)
+            self._room()
             async with self.validations:
                 if self.stopping.is_set():
                     raise Stopping("the coordinator is stopping")
@@ -145,6 +147,14 @@ class Coordinator:
             raise DiskError(f"cannot take the job: {describe_os_error(e)}") from None
         self.sup.add(job, spec, out / "job.yaml", code_dir or out, fresh=True)  # a new job: nothing to resume from
         return job
+
+    def _room(self) -> None:
+        """Busy past the queue's bound: MAX_QUEUED jobs waiting for workers (coordinator.pool)."""
+        queued = sum(e.record.state in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED)
+                     for e in self.sup.jobs.values())
+        if queued >= MAX_QUEUED:
+            raise Busy(f"{queued} jobs wait for workers already (at most {MAX_QUEUED} queued): try again once "
+                       "some have started, or stop some")
 
     def _unused(self, name: str) -> None:
         if name in self.sup.jobs:

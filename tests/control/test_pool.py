@@ -116,3 +116,24 @@ async def test_prometheus_shows_the_queue_by_priority_and_each_job_s_wait(h):
     assert waits == {"b": 30.0, "c": 30.0}
     busy = {s.labels["state"]: s.value for s in families["gpipe_workers"].samples}
     assert busy["busy"] == 2 and busy["idle"] == 0
+
+
+async def test_the_queue_is_bounded_submit_says_busy_past_it(h, monkeypatch):
+    import types
+
+    from coordinator import submissions
+
+    monkeypatch.setattr(submissions, "MAX_QUEUED", 2)
+    h.submit("a")
+    fake = types.SimpleNamespace(sup=h.sup)
+    submissions.Coordinator._room(fake)  # one waiting: room for more
+    h.submit("b")
+    try:
+        submissions.Coordinator._room(fake)
+    except submissions.Busy as e:
+        assert "2 jobs wait for workers already (at most 2 queued)" in str(e)
+    else:
+        raise AssertionError("a third queued job was taken")
+    h.register(0, 1)
+    await h.settle()  # a starts: one waits
+    submissions.Coordinator._room(fake)
