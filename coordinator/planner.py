@@ -76,7 +76,10 @@ class Link:
 # gloo between processes of one host (bench/README.md (b): 0.2-0.3 ms for small messages, 2-4 GB/s at 8 MiB;
 # (n): 0.3-1 ms of engine time per action); NCCL between GPUs of one host.
 LINKS = {"cpu": Link(3e-4, 3e9, 5e-4), "cuda": Link(3e-5, 2e10, 1e-4)}
-OPTIMIZER_BYTES_PER_S = {"cpu": 2e9, "cuda": 5e11}  # an optimizer step's speed, per byte of its parameters
+# An optimizer step's speed, per byte of its parameters. CPU: torch.optim.AdamW on one thread of the 2-core host
+# stepped 0.6-1.2 GB of parameters a second (bench/README.md (w): the uneven MLP's stages, 32 MiB in 50-57 ms and
+# 30 MiB in 30-32 ms; charlm's and GPT-2's whole models, 2.3-3.2 MiB in 2.3-3.1 ms), not the 2 GB/s assumed before.
+OPTIMIZER_BYTES_PER_S = {"cpu": 1e9, "cuda": 5e11}
 
 
 @dataclass(frozen=True)
