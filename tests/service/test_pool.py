@@ -82,8 +82,9 @@ def test_two_jobs_run_at_once_on_four_workers_each_the_bits_of_its_run_alone(cli
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(480)  # four jobs and an uninterrupted twin, on a loaded host
 def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(cli):
-    slow = job(SERVICE, model=slow_mlp(16, 0.15), steps=STEPS, checkpoint_every=1000)
+    slow = job(SERVICE, model=slow_mlp(16, 0.1), steps=STEPS, checkpoint_every=1000)
     first, low = slow | {"name": "first"}, slow | {"name": "low", "seed": 3}
     urgent = job(SERVICE, name="urgent", steps=3, priority=5)
     s = _service(cli)
