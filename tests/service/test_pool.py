@@ -4,7 +4,9 @@ preempted one the same bits as an uninterrupted twin. The policy in process: tes
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,11 +21,20 @@ PORTS = range(43000, 44000)  # this module's servers listen here only
 STEPS = 60  # the slow jobs' steps: long enough that a job submitted meanwhile finds them running, under load
 
 
-def _service(cli) -> Service:
+@contextlib.contextmanager
+def _pool(cli) -> Iterator[Service]:
+    """serve and four workers (ranks 0-3), ended after, nothing left behind."""
     s = Service(cli)
     s.port = free_port_in(PORTS)
     s.address = f"127.0.0.1:{s.port}"
-    return s
+    try:
+        s.start_serve()
+        for rank in range(4):
+            s.start_worker(rank)
+        yield s
+    finally:
+        s.stop_all()
+        assert not end_leftovers(cli)
 
 
 def _alone(cli, spec: dict, name: str) -> dict[str, torch.Tensor]:
@@ -60,11 +71,7 @@ def _steps(out) -> list[tuple[int, int]]:
 def test_two_jobs_run_at_once_on_four_workers_each_the_bits_of_its_run_alone(cli):
     x = job(SERVICE, name="x", model=slow_mlp(16, 0.05), steps=12)
     y = job(SERVICE, name="y", seed=7, model=slow_mlp(16, 0.05), steps=12, optimizer={"name": "adam", "lr": 0.01})
-    s = _service(cli)
-    try:
-        s.start_serve()
-        for rank in range(4):
-            s.start_worker(rank)
+    with _pool(cli) as s:
         _submit_all(cli, s, [x, y])
         # Both running at once (before: the second waited for ranks 0-1 while 2-3 sat idle).
         s.wait_for(lambda: all(_steps(s.state / n) for n in ("x", "y")), "both jobs stepping", 120)
@@ -73,9 +80,6 @@ def test_two_jobs_run_at_once_on_four_workers_each_the_bits_of_its_run_alone(cli
             assert r.returncode == 0, r.stdout + r.stderr
         # one on ranks 0-1, the other on the idle 2-3 (alone, each would have taken the ranks it names: 0-1)
         assert sorted([_ranks(s.state / "x"), _ranks(s.state / "y")]) == [[0, 1], [2, 3]]
-    finally:
-        s.stop_all()
-        assert not end_leftovers(cli)
     for spec in (x, y):
         got = load_file(s.state / spec["name"] / "model.safetensors")
         assert _same_bits(got, _alone(cli, spec, f"alone-{spec['name']}")), spec["name"]
@@ -87,11 +91,7 @@ def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(c
     slow = job(SERVICE, model=slow_mlp(16, 0.1), steps=STEPS, checkpoint_every=1000)
     first, low = slow | {"name": "first"}, slow | {"name": "low", "seed": 3}
     urgent = job(SERVICE, name="urgent", steps=3, priority=5)
-    s = _service(cli)
-    try:
-        s.start_serve()
-        for rank in range(4):
-            s.start_worker(rank)
+    with _pool(cli) as s:
         _submit_all(cli, s, [first, low])
         s.wait_for(lambda: all(_steps(s.state / n) for n in ("first", "low")), "both stepping", 120)
         r = s.client("list", "--workers")  # the pool: which job holds each worker
@@ -110,9 +110,6 @@ def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(c
         assert [a for a, _ in _steps(s.state / calm)] == [1] * STEPS  # the other ran on
         r = s.client("list", "--workers")
         assert [line.split()[-1] for line in r.stdout.splitlines()[1:]] == ["free"] * 4, r.stdout
-    finally:
-        s.stop_all()
-        assert not end_leftovers(cli)
     got = load_file(s.state / hit / "model.safetensors")
     assert _same_bits(got, _alone(cli, first if hit == "first" else low, "twin"))
 
@@ -121,11 +118,7 @@ def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(c
 def test_a_worker_lost_while_two_jobs_run_restarts_its_job_alone(cli):
     slow = job(SERVICE, model=slow_mlp(16, 0.1), steps=24, checkpoint_every=2)
     one, two = slow | {"name": "one"}, slow | {"name": "two", "seed": 5}
-    s = _service(cli)
-    try:
-        s.start_serve()
-        for rank in range(4):
-            s.start_worker(rank)
+    with _pool(cli) as s:
         _submit_all(cli, s, [one, two])
         s.wait_for(lambda: all(len(_steps(s.state / n)) >= 3 for n in ("one", "two")), "both at step 3", 120)
         hit = next(n for n in ("one", "two") if 3 in _ranks(s.state / n))
@@ -137,9 +130,6 @@ def test_a_worker_lost_while_two_jobs_run_restarts_its_job_alone(cli):
             assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
         assert {a for a, _ in _steps(s.state / calm)} == {1}  # never stopped
         assert max(a for a, _ in _steps(s.state / hit)) >= 2  # restarted from its checkpoint
-    finally:
-        s.stop_all()
-        assert not end_leftovers(cli)
     for spec in (one, two):
         got = load_file(s.state / spec["name"] / "model.safetensors")
         assert _same_bits(got, _alone(cli, spec, f"alone-{spec['name']}")), spec["name"]
