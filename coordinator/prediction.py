@@ -26,7 +26,7 @@ from worker.agent import MALLOC_ENV
 # gradients before adding them into .grad, and those blocks, freed between the activations' smaller ones, leave
 # the heap larger than what is alive. bench/memory_model.py measured it at 2 to 4 times the gradients' bytes
 # per thread that runs a worker's actions (the same in a plain torch loop of one thread); this is the middle.
-# It counts the gradients made that way: not a captured model's large weights' (gpipe.grad_in_place computes
+# It counts the gradients made that way: not the large weights' (gpipe.grad_in_place computes
 # them into .grad), nor blocks of at least glibc's mmap threshold (mapped on their own, unmapped when freed).
 CPU_HEAP_SLACK = 3.0
 MMAP_THRESHOLD = int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"])

@@ -1,4 +1,4 @@
-"""A large weight's gradient added into its `.grad` where it is computed: no second copy of it per micro-batch.
+"""A large weight's gradient added into its `.grad` where it is computed: no second copy, no second pass.
 
 Autograd computes a weight's gradient as a new tensor and then adds it into
 `.grad` (AccumulateGrad). With several micro-batches a step, every micro-batch
@@ -6,11 +6,14 @@ after the first therefore holds two gradients of the weight at once: for a
 language model's embedding or head (GPT-2 at n_embd 2048: 412 MB, Llama 3's
 head: 2 GB in float32) that second copy is the largest transient of its stage,
 and the embedding's is made dense (a zeroed table) for the few rows a
-micro-batch touches.
+micro-batch touches. The add is also a pass over the weight's bytes of its
+own: a Linear(1024)'s backward on 32 rows spends 0.3 of its 1.3 ms on it.
 
-Here a captured model's embedding, linear and addmm operations on a weight of
-at least IN_PLACE_BYTES (`rewrite`, applied to every captured piece) compute the
-weight's gradient into the tensor `.grad` holds:
+Here the embedding, linear and addmm operations on a weight of at least
+IN_PLACE_BYTES compute the weight's gradient into the tensor `.grad` holds
+(Megatron's gradient-accumulation fusion): a captured model's (`rewrite`,
+applied to every captured piece) and a plain model's nn.Linear layers (`fuse`,
+applied to every stage's layers):
 
 - the backward takes `.grad` (leaving it unset), adds its micro-batch's
   gradient into it in place (`addmm_`; the embedding's `index_add_` of only
@@ -19,10 +22,20 @@ weight's gradient into the tensor `.grad` holds:
   `.grad` without a copy, and the weight's post-accumulate hooks fire as after
   any backward (the replicas' bucketed sums start from them).
 
+A split backward (gpipe.split_backward: B the inputs' gradients, W the
+weights') marks the linear and addmm nodes where its weights' paths leave the
+inputs' (`defer`): B keeps the gradient arriving there on the node, and W runs
+the weight-gradient GEMMs from it directly (`run_deferred`, as AccumulateGrad
+would add them, hooks included), with no autograd pass of its own: the
+zero-bubble paper's and Megatron's deferred weight-gradient computation. An
+autograd pass per weight, as torch.distributed.pipelining's W takes, walks the
+graph below each weight again (bench/README.md (s)).
+
 The math is the sum a plain backward takes, in another order of addition (to
-float rounding). Each gradient is computed only where autograd runs the edge it
+float rounding; on the CPU here the same bits for micro-batches of up to 256
+rows). Each gradient is computed only where autograd runs the edge it
 leads to (`torch._C._will_engine_execute_node`), so a split backward
-(gpipe.split_backward: B the inputs', W the weights') computes each part once.
+computes each part once.
 Under autocast (the weight cast to bf16 or fp16 on the way), without grad mode,
 or for a weight that takes no gradient, the operation is autograd's own. A
 weight used twice in one piece (a tied embedding and head on one stage) still
@@ -39,7 +52,11 @@ from typing import Any
 import torch
 from torch import fx
 
-IN_PLACE_BYTES = 16 << 20  # a weight's gradient at least this large is computed into `.grad`
+# A weight's gradient at least this large is computed into `.grad`. Below it the Function's Python (some 50 us a
+# forward and a backward, here) costs more than the add it saves: at 1 MiB (Linear(512), 32 rows a micro-batch) the
+# two come out even on one core; at 4 MiB (Linear(1024)) the backward takes 0.8x, a split backward's W 0.3x
+# (bench/README.md (x)).
+IN_PLACE_BYTES = 1 << 20
 
 _aten = torch.ops.aten
 # autograd's own operations (typed: torch.ops' are not)
@@ -105,6 +122,77 @@ def _taken(weight: torch.Tensor) -> torch.Tensor | None:
     return g
 
 
+_DEFER = "_gp_defer"  # set on a node by a split backward's B (gpipe.split_backward): keep the weights' part for W
+_KEPT = "_gp_kept"  # the gradient B kept on such a node for W (`run_deferred`); _RAN once W has run it
+_RAN = object()
+
+
+def defer(node: Any) -> bool:
+    """Have the weights' gradients of autograd's node `node`, if one of this module's linear or addmm, wait for
+    `run_deferred`: the backward that computes its input's gradient alone (a split backward's B) keeps the
+    gradient arriving there on the node. Returns whether it is such a node."""
+    if not isinstance(node, (_Linear._backward_cls, _Addmm._backward_cls)):  # type: ignore[attr-defined]
+        return False
+    setattr(node, _DEFER, True)
+    return True
+
+
+def is_deferred(node: Any) -> bool:
+    """Whether `node`'s weights' gradients wait for `run_deferred` (its B has run, its W not yet)."""
+    return isinstance(getattr(node, _KEPT, None), torch.Tensor)
+
+
+def _kept(ctx: Any, grad: torch.Tensor, x_edge: Any, w_edges: list[Any]) -> bool:
+    """In a backward's pass at `ctx`: whether its weights' gradients are W's (kept on the node, or kept already)
+    rather than this pass's."""
+    if getattr(ctx, _KEPT, None) is not None:
+        return True  # B kept them: W computes them (run_deferred), not a later pass through this node (an
+        # autograd pass of W for another weight, where the weight is used twice, one use below the other)
+    if getattr(ctx, _DEFER, False) and _runs(x_edge) and not any(_runs(e) for e in w_edges):
+        setattr(ctx, _KEPT, grad)
+        return True
+    return False
+
+
+def _add_to_grad(p: torch.Tensor, make: Callable[[], torch.Tensor], add: Callable[[torch.Tensor], Any]) -> None:
+    """What AccumulateGrad does, for W: the gradient into `p.grad` (made anew by `make` where it has none, added
+    in place by `add` where it has), then `p`'s post-accumulate hooks (the replicas' bucketed sums)."""
+    if p.grad is None:
+        p.grad = make()
+    else:
+        add(p.grad)
+    hooks = p._post_accumulate_grad_hooks
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(p)
+
+
+def run_deferred(node: Any) -> None:
+    """W for a node `defer` took whose B has run: its weights' gradients from the gradient kept there, added into
+    their `.grad` as autograd's AccumulateGrad would (Megatron's deferred weight-gradient GEMMs, with no
+    autograd pass of their own). Once: the node keeps nothing after."""
+    grad = getattr(node, _KEPT)
+    setattr(node, _KEPT, _RAN)
+    with torch.no_grad():
+        if isinstance(node, _Linear._backward_cls):  # type: ignore[attr-defined]
+            x, _ = node.saved_tensors
+            _x_edge, w_edge, *b_edge = (n for n, _ in node.next_functions)  # no bias: no edge
+            g, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+            if w_edge is not None:
+                _add_to_grad(w_edge.variable, lambda: g.T @ rows, lambda acc: acc.addmm_(g.T, rows))
+            if b_edge and b_edge[0] is not None:
+                _add_to_grad(b_edge[0].variable, lambda: g.sum(0), lambda acc: acc.add_(g.sum(0)))
+        else:
+            mat1, _ = node.saved_tensors
+            b_edge, _m1, w_edge = (n for n, _ in node.next_functions)
+            if w_edge is not None:
+                _add_to_grad(w_edge.variable, lambda: mat1.T @ grad, lambda acc: acc.addmm_(mat1.T, grad))
+            if b_edge is not None:
+                shape = node.bias_shape
+                _add_to_grad(b_edge.variable, lambda: grad.sum_to_size(shape).clone(),
+                             lambda acc: acc.add_(grad.sum_to_size(shape)))
+
+
 class _Linear(torch.autograd.Function):
     """y = x @ weight.T + bias, its weight's gradient added into `.grad` (the module's doc)."""
 
@@ -120,6 +208,8 @@ class _Linear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         gx = grad @ weight if _runs(x_edge) else None
         gw = gb = None
+        if _kept(ctx, grad, x_edge, [w_edge, *b_edge]):
+            return gx, None, None
         if _runs(w_edge):
             rows = x.reshape(-1, x.shape[-1])
             # the parameter (a saved tensor unpacks as another tensor object)
@@ -145,10 +235,12 @@ class _Addmm(torch.autograd.Function):
         b_edge, m1_edge, w_edge = (n for n, _ in ctx.next_functions)
         mat1, mat2 = ctx.saved_tensors
         gb = gm1 = gw = None
-        if _runs(b_edge):
-            gb = grad.sum_to_size(ctx.bias_shape)
         if _runs(m1_edge):
             gm1 = grad @ mat2.T
+        if _kept(ctx, grad, m1_edge, [b_edge, w_edge]):
+            return None, gm1, None
+        if _runs(b_edge):
+            gb = grad.sum_to_size(ctx.bias_shape)
         if _runs(w_edge):
             acc = _taken(w_edge.variable) if _accumulates(w_edge) else None
             gw = mat1.T @ grad if acc is None else acc.addmm_(mat1.T, grad)
@@ -230,12 +322,44 @@ def rewrite(gm: fx.GraphModule, large: set[str]) -> int:
     return changed
 
 
+_FUSED = "_gp_fused"  # set on an nn.Linear whose forward `fuse` made this module's linear
+
+
+def _fused_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def _fusible(m: torch.nn.Module) -> bool:
+    return (isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+            and "forward" not in m.__dict__ and is_large(m.weight))
+
+
+def fuse(module: torch.nn.Module) -> int:
+    """Have every plain `nn.Linear` in `module` (not a subclass with a forward of its own) whose weight is at least
+    IN_PLACE_BYTES run this module's linear: its weight's gradient computed into `.grad` (Megatron's
+    gradient-accumulation fusion), and under a split backward its weight-gradient GEMMs deferred to W. The
+    captured models' graphs get the same from `rewrite`. Returns how many."""
+    changed = 0
+    for m in module.modules():
+        if _fusible(m):
+            m.forward = _fused_forward.__get__(m)  # type: ignore[method-assign]  # an instance's own forward
+            setattr(m, _FUSED, True)
+            changed += 1
+    return changed
+
+
 def in_place_params(module: torch.nn.Module) -> set[int]:
-    """The ids of the parameters of `module`'s captured pieces whose gradients are computed into `.grad`
-    (`rewrite` made their one use the forms above)."""
+    """The ids of the parameters of `module` whose gradients are computed into `.grad`: the weights of its
+    captured pieces' operations that `rewrite` pointed at the forms above, and of the linears `fuse` takes, each
+    used once."""
     forms = {form: i for form, i in _IN_PLACE.values()}
     uses: dict[int, int] = {}
+    held: dict[int, int] = {}  # parameter -> how many modules hold it (a tied weight: more than one)
     for piece in module.modules():
+        for p in piece.parameters(recurse=False):
+            held[id(p)] = held.get(id(p), 0) + 1
+        if getattr(piece, _FUSED, False) or _fusible(piece):  # (the coordinator's copy: the linears fuse will take)
+            uses[id(piece.weight)] = uses.get(id(piece.weight), 0) + 1
         graph, state = getattr(piece, "_gp_graph", None), getattr(piece, "_gp_state", None)
         if not isinstance(graph, fx.GraphModule) or state is None:
             continue
@@ -245,7 +369,8 @@ def in_place_params(module: torch.nn.Module) -> set[int]:
             if isinstance(w, fx.Node) and w.target in state:
                 key = id(getattr(*state[w.target]))
                 uses[key] = uses.get(key, 0) + 1
-    return {key for key, n in uses.items() if n == 1}  # a weight used twice makes its second gradient anew
+    # a weight used twice makes its second gradient anew
+    return {key for key, n in uses.items() if n == 1 and held.get(key, 0) <= 1}
 
 
 def is_large(t: torch.Tensor) -> bool:

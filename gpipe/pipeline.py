@@ -224,6 +224,7 @@ class Pipeline:
                 layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
                 layers = layers.to(self._device(k))  # in place: the model's own parameters, on the stage's device
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
+                grad_in_place.fuse(layers)  # large linears: weight gradients into .grad, deferred to W when split
                 elsewhere = frozenset(id(p) for p in layers.parameters() if first_holder[id(p)] != k)
                 cfg = StageConfig(
                     model_chunk=k, model_chunks=model_chunks, start=start, end=end, model_factory="", model_args={},

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from gpipe import grad_in_place
+
 
 def _node(t: torch.Tensor) -> Node | None:
     """The node autograd runs for `t`: its grad_fn, or for a leaf its AccumulateGrad (made on first use)."""
@@ -121,6 +123,12 @@ class WeightGradients:
     def run(self) -> None:
         """Add the weights' gradients into their `.grad`, as one plain backward would have."""
         for g in self.groups:
+            deferred = [node for node in g.splits if grad_in_place.is_deferred(node)]
+            for node in deferred:  # a linear's or addmm's: its weight-gradient GEMMs, with no autograd pass
+                grad_in_place.run_deferred(node)
+            if len(deferred) == len(g.splits):
+                continue
+            # (the deferred nodes among them add nothing more in this pass: grad_in_place._kept)
             edges, grads = [], []
             for node in g.splits:
                 for i, grad in enumerate(g.kept.get(node, ())):
@@ -178,7 +186,9 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
                     by_split[n] = group
             by_split[s] = group
     groups = list({id(g): g for g in by_split.values()}.values())
-    handles = [s.register_prehook(_keeper(g, s)) for g in groups for s in g.splits]
+    # A split node that is grad_in_place's linear or addmm keeps its own gradient for W, and W computes its
+    # weights' gradients without autograd; the others' gradients are kept by a pre-hook, for an autograd pass.
+    handles = [s.register_prehook(_keeper(g, s)) for g in groups for s in g.splits if not grad_in_place.defer(s)]
     try:
         got = torch.autograd.grad([t for t, _ in pairs], inputs, [d for _, d in pairs],
                                   retain_graph=True, allow_unused=True)

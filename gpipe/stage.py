@@ -31,6 +31,7 @@ from gpipe import (
     capture,
     determinism,
     eval_schedule,
+    grad_in_place,
     optim,
     schedule,
     skeleton,
@@ -143,6 +144,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
                 weight_init.init_layer(layers[j], i, cfg.seed, hook)
         layers = layers.to(device)
         capture.to_device(layers, device)  # a captured model built on the CPU names the CPU in its graphs
+    grad_in_place.fuse(layers)  # large linears' weight gradients computed into .grad, deferred to W when split
     if state is None:
         return layers
     own = dict(layers.named_parameters(remove_duplicate=False)) | dict(layers.named_buffers(remove_duplicate=False))

@@ -191,3 +191,53 @@ def test_hooks_autograd_grad_determinism_and_a_pipeline_s_shared_weight_keep_aut
     grad_in_place.exclude(u)
     assert grad_in_place.linear(x, u).grad_fn.name() != "_LinearBackward"
     assert grad_in_place.linear(x, torch.nn.Parameter(torch.randn(8, 8))).grad_fn.name() == "_LinearBackward"
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(12, 12), torch.nn.ReLU())],
+                               torch.nn.Linear(12, 3, bias=False))
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).square().mean()
+
+
+@pytest.mark.parametrize(("schedule", "kw", "deferred"), [
+    ("gpipe", {"balance": [5, 4]}, 0),
+    ("1f1b", {"balance": [4, 5], "activation_checkpoint": "always"}, 0),
+    ("zb-h1", {"balance": [3, 4, 2]}, 3),
+    ("zb-h1", {"balance": [5, 4], "replicas": 2}, 2 * 2),  # W's accumulation fires the replicas' bucketed sums
+    ("zbv", {"balance": [2, 2, 2, 3], "virtual_stages": 2}, 4),
+    ("zb-h1", {"balance": [9]}, 0),  # one stage: its input wants no gradient, its whole backward is W's
+], ids=["gpipe", "1f1b-recompute", "zb-h1", "zb-h1-replicas", "zbv", "zb-h1-one-stage"])
+def test_a_plain_models_linears_are_fused_and_their_deferred_weight_gradients_equal_one_device(
+        every_weight, monkeypatch, schedule, kw, deferred):
+    # gpipe.Pipeline (and a worker's stage) fuses a plain model's nn.Linear layers (grad_in_place.fuse): each
+    # backward adds its weight gradient into .grad, and a split backward (zb-h1, zbv) keeps the gradient on the
+    # linear's node in B and runs the weight-gradient GEMMs in W without an autograd pass: `deferred` linears a
+    # micro-batch (those past the first stage, whose input wants no gradient and whose whole backward is W's),
+    # summed over the replicas. One device's weights.
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+    want = _mlp()
+    opt = torch.optim.SGD(want.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            (_mse(want(xs), ys) * ys.size(0) / x.size(0)).backward()
+        opt.step()
+        opt.zero_grad()
+    ran = []
+    run = grad_in_place.run_deferred
+    monkeypatch.setattr(grad_in_place, "run_deferred", lambda node: ran.append(node) or run(node))
+    got = _mlp()
+    opt = torch.optim.SGD(got.parameters(), lr=0.1, momentum=0.9)
+    pipe = gpipe.Pipeline(got, chunks=4, schedule=schedule, **kw)
+    for x, y in data:
+        pipe.step(x, y, _mse)
+        opt.step()
+        opt.zero_grad()
+    pipe.close()
+    assert all(getattr(m, grad_in_place._FUSED, False) for m in got if isinstance(m, torch.nn.Linear))
+    assert len(ran) == deferred * 4 * len(data)  # (each replica runs its 4 micro-batches of its half)
+    assert _worst(got, want) <= 1e-5

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpipe import grad_in_place
 from gpipe.memory import ActivationMeter
 from gpipe.split_backward import backward_input
 
-MATMULS = {"aten.mm", "aten.addmm", "aten.bmm"}
+MATMULS = {"aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm"}
 
 
 class Matmuls(TorchDispatchMode):
@@ -63,19 +64,41 @@ class Halves(nn.Module):
         return self.b(torch.relu(h1)) * h2
 
 
+class Mixed(nn.Module):
+    """A Linear's weight used by the Linear and again by a plain matmul above it: fused, one split node defers
+    its weight's gradient to W and the other takes an autograd pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h @ self.lin.weight.T
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
 
 
 CASES = [("mlp", mlp, True, 0), ("first-stage", mlp, False, 0), ("halves", Halves, True, 0),
-         ("apart", Apart, True, 0), ("a-weight-used-twice", Twice, True, 1)]
+         ("apart", Apart, True, 0), ("a-weight-used-twice", Twice, True, 1), ("mixed", Mixed, True, 1)]
+
+
+@pytest.fixture(params=[False, True], ids=["autograd", "fused"])
+def fused(request, monkeypatch) -> bool:
+    """Whether the split model's Linear layers are grad_in_place's (fuse, at every size): their weights'
+    gradients kept on the node in B and computed in W without autograd."""
+    monkeypatch.setattr(grad_in_place, "IN_PLACE_BYTES", 0 if request.param else 1 << 62)
+    return bool(request.param)
 
 
 @pytest.mark.parametrize(("name", "make", "input_grad", "again"), CASES, ids=[c[0] for c in CASES])
-def test_b_then_w_equals_one_backward_and_computes_nothing_twice(name, make, input_grad, again):
+def test_b_then_w_equals_one_backward_and_computes_nothing_twice(fused, name, make, input_grad, again):
     torch.manual_seed(0)
     plain = make()
     split = copy.deepcopy(plain)
+    assert (grad_in_place.fuse(split) > 0) == fused
     x = torch.randn(3, 4)
     xp, xs = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
     meter = ActivationMeter(list(split.parameters()))
@@ -97,17 +120,19 @@ def test_b_then_w_equals_one_backward_and_computes_nothing_twice(name, make, inp
     for (n, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
         assert q.grad is not None, n
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6)
-    # Each matrix product once (a weight used twice: the input path between its uses runs again in W).
-    assert b.n + w.n == whole.n + again
+    # Each matrix product once (a weight used twice: the input path between its uses runs again in W, unless
+    # its W is the deferred GEMMs, which run no path).
+    assert b.n + w.n == whole.n + (0 if fused and name != "mixed" else again)
     if input_grad:
         assert b.n > 0 and w.n > 0
 
 
-def test_a_scalar_loss_and_the_post_accumulate_hooks():
-    """The last stage's root is its loss (gradient None: one); W accumulates through AccumulateGrad, so the
-    hooks the replicas' sums start from fire once per weight."""
+def test_a_scalar_loss_and_the_post_accumulate_hooks(fused):
+    """The last stage's root is its loss (gradient None: one); W accumulates through AccumulateGrad (or, fused,
+    as it does), so the hooks the replicas' sums start from fire once per weight."""
     torch.manual_seed(0)
     model = mlp()
+    grad_in_place.fuse(model)
     fired = []
     for i, p in enumerate(model.parameters()):
         p.register_post_accumulate_grad_hook(lambda _p, i=i: fired.append(i))
@@ -119,10 +144,11 @@ def test_a_scalar_loss_and_the_post_accumulate_hooks():
     assert sorted(fired) == list(range(len(list(model.parameters()))))
 
 
-def test_w_frees_the_activations_b_kept():
+def test_w_frees_the_activations_b_kept(fused):
     """Regression: the activation meter's handle held a saved output (ReLU's) with its grad_fn, a cycle that
     nothing freed once B kept the graph (retain_graph): every micro-batch's activations stayed for good."""
     model = mlp()
+    grad_in_place.fuse(model)
     meter = ActivationMeter(list(model.parameters()))
     for _ in range(3):
         x = torch.randn(3, 4, requires_grad=True)
@@ -137,7 +163,7 @@ def test_w_frees_the_activations_b_kept():
         assert meter.current == 0
 
 
-def test_b_lets_go_of_what_w_does_not_use():
+def test_b_lets_go_of_what_w_does_not_use(fused):
     """Between B and W a micro-batch holds its weights' inputs only: attention's saved queries, keys and values,
     and the loss's log-probabilities, go at B (a split node keeps every node below it alive, with what it
     saved); the gradients are the same to the bit."""
@@ -147,6 +173,7 @@ def test_b_lets_go_of_what_w_does_not_use():
     kept, got = [], []
     for release in (False, True):
         model = copy.deepcopy(plain)
+        grad_in_place.fuse(model)  # (fused: the feed-forward's and the head's Linear layers)
         meter = ActivationMeter(list(model.parameters()))
         xs = x.clone().requires_grad_()
         with meter.hooks():
