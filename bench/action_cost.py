@@ -8,7 +8,13 @@ by round, medians over rounds:
 
 - alone: one micro-batch's forward and backward through 4 blocks in a plain
   loop, in a process pinned to one core, once with the input wanting a
-  gradient (as stage 1's) and once without (as stage 0's);
+  gradient (as stage 1's) and once without (as stage 0's); with torch's own
+  Linear layers, and fused as a worker's stage runs them
+  (gpipe.grad_in_place.fuse: the weight gradient added into .grad), the
+  "same blocks" an action is held against; and again beside the same loop
+  on the other core, as a 2-stage pipeline's stages compute side by side
+  (they share the last-level cache and the memory bandwidth: the 2-stage
+  service's actions are held against this one);
 - 1 stage: `gpipe-coordinator run` of those 4 blocks on one stage, so no data
   plane: F and B from metrics.jsonl's timeline;
 - 2 stages: the 8 blocks on 2 stages, 1f1b: each stage's F and B.
@@ -41,28 +47,50 @@ BLOCKS = 4  # per stage
 
 ALONE = f"""
 import statistics, sys, time, torch
+from gpipe import grad_in_place
 torch.set_num_threads(1)
-torch.manual_seed(0)
-layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear({WIDTH}, {WIDTH}), torch.nn.ReLU())
-                               for _ in range({BLOCKS})])
-x = torch.randn({BATCH // CHUNKS}, {WIDTH})
-for wants in (False, True):
-    f, b = [], []
-    for n in range(300):
-        xi = x.clone().requires_grad_(wants)
-        t0 = time.perf_counter(); y = layers(xi); t1 = time.perf_counter()
-        y.backward(torch.ones_like(y)); t2 = time.perf_counter()
-        if n >= 50:
-            f.append(t1 - t0); b.append(t2 - t1)
-    print(statistics.median(f), statistics.median(b))
+for fused in (False, True):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear({WIDTH}, {WIDTH}), torch.nn.ReLU())
+                                   for _ in range({BLOCKS})])
+    if fused:
+        grad_in_place.fuse(layers)  # as a worker's stage runs them
+    x = torch.randn({BATCH // CHUNKS}, {WIDTH})
+    for wants in (False, True):
+        f, b = [], []
+        for n in range(300):
+            if n % {CHUNKS} == 0:
+                layers.zero_grad(set_to_none=True)  # a step's micro-batches add into one gradient
+            xi = x.clone().requires_grad_(wants)
+            t0 = time.perf_counter(); y = layers(xi); t1 = time.perf_counter()
+            y.backward(torch.ones_like(y)); t2 = time.perf_counter()
+            if n >= 50:
+                f.append(t1 - t0); b.append(t2 - t1)
+        print(statistics.median(f), statistics.median(b))
 """
 
 
-def alone() -> dict[str, float]:
-    out = subprocess.run(["taskset", "-c", str(cores()[-1]), sys.executable, "-c", ALONE], env=env(),
-                         capture_output=True, text=True, check=True, timeout=300).stdout.split()
-    f0, b0, f1, b1 = map(float, out)
-    return {"F (input: no grad)": f0, "B (input: no grad)": b0, "F": f1, "B": b1}
+def alone(beside: bool = False) -> dict[str, float]:
+    """One micro-batch's F and B through the blocks in a plain loop: torch's own Linear layers, and the same
+    fused as a worker's stage runs them (gpipe.grad_in_place.fuse), the target's "alone". `beside`: with the
+    same loop running on the first core meanwhile, as a 2-stage pipeline's other worker computes beside each
+    stage (the two share the last-level cache and the memory bandwidth)."""
+    other = None
+    if beside and len(cores()) > 1:
+        loop = ALONE.replace("range(300)", "range(100000)")  # until it is ended below
+        other = subprocess.Popen(["taskset", "-c", str(cores()[0]), sys.executable, "-c", loop], env=env(),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # past its imports
+    try:
+        out = subprocess.run(["taskset", "-c", str(cores()[-1]), sys.executable, "-c", ALONE], env=env(),
+                             capture_output=True, text=True, check=True, timeout=300).stdout.split()
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+    t = list(map(float, out))
+    return {"torch F (input: no grad)": t[0], "torch B (input: no grad)": t[1], "torch F": t[2], "torch B": t[3],
+            "F (input: no grad)": t[4], "B (input: no grad)": t[5], "F": t[6], "B": t[7]}
 
 
 def _cpu(pid: int) -> tuple[str, float] | None:
@@ -92,8 +120,9 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def service(stages: int, steps: int, tmp: Path) -> dict[str, Any]:
-    """Median F and B per stage from a `run` of `stages` stages; with 2, also CPU per step by process."""
+def service(stages: int, steps: int, tmp: Path, checkout: Path | None = None) -> dict[str, Any]:
+    """Median F and B per stage from a `run` of `stages` stages; with 2, also CPU per step by process. With
+    `checkout`, that checkout's gpipe (set up: make setup), from its own environment."""
     name = f"cost-{stages}"
     spec = {
         "name": name, "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": BLOCKS * stages, "head": False}},
@@ -104,8 +133,12 @@ def service(stages: int, steps: int, tmp: Path) -> dict[str, Any]:
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    p = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
-                          "--no-progress"], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    e, cmd = env(), [sys.executable, "-m", "coordinator.cli"]
+    if checkout is not None:
+        e.pop("PYTHONPATH", None)  # it imports its own gpipe
+        cmd = [str(checkout / ".venv/bin/gpipe-coordinator")]
+    p = subprocess.Popen([*cmd, "run", str(job), "--state-dir", str(tmp), "--no-progress"], env=e,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=checkout)
     metrics = tmp / name / "metrics.jsonl"
     cpu: list[tuple[str, float]] = []  # (process name, CPU seconds per step), each process
     window = 0.0
@@ -145,11 +178,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--before", type=Path, help="another checkout, set up (make setup): its service runs too, "
+                    "interleaved, for its rows beside ours in one run")
     a = ap.parse_args()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
-            got = {"alone": alone(), "1 stage": service(1, a.steps, Path(d)), "2 stages": service(2, a.steps, Path(d))}
+            got = {"alone": alone(), "beside": alone(beside=True), "1 stage": service(1, a.steps, Path(d)),
+                   "2 stages": service(2, a.steps, Path(d))}
+            if a.before is not None:
+                got["before 1 stage"] = service(1, a.steps, Path(d), a.before)
+                got["before 2 stages"] = service(2, a.steps, Path(d), a.before)
             rounds.append(got)
             print(f"round {r + 1}: 2-stage step {got['2 stages']['step'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
@@ -158,14 +197,20 @@ def main() -> None:
 
     print(f"\nF and B of one micro-batch ({BATCH // CHUNKS} x {WIDTH}) through {BLOCKS} x (Linear({WIDTH})+ReLU), "
           f"ms, median of {a.rounds} rounds")
-    print(f"{'where':34} {'F':>7} {'B':>7}")
-    print(f"{'alone, input wants no gradient':34} {med('alone', 'F (input: no grad)'):7.2f} "
-          f"{med('alone', 'B (input: no grad)'):7.2f}")
-    print(f"{'alone, input wants a gradient':34} {med('alone', 'F'):7.2f} {med('alone', 'B'):7.2f}")
-    print(f"{'service, 1 stage (no data plane)':34} {med('1 stage', 'stage 0 F'):7.2f} {med('1 stage', 'stage 0 B'):7.2f}")
-    for k in range(2):
-        print(f"{f'service, 2 stages: stage {k}':34} {med('2 stages', f'stage {k} F'):7.2f} "
-              f"{med('2 stages', f'stage {k} B'):7.2f}")
+    print(f"{'where':72} {'F':>7} {'B':>7}")
+    for run, where in (("alone", "alone"), ("beside", "beside a loop on the other core")):
+        for who, pre in (("torch's Linear", "torch "), ("fused, as the stage", "")):
+            print(f"{f'{where} ({who}), no input gradient':72} {med(run, pre + 'F (input: no grad)'):7.2f} "
+                  f"{med(run, pre + 'B (input: no grad)'):7.2f}")
+            print(f"{f'{where} ({who}), input gradient':72} {med(run, pre + 'F'):7.2f} {med(run, pre + 'B'):7.2f}")
+    for pre in ("", "before ") if a.before is not None else ("",):
+        print(f"{f'{pre}service, 1 stage (no data plane)':72} {med(pre + '1 stage', 'stage 0 F'):7.2f} "
+              f"{med(pre + '1 stage', 'stage 0 B'):7.2f}")
+        for k in range(2):
+            print(f"{f'{pre}service, 2 stages: stage {k}':72} {med(pre + '2 stages', f'stage {k} F'):7.2f} "
+                  f"{med(pre + '2 stages', f'stage {k} B'):7.2f}")
+        if pre:
+            print(f"{'before: 2 stages, 1f1b: step':72} {med('before 2 stages', 'step'):7.1f}")
     step = med("2 stages", "step")
     print(f"\n2 stages, 1f1b: step {step:.1f} ms; CPU per step by process (ms; the last round, "
           f"{rounds[-1]['2 stages']['window']:.1f} s of it):")
