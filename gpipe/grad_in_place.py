@@ -131,7 +131,7 @@ def defer(node: Any) -> bool:
     """Have the weights' gradients of autograd's node `node`, if one of this module's linear or addmm, wait for
     `run_deferred`: the backward that computes its input's gradient alone (a split backward's B) keeps the
     gradient arriving there on the node. Returns whether it is such a node."""
-    if not isinstance(node, (_Linear._backward_cls, _Addmm._backward_cls)):  # type: ignore[attr-defined]
+    if not isinstance(node, (_Linear._backward_cls, _Addmm._backward_cls)):
         return False
     setattr(node, _DEFER, True)
     return True
@@ -174,7 +174,8 @@ def run_deferred(node: Any) -> None:
     grad = getattr(node, _KEPT)
     setattr(node, _KEPT, _RAN)
     with torch.no_grad():
-        if isinstance(node, _Linear._backward_cls):  # type: ignore[attr-defined]
+        linear = isinstance(node, _Linear._backward_cls)  # (a flag: isinstance would narrow `node` to object)
+        if linear:
             x, _ = node.saved_tensors
             _x_edge, w_edge, *b_edge = (n for n, _ in node.next_functions)  # no bias: no edge
             g, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -342,7 +343,7 @@ def fuse(module: torch.nn.Module) -> int:
     changed = 0
     for m in module.modules():
         if _fusible(m):
-            m.forward = _fused_forward.__get__(m)  # type: ignore[method-assign]  # an instance's own forward
+            m.forward = _fused_forward.__get__(m)  # an instance's own forward
             setattr(m, _FUSED, True)
             changed += 1
     return changed

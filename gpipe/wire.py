@@ -26,9 +26,11 @@ nothing of theirs.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,8 +109,23 @@ def _tensor_meta(t: torch.Tensor, where: str, backend: str) -> tuple[int, list[i
     return DTYPE_CODE[t.dtype], list(t.shape)
 
 
+def header_bytes(header: Sequence[int]) -> bytes:
+    """A header (HEADER int64s, as `encode` gives it) as its bytes on the wire (this host's byte order, as the
+    receiver's int64 view reads them)."""
+    return array("q", header).tobytes()
+
+
+def read_header(buffer: torch.Tensor) -> list[int]:
+    """The HEADER int64s at the start of `buffer`, a received uint8 tensor in this host's memory (read
+    directly: no tensor operations, which cost more than the read on a message's path)."""
+    assert buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.numel() >= HEADER_BYTES
+    h = array("q")
+    h.frombytes(ctypes.string_at(buffer.data_ptr(), HEADER_BYTES))
+    return h.tolist()
+
+
 def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
-           backend: str = "gloo") -> tuple[torch.Tensor, bytes | None, list[torch.Tensor]]:
+           backend: str = "gloo") -> tuple[list[int], bytes | None, list[torch.Tensor]]:
     """(header, JSON or None, tensors to send) of one message; ValueError if `obj` cannot travel over `backend`.
 
     `grads[i]` says whether the i-th tensor (in gpipe.structure order) wants a gradient back.
@@ -116,7 +133,7 @@ def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
     if isinstance(obj, torch.Tensor):
         code, shape = _tensor_meta(obj, "the value", backend)
         h = [mb, code, len(shape), int(bool(grads and grads[0])), *shape]
-        return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64), None, [obj.contiguous()]
+        return h + [0] * (HEADER - len(h)), None, [obj.contiguous()]
     try:
         skeleton, leaves = structure.flatten(obj)
     except structure.StructureError as e:
@@ -130,7 +147,7 @@ def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
         raise ValueError(f"{structure.describe(obj)}: its description is {len(text)} bytes, over the "
                          f"{MAX_JSON_BYTES >> 10} KiB a structure between stages may take")
     h = [mb, STRUCTURE, len(text), 0]
-    return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64), text, [t.contiguous() for t in leaves]
+    return h + [0] * (HEADER - len(h)), text, [t.contiguous() for t in leaves]
 
 
 def decode(text: bytes) -> tuple[Any, list[tuple[torch.dtype, list[int], bool]]]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import math
 import queue
 import threading
@@ -69,8 +70,10 @@ from gpipe.wire import (
     asked_bytes,
     decode,
     encode,
+    header_bytes,
     message_limit,
     on_wire,
+    read_header,
 )
 
 
@@ -110,6 +113,17 @@ class Capacity:
             self.bytes = max(self.bytes, nbytes)
 
 
+def _packed(header: list[int], t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """One transfer of a header and the `nbytes` of the contiguous tensor `t` after it (gloo: in this host's
+    memory), written by two memory copies: a tensor operation per part costs more than the copy on a message's
+    path (bench/README.md (x))."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    packed = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
+    ctypes.memmove(packed.data_ptr(), header_bytes(header), HEADER_BYTES)
+    ctypes.memmove(packed.data_ptr() + HEADER_BYTES, t.data_ptr(), nbytes)
+    return packed
+
+
 class Sender:
     """Sends (micro-batch, value) pairs to `peer` in order: each message's transfers are posted at once (c10d's
     isend returns without waiting for the peer), and waited for at the next send (those done) and at flush,
@@ -137,14 +151,11 @@ class Sender:
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
         if text is None and self._capacity.packs(nbytes := leaves[0].numel() * leaves[0].element_size()):
             header[3] |= PACKED
-            packed = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
-            packed[:HEADER_BYTES].copy_(header.view(torch.uint8))
-            packed[HEADER_BYTES:].copy_(leaves[0].reshape(-1).view(torch.uint8))
-            parts = [packed]
+            parts = [_packed(header, leaves[0], nbytes)]
         else:
             if text is None:
                 self._capacity.carried(nbytes)
-            parts = [self._staged(header.view(torch.uint8))]
+            parts = [self._staged(torch.frombuffer(bytearray(header_bytes(header)), dtype=torch.uint8))]
             if text is not None:
                 parts.append(self._staged(torch.frombuffer(bytearray(text), dtype=torch.uint8)))
             parts += [on_wire(t, self.backend) for t in leaves if t.numel()]
@@ -269,6 +280,8 @@ class Receiver:
         if t.numel():
             if packed is None:
                 _recv(on_wire(t, self.backend), self.peer, self.group, self.timeout)
+            elif packed.device.type == "cpu":  # a memory copy, as _packed wrote it
+                ctypes.memmove(t.data_ptr(), packed.data_ptr(), t.numel() * t.element_size())
             else:
                 t.reshape(-1).view(torch.uint8).copy_(packed)
             self.bytes += t.numel() * t.element_size()
@@ -277,7 +290,7 @@ class Receiver:
     def _receive(self, buffer: torch.Tensor) -> tuple[int, Any]:
         """One message, its first transfer into `buffer` (the header, and a packed tensor's data after it)."""
         _recv(buffer, self.peer, self.group, self.timeout)
-        h = self._host(buffer[:HEADER_BYTES]).view(torch.int64).tolist()
+        h = read_header(buffer if self._stream is None else self._host(buffer[:HEADER_BYTES]))
         mb, code, n, flags = h[0], h[1], h[2], h[3]
         if code != STRUCTURE:
             if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED

@@ -74,7 +74,7 @@ def test_a_structure_round_trips_through_its_description():
     value = {"h": torch.randn(3, 4), "m": (torch.ones(3, dtype=torch.bool), None, [1, 2.5, "s", True]),
              7: torch.zeros(0, 5)}
     header, text, leaves = encode(5, value, [True, False, False])
-    assert header[:2].tolist() == [5, -1] and text is not None and len(text) == header[2]
+    assert header[:2] == [5, -1] and text is not None and len(text) == header[2]
     skeleton, metas = decode(text)
     assert [(d, s, g) for d, s, g in metas] == [(torch.float32, [3, 4], True), (torch.bool, [3], False),
                                                  (torch.float32, [0, 5], False)]
@@ -84,7 +84,7 @@ def test_a_structure_round_trips_through_its_description():
 
 def test_one_tensor_needs_no_description():
     header, text, leaves = encode(2, torch.randn(4, 8), [True])
-    assert text is None and header[:6].tolist() == [2, 0, 2, 1, 4, 8]
+    assert text is None and header[:6] == [2, 0, 2, 1, 4, 8]
 
 
 @pytest.mark.parametrize(("value", "says"), [
