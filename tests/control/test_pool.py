@@ -137,3 +137,42 @@ async def test_the_queue_is_bounded_submit_says_busy_past_it(h, monkeypatch):
     h.register(0, 1)
     await h.settle()  # a starts: one waits
     submissions.Coordinator._room(fake)
+
+
+def test_a_job_larger_than_a_known_pool_never_fits_and_one_larger_than_the_registered_workers_waits():
+    assert pool.never_fits("big", 8, pool.Limits(max_workers=4)) == (
+        "job 'big' needs 8 workers at once, and this pool has at most 4 (serve --max-workers 4)")
+    assert pool.never_fits("big", 4, pool.Limits(max_workers=4)) is None
+    assert pool.never_fits("big", 4096, pool.Limits()) is None  # the pool's size unknown: it may grow
+    assert "needs 8 workers at once, 2 registered" in pool.short_of(8, 2)
+    assert pool.short_of(2, 2) == ""
+
+
+async def test_a_waiting_job_says_it_needs_more_workers_than_are_registered_until_they_join(h):
+    big = h.submit("big", replicas=2)  # 4 workers
+    h.register(0, 1)
+    await h.settle()
+    e = h.sup.jobs["big"]
+    assert big.state == JobState.PENDING and "needs 4 workers at once, 2 registered" in e.waiting
+    assert sum(ev == ("log", e.waiting) for ev in e.events) == 1  # said once in its log, not each round
+    await h.settle()
+    assert sum(ev[0] == "log" for ev in e.events) == 1
+    h.register(2, 3)
+    await h.settle()
+    assert big.state == JobState.RUNNING and e.waiting == ""
+
+
+async def test_a_queued_job_the_known_pool_can_never_fit_fails_at_once_and_is_not_resumed(h):
+    big, small = h.submit("big", replicas=2), h.submit("small")
+    h.sup.limits = pool.Limits(max_workers=2)  # as a serve restarted with a smaller --max-workers
+    h.register(0, 1)
+    await h.settle()
+    assert big.state == JobState.FAILED and big.exit_code == 2 and "at most 2" in big.history[-1].message
+    assert small.state == JobState.RUNNING
+    try:
+        h.sup.resume("big")
+    except ValueError as ex:
+        assert "serve --max-workers 2" in str(ex)
+    else:
+        raise AssertionError("a job the pool can never fit was queued again")
+    assert big.state == JobState.FAILED

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.cli import end_leftovers
+from tests.support.cli import end_leftovers, one_error_line
 from tests.support.ports import free_port_in
 from tests.support.service import Service
 from tests.support.spec import SERVICE, job, slow_mlp
@@ -22,14 +22,14 @@ STEPS = 60  # the slow jobs' steps: long enough that a job submitted meanwhile f
 
 
 @contextlib.contextmanager
-def _pool(cli) -> Iterator[Service]:
-    """serve and four workers (ranks 0-3), ended after, nothing left behind."""
+def _pool(cli, *serve_flags: str, workers: int = 4) -> Iterator[Service]:
+    """serve (with `serve_flags`) and `workers` workers (ranks 0-3), ended after, nothing left behind."""
     s = Service(cli)
     s.port = free_port_in(PORTS)
     s.address = f"127.0.0.1:{s.port}"
     try:
-        s.start_serve()
-        for rank in range(4):
+        s.start_serve(*serve_flags)
+        for rank in range(workers):
             s.start_worker(rank)
         yield s
     finally:
@@ -133,3 +133,36 @@ def test_a_worker_lost_while_two_jobs_run_restarts_its_job_alone(cli):
     for spec in (one, two):
         got = load_file(s.state / spec["name"] / "model.safetensors")
         assert _same_bits(got, _alone(cli, spec, f"alone-{spec['name']}")), spec["name"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_job_larger_than_the_pool_s_known_size_is_refused_at_submit_and_nothing_changes(cli):
+    huge = job(SERVICE, name="huge", replicas=2)  # 4 workers, on a pool of at most 2
+    with _pool(cli, "--max-workers", "2", workers=2) as s:
+        r = s.client("submit", str(cli.write(huge, "huge.yaml")))
+        line = one_error_line(r.stderr, "error:")
+        assert r.returncode == 2 and "'huge'" in line and "needs 4" in line and "at most 2" in line, r.stderr
+        assert "huge" not in s.client("list").stdout and not (s.state / "huge").exists()
+        # The pool's size holds: a worker of a rank past it is refused, in one line, and exits 2.
+        p = s._spawn("worker2", ["-m", "worker.daemon", "--rank", "2", "--coordinator", s.address])
+        assert p.wait(timeout=60) == 2 and "ranks 0-1" in s.log("worker2") and "Traceback" not in s.log("worker2")
+        assert s.client("list", "--workers").stdout.count("free") == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_job_larger_than_the_registered_workers_waits_saying_so_and_runs_once_they_join(cli):
+    wide = job(SERVICE, name="wide", replicas=2)  # 4 workers; the pool's size is not set: more may join
+    with _pool(cli, workers=2) as s:
+        assert s.client("submit", str(cli.write(wide, "wide.yaml"))).returncode == 0
+        s.wait_for(lambda: "2 registered" in s.client("list").stdout, "the job's wait in list", 30)
+        row = next(x for x in s.client("list").stdout.splitlines() if x.startswith("wide"))
+        assert row.split()[1] == "PENDING" and "needs 4 workers" in row, row
+        waiting = [x for x in s.client("status", "wide").stdout.splitlines() if x.startswith("waiting:")]
+        assert len(waiting) == 1 and "needs 4" in waiting[0] and "2 registered" in waiting[0]
+        s.start_worker(2)
+        s.start_worker(3)
+        r = s.client("logs", "wide", "--follow", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        assert "waiting:" not in s.client("status", "wide").stdout
