@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -166,3 +167,35 @@ def test_a_job_larger_than_the_registered_workers_waits_saying_so_and_runs_once_
         r = s.client("logs", "wide", "--follow", timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
         assert "waiting:" not in s.client("status", "wide").stdout
+
+
+def _started(out) -> list[float]:
+    """When each of the job's attempts started running (its record's RUNNING changes), in order."""
+    history = json.loads((out / "job.json").read_text())["history"]
+    return [h["time_unix"] for h in history if h["state"] == "RUNNING"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)  # a twin run besides: about 90 s on a loaded 2-core host
+def test_serve_restarted_with_a_job_running_and_two_queued_runs_all_three_in_priority_order(cli):
+    steps = 40  # long enough to be running still once the two others are submitted, under load
+    top = job(SERVICE, name="top", model=slow_mlp(16, 0.1), steps=steps, checkpoint_every=1000, priority=5)
+    low, mid = job(SERVICE, name="low", steps=3), job(SERVICE, name="mid", steps=3, priority=3)
+    with _pool(cli, workers=2) as s:
+        assert s.client("submit", str(cli.write(top, "top.yaml"))).returncode == 0
+        s.wait_for(lambda: len(_steps(s.state / "top")) >= 2, "top stepping", 90)
+        _submit_all(cli, s, [low, mid])  # both wait: top holds the two workers, and outranks them
+        s.kill("serve", signal.SIGTERM)  # top checkpoints at its step boundary; the queue stays on disk
+        states = {n: json.loads((s.state / n / "job.json").read_text())["state"] for n in ("top", "low", "mid")}
+        assert states == {"top": "PREEMPTED", "low": "PENDING", "mid": "PENDING"}, states
+        s.start_serve()  # the same state dir and port: the workers register again by themselves
+        for n in ("top", "mid", "low"):
+            r = s.client("logs", n, "--follow", timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        # top resumed first (priority 5), then mid (3), then low (0), though low was submitted before mid.
+        assert _started(s.state / "top")[-1] < _started(s.state / "mid")[0] < _started(s.state / "low")[0]
+        ran = _steps(s.state / "top")
+        assert {a for a, _ in ran} == {1, 2} and [st for _, st in ran] == list(range(steps))  # none lost or twice
+        assert json.loads((s.state / "top" / "job.json").read_text())["restarts"] == 0  # no failure: none counted
+    got = load_file(s.state / "top" / "model.safetensors")
+    assert _same_bits(got, _alone(cli, top, "twin"))
