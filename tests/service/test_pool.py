@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -199,3 +200,34 @@ def test_serve_restarted_with_a_job_running_and_two_queued_runs_all_three_in_pri
         assert json.loads((s.state / "top" / "job.json").read_text())["restarts"] == 0  # no failure: none counted
     got = load_file(s.state / "top" / "model.safetensors")
     assert _same_bits(got, _alone(cli, top, "twin"))
+
+
+def _record(out) -> dict:
+    return json.loads((out / "job.json").read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)  # about 70 s on a loaded 2-core host
+def test_a_small_job_backfills_beside_a_waiting_large_one_which_is_not_starved_past_the_bound(cli):
+    bound = 10.0  # serve --starve-after-s: big waits longer than this for ranks 0-1, held by `hold`
+    hold = job(SERVICE, name="hold", model=slow_mlp(16, 0.1), steps=60)
+    big = job(SERVICE, name="big", replicas=2, steps=3)  # all four workers
+    small, late = job(SERVICE, name="small", steps=3), job(SERVICE, name="late", steps=3)
+    with _pool(cli, "--starve-after-s", str(bound)) as s:
+        assert s.client("submit", str(cli.write(hold, "hold.yaml"))).returncode == 0
+        s.wait_for(lambda: _steps(s.state / "hold"), "hold stepping", 90)
+        _submit_all(cli, s, [big, small])
+        # Backfill: small fits on the idle ranks 2-3 and runs to its end while big waits for all four.
+        assert s.client("logs", "small", "--follow", timeout=90).returncode == 0
+        assert _ranks(s.state / "small") == [2, 3] and _record(s.state / "big")["state"] == "PENDING"
+        # Past the bound, big holds back what comes after it: late waits, though ranks 2-3 are idle.
+        since = _record(s.state / "big")["history"][0]["time_unix"]
+        s.wait_for(lambda: time.time() > since + bound + 1, "big to wait past the bound", bound + 5)
+        assert s.client("submit", str(cli.write(late, "late.yaml"))).returncode == 0
+        for n in ("hold", "big", "late"):
+            r = s.client("logs", n, "--follow", timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+    hold_ended = _record(s.state / "hold")["history"][-1]["time_unix"]
+    assert _record(s.state / "late")["history"][0]["time_unix"] < hold_ended  # late was queued while 2-3 idled
+    assert _started(s.state / "small")[0] < _started(s.state / "big")[0]  # backfilled before big
+    assert hold_ended <= _started(s.state / "big")[0] < _started(s.state / "late")[0]  # big first, once 0-1 freed
