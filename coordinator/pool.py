@@ -14,7 +14,8 @@ preempts. The one place that decides; the supervisor (coordinator.supervisor) ca
   workers, with the idle ones, make it fit (`victims`): largest first, then the lowest priority, then the
   newest. They checkpoint at their next step boundary, as on SIGTERM, wait PREEMPTED (no restart counted)
   and start again, by the same rules, once workers are free. Workers being freed that way are counted for
-  the job they were freed for: it preempts no more than it needs, and nothing after it takes them.
+  the job they were freed for: it preempts no more than it needs, and nothing after it takes them. An elastic
+  victim resumes at once on the idle workers left, on fewer stages (coordinator.policy.when_away).
 - **A job that can never fit.** With the pool's size known (`serve --max-workers N`: its workers are ranks
   0 .. N-1), a job needing more workers than that is refused at submit (`never_fits`). Without it the pool may
   grow (workers join at any time), so such a job waits, saying how many workers it needs and how many are

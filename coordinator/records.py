@@ -136,6 +136,7 @@ class Entry:
     shape: Topology | None = None  # re-planned onto fewer workers (elastic); None: the spec's
     last_ranks: list[int] = field(default_factory=list)  # the workers of its last attempt, by slot
     waiting: str = ""  # why it waits, when it needs more workers than are registered (coordinator.pool.short_of)
+    yielded_to: str = ""  # the job of higher priority it was preempted for, until it runs again
 
     @property
     def topology(self) -> Topology:

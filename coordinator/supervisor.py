@@ -111,7 +111,7 @@ class Supervisor(Lifecycle):
             with self._own_trouble(e):
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
-                for action in policy.when_away(spec, job.state == JobState.PREEMPTED, waited):
+                for action in policy.when_away(spec, job.state == JobState.PREEMPTED, waited, bool(e.yielded_to)):
                     if action == policy.Action.SHRINK and self._replan(e, waited):
                         break
                     if action == policy.Action.FAIL:
@@ -181,6 +181,7 @@ class Supervisor(Lifecycle):
                         self.limits.starve_after_s)
         for victim, by in d.preempts.items():
             if (attempt := self.attempts.get(victim)) is not None:
+                self.jobs[victim].yielded_to = by
                 self.preempt(attempt, f"preempted by job {by} (priority {self._priority(by)})", pool.PREEMPT_GRACE_S)
         for name, ranks in d.starts.items():
             e = waiting[name]
@@ -226,7 +227,7 @@ class Supervisor(Lifecycle):
             self._set_state(e, JobState.FAILED, why)
             return
         e.shape = None if top == spec_top else top
-        e.waiting = ""
+        e.waiting, e.yielded_to = "", ""
         attempt = Attempt(uuid.uuid4().hex[:12], job.name, [w.rank for w in placed], top)
         for w in placed:
             w.attempt_id = attempt.id

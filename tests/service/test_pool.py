@@ -1,6 +1,9 @@
 """The shared pool through real serve and worker processes: two jobs at once on four workers, each the same bits
 as its own `run` alone; a job of higher priority preempting one of two running jobs, all three SUCCEEDED, the
-preempted one the same bits as an uninterrupted twin. The policy in process: tests/control/test_pool.py."""
+preempted one the same bits as an uninterrupted twin; a worker lost while two jobs run; a job larger than the pool
+(refused with --max-workers, waiting for workers to join without); serve restarted with a job running and two
+queued; backfill and its starvation bound; an elastic job preempted for priority running on fewer stages
+meanwhile. The policy in process: tests/control/test_pool.py."""
 
 from __future__ import annotations
 
@@ -231,3 +234,29 @@ def test_a_small_job_backfills_beside_a_waiting_large_one_which_is_not_starved_p
     assert _record(s.state / "late")["history"][0]["time_unix"] < hold_ended  # late was queued while 2-3 idled
     assert _started(s.state / "small")[0] < _started(s.state / "big")[0]  # backfilled before big
     assert hold_ended <= _started(s.state / "big")[0] < _started(s.state / "late")[0]  # big first, once 0-1 freed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)  # about 70 s on a loaded 2-core host
+def test_an_elastic_job_preempted_for_priority_runs_on_fewer_stages_meanwhile_to_the_one_device_weights(cli):
+    from tests.support import reference
+
+    # flex outlasts urgent (about 30 s of steps against 5), so that it grows back once urgent has ended.
+    flex = job(SERVICE, name="flex", stages=4, balance=[1, 1, 1, 1], model=slow_mlp(16, 0.05), steps=120,
+               checkpoint_every=4, elastic={"min_stages": 2})
+    urgent = job(SERVICE, name="urgent", model=slow_mlp(16, 0.1), steps=10, priority=5)  # 2 workers
+    with _pool(cli) as s:
+        assert s.client("submit", str(cli.write(flex, "flex.yaml"))).returncode == 0
+        s.wait_for(lambda: len(_steps(s.state / "flex")) >= 3, "flex stepping", 90)
+        assert s.client("submit", str(cli.write(urgent, "urgent.yaml"))).returncode == 0
+        for n in ("urgent", "flex"):
+            r = s.client("logs", n, "--follow", timeout=150)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        rec = _record(s.state / "flex")
+    # Preempted, it ran on the two workers urgent left (2 stages of 4) while urgent ran, then grew back.
+    assert any("stage count 4 -> 2" in h["message"] and "job urgent" in h["message"] for h in rec["history"])
+    assert {a for a, _ in _steps(s.state / "flex")} == {1, 2, 3} and rec["restarts"] == 0
+    urgent_ended = _record(s.state / "urgent")["history"][-1]["time_unix"]
+    assert _started(s.state / "flex")[1] < urgent_ended
+    got, want = load_file(s.state / "flex" / "model.safetensors"), reference.train(flex)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
