@@ -128,9 +128,10 @@ def never_fits(name: str, slots: int, limits: Limits) -> str | None:
             f"(serve --max-workers {limits.max_workers})")
 
 
-def short_of(slots: int, registered: int) -> str:
-    """Why a job waits that needs more workers than are registered ('' when it does not): the pool may grow."""
-    if slots <= registered:
+def short_of(slots: int, registered: int, limits: Limits) -> str:
+    """Why a job waits that needs more workers than are registered ('' when it does not), in a pool that may grow.
+    In a pool of known size the job fits (never_fits) and its workers are on their way: nothing to say."""
+    if slots <= registered or limits.max_workers is not None:
         return ""
     return f"needs {slots} workers at once, {registered} registered: waiting for more to join"
 

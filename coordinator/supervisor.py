@@ -201,7 +201,8 @@ class Supervisor(Lifecycle):
                     e.record.exit_code, e.record.error = EXIT_BAD_INPUT, why
                     self._set_state(e, JobState.FAILED, why)
                     continue
-                note = pool.short_of(slots, cuda if e.job_spec.device == "cuda" else len(self.workers) - cuda)
+                registered = cuda if e.job_spec.device == "cuda" else len(self.workers) - cuda
+                note = pool.short_of(slots, registered, self.limits)
                 if note != e.waiting:
                     e.waiting = note
                     if note:

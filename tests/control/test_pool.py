@@ -144,8 +144,9 @@ def test_a_job_larger_than_a_known_pool_never_fits_and_one_larger_than_the_regis
         "job 'big' needs 8 workers at once, and this pool has at most 4 (serve --max-workers 4)")
     assert pool.never_fits("big", 4, pool.Limits(max_workers=4)) is None
     assert pool.never_fits("big", 4096, pool.Limits()) is None  # the pool's size unknown: it may grow
-    assert "needs 8 workers at once, 2 registered" in pool.short_of(8, 2)
-    assert pool.short_of(2, 2) == ""
+    assert "needs 8 workers at once, 2 registered" in pool.short_of(8, 2, pool.Limits())
+    assert pool.short_of(2, 2, pool.Limits()) == ""
+    assert pool.short_of(8, 2, pool.Limits(max_workers=8)) == ""  # it fits: its workers are on their way
 
 
 async def test_a_waiting_job_says_it_needs_more_workers_than_are_registered_until_they_join(h):
