@@ -42,6 +42,7 @@ from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecE
 
 if TYPE_CHECKING:
     from coordinator.plan import Plan
+    from coordinator.pool import Limits
     from coordinator.spec import JobSpec
 
 T = TypeVar("T")
@@ -157,6 +158,14 @@ def _parser() -> argparse.ArgumentParser:
                      default=os.environ.get("GPIPE_HEARTBEAT_TIMEOUT_S"),
                      help="a worker whose heartbeats stop this long is dropped and its attempt fails "
                           "(env GPIPE_HEARTBEAT_TIMEOUT_S; default 10)")
+    srv.add_argument("--max-workers", type=int, metavar="N", default=os.environ.get("GPIPE_MAX_WORKERS"),
+                     help="the pool's size: its workers are ranks 0..N-1 (a worker of another rank is refused), "
+                          "and a job needing more than N workers at once is refused at submit (exit 2). "
+                          "1-4096 (env GPIPE_MAX_WORKERS; default: none, any rank may join and such a job waits)")
+    srv.add_argument("--starve-after-s", type=float, metavar="SECONDS",
+                     default=os.environ.get("GPIPE_STARVE_AFTER_S"),
+                     help="once a waiting job has waited this long, no job after it in the queue starts before it "
+                          "(backfill's bound; 1-86400, env GPIPE_STARVE_AFTER_S; default 600)")
     srv.add_argument("--max-code-mib", type=int, default=DEFAULT_CODE_MIB,
                      help=f"the largest job code archive a submit may send, in MiB (default {DEFAULT_CODE_MIB})")
     srv.add_argument("--metrics-port", type=int, default=None,
@@ -276,6 +285,20 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise KeyboardInterrupt
 
 
+def _pool_limits(args: argparse.Namespace) -> Limits:
+    """serve's --max-workers and --starve-after-s (or their env), checked: SpecError names the one out of range."""
+    from coordinator import pool
+
+    n = args.max_workers  # argparse has made an int of the flag or the env's text
+    if n is not None and not 1 <= n <= pool.MAX_WORKERS:
+        raise SpecError(f"--max-workers: {n} is outside 1..{pool.MAX_WORKERS} (or env GPIPE_MAX_WORKERS)")
+    starve = pool.STARVE_AFTER_S if args.starve_after_s is None else args.starve_after_s
+    if not pool.MIN_STARVE_AFTER_S <= starve <= pool.MAX_STARVE_AFTER_S:  # nan too
+        raise SpecError(f"--starve-after-s: {starve} is outside {pool.MIN_STARVE_AFTER_S:g}.."
+                        f"{pool.MAX_STARVE_AFTER_S:g} seconds (or env GPIPE_STARVE_AFTER_S)")
+    return pool.Limits(n, starve)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
     from coordinator.server import serve
@@ -305,6 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise SpecError(f"--heartbeat-timeout: {args.heartbeat_timeout} is outside {2 * HEARTBEAT_INTERVAL_S:g}..3600 "
                         "seconds (or env GPIPE_HEARTBEAT_TIMEOUT_S)")
     grpcutil.check_grace(args.grace_s)
+    limits = _pool_limits(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise SpecError(f"--metrics-port: {args.metrics_port} is outside 0..65535")
     if args.metrics_host is not None and args.metrics_port is None:
@@ -326,7 +350,7 @@ def _serve(args: argparse.Namespace) -> int:
     max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
                       validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib,
-                      metrics=metrics, grace_s=args.grace_s))
+                      metrics=metrics, grace_s=args.grace_s, limits=limits))
     # Stopped, with every record written: skip the interpreter's teardown, which with an attempt just
     # killed took 2 s (gRPC's threads); SIGTERM must end serve well within Kubernetes' grace.
     proc.exit_now(EXIT_OK)

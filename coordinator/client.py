@@ -135,9 +135,12 @@ class Client:
         return EXIT_BY_STATE[final]
 
     async def status(self, name: str) -> int:
-        job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
+        pb = await self.call("GetJob", jobs_pb2.GetJobRequest(name=name))
+        job = serde.job_from_pb(pb)
         print(f"name:     {job.name}\nstate:    {job.state.value}\nprogress: {job.steps_done}/{job.steps} steps"
               + (f", loss {job.loss:.4f}" if job.steps_done else ""))
+        if pb.waiting:
+            print(f"waiting:  {pb.waiting}")
         if job.error and job.state in (JobState.FAILED, JobState.RESTARTING, JobState.RUNNING):
             rank = f" (rank {job.failed_rank})" if job.failed_rank >= 0 else ""
             first = "" if job.state == JobState.FAILED else "first failure: "
@@ -203,14 +206,15 @@ class Client:
         while True:  # a page at a time (a page is at most 1,000 jobs)
             page = await self.call("ListJobs", jobs_pb2.ListJobsRequest(page_size=limit or serde.MAX_PAGE_SIZE,
                                                                         page_token=token))
-            jobs += [serde.job_from_pb(j) for j in page.jobs]
+            jobs += [(serde.job_from_pb(j), j.waiting) for j in page.jobs]
             if not (token := page.next_page_token) or limit is not None:
                 break
         print(f"{'NAME':24} {'STATE':9} {'STEPS':>11} {'LOSS':>8}  SINCE")
-        for j in jobs:
+        for j, waiting in jobs:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.history[-1].time_unix)) if j.history else ""
             loss = f"{j.loss:8.4f}" if j.steps_done else f"{'-':>8}"
-            print(f"{j.name:24} {j.state.value:9} {f'{j.steps_done}/{j.steps}':>11} {loss}  {since}")
+            why = f"  ({waiting})" if waiting else ""  # a job the registered workers are too few for
+            print(f"{j.name:24} {j.state.value:9} {f'{j.steps_done}/{j.steps}':>11} {loss}  {since}{why}")
         if token:
             print(f"more: list --limit {limit} --page-token {token}", file=sys.stderr)
         return EXIT_OK

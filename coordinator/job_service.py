@@ -12,7 +12,14 @@ import grpc
 
 from coordinator.outputs import delete_output
 from coordinator.spec import NAME_RE
-from coordinator.submissions import Busy, Coordinator, DiskError, Stopping, until_stopping
+from coordinator.submissions import (
+    Busy,
+    Coordinator,
+    DiskError,
+    NeverFits,
+    Stopping,
+    until_stopping,
+)
 from gpipe import code_archive, serde
 from gpipe.errors import SpecError, describe_os_error
 from gpipe.grpcutil import Context
@@ -66,13 +73,17 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, printable(str(e), 1024))
         except FileExistsError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except NeverFits as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (Busy, DiskError) as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Stopping as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def GetJob(self, request: jobs_pb2.GetJobRequest, context: Context) -> jobs_pb2.Job:
-        return serde.job_to_pb(await self._job(request.name, context))
+        j = serde.job_to_pb(await self._job(request.name, context))
+        j.waiting = self.c.sup.jobs[request.name].waiting
+        return j
 
     async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Context) -> jobs_pb2.ListJobsResponse:
         # A page at a time, each job without its spec (up to 1 MiB) and all but its latest state change:
@@ -91,7 +102,9 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                                     f"page_token: {printable(request.page_token, 80)!r} is no page of this list")
         jobs = []
         for name in names[start : start + size]:
-            j = serde.job_to_pb(self.c.sup.jobs[name].record)
+            e = self.c.sup.jobs[name]
+            j = serde.job_to_pb(e.record)
+            j.waiting = e.waiting
             j.ClearField("spec_yaml")
             del j.history[:-1]
             jobs.append(j)

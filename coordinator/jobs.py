@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
-from coordinator import report
+from coordinator import pool, report
 from coordinator.records import Attempt, Clock, Entry, Launcher, Store, Worker
 from coordinator.spec import JobSpec
 from gpipe import job_records
@@ -65,6 +65,7 @@ class Jobs:
     wake: asyncio.Event
     shutting_down: bool  # running jobs stay RUNNING on disk, for the next start to pick up
     draining: bool  # preempt_all: no attempt starts
+    limits: pool.Limits  # the pool's size, when known, and its starvation bound
 
     def add(self, job: JobRecord, spec: JobSpec | None, spec_path: Path, job_dir: Path, fresh: bool = False,
             events: list[job_records.Event] | None = None, older: int = 0) -> Entry:
@@ -146,6 +147,8 @@ class Jobs:
         if job.state not in (JobState.FAILED, JobState.STOPPED):
             raise ValueError(f"job {name!r} is {job.state.value}: only a FAILED or STOPPED job can be resumed")
         spec = e.job_spec  # ValueError: its record could not be read
+        if (why := pool.never_fits(name, spec.topology.world, self.limits)) is not None:
+            raise ValueError(why)
         job.restarts, job.error, job.failed_rank, job.exit_code = 0, "", -1, 0
         e.not_before, e.last_error = float("-inf"), None
         self._set_state(e, JobState.RESTARTING,

@@ -16,6 +16,8 @@ never its message:
   fails.
 - A job whose ranks stay away past `restart_timeout_s` shrinks onto the
   workers that remain if it is elastic, else fails (a preempted job waits on).
+  An elastic job preempted for a job of higher priority shrinks onto the idle
+  workers at once: it gave its workers up, they are not coming back soon.
 
 Which of several stage errors is the one to name is the engine's rule
 (gpipe.contract.blamed): a model chunk that gave up for another is never blamed.
@@ -90,9 +92,13 @@ def after_failure(failure: report.Failed, bad: bool, last: StageError | None, re
     return Decision(Action.FAIL, EXIT_FAILED)
 
 
-def when_away(spec: JobSpec, preempted: bool, waited: float) -> tuple[Action, ...]:
+def when_away(spec: JobSpec, preempted: bool, waited: float, yielded: bool = False) -> tuple[Action, ...]:
     """What to try, in order, for a job that has waited `waited` s for its workers: nothing yet; SHRINK (elastic),
-    where it fits; FAIL, for a restarting job whose ranks stayed away past restart_timeout_s."""
+    where it fits; FAIL, for a restarting job whose ranks stayed away past restart_timeout_s. `yielded`: it was
+    preempted for a job of higher priority (coordinator.pool), which holds its workers: an elastic one shrinks
+    at once."""
+    if yielded and preempted and spec.elastic is not None:
+        return (Action.SHRINK,)
     if waited <= spec.restart_timeout_s:
         return ()
     shrink = (Action.SHRINK,) if spec.elastic is not None else ()

@@ -14,7 +14,12 @@ preempts. The one place that decides; the supervisor (coordinator.supervisor) ca
   workers, with the idle ones, make it fit (`victims`): largest first, then the lowest priority, then the
   newest. They checkpoint at their next step boundary, as on SIGTERM, wait PREEMPTED (no restart counted)
   and start again, by the same rules, once workers are free. Workers being freed that way are counted for
-  the job they were freed for: it preempts no more than it needs, and nothing after it takes them.
+  the job they were freed for: it preempts no more than it needs, and nothing after it takes them. An elastic
+  victim resumes at once on the idle workers left, on fewer stages (coordinator.policy.when_away).
+- **A job that can never fit.** With the pool's size known (`serve --max-workers N`: its workers are ranks
+  0 .. N-1), a job needing more workers than that is refused at submit (`never_fits`). Without it the pool may
+  grow (workers join at any time), so such a job waits, saying how many workers it needs and how many are
+  registered (`short_of`), and holds nothing back.
 
 Pure: numbers and names in, decisions out; the tests drive it with a fake clock's waits.
 """
@@ -29,8 +34,18 @@ STARVE_AFTER_S = 600.0  # a job waiting this long stops backfill past it
 MAX_QUEUED = 1000  # jobs waiting for workers at most: submit answers RESOURCE_EXHAUSTED past it
 PREEMPT_GRACE_S = 120.0  # a preempted job's time to checkpoint at its step boundary, then it is killed
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+MIN_STARVE_AFTER_S, MAX_STARVE_AFTER_S = 1.0, 86400.0  # serve --starve-after-s's range
+MAX_WORKERS = 4096  # serve --max-workers at most: ranks are 0-4095
 
 W = TypeVar("W")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The pool's settings (serve's flags): its size, when known, and the starvation bound."""
+
+    max_workers: int | None = None  # the pool's workers are ranks 0 .. max_workers - 1; None: any may join
+    starve_after_s: float = STARVE_AFTER_S
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,23 @@ def victims(job: Waiting, idle: int, running: Sequence[Running]) -> list[str] | 
         out.append(r.name)
         need -= len(r.ranks)
     return out if need <= 0 else None
+
+
+def never_fits(name: str, slots: int, limits: Limits) -> str | None:
+    """Why job `name`, needing `slots` workers at once, can never start on this pool (one line), or None: only
+    when the pool's size is known; a pool that may grow has room for anything, in time."""
+    if limits.max_workers is None or slots <= limits.max_workers:
+        return None
+    return (f"job {name!r} needs {slots} workers at once, and this pool has at most {limits.max_workers} "
+            f"(serve --max-workers {limits.max_workers})")
+
+
+def short_of(slots: int, registered: int, limits: Limits) -> str:
+    """Why a job waits that needs more workers than are registered ('' when it does not), in a pool that may grow.
+    In a pool of known size the job fits (never_fits) and its workers are on their way: nothing to say."""
+    if slots <= registered or limits.max_workers is not None:
+        return ""
+    return f"needs {slots} workers at once, {registered} registered: waiting for more to join"
 
 
 def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[Running],

@@ -135,6 +135,8 @@ class Entry:
     watchers: set[asyncio.Queue[job_records.Event]] = field(default_factory=set)
     shape: Topology | None = None  # re-planned onto fewer workers (elastic); None: the spec's
     last_ranks: list[int] = field(default_factory=list)  # the workers of its last attempt, by slot
+    waiting: str = ""  # why it waits, when it needs more workers than are registered (coordinator.pool.short_of)
+    yielded_to: str = ""  # the job of higher priority it was preempted for, until it runs again
 
     @property
     def topology(self) -> Topology:

@@ -20,15 +20,20 @@ class Reshape(Preemption):
         top = elastic.shape_for(spec, len(ready)) if spec.elastic is not None else None
         if top is None or top == e.topology or top.world > e.topology.world:
             return False
+        change = shape_change(e.topology, top)
+        resuming = f"resuming from {self._from(job)} on {elastic.describe(top)}"
+        if e.yielded_to:  # preempted for a job of higher priority: it runs on the workers left rather than wait
+            e.shape = top
+            self._set_state(e, JobState.PREEMPTED, f"{change}: job {e.yielded_to} holds its other workers; "
+                                                   f"{resuming} until they are free")
+            return True
         was = e.last_ranks or e.topology.ranks()  # none yet: a restarted serve's job, last run at the spec's shape
         lost = [r for r in was if r not in self.workers] or [r for r in was if r not in ready]
         who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "its workers"
         # Since the failure; for a restarted serve's job, since it began waiting.
         since = self.clock.monotonic() - e.failed_at if e.failed_at > float("-inf") else waited
-        change = shape_change(e.topology, top)
         e.shape = top
-        self._set_state(e, JobState.RESTARTING, f"{change}: {who} lost for {since:.0f} s, no spare worker; "
-                                                f"resuming from {self._from(job)} on {elastic.describe(top)}")
+        self._set_state(e, JobState.RESTARTING, f"{change}: {who} lost for {since:.0f} s, no spare worker; {resuming}")
         return True
 
     def _grow_back(self, e: Entry, attempt: Attempt, step: int) -> None:

@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from coordinator import pool
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from coordinator.local_workers import LocalWorker
 from coordinator.outputs import recorded_spec, running
@@ -143,7 +144,7 @@ async def _train(spec: JobSpec, spec_path: Path, code_dir: Path, state_dir: Path
     template = worker_template(dict(os.environ), threads, preload=dict.fromkeys(WORKER_PRELOAD + COORDINATOR_PRELOAD))
     await template.start()
     launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, template)
-    sup = Supervisor(launcher, say=lambda line: None)
+    sup = Supervisor(launcher, say=lambda line: None, limits=pool.Limits(max_workers=len(core_sets)))
     # On a GPU, worker k's attempt processes see their GPU alone, as cuda:0: a stage's .cuda() lands there.
     device = "cuda:0" if spec.device == "cuda" else "cpu"
     workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template, gpu, env)

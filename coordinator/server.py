@@ -32,6 +32,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from coordinator.interceptors import StrictDecoding, TokenAuth
 from coordinator.job_service import JobService
+from coordinator.pool import Limits
 from coordinator.registry import HEARTBEAT_TIMEOUT_S
 from coordinator.submissions import Coordinator
 from coordinator.supervisor import Supervisor
@@ -68,13 +69,14 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
                 tls: tuple[bytes, bytes] | None = None, ready: asyncio.Event | None = None, note: str = "",
                 validate_memory_mib: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                 max_code_mib: int = code_archive.DEFAULT_LIMIT_MIB, metrics: tuple[str | None, int] | None = None,
-                grace_s: float = grpcutil.DEFAULT_GRACE_S) -> None:
+                grace_s: float = grpcutil.DEFAULT_GRACE_S, limits: Limits | None = None) -> None:
     """Run until SIGTERM or SIGINT; SpecError if a port is taken.
 
     On SIGTERM every running job checkpoints at its next step boundary and is left PREEMPTED (a restarted
     serve resumes it), for at most `grace_s`; then serve stops within a second. SIGINT stops it at once.
 
-    `metrics`: (host, port) for Prometheus' /metrics (coordinator.exporter); host None: the API's.
+    `metrics`: (host, port) for Prometheus' /metrics (coordinator.exporter); host None: the API's. `limits`: the
+    pool's size, when known, and its starvation bound (coordinator.pool).
     """
     from coordinator.exporter import Exporter, listen
     from gpipe import net
@@ -91,7 +93,7 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     if host is not None:
         net.bind_to(host)  # the attempts' RPC and c10d ports listen here only
     state_dir.mkdir(parents=True, exist_ok=True)
-    c = Coordinator(state_dir, host, heartbeat_timeout, validate_memory_mib, max_code_mib << 20)
+    c = Coordinator(state_dir, host, heartbeat_timeout, validate_memory_mib, max_code_mib << 20, limits)
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(c), server)
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerService(c), server)
     workers_pb2_grpc.add_WorkerDirectoryServicer_to_server(WorkerDirectory(c), server)

@@ -13,12 +13,12 @@ from typing import TypeVar
 from coordinator.job_table import JobTable
 from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from coordinator.outputs import prepare_output
-from coordinator.pool import MAX_QUEUED
+from coordinator.pool import MAX_QUEUED, Limits, never_fits
 from coordinator.registry import HEARTBEAT_TIMEOUT_S
 from coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
 from coordinator.supervisor import Supervisor
 from gpipe import code_archive, grpcutil
-from gpipe.errors import GpipeError, SpecError, describe_os_error
+from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.files import naming
 from gpipe.job_records import SHA256_RE, JobRecord, JobState
 from gpipe.text import printable
@@ -48,7 +48,8 @@ class Coordinator:
     """serve's side of the supervisor: submissions, validated in a throwaway process, into the job table."""
 
     def __init__(self, state_dir: Path, host: str | None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                 validate_memory_mib: int | None = None, max_code_bytes: int = code_archive.DEFAULT_LIMIT_MIB << 20):
+                 validate_memory_mib: int | None = None, max_code_bytes: int = code_archive.DEFAULT_LIMIT_MIB << 20,
+                 limits: Limits | None = None):
         self.state_dir = state_dir
         self.max_code_bytes = max_code_bytes
         self.uploads = 0  # code archives being received
@@ -59,7 +60,7 @@ class Coordinator:
         self.sup = Supervisor(ProcessLauncher(state_dir, host,
                                               lambda name: state_dir / name / "logs" / "coordinator.log",
                                               template=self.template),
-                              self.table, heartbeat_timeout=heartbeat_timeout)
+                              self.table, heartbeat_timeout=heartbeat_timeout, limits=limits)
         self.table.load(self.sup)
         self.validations = asyncio.Semaphore(VALIDATIONS_RUNNING)
         self.admitted = 0  # submissions being parsed, validated or waiting to be
@@ -120,6 +121,8 @@ class Coordinator:
             self.validating[code_sha256] = self.validating.get(code_sha256, 0) + 1
         try:
             spec = await asyncio.to_thread(_parse, spec_yaml)
+            if (why := never_fits(spec.name, spec.topology.world, self.sup.limits)) is not None:
+                raise NeverFits(why)  # before its validation: nothing is started, nothing kept
             self._unused(spec.name)
             self._room()
             async with self.validations:
@@ -198,6 +201,12 @@ class Coordinator:
 
 class DiskError(GpipeError):
     """The state dir cannot take a new job (full, read-only): nothing was queued."""
+
+
+class NeverFits(GpipeError):
+    """The job needs more workers than the pool can ever have (serve --max-workers): FAILED_PRECONDITION."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class Busy(GpipeError):

@@ -72,8 +72,9 @@ class Supervisor(Lifecycle):
 
     def __init__(self, launcher: Launcher, store: Store | None = None, clock: Clock | None = None,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, say: Callable[[str], None] | None = None,
-                 grace_s: float = WORKER_REPORT_GRACE_S):
+                 grace_s: float = WORKER_REPORT_GRACE_S, limits: pool.Limits | None = None):
         self.launcher = launcher
+        self.limits = limits or pool.Limits()  # the pool's size, when known, and its starvation bound
         self.store: Store = store or NoStore()
         self.clock: Clock = clock or SystemClock()
         self.heartbeat_timeout, self.grace_s = heartbeat_timeout, grace_s
@@ -110,7 +111,7 @@ class Supervisor(Lifecycle):
             with self._own_trouble(e):
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
-                for action in policy.when_away(spec, job.state == JobState.PREEMPTED, waited):
+                for action in policy.when_away(spec, job.state == JobState.PREEMPTED, waited, bool(e.yielded_to)):
                     if action == policy.Action.SHRINK and self._replan(e, waited):
                         break
                     if action == policy.Action.FAIL:
@@ -156,6 +157,9 @@ class Supervisor(Lifecycle):
                     waiting[job.name] = e
         if not waiting:
             return
+        self._note_waits(waiting)
+        if not waiting:
+            return
         idle = {r: w for r, w in self.workers.items() if w.attempt_id is None and not w.leaving}
         running = [pool.Running(a.job, self._priority(a.job), seq.get(a.job, 0), tuple(a.ranks), bool(a.preempt))
                    for a in self.attempts.values()]
@@ -173,14 +177,36 @@ class Supervisor(Lifecycle):
             e = waiting[ask.name]
             return e.last_ranks or list(e.job_spec.topology.ranks())
 
-        d = pool.decide(asks, idle, running, prefer, fits, lambda w: w.host, len(self.workers))
+        d = pool.decide(asks, idle, running, prefer, fits, lambda w: w.host, len(self.workers),
+                        self.limits.starve_after_s)
         for victim, by in d.preempts.items():
             if (attempt := self.attempts.get(victim)) is not None:
+                self.jobs[victim].yielded_to = by
                 self.preempt(attempt, f"preempted by job {by} (priority {self._priority(by)})", pool.PREEMPT_GRACE_S)
         for name, ranks in d.starts.items():
             e = waiting[name]
             with self._own_trouble(e):
                 self._start(e, [self.workers[r] for r in ranks], idle)
+
+    def _note_waits(self, waiting: dict[str, Entry]) -> None:
+        """Fail (and drop from `waiting`) a job that can never fit this pool's known size (a serve restarted
+        with a smaller --max-workers); note, and log once, why a job waits that needs more workers than are
+        registered of its device (coordinator.pool.short_of: the pool may grow)."""
+        cuda = sum(w.device.startswith("cuda") for w in self.workers.values())
+        for name, e in list(waiting.items()):
+            with self._own_trouble(e):
+                slots = e.topology.world
+                if (why := pool.never_fits(name, slots, self.limits)) is not None:
+                    del waiting[name]
+                    e.record.exit_code, e.record.error = EXIT_BAD_INPUT, why
+                    self._set_state(e, JobState.FAILED, why)
+                    continue
+                registered = cuda if e.job_spec.device == "cuda" else len(self.workers) - cuda
+                note = pool.short_of(slots, registered, self.limits)
+                if note != e.waiting:
+                    e.waiting = note
+                    if note:
+                        self._log(e, note)
 
     def _priority(self, name: str) -> int:
         e = self.jobs.get(name)
@@ -202,6 +228,7 @@ class Supervisor(Lifecycle):
             self._set_state(e, JobState.FAILED, why)
             return
         e.shape = None if top == spec_top else top
+        e.waiting, e.yielded_to = "", ""
         attempt = Attempt(uuid.uuid4().hex[:12], job.name, [w.rank for w in placed], top)
         for w in placed:
             w.attempt_id = attempt.id

@@ -69,6 +69,9 @@ class WorkerService(workers_pb2_grpc.WorkerServiceServicer):
         if (why := _bad_registration(request) or _unreachable(request, context.peer())) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         sup, rank = self.c.sup, request.rank
+        if (n := sup.limits.max_workers) is not None and rank >= n:  # the pool's size is a promise to submit
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"rank: this pool's workers are ranks 0-{n - 1} (serve --max-workers {n}), got {rank}")
         old = sup.workers.get(rank)
         if (old is not None and old.id not in self.streaming  # registered, but never took its commands
                 and sup.clock.monotonic() - old.registered > sup.heartbeat_timeout / 2):

@@ -24,45 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13gpipe/v1/jobs.proto\x12\x08gpipe.v1\"T\n\x0bStateChange\x12!\n\x05state\x18\x01 \x01(\x0e\x32\x12.gpipe.v1.JobState\x12\x11\n\ttime_unix\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xd2\x02\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.gpipe.v1.JobState\x12\x11\n\tspec_yaml\x18\x03 \x01(\t\x12&\n\x07history\x18\x04 \x03(\x0b\x32\x15.gpipe.v1.StateChange\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x12\n\nsteps_done\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x13\n\x0b\x66\x61iled_rank\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x12\n\noutput_dir\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\x05\x12\x10\n\x08\x61ttempts\x18\x0c \x01(\x05\x12\x17\n\x0f\x63heckpoint_step\x18\r \x01(\x03\x12\x11\n\teval_loss\x18\x0e \x01(\x01\x12\x11\n\teval_step\x18\x0f \x01(\x03\x12\x13\n\x0b\x63ode_sha256\x18\x10 \x01(\t\"\xa7\x02\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x06 \x01(\x01\x12\x13\n\x0bstages_json\x18\x07 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\x05\x12\x15\n\rreplicas_json\x18\t \x01(\t\x12\x17\n\nloss_scale\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07skipped\x18\x0b \x01(\x08H\x01\x88\x01\x01\x12\x16\n\tgrad_norm\x18\x0c \x01(\x01H\x02\x88\x01\x01\x42\r\n\x0b_loss_scaleB\n\n\x08_skippedB\x0c\n\n_grad_norm\"j\n\x0b\x45valMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\teval_loss\x18\x02 \x01(\x01\x12\x14\n\x0c\x65val_samples\x18\x03 \x01(\x03\x12\x13\n\x0b\x65val_time_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\"\x9b\x01\n\x08JobEvent\x12&\n\x05state\x18\x01 \x01(\x0b\x32\x15.gpipe.v1.StateChangeH\x00\x12(\n\x07metrics\x18\x02 \x01(\x0b\x32\x15.gpipe.v1.StepMetricsH\x00\x12\r\n\x03log\x18\x03 \x01(\tH\x00\x12%\n\x04\x65val\x18\x04 \x01(\x0b\x32\x15.gpipe.v1.EvalMetricsH\x00\x42\x07\n\x05\x65vent\":\n\x10SubmitJobRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\x12\x13\n\x0b\x63ode_sha256\x18\x02 \x01(\t\"\x19\n\tCodeChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\'\n\x07\x43odeRef\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.gpipe.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x0eStopJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x10ResumeJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x10\x44\x65leteJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1f\n\x0fWatchJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t*\x86\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07STOPPED\x10\x05\x12\x0e\n\nRESTARTING\x10\x06\x12\r\n\tPREEMPTED\x10\x07\x32\xd2\x03\n\nJobService\x12\x36\n\tSubmitJob\x12\x1a.gpipe.v1.SubmitJobRequest\x1a\r.gpipe.v1.Job\x12\x36\n\nUploadCode\x12\x13.gpipe.v1.CodeChunk\x1a\x11.gpipe.v1.CodeRef(\x01\x12\x30\n\x06GetJob\x12\x17.gpipe.v1.GetJobRequest\x1a\r.gpipe.v1.Job\x12\x41\n\x08ListJobs\x12\x19.gpipe.v1.ListJobsRequest\x1a\x1a.gpipe.v1.ListJobsResponse\x12\x32\n\x07StopJob\x12\x18.gpipe.v1.StopJobRequest\x1a\r.gpipe.v1.Job\x12\x36\n\tResumeJob\x12\x1a.gpipe.v1.ResumeJobRequest\x1a\r.gpipe.v1.Job\x12\x36\n\tDeleteJob\x12\x1a.gpipe.v1.DeleteJobRequest\x1a\r.gpipe.v1.Job\x12;\n\x08WatchJob\x12\x19.gpipe.v1.WatchJobRequest\x1a\x12.gpipe.v1.JobEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13gpipe/v1/jobs.proto\x12\x08gpipe.v1\"T\n\x0bStateChange\x12!\n\x05state\x18\x01 \x01(\x0e\x32\x12.gpipe.v1.JobState\x12\x11\n\ttime_unix\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xe3\x02\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.gpipe.v1.JobState\x12\x11\n\tspec_yaml\x18\x03 \x01(\t\x12&\n\x07history\x18\x04 \x03(\x0b\x32\x15.gpipe.v1.StateChange\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x12\n\nsteps_done\x18\x06 \x01(\x03\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x13\n\x0b\x66\x61iled_rank\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x12\n\noutput_dir\x18\n \x01(\t\x12\x10\n\x08restarts\x18\x0b \x01(\x05\x12\x10\n\x08\x61ttempts\x18\x0c \x01(\x05\x12\x17\n\x0f\x63heckpoint_step\x18\r \x01(\x03\x12\x11\n\teval_loss\x18\x0e \x01(\x01\x12\x11\n\teval_step\x18\x0f \x01(\x03\x12\x13\n\x0b\x63ode_sha256\x18\x10 \x01(\t\x12\x0f\n\x07waiting\x18\x11 \x01(\t\"\xa7\x02\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x06 \x01(\x01\x12\x13\n\x0bstages_json\x18\x07 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\x05\x12\x15\n\rreplicas_json\x18\t \x01(\t\x12\x17\n\nloss_scale\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07skipped\x18\x0b \x01(\x08H\x01\x88\x01\x01\x12\x16\n\tgrad_norm\x18\x0c \x01(\x01H\x02\x88\x01\x01\x42\r\n\x0b_loss_scaleB\n\n\x08_skippedB\x0c\n\n_grad_norm\"j\n\x0b\x45valMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\teval_loss\x18\x02 \x01(\x01\x12\x14\n\x0c\x65val_samples\x18\x03 \x01(\x03\x12\x13\n\x0b\x65val_time_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\"\x9b\x01\n\x08JobEvent\x12&\n\x05state\x18\x01 \x01(\x0b\x32\x15.gpipe.v1.StateChangeH\x00\x12(\n\x07metrics\x18\x02 \x01(\x0b\x32\x15.gpipe.v1.StepMetricsH\x00\x12\r\n\x03log\x18\x03 \x01(\tH\x00\x12%\n\x04\x65val\x18\x04 \x01(\x0b\x32\x15.gpipe.v1.EvalMetricsH\x00\x42\x07\n\x05\x65vent\":\n\x10SubmitJobRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\x12\x13\n\x0b\x63ode_sha256\x18\x02 \x01(\t\"\x19\n\tCodeChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\'\n\x07\x43odeRef\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"H\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.gpipe.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x0eStopJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x10ResumeJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x10\x44\x65leteJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1f\n\x0fWatchJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t*\x86\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07STOPPED\x10\x05\x12\x0e\n\nRESTARTING\x10\x06\x12\r\n\tPREEMPTED\x10\x07\x32\xd2\x03\n\nJobService\x12\x36\n\tSubmitJob\x12\x1a.gpipe.v1.SubmitJobRequest\x1a\r.gpipe.v1.Job\x12\x36\n\nUploadCode\x12\x13.gpipe.v1.CodeChunk\x1a\x11.gpipe.v1.CodeRef(\x01\x12\x30\n\x06GetJob\x12\x17.gpipe.v1.GetJobRequest\x1a\r.gpipe.v1.Job\x12\x41\n\x08ListJobs\x12\x19.gpipe.v1.ListJobsRequest\x1a\x1a.gpipe.v1.ListJobsResponse\x12\x32\n\x07StopJob\x12\x18.gpipe.v1.StopJobRequest\x1a\r.gpipe.v1.Job\x12\x36\n\tResumeJob\x12\x1a.gpipe.v1.ResumeJobRequest\x1a\r.gpipe.v1.Job\x12\x36\n\tDeleteJob\x12\x1a.gpipe.v1.DeleteJobRequest\x1a\r.gpipe.v1.Job\x12;\n\x08WatchJob\x12\x19.gpipe.v1.WatchJobRequest\x1a\x12.gpipe.v1.JobEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpipe.v1.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1449
-  _globals['_JOBSTATE']._serialized_end=1583
+  _globals['_JOBSTATE']._serialized_start=1466
+  _globals['_JOBSTATE']._serialized_end=1600
   _globals['_STATECHANGE']._serialized_start=33
   _globals['_STATECHANGE']._serialized_end=117
   _globals['_JOB']._serialized_start=120
-  _globals['_JOB']._serialized_end=458
-  _globals['_STEPMETRICS']._serialized_start=461
-  _globals['_STEPMETRICS']._serialized_end=756
-  _globals['_EVALMETRICS']._serialized_start=758
-  _globals['_EVALMETRICS']._serialized_end=864
-  _globals['_JOBEVENT']._serialized_start=867
-  _globals['_JOBEVENT']._serialized_end=1022
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1024
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1082
-  _globals['_CODECHUNK']._serialized_start=1084
-  _globals['_CODECHUNK']._serialized_end=1109
-  _globals['_CODEREF']._serialized_start=1111
-  _globals['_CODEREF']._serialized_end=1150
-  _globals['_GETJOBREQUEST']._serialized_start=1152
-  _globals['_GETJOBREQUEST']._serialized_end=1181
-  _globals['_LISTJOBSREQUEST']._serialized_start=1183
-  _globals['_LISTJOBSREQUEST']._serialized_end=1239
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1241
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1313
-  _globals['_STOPJOBREQUEST']._serialized_start=1315
-  _globals['_STOPJOBREQUEST']._serialized_end=1345
-  _globals['_RESUMEJOBREQUEST']._serialized_start=1347
-  _globals['_RESUMEJOBREQUEST']._serialized_end=1379
-  _globals['_DELETEJOBREQUEST']._serialized_start=1381
-  _globals['_DELETEJOBREQUEST']._serialized_end=1413
-  _globals['_WATCHJOBREQUEST']._serialized_start=1415
-  _globals['_WATCHJOBREQUEST']._serialized_end=1446
-  _globals['_JOBSERVICE']._serialized_start=1586
-  _globals['_JOBSERVICE']._serialized_end=2052
+  _globals['_JOB']._serialized_end=475
+  _globals['_STEPMETRICS']._serialized_start=478
+  _globals['_STEPMETRICS']._serialized_end=773
+  _globals['_EVALMETRICS']._serialized_start=775
+  _globals['_EVALMETRICS']._serialized_end=881
+  _globals['_JOBEVENT']._serialized_start=884
+  _globals['_JOBEVENT']._serialized_end=1039
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1041
+  _globals['_SUBMITJOBREQUEST']._serialized_end=1099
+  _globals['_CODECHUNK']._serialized_start=1101
+  _globals['_CODECHUNK']._serialized_end=1126
+  _globals['_CODEREF']._serialized_start=1128
+  _globals['_CODEREF']._serialized_end=1167
+  _globals['_GETJOBREQUEST']._serialized_start=1169
+  _globals['_GETJOBREQUEST']._serialized_end=1198
+  _globals['_LISTJOBSREQUEST']._serialized_start=1200
+  _globals['_LISTJOBSREQUEST']._serialized_end=1256
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1258
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1330
+  _globals['_STOPJOBREQUEST']._serialized_start=1332
+  _globals['_STOPJOBREQUEST']._serialized_end=1362
+  _globals['_RESUMEJOBREQUEST']._serialized_start=1364
+  _globals['_RESUMEJOBREQUEST']._serialized_end=1396
+  _globals['_DELETEJOBREQUEST']._serialized_start=1398
+  _globals['_DELETEJOBREQUEST']._serialized_end=1430
+  _globals['_WATCHJOBREQUEST']._serialized_start=1432
+  _globals['_WATCHJOBREQUEST']._serialized_end=1463
+  _globals['_JOBSERVICE']._serialized_start=1603
+  _globals['_JOBSERVICE']._serialized_end=2069
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class StateChange(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., time_unix: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step", "eval_loss", "eval_step", "code_sha256")
+    __slots__ = ("name", "state", "spec_yaml", "history", "steps", "steps_done", "loss", "failed_rank", "error", "output_dir", "restarts", "attempts", "checkpoint_step", "eval_loss", "eval_step", "code_sha256", "waiting")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Job(_message.Message):
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
     CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: JobState
     spec_yaml: str
@@ -70,7 +71,8 @@ class Job(_message.Message):
     eval_loss: float
     eval_step: int
     code_sha256: str
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., code_sha256: _Optional[str] = ...) -> None: ...
+    waiting: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec_yaml: _Optional[str] = ..., history: _Optional[_Iterable[_Union[StateChange, _Mapping]]] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., failed_rank: _Optional[int] = ..., error: _Optional[str] = ..., output_dir: _Optional[str] = ..., restarts: _Optional[int] = ..., attempts: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., code_sha256: _Optional[str] = ..., waiting: _Optional[str] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "stages_json", "attempt", "replicas_json", "loss_scale", "skipped", "grad_norm")

@@ -54,6 +54,8 @@ def test_a_job_away_past_restart_timeout_shrinks_if_elastic_else_fails_and_a_pre
     assert when_away(plain, False, 61) == (Action.FAIL,)
     assert when_away(elastic, False, 61) == (Action.SHRINK, Action.FAIL)
     assert when_away(plain, True, 61) == () and when_away(elastic, True, 61) == (Action.SHRINK,)
+    # Preempted for a job of higher priority (which holds its workers): an elastic job shrinks at once.
+    assert when_away(elastic, True, 0, yielded=True) == (Action.SHRINK,) and when_away(plain, True, 0, True) == ()
 
 
 def test_an_os_error_of_the_disk_or_a_file_is_the_disk_s():

@@ -1,7 +1,7 @@
 """The shared pool, in process: coordinator.pool's policy on its own (placement, order, backfill, starvation,
 victims), then the supervisor carrying it out on a fake clock (tests.support.harness): two jobs at once on four
 workers, backfill, a priority job preempting a running one, and the preempted job resuming without a restart
-counted. Through real serve and worker processes: tests/service/test_pool.py."""
+counted (an elastic one at once, on fewer stages); a job larger than the pool, refused or waiting. Through real serve and worker processes: tests/service/test_pool.py."""
 
 from __future__ import annotations
 
@@ -137,3 +137,75 @@ async def test_the_queue_is_bounded_submit_says_busy_past_it(h, monkeypatch):
     h.register(0, 1)
     await h.settle()  # a starts: one waits
     submissions.Coordinator._room(fake)
+
+
+def test_a_job_larger_than_a_known_pool_never_fits_and_one_larger_than_the_registered_workers_waits():
+    assert pool.never_fits("big", 8, pool.Limits(max_workers=4)) == (
+        "job 'big' needs 8 workers at once, and this pool has at most 4 (serve --max-workers 4)")
+    assert pool.never_fits("big", 4, pool.Limits(max_workers=4)) is None
+    assert pool.never_fits("big", 4096, pool.Limits()) is None  # the pool's size unknown: it may grow
+    assert "needs 8 workers at once, 2 registered" in pool.short_of(8, 2, pool.Limits())
+    assert pool.short_of(2, 2, pool.Limits()) == ""
+    assert pool.short_of(8, 2, pool.Limits(max_workers=8)) == ""  # it fits: its workers are on their way
+
+
+async def test_a_waiting_job_says_it_needs_more_workers_than_are_registered_until_they_join(h):
+    big = h.submit("big", replicas=2)  # 4 workers
+    h.register(0, 1)
+    await h.settle()
+    e = h.sup.jobs["big"]
+    assert big.state == JobState.PENDING and "needs 4 workers at once, 2 registered" in e.waiting
+    assert sum(ev == ("log", e.waiting) for ev in e.events) == 1  # said once in its log, not each round
+    await h.settle()
+    assert sum(ev[0] == "log" for ev in e.events) == 1
+    h.register(2, 3)
+    await h.settle()
+    assert big.state == JobState.RUNNING and e.waiting == ""
+
+
+async def test_a_queued_job_the_known_pool_can_never_fit_fails_at_once_and_is_not_resumed(h):
+    big, small = h.submit("big", replicas=2), h.submit("small")
+    h.sup.limits = pool.Limits(max_workers=2)  # as a serve restarted with a smaller --max-workers
+    h.register(0, 1)
+    await h.settle()
+    assert big.state == JobState.FAILED and big.exit_code == 2 and "at most 2" in big.history[-1].message
+    assert small.state == JobState.RUNNING
+    try:
+        h.sup.resume("big")
+    except ValueError as ex:
+        assert "serve --max-workers 2" in str(ex)
+    else:
+        raise AssertionError("a job the pool can never fit was queued again")
+    assert big.state == JobState.FAILED
+
+
+async def test_an_elastic_job_preempted_for_priority_resumes_at_once_on_the_workers_left_then_grows_back(h):
+    from gpipe.topology import Topology
+
+    flex = h.submit("flex", stages=4, elastic="{min_stages: 2}")
+    h.register(0, 1, 2, 3)
+    await h.settle()
+    a = await started(h, flex)
+    urgent = h.submit("urgent", priority=5)  # 2 workers
+    await h.settle()
+    assert a.preempted
+    a.end(0, report.Checkpoint(1, "/x/step-1", 10, 0.1, 0.0), report.Preempted(1))
+    await h.settle()
+    assert urgent.state == JobState.RUNNING and flex.state == JobState.PREEMPTED
+    h.clock.advance(1)
+    h.beat(0, 1, 2, 3)  # heard from since flex stopped
+    h.sup.tick()  # not restart_timeout_s (60 s) later: at once
+    await h.settle()
+    shrink = next(c.message for c in flex.history if "stage count 4 -> 2" in c.message)
+    assert "job urgent" in shrink and flex.state == JobState.RUNNING and flex.restarts == 0
+    b = h.attempts[-1]
+    assert b.launch.topology == Topology(2, 1) and b.launch.resume
+    u = next(x for x in h.attempts if x.launch.job == "urgent")
+    assert not {p.rank for p in b.launch.placement} & {p.rank for p in u.launch.placement}
+    # urgent ends; at flex's next checkpoint it grows back onto all four.
+    (await started(h, urgent)).end(0, report.Done())
+    await h.settle()
+    await started(h, flex)
+    b.queue.put_nowait(report.Checkpoint(2, "/x/step-2", 10, 0.1, 0.0))
+    await h.settle()
+    assert b.killed and h.attempts[-1].launch.job == "flex" and h.attempts[-1].launch.topology is None

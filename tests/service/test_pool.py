@@ -1,18 +1,23 @@
 """The shared pool through real serve and worker processes: two jobs at once on four workers, each the same bits
 as its own `run` alone; a job of higher priority preempting one of two running jobs, all three SUCCEEDED, the
-preempted one the same bits as an uninterrupted twin. The policy in process: tests/control/test_pool.py."""
+preempted one the same bits as an uninterrupted twin; a worker lost while two jobs run; a job larger than the pool
+(refused with --max-workers, waiting for workers to join without); serve restarted with a job running and two
+queued; backfill and its starvation bound; an elastic job preempted for priority running on fewer stages
+meanwhile. The policy in process: tests/control/test_pool.py."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.cli import end_leftovers
+from tests.support.cli import end_leftovers, one_error_line
 from tests.support.ports import free_port_in
 from tests.support.service import Service
 from tests.support.spec import SERVICE, job, slow_mlp
@@ -22,14 +27,14 @@ STEPS = 60  # the slow jobs' steps: long enough that a job submitted meanwhile f
 
 
 @contextlib.contextmanager
-def _pool(cli) -> Iterator[Service]:
-    """serve and four workers (ranks 0-3), ended after, nothing left behind."""
+def _pool(cli, *serve_flags: str, workers: int = 4) -> Iterator[Service]:
+    """serve (with `serve_flags`) and `workers` workers (ranks 0-3), ended after, nothing left behind."""
     s = Service(cli)
     s.port = free_port_in(PORTS)
     s.address = f"127.0.0.1:{s.port}"
     try:
-        s.start_serve()
-        for rank in range(4):
+        s.start_serve(*serve_flags)
+        for rank in range(workers):
             s.start_worker(rank)
         yield s
     finally:
@@ -133,3 +138,125 @@ def test_a_worker_lost_while_two_jobs_run_restarts_its_job_alone(cli):
     for spec in (one, two):
         got = load_file(s.state / spec["name"] / "model.safetensors")
         assert _same_bits(got, _alone(cli, spec, f"alone-{spec['name']}")), spec["name"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_job_larger_than_the_pool_s_known_size_is_refused_at_submit_and_nothing_changes(cli):
+    huge = job(SERVICE, name="huge", replicas=2)  # 4 workers, on a pool of at most 2
+    with _pool(cli, "--max-workers", "2", workers=2) as s:
+        r = s.client("submit", str(cli.write(huge, "huge.yaml")))
+        line = one_error_line(r.stderr, "error:")
+        assert r.returncode == 2 and "'huge'" in line and "needs 4" in line and "at most 2" in line, r.stderr
+        assert "huge" not in s.client("list").stdout and not (s.state / "huge").exists()
+        # The pool's size holds: a worker of a rank past it is refused, in one line, and exits 2.
+        p = s._spawn("worker2", ["-m", "worker.daemon", "--rank", "2", "--coordinator", s.address])
+        assert p.wait(timeout=60) == 2 and "ranks 0-1" in s.log("worker2") and "Traceback" not in s.log("worker2")
+        assert s.client("list", "--workers").stdout.count("free") == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_job_larger_than_the_registered_workers_waits_saying_so_and_runs_once_they_join(cli):
+    wide = job(SERVICE, name="wide", replicas=2)  # 4 workers; the pool's size is not set: more may join
+    with _pool(cli, workers=2) as s:
+        assert s.client("submit", str(cli.write(wide, "wide.yaml"))).returncode == 0
+        s.wait_for(lambda: "2 registered" in s.client("list").stdout, "the job's wait in list", 30)
+        row = next(x for x in s.client("list").stdout.splitlines() if x.startswith("wide"))
+        assert row.split()[1] == "PENDING" and "needs 4 workers" in row, row
+        waiting = [x for x in s.client("status", "wide").stdout.splitlines() if x.startswith("waiting:")]
+        assert len(waiting) == 1 and "needs 4" in waiting[0] and "2 registered" in waiting[0]
+        s.start_worker(2)
+        s.start_worker(3)
+        r = s.client("logs", "wide", "--follow", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        assert "waiting:" not in s.client("status", "wide").stdout
+
+
+def _started(out) -> list[float]:
+    """When each of the job's attempts started running (its record's RUNNING changes), in order."""
+    history = json.loads((out / "job.json").read_text())["history"]
+    return [h["time_unix"] for h in history if h["state"] == "RUNNING"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)  # a twin run besides: about 90 s on a loaded 2-core host
+def test_serve_restarted_with_a_job_running_and_two_queued_runs_all_three_in_priority_order(cli):
+    steps = 40  # long enough to be running still once the two others are submitted, under load
+    top = job(SERVICE, name="top", model=slow_mlp(16, 0.1), steps=steps, checkpoint_every=1000, priority=5)
+    low, mid = job(SERVICE, name="low", steps=3), job(SERVICE, name="mid", steps=3, priority=3)
+    with _pool(cli, workers=2) as s:
+        assert s.client("submit", str(cli.write(top, "top.yaml"))).returncode == 0
+        s.wait_for(lambda: len(_steps(s.state / "top")) >= 2, "top stepping", 90)
+        _submit_all(cli, s, [low, mid])  # both wait: top holds the two workers, and outranks them
+        s.kill("serve", signal.SIGTERM)  # top checkpoints at its step boundary; the queue stays on disk
+        states = {n: json.loads((s.state / n / "job.json").read_text())["state"] for n in ("top", "low", "mid")}
+        assert states == {"top": "PREEMPTED", "low": "PENDING", "mid": "PENDING"}, states
+        s.start_serve()  # the same state dir and port: the workers register again by themselves
+        for n in ("top", "mid", "low"):
+            r = s.client("logs", n, "--follow", timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        # top resumed first (priority 5), then mid (3), then low (0), though low was submitted before mid.
+        assert _started(s.state / "top")[-1] < _started(s.state / "mid")[0] < _started(s.state / "low")[0]
+        ran = _steps(s.state / "top")
+        assert {a for a, _ in ran} == {1, 2} and [st for _, st in ran] == list(range(steps))  # none lost or twice
+        assert json.loads((s.state / "top" / "job.json").read_text())["restarts"] == 0  # no failure: none counted
+    got = load_file(s.state / "top" / "model.safetensors")
+    assert _same_bits(got, _alone(cli, top, "twin"))
+
+
+def _record(out) -> dict:
+    return json.loads((out / "job.json").read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)  # about 70 s on a loaded 2-core host
+def test_a_small_job_backfills_beside_a_waiting_large_one_which_is_not_starved_past_the_bound(cli):
+    bound = 10.0  # serve --starve-after-s: big waits longer than this for ranks 0-1, held by `hold`
+    hold = job(SERVICE, name="hold", model=slow_mlp(16, 0.1), steps=60)
+    big = job(SERVICE, name="big", replicas=2, steps=3)  # all four workers
+    small, late = job(SERVICE, name="small", steps=3), job(SERVICE, name="late", steps=3)
+    with _pool(cli, "--starve-after-s", str(bound)) as s:
+        assert s.client("submit", str(cli.write(hold, "hold.yaml"))).returncode == 0
+        s.wait_for(lambda: _steps(s.state / "hold"), "hold stepping", 90)
+        _submit_all(cli, s, [big, small])
+        # Backfill: small fits on the idle ranks 2-3 and runs to its end while big waits for all four.
+        assert s.client("logs", "small", "--follow", timeout=90).returncode == 0
+        assert _ranks(s.state / "small") == [2, 3] and _record(s.state / "big")["state"] == "PENDING"
+        # Past the bound, big holds back what comes after it: late waits, though ranks 2-3 are idle.
+        since = _record(s.state / "big")["history"][0]["time_unix"]
+        s.wait_for(lambda: time.time() > since + bound + 1, "big to wait past the bound", bound + 5)
+        assert s.client("submit", str(cli.write(late, "late.yaml"))).returncode == 0
+        for n in ("hold", "big", "late"):
+            r = s.client("logs", n, "--follow", timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+    hold_ended = _record(s.state / "hold")["history"][-1]["time_unix"]
+    assert _record(s.state / "late")["history"][0]["time_unix"] < hold_ended  # late was queued while 2-3 idled
+    assert _started(s.state / "small")[0] < _started(s.state / "big")[0]  # backfilled before big
+    assert hold_ended <= _started(s.state / "big")[0] < _started(s.state / "late")[0]  # big first, once 0-1 freed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)  # about 70 s on a loaded 2-core host
+def test_an_elastic_job_preempted_for_priority_runs_on_fewer_stages_meanwhile_to_the_one_device_weights(cli):
+    from tests.support import reference
+
+    # flex outlasts urgent (about 30 s of steps against 5), so that it grows back once urgent has ended.
+    flex = job(SERVICE, name="flex", stages=4, balance=[1, 1, 1, 1], model=slow_mlp(16, 0.05), steps=120,
+               checkpoint_every=4, elastic={"min_stages": 2})
+    urgent = job(SERVICE, name="urgent", model=slow_mlp(16, 0.1), steps=10, priority=5)  # 2 workers
+    with _pool(cli) as s:
+        assert s.client("submit", str(cli.write(flex, "flex.yaml"))).returncode == 0
+        s.wait_for(lambda: len(_steps(s.state / "flex")) >= 3, "flex stepping", 90)
+        assert s.client("submit", str(cli.write(urgent, "urgent.yaml"))).returncode == 0
+        for n in ("urgent", "flex"):
+            r = s.client("logs", n, "--follow", timeout=150)
+            assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
+        rec = _record(s.state / "flex")
+    # Preempted, it ran on the two workers urgent left (2 stages of 4) while urgent ran, then grew back.
+    assert any("stage count 4 -> 2" in h["message"] and "job urgent" in h["message"] for h in rec["history"])
+    assert {a for a, _ in _steps(s.state / "flex")} == {1, 2, 3} and rec["restarts"] == 0
+    urgent_ended = _record(s.state / "urgent")["history"][-1]["time_unix"]
+    assert _started(s.state / "flex")[1] < urgent_ended
+    got, want = load_file(s.state / "flex" / "model.safetensors"), reference.train(flex)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5

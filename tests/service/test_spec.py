@@ -27,6 +27,8 @@ def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
     (["run"], "error: the following arguments are required: job"),
     (["fly", "job.yaml"], "error: argument command: invalid choice"),
     (["serve", "--heartbeat-timeout", "1"], "error: --heartbeat-timeout: 1.0 is outside 2..3600 seconds"),
+    (["serve", "--max-workers", "0"], "error: --max-workers: 0 is outside"),
+    (["serve", "--starve-after-s", "nan"], "error: --starve-after-s: nan is outside"),
 ])
 def test_cli_bad_invocations(cli, args, message):
     r = cli.run(*args, timeout=60)
