@@ -44,6 +44,7 @@ sums right: the second use finds `.grad` taken and makes its gradient anew.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from functools import reduce
@@ -156,23 +157,35 @@ def _kept(ctx: Any, grad: torch.Tensor, x_edge: Any, w_edges: list[Any]) -> bool
 
 def _add_to_grad(p: torch.Tensor, make: Callable[[], torch.Tensor], add: Callable[[torch.Tensor], Any]) -> None:
     """What AccumulateGrad does, for W: the gradient into `p.grad` (made anew by `make` where it has none, added
-    in place by `add` where it has), then `p`'s post-accumulate hooks (the replicas' bucketed sums)."""
+    in place by `add` where it has). Its hooks are the caller's to fire, once (`fire_hooks`)."""
     if p.grad is None:
         p.grad = make()
     else:
         add(p.grad)
+
+
+def fire_hooks(p: torch.Tensor) -> None:
+    """`p`'s post-accumulate hooks, as AccumulateGrad fires them once it has added a backward's gradient (the
+    replicas' bucketed sums take the gradient as final there: once per backward, after every use's part)."""
     hooks = p._post_accumulate_grad_hooks
     if hooks:
         for hook in list(hooks.values()):
             hook(p)
 
 
-def run_deferred(node: Any) -> None:
+def run_deferred(node: Any) -> list[torch.Tensor]:
     """W for a node `defer` took whose B has run: its weights' gradients from the gradient kept there, added into
     their `.grad` as autograd's AccumulateGrad would (Megatron's deferred weight-gradient GEMMs, with no
-    autograd pass of their own). Once: the node keeps nothing after."""
+    autograd pass of their own); returns the weights, whose hooks the caller fires once all of W has added
+    into them (a weight used twice is added into twice). Once: the node keeps nothing after."""
     grad = getattr(node, _KEPT)
     setattr(node, _KEPT, _RAN)
+    done: list[torch.Tensor] = []
+
+    def add(p: torch.Tensor, make: Callable[[], torch.Tensor], into: Callable[[torch.Tensor], Any]) -> None:
+        _add_to_grad(p, make, into)
+        done.append(p)
+
     with torch.no_grad():
         linear = isinstance(node, _Linear._backward_cls)  # (a flag: isinstance would narrow `node` to object)
         if linear:
@@ -180,18 +193,19 @@ def run_deferred(node: Any) -> None:
             _x_edge, w_edge, *b_edge = (n for n, _ in node.next_functions)  # no bias: no edge
             g, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
             if w_edge is not None:
-                _add_to_grad(w_edge.variable, lambda: g.T @ rows, lambda acc: acc.addmm_(g.T, rows))
+                add(w_edge.variable, lambda: g.T @ rows, lambda acc: acc.addmm_(g.T, rows))
             if b_edge and b_edge[0] is not None:
-                _add_to_grad(b_edge[0].variable, lambda: g.sum(0), lambda acc: acc.add_(g.sum(0)))
+                add(b_edge[0].variable, lambda: g.sum(0), lambda acc: acc.add_(g.sum(0)))
         else:
             mat1, _ = node.saved_tensors
             b_edge, _m1, w_edge = (n for n, _ in node.next_functions)
             if w_edge is not None:
-                _add_to_grad(w_edge.variable, lambda: mat1.T @ grad, lambda acc: acc.addmm_(mat1.T, grad))
+                add(w_edge.variable, lambda: mat1.T @ grad, lambda acc: acc.addmm_(mat1.T, grad))
             if b_edge is not None:
                 shape = node.bias_shape
-                _add_to_grad(b_edge.variable, lambda: grad.sum_to_size(shape).clone(),
-                             lambda acc: acc.add_(grad.sum_to_size(shape)))
+                add(b_edge.variable, lambda: grad.sum_to_size(shape).clone(),
+                    lambda acc: acc.add_(grad.sum_to_size(shape)))
+    return done
 
 
 class _Linear(torch.autograd.Function):
@@ -326,7 +340,8 @@ def rewrite(gm: fx.GraphModule, large: set[str]) -> int:
 _FUSED = "_gp_fused"  # set on an nn.Linear whose forward `fuse` made this module's linear
 
 
-def _fused_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert isinstance(self, torch.nn.Linear)  # (fuse takes only these)
     return linear(x, self.weight, self.bias)
 
 
@@ -343,7 +358,9 @@ def fuse(module: torch.nn.Module) -> int:
     changed = 0
     for m in module.modules():
         if _fusible(m):
-            m.forward = _fused_forward.__get__(m)  # an instance's own forward
+            # An instance's own forward; a partial of a module-level function, so that a pickled model (torch.save
+            # of the whole module) loads back, as a bound method would not.
+            m.forward = functools.partial(_fused_forward, m)
             setattr(m, _FUSED, True)
             changed += 1
     return changed

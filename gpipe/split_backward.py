@@ -121,33 +121,53 @@ class WeightGradients:
         self.groups, self.whole, self.params = groups, whole, params
 
     def run(self) -> None:
-        """Add the weights' gradients into their `.grad`, as one plain backward would have."""
-        for g in self.groups:
-            deferred = [node for node in g.splits if grad_in_place.is_deferred(node)]
-            for node in deferred:  # a linear's or addmm's: its weight-gradient GEMMs, with no autograd pass
-                grad_in_place.run_deferred(node)
-            if len(deferred) == len(g.splits):
-                continue
-            # (the deferred nodes among them add nothing more in this pass: grad_in_place._kept)
-            edges, grads = [], []
-            for node in g.splits:
-                for i, grad in enumerate(g.kept.get(node, ())):
-                    if grad is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(grad)
-            if not edges:
-                continue
-            handles = []
-            if len(g.splits) > 1:  # one split node below another: it takes what B kept there, not a second copy
-                handles = [node.register_prehook(_replacer(kept)) for node, kept in g.kept.items()]
-            try:
-                torch.autograd.backward(edges, grads, inputs=g.params, retain_graph=True)
-            finally:
-                for h in handles:
-                    h.remove()
-        if self.whole and self.params:  # outputs that no input reaches: their whole backward, now
-            torch.autograd.backward([t for t, _ in self.whole], [g for _, g in self.whole], inputs=self.params)
+        """Add the weights' gradients into their `.grad`, as one plain backward would have: each weight's
+        post-accumulate hooks fire once, after all its parts are in (the replicas' sums start there)."""
+        plan = [(g, [node for node in g.splits if grad_in_place.is_deferred(node)]) for g in self.groups]
+        # First the deferred parts: a linear's or addmm's weight-gradient GEMMs, with no autograd pass.
+        deferred: dict[int, torch.Tensor] = {}
+        for _, nodes in plan:
+            for node in nodes:
+                for p in grad_in_place.run_deferred(node):
+                    deferred[id(p)] = p
+        passes = [g for g, nodes in plan if len(nodes) < len(g.splits)]
+        # Then autograd's passes (where a weight has other uses too, its AccumulateGrad fires its hooks, once
+        # the deferred parts are in; the deferred nodes among them add nothing more: grad_in_place._kept).
+        fired: set[int] = set()
+        marks = [p.register_post_accumulate_grad_hook(lambda p: fired.add(id(p)))  # type: ignore[no-untyped-call]
+                 for p in deferred.values()] if passes or self.whole else []
+        try:
+            for g in passes:
+                self._autograd_pass(g)
+            if self.whole and self.params:  # outputs that no input reaches: their whole backward, now
+                torch.autograd.backward([t for t, _ in self.whole], [g for _, g in self.whole], inputs=self.params)
+        finally:
+            for m in marks:
+                m.remove()
+        for key, p in deferred.items():
+            if key not in fired:
+                grad_in_place.fire_hooks(p)
         self.groups, self.whole = [], []
+
+    @staticmethod
+    def _autograd_pass(g: _Group) -> None:
+        """`g`'s weights' gradients by autograd, from the gradients B kept at its split nodes."""
+        edges, grads = [], []
+        for node in g.splits:
+            for i, grad in enumerate(g.kept.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(grad)
+        if not edges:
+            return
+        handles = []
+        if len(g.splits) > 1:  # one split node below another: it takes what B kept there, not a second copy
+            handles = [node.register_prehook(_replacer(kept)) for node, kept in g.kept.items()]
+        try:
+            torch.autograd.backward(edges, grads, inputs=g.params, retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
