@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,12 +47,13 @@ from coordinator.metrics import step_waits
 from coordinator.plan import Plan, make_plan, optimizer_slots
 from coordinator.spec import JobSpec
 from gpipe import balance as balancing
-from gpipe import costs, cuts, schedule
+from gpipe import costs, costs_together, cuts, optim, schedule
 from gpipe.costs import LayerCosts
 from gpipe.errors import SpecError
 from gpipe.footprint import Layers, Line
 from gpipe.memory_model import checkpointing
 from gpipe.topology import model_chunk
+from gpipe.zero import BUCKET_BYTES
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
 VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # the virtual stages a schedule is searched with
@@ -79,10 +81,6 @@ class Link:
 # gloo between processes of one host (bench/README.md (b): 0.2-0.3 ms for small messages, 2-4 GB/s at 8 MiB;
 # (n): 0.3-1 ms of engine time per action); NCCL between GPUs of one host.
 LINKS = {"cpu": Link(3e-4, 3e9, 5e-4), "cuda": Link(3e-5, 2e10, 1e-4)}
-# An optimizer step's speed, per byte of its parameters. CPU: torch.optim.AdamW on one thread of the 2-core host
-# stepped 0.6-1.2 GB of parameters a second (bench/README.md (w): the uneven MLP's stages, 32 MiB in 50-57 ms and
-# 30 MiB in 30-32 ms; charlm's and GPT-2's whole models, 2.3-3.2 MiB in 2.3-3.1 ms), not the 2 GB/s assumed before.
-OPTIMIZER_BYTES_PER_S = {"cpu": 1e9, "cuda": 5e11}
 
 
 @dataclass(frozen=True)
@@ -192,10 +190,17 @@ def _sizes(batch: int, replicas: int, chunks: int) -> list[int]:
     return [per // chunks + (1 if i < per % chunks else 0) for i in range(chunks)]
 
 
+def _splits(c: Config) -> bool:
+    """Whether `c`'s schedule splits the backward (B and W)."""
+    return schedule.splits_backward(schedule.build(c.schedule, 0, c.stages, c.chunks, c.virtual_stages))
+
+
 def balance_for(m: Measured, c: Config, n: int) -> list[int]:
     """The balance by measured time at micro-batch size `n` (a checkpointed forward counted twice)."""
     twice = c.activation_checkpoint != "never"
-    per_layer = [lc.f.at(n) * (2 if twice else 1) + lc.b.at(n) + lc.w.at(n) for lc in m.layers]
+    split = _splits(c)
+    per_layer = [lc.f.at(n) * (2 if twice else 1) + (lc.b.at(n) + lc.w.at(n) if split else lc.backward(n))
+                 for lc in m.layers]
     return balancing.partition(per_layer, c.stages * c.virtual_stages)
 
 
@@ -214,17 +219,16 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
     splits = [schedule.splits_backward(schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages))
               for k in range(c.stages)]
     ends = [schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages)[-1] for k in range(c.stages)]
-    params = [sum(m.param_bytes[i] for i in range(*bounds[g])) for g in range(len(bounds))]
-    share = c.replicas if c.shard else 1
-    opt_rate = OPTIMIZER_BYTES_PER_S[m.device]
     end_work = []
     for k in range(c.stages):
-        held = sum(params[model_chunk(c.schedule, k, j, c.stages)] for j in range(c.virtual_stages))
-        t = held / share / opt_rate
+        held = [model_chunk(c.schedule, k, j, c.stages) for j in range(c.virtual_stages)]
+        nbytes = sum(m.param_bytes[i] for g in held for i in range(*bounds[g]))
+        # the optimizer's step, measured per layer; sharded, each replica steps its share
+        t = sum(m.layers[i].step for g in held for i in range(*bounds[g])) / (c.replicas if c.shard else 1)
         if c.replicas > 1:
-            t += link.transfer(int(2 * (c.replicas - 1) / c.replicas * held))  # the gradients' all-reduce
+            t += all_reduce(link, m.device, nbytes, c.replicas)
             if c.shard:
-                t += link.transfer(int((c.replicas - 1) / c.replicas * held))  # the weights' gather
+                t += link.transfer(int((c.replicas - 1) / c.replicas * nbytes))  # the weights' gather
         end_work.append(t)
 
     def length(k: int, a: schedule.Action) -> float:
@@ -237,9 +241,7 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
             if g < last_chunk:
                 t += link.transfer(m.out_bytes[hi - 1].at(n))
         elif a.kind == "B":
-            t = sum(lc.b.at(n) for lc in layers)
-            if not splits[k]:
-                t += sum(lc.w.at(n) for lc in layers)
+            t = sum(lc.b.at(n) if splits[k] else lc.backward(n) for lc in layers)
             if ckpt(a.micro_batch):
                 t += sum(lc.f.at(n) for lc in layers)  # the recomputed forward
             if g > 0:
@@ -254,6 +256,20 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
     waits = step_waits(spec, tied)
     period, bubble = schedule.steady(c.schedule, c.stages, c.chunks, c.virtual_stages, length, waits=waits)
     return period, max(0.0, bubble)
+
+
+def all_reduce(link: Link, device: str, nbytes: int, replicas: int) -> float:
+    """Seconds the replicas' sum of `nbytes` of gradients adds to a worker's step (worker.reducer: a ring
+    all-reduce of buckets of BUCKET_BYTES, each launched during the step's last backward once its gradients are
+    final). On the CPU gloo sums on the worker's own cores, so all of it adds to the step; NCCL on a GPU overlaps
+    the backward, and what is left after it is about the last bucket's."""
+    if not nbytes:
+        return 0.0
+    ring = 2 * (replicas - 1) / replicas
+    buckets = -(-nbytes // BUCKET_BYTES)
+    if device == "cuda":
+        return link.transfer(int(ring * min(nbytes, BUCKET_BYTES)))
+    return buckets * link.latency_s + ring * nbytes / link.bytes_per_s
 
 
 def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
@@ -372,19 +388,40 @@ def measure(spec: JobSpec, job_dir: Path, workers: int, threads: int | None = No
     if plan.footprint is None:
         raise SpecError(f"probe: plan needs each layer's memory, which the probe measures: {plan.footprint_missing}")
     device = "cuda" if spec.device == "cuda" else "cpu"  # the links' and the memory model's kind
-    if (on or device) == "cuda":
-        torch_device, threads = torch.device("cuda:0"), torch.get_num_threads()  # (the coordinator's stand-in)
-    else:
-        from worker.cores import split_cores, threads_for
-
-        torch_device = torch.device("cpu")
-        threads = threads or threads_for(split_cores(workers)[0])
     xs, _, _ = plan.stream().shards(0)[0]  # the whole first batch: chunks 1, one replica
     batch = spec.data.batch_size
-    small = max(1, batch // (workers * 8))
-    layers = costs.measure(plan.model, xs[0], torch_device, threads, (small, batch))
+    sizes = (max(1, batch // (workers * 8)), batch)
+    opt = _optimizer(spec)
+    if (on or device) == "cuda":  # (the coordinator's stand-in)
+        layers = costs.measure(plan.model, xs[0], torch.device("cuda:0"), torch.get_num_threads(), sizes,
+                               optimizer=opt)
+    else:
+        layers = _measure_cpu(plan, xs[0], workers, threads, sizes, opt)
     base_bytes = 0 if device == "cuda" else baseline.runtime_bytes(plan)
     return Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), device, base_bytes)
+
+
+def _optimizer(spec: JobSpec) -> costs.Optimizer:
+    """The job's optimizer as the workers build it (gpipe.optim), for its step's cost."""
+    return optim.optimizer_class(spec.optimizer.name), spec.optimizer.torch_kwargs()
+
+
+def _measure_cpu(plan: Plan, sample: Any, workers: int, threads: int | None, sizes: tuple[int, int],
+                 opt: costs.Optimizer) -> list[LayerCosts]:
+    """The layers' costs as `workers` local workers see them: measured by as many processes at once, each pinned
+    to a worker's cores (gpipe.costs_together; one worker's cores at most once). Where those processes cannot
+    run (the job's code not importable in a fresh interpreter), measured here alone, and said so."""
+    from worker.cores import split_cores, threads_for
+
+    sets = list({tuple(c): None for c in split_cores(workers)})  # workers that share a core: that core once
+    counts = [threads or threads_for(list(c)) for c in sets]
+    if len(sets) > 1:
+        try:
+            return costs_together.measure_together(plan.model, sample, sets, counts, sizes, optimizer=opt)
+        except RuntimeError as e:
+            print(f"plan: {e}; the layers measured in one process alone instead (faster than a run's workers "
+                  "see them)", file=sys.stderr)
+    return costs.measure(plan.model, sample, torch.device("cpu"), counts[0], sizes, optimizer=opt)
 
 
 def _out_bytes(plan: Plan) -> list[Line]:
@@ -409,7 +446,8 @@ def predict_step(plan: Plan, threads: int) -> tuple[float | None, str]:
         return None, "the model is built on the meta device here (model.weights, init per_layer)"
     xs, _, sizes = plan.stream().shards(0)[0]
     n = max(sizes)
-    layers = costs.measure(plan.model, xs[0], torch.device("cpu"), threads, (n, n), repeats=1)
+    layers = costs.measure(plan.model, xs[0], torch.device("cpu"), threads, (n, n), repeats=1,
+                           optimizer=_optimizer(spec))
     m = Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), "cpu")
     c = Config(spec.stages, spec.replicas, spec.schedule, spec.virtual_stages, spec.chunks,
                spec.activation_checkpoint, spec.optimizer.shard, tuple(plan.balance))
