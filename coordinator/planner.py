@@ -49,11 +49,12 @@ from coordinator.spec import JobSpec
 from gpipe import balance as balancing
 from gpipe import costs, costs_together, cuts, optim, schedule
 from gpipe.costs import LayerCosts
+from gpipe.costs_together import Collectives
 from gpipe.errors import SpecError
 from gpipe.footprint import Layers, Line
 from gpipe.memory_model import checkpointing
 from gpipe.topology import model_chunk
-from gpipe.zero import BUCKET_BYTES
+from gpipe.zero import BUCKET_BYTES, GATHER_BYTES
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
 VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # the virtual stages a schedule is searched with
@@ -143,6 +144,7 @@ class Measured:
     param_bytes: list[int]  # per layer: its trainable parameters' bytes
     device: str  # "cpu" or "cuda"
     baseline_bytes: int = 0
+    collectives: Collectives | None = None  # the replicas' all-reduce and gather as measured here (CPU workers)
 
 
 def chunk_choices(batch: int, replicas: int, stages: int) -> list[int]:
@@ -226,9 +228,9 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
         # the optimizer's step, measured per layer; sharded, each replica steps its share
         t = sum(m.layers[i].step for g in held for i in range(*bounds[g])) / (c.replicas if c.shard else 1)
         if c.replicas > 1:
-            t += all_reduce(link, m.device, nbytes, c.replicas)
+            t += all_reduce(link, m.device, nbytes, c.replicas, m.collectives)
             if c.shard:
-                t += link.transfer(int((c.replicas - 1) / c.replicas * nbytes))  # the weights' gather
+                t += gather(link, nbytes, c.replicas, m.collectives)
         end_work.append(t)
 
     def length(k: int, a: schedule.Action) -> float:
@@ -241,13 +243,16 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
             if g < last_chunk:
                 t += link.transfer(m.out_bytes[hi - 1].at(n))
         elif a.kind == "B":
-            t = sum(lc.b.at(n) if splits[k] else lc.backward(n) for lc in layers)
+            if not splits[k]:
+                t = sum(lc.backward(n) for lc in layers)
+            else:  # the first model chunk's input is the data: its B has no input to compute, its W is all of it
+                t = 0.0 if g == 0 else sum(lc.b.at(n) for lc in layers)
             if ckpt(a.micro_batch):
                 t += sum(lc.f.at(n) for lc in layers)  # the recomputed forward
             if g > 0:
                 t += link.transfer(m.out_bytes[lo - 1].at(n))  # its input's gradient, sent back
         else:
-            t = sum(lc.w.at(n) for lc in layers)
+            t = sum(lc.backward(n) if g == 0 else lc.w.at(n) for lc in layers)
         t += link.action_s
         if a == ends[k]:
             t += end_work[k]
@@ -258,18 +263,36 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
     return period, max(0.0, bubble)
 
 
-def all_reduce(link: Link, device: str, nbytes: int, replicas: int) -> float:
-    """Seconds the replicas' sum of `nbytes` of gradients adds to a worker's step (worker.reducer: a ring
-    all-reduce of buckets of BUCKET_BYTES, each launched during the step's last backward once its gradients are
-    final). On the CPU gloo sums on the worker's own cores, so all of it adds to the step; NCCL on a GPU overlaps
-    the backward, and what is left after it is about the last bucket's."""
-    if not nbytes:
+def _ring(replicas: int) -> float:
+    """The bytes a ring all-reduce sends per byte of its tensor."""
+    return 2 * (replicas - 1) / replicas
+
+
+def all_reduce(link: Link, device: str, nbytes: int, replicas: int, measured: Collectives | None = None) -> float:
+    """Seconds the replicas' sum of `nbytes` of gradients adds to a worker's step (worker.reducer: buckets of
+    BUCKET_BYTES, each flattened and all-reduced during the step's last backward once its gradients are final).
+    On the CPU gloo sums on the worker's own cores: as `measured` (gpipe.costs_together, scaled to `replicas`
+    ranks), each bucket but the last at what it adds beside computation, the last whole; else all of it by the
+    link. NCCL on a GPU overlaps the backward, and what is left after it is about the last bucket's."""
+    if not nbytes or replicas < 2:
         return 0.0
-    ring = 2 * (replicas - 1) / replicas
-    buckets = -(-nbytes // BUCKET_BYTES)
     if device == "cuda":
-        return link.transfer(int(ring * min(nbytes, BUCKET_BYTES)))
-    return buckets * link.latency_s + ring * nbytes / link.bytes_per_s
+        return link.transfer(int(_ring(replicas) * min(nbytes, BUCKET_BYTES)))
+    full, rest = divmod(nbytes, BUCKET_BYTES)
+    if measured is not None:  # the buckets but the last beside the backward, the last after it
+        sizes = [BUCKET_BYTES] * full + ([rest] if rest else [])
+        t = sum(measured.overlapped * b / BUCKET_BYTES for b in sizes[:-1]) + measured.all_reduce.at(sizes[-1])
+        return t * _ring(replicas) / _ring(measured.ranks)
+    return (full + (1 if rest else 0)) * link.latency_s + _ring(replicas) * nbytes / link.bytes_per_s
+
+
+def gather(link: Link, nbytes: int, replicas: int, measured: Collectives | None = None) -> float:
+    """Seconds of the sharded optimizer's gather of `nbytes` of weights after its step (gpipe.zero: rounds of an
+    all-gather receiving at most GATHER_BYTES): as `measured` on this host's cores, else by the link."""
+    if measured is None:
+        return link.transfer(int((replicas - 1) / replicas * nbytes))
+    rounds = -(-nbytes // GATHER_BYTES)
+    return rounds * measured.all_gather.at(GATHER_BYTES // replicas)
 
 
 def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
@@ -392,13 +415,15 @@ def measure(spec: JobSpec, job_dir: Path, workers: int, threads: int | None = No
     batch = spec.data.batch_size
     sizes = (max(1, batch // (workers * 8)), batch)
     opt = _optimizer(spec)
+    collectives = None
     if (on or device) == "cuda":  # (the coordinator's stand-in)
         layers = costs.measure(plan.model, xs[0], torch.device("cuda:0"), torch.get_num_threads(), sizes,
                                optimizer=opt)
     else:
-        layers = _measure_cpu(plan, xs[0], workers, threads, sizes, opt)
+        layers, collectives = _measure_cpu(plan, xs[0], workers, threads, sizes, opt)
     base_bytes = 0 if device == "cuda" else baseline.runtime_bytes(plan)
-    return Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), device, base_bytes)
+    return Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), device, base_bytes,
+                    collectives if device == "cpu" else None)
 
 
 def _optimizer(spec: JobSpec) -> costs.Optimizer:
@@ -407,10 +432,11 @@ def _optimizer(spec: JobSpec) -> costs.Optimizer:
 
 
 def _measure_cpu(plan: Plan, sample: Any, workers: int, threads: int | None, sizes: tuple[int, int],
-                 opt: costs.Optimizer) -> list[LayerCosts]:
+                 opt: costs.Optimizer) -> tuple[list[LayerCosts], Collectives | None]:
     """The layers' costs as `workers` local workers see them: measured by as many processes at once, each pinned
-    to a worker's cores (gpipe.costs_together; one worker's cores at most once). Where those processes cannot
-    run (the job's code not importable in a fresh interpreter), measured here alone, and said so."""
+    to a worker's cores (gpipe.costs_together; one worker's cores at most once), and the collectives among them.
+    Where those processes cannot run (the job's code not importable in a fresh interpreter), the layers
+    measured here alone, and said so."""
     from worker.cores import split_cores, threads_for
 
     sets = list({tuple(c): None for c in split_cores(workers)})  # workers that share a core: that core once
@@ -421,7 +447,7 @@ def _measure_cpu(plan: Plan, sample: Any, workers: int, threads: int | None, siz
         except RuntimeError as e:
             print(f"plan: {e}; the layers measured in one process alone instead (faster than a run's workers "
                   "see them)", file=sys.stderr)
-    return costs.measure(plan.model, sample, torch.device("cpu"), counts[0], sizes, optimizer=opt)
+    return costs.measure(plan.model, sample, torch.device("cpu"), counts[0], sizes, optimizer=opt), None
 
 
 def _out_bytes(plan: Plan) -> list[Line]:

@@ -26,6 +26,7 @@ gpipe.costs_together measures them so.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from torch import nn
 
 from gpipe import grad_in_place, structure
 from gpipe.balance import layer_runs, sync
-from gpipe.split_backward import backward_input
+from gpipe.split_backward import WeightGradients, backward_input
 
 # The job's optimizer as the workers build it: its class and keyword arguments (picklable, for
 # gpipe.costs_together's processes), or None to leave the optimizer's step out.
@@ -98,59 +99,86 @@ def _outputs(y: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return outs, [torch.ones_like(t) for t in outs]
 
 
-def _time_layer(layer: nn.Module, x: Any, device: torch.device, repeats: int) -> tuple[float, float, float, float]:
-    """(F, B, W, BW) seconds of `layer` on input `x`: medians of `repeats` runs after one to warm up."""
-    inputs = [t for t in structure.tensors(x) if t.requires_grad]
-    params = [p for p in layer.parameters() if p.requires_grad]
-    runs: list[tuple[float, float, float, float]] = []
+def _clock(device: torch.device, times: list[float], since: float) -> float:
+    """Append the seconds since `since` (the device's work done) to `times`; return now."""
+    sync(device)
+    now = time.perf_counter()
+    times.append(now - since)
+    return now
+
+
+def _time_layers(runs: list[tuple[nn.Module, Any]], device: torch.device,
+                 repeats: int) -> list[tuple[float, float, float, float]]:
+    """Per layer of `runs` (each with its input), its (F, B, W, BW) seconds: medians of `repeats` runs after one
+    to warm up. Each run times the layers in the order a stage runs them (the forwards first to last, then the
+    backwards last to first), not one layer over and over: each then finds the caches as a stage's actions leave
+    them, its weights and gradients moved out by the other layers'."""
+    n = len(runs)
+    times: list[list[list[float]]] = [[[], [], [], []] for _ in runs]
+    inputs = [[t for t in structure.tensors(x) if t.requires_grad] for _, x in runs]
+    params = [[p for p in layer.parameters() if p.requires_grad] for layer, _ in runs]
     for _ in range(repeats + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        y = layer(x)
-        sync(device)
-        t1 = time.perf_counter()
-        outs, grads = _outputs(y)
-        weights = backward_input(outs, grads, inputs, params)
-        sync(device)
-        t2 = time.perf_counter()
-        weights.run()
-        sync(device)
-        t3 = time.perf_counter()
-        del y, outs, grads, weights
-        outs, grads = _outputs(layer(x))  # again, for a plain backward
-        sync(device)
-        t4 = time.perf_counter()
-        if outs:
-            torch.autograd.backward(outs, grads)
-        sync(device)
-        t5 = time.perf_counter()
-        del outs, grads
-        for t in inputs:
+        ys = []
+        for i, (layer, x) in enumerate(runs):
+            t0 = time.perf_counter()
+            ys.append(layer(x))
+            _clock(device, times[i][0], t0)
+        weights: list[WeightGradients | None] = [None] * n
+        for i in reversed(range(n)):  # B: the inputs' gradients, the weights' part kept for W
+            outs, grads = _outputs(ys[i])
+            t0 = time.perf_counter()
+            weights[i] = backward_input(outs, grads, inputs[i], params[i])
+            _clock(device, times[i][1], t0)
+        for i in reversed(range(n)):  # W
+            w = weights[i]
+            assert w is not None
+            t0 = time.perf_counter()
+            w.run()
+            _clock(device, times[i][2], t0)
+        del ys, weights
+        _clear(inputs)
+        plain = [_outputs(layer(x)) for layer, x in runs]  # again, for a plain backward
+        for i in reversed(range(n)):
+            outs, grads = plain[i]
+            t0 = time.perf_counter()
+            if outs:
+                torch.autograd.backward(outs, grads)
+            _clock(device, times[i][3], t0)
+        del plain
+        _clear(inputs)
+    for layer, _ in runs:
+        layer.zero_grad(set_to_none=True)
+    return [(statistics.median(f[1:]), statistics.median(b[1:]), statistics.median(w[1:]), statistics.median(bw[1:]))
+            for f, b, w, bw in times]
+
+
+def _clear(inputs: list[list[torch.Tensor]]) -> None:
+    for ts in inputs:
+        for t in ts:
             t.grad = None
-        runs.append((t1 - t0, t2 - t1, t3 - t2, t5 - t4))
-    layer.zero_grad(set_to_none=True)
-    f, b, w, bw = (statistics.median(r[i] for r in runs[1:]) for i in range(4))
-    return f, b, w, bw
 
 
-def _time_step(layer: nn.Module, optimizer: Optimizer, repeats: int) -> float:
-    """Seconds of `optimizer`'s step over `layer`'s parameters (their gradients set): the median of `repeats` after
-    two (the first makes the state)."""
-    params = [p for p in layer.parameters() if p.requires_grad]
-    if optimizer is None or not params:
-        return 0.0
+def _time_steps(layers: list[nn.Module], optimizer: Optimizer, device: torch.device, repeats: int) -> list[float]:
+    """Per layer, the seconds of `optimizer`'s step over its parameters (their gradients set): the median of
+    `repeats` after two (the first makes the state), the layers stepped one after another as a worker's
+    optimizer steps them."""
+    params = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+    if optimizer is None:
+        return [0.0] * len(layers)
     cls, kwargs = optimizer
-    for p in params:
+    opts = [cls(ps, **kwargs) if ps else None for ps in params]
+    for p in (p for ps in params for p in ps):
         p.grad = torch.full_like(p, 1e-3)
-    opt = cls(params, **kwargs)
-    runs = []
+    times: list[list[float]] = [[] for _ in layers]
     for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        opt.step()
-        sync(params[0].device)
-        runs.append(time.perf_counter() - t0)
-    layer.zero_grad(set_to_none=True)
-    return statistics.median(runs[2:])
+        for opt, took in zip(opts, times, strict=True):
+            if opt is not None:
+                t0 = time.perf_counter()
+                opt.step()
+                _clock(device, took, t0)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return [statistics.median(t[2:]) if t else 0.0 for t in times]
 
 
 def _sized(sample: Any, n: int) -> Any:
@@ -169,16 +197,22 @@ def measure(model: nn.Sequential, sample: Any, device: torch.device, threads: in
     try:
         at: list[list[tuple[float, float, float, float]]] = []
         for n in sorted(set(sizes)):
-            row = []
-            for i, (layer, x) in enumerate(layer_runs(model, _sized(sample, n), device)):
-                if not going():
-                    return []
-                if i == 0:  # the data: the first stage computes no gradient for it
-                    x = structure.map_tensors(x, lambda t: t.detach())
+            if not going():
+                return []
+            # every layer with its input, the copy's contexts (skips replayed, randomness forked) still open
+            gen = layer_runs(model, _sized(sample, n), device)
+            runs = list(itertools.islice(gen, len(model)))
+            for layer, _ in runs:
                 grad_in_place.fuse(layer)  # as the workers run it (gpipe.stage fuses each stage's layers)
-                row.append(_time_layer(layer, x, device, repeats))
-            at.append(row)
-        steps = [_time_step(layer, optimizer, repeats) for layer, _ in layer_runs(model, _sized(sample, 1), device)]
+            first, x = runs[0]  # its input is the data: the first stage computes no gradient for it
+            runs[0] = first, structure.map_tensors(x, lambda t: t.detach())
+            try:
+                at.append(_time_layers(runs, device, repeats))
+            finally:
+                gen.close()
+            del runs
+        steps = _time_steps([layer for layer, _ in layer_runs(model, _sized(sample, 1), device)], optimizer, device,
+                            repeats)
     finally:
         torch.set_num_threads(before)
     lo, hi = min(sizes), max(sizes)

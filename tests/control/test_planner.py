@@ -13,6 +13,7 @@ from coordinator.plan import make_plan
 from coordinator.planner import Config, Link, Measured
 from coordinator.spec import parse_spec
 from gpipe.costs import Cost, LayerCosts
+from gpipe.costs_together import Collectives
 from gpipe.errors import SpecError
 from tests.support.spec import job_yaml
 
@@ -116,6 +117,17 @@ def test_the_step_ends_with_the_measured_optimizer_step_and_the_replicas_all_red
     monkeypatch.setitem(planner.LINKS, "cpu", link)
     reduced, _ = planner.step_time(m, two, planner._spec_of(m.plan.spec, two))
     assert reduced == pytest.approx(replicas + planner.all_reduce(link, "cpu", sum(m.param_bytes), 2))
+    # Measured among the workers' processes (gpipe.costs_together): each bucket at its measured time, the
+    # gather in its rounds.
+    timed = Collectives(2, Cost(1e-3, 1e-9), Cost(2e-3, 0.0), 5e-3)
+    assert planner.all_reduce(link, "cpu", bucket + 10, 2, timed) == pytest.approx(5e-3 + 1e-3 + 10e-9)
+    assert planner.all_reduce(link, "cpu", bucket, 4, timed) == pytest.approx((1e-3 + bucket * 1e-9) * 1.5)
+    assert planner.gather(link, 3 * planner.GATHER_BYTES, 2, timed) == pytest.approx(3 * 2e-3)
+    both, _ = planner.step_time(dataclasses.replace(m, collectives=timed), sharded,
+                                planner._spec_of(m.plan.spec, sharded))
+    nbytes = sum(m.param_bytes)
+    assert both == pytest.approx(half + planner.all_reduce(link, "cpu", nbytes, 2, timed) +
+                                 planner.gather(link, nbytes, 2, timed))
 
 
 def test_the_search_ranks_what_fits_fastest_first_and_a_budget_leaves_out_the_rest(tmp_path, free):

@@ -1,5 +1,6 @@
 """gpipe.costs and gpipe.costs_together: each layer measured as the workers run it (fused, B and W as a split
-backward runs them, a plain backward apart, the optimizer's step), and by one pinned process per worker at once.
+backward runs them, a plain backward apart, the optimizer's step), and by one pinned process per worker at once,
+with the replicas' collectives among them.
 The cost lines themselves: tests/control/test_planner.py."""
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ def test_without_an_optimizer_no_step_and_a_mean_is_each_cost_s():
 def test_measured_together_by_pinned_processes_one_per_worker():
     cores = sorted(os.sched_getaffinity(0))
     sets = [cores[:1], cores[-1:]]  # two workers' cores (one core twice on a host of one)
-    got = costs_together.measure_together(MODEL, SAMPLE, sets, [1, 1], (4, 32), repeats=1, optimizer=ADAMW)
+    got, collectives = costs_together.measure_together(MODEL, SAMPLE, sets, [1, 1], (4, 32), repeats=1,
+                                                       optimizer=ADAMW)
     assert len(got) == 3 and got[0].w.at(32) > 0 and got[0].step > 0 and got[2].step == 0.0
+    # and the replicas' collectives among them: a bucket's all-reduce, a gather's round
+    assert collectives.ranks == 2
+    assert collectives.all_reduce.at(25 << 20) > collectives.all_reduce.at(4096) > 0
+    assert collectives.all_gather.at(2 << 20) > 0 and collectives.overlapped >= 0
 
 
 @pytest.mark.multiprocess
