@@ -4,10 +4,12 @@ One measurement, then a search over arithmetic:
 
 1. The job's plan (coordinator.plan.make_plan: the model, captured and cut at
    its blocks when it is no nn.Sequential, its data, the probe's footprint of
-   what each layer keeps) and each layer's costs (gpipe.costs: forward,
-   input-gradient and weight-gradient seconds as lines in the micro-batch
-   size), measured on this host with the threads a worker gets when N local
-   workers split its cores (on CUDA: the GPU).
+   what each layer keeps) and each layer's costs (gpipe.costs: forward, a
+   split backward's B and W, a plain backward, as lines in the micro-batch
+   size, and the optimizer's step), measured on this host as the workers run
+   the layers: with N CPU workers by N processes at once, each pinned to a
+   local worker's cores, which also time the replicas' collectives
+   (gpipe.costs_together); on CUDA, on the GPU.
 2. Every configuration within the job's batch: stages x replicas at most N;
    each schedule (interleaved-1f1b and zbv with 2 virtual stages); chunks
    (powers of two, and the stage count and its multiples, up to a sample a
@@ -18,13 +20,15 @@ One measurement, then a search over arithmetic:
    the service runs them) with each action's length from the measured costs
    (a recomputed forward before a checkpointed micro-batch's backward), plus
    a per-action overhead and each transfer (LINKS: latency + bytes /
-   bandwidth) on the sender, plus at each worker's step end its optimizer step
-   and, with replicas, the gradients' all-reduce (and the sharded optimizer's
-   gather). Its peak per worker: coordinator.prediction (gpipe.memory_model).
+   bandwidth) on the sender, plus at each worker's step end its layers'
+   optimizer step and, with replicas, the gradients' all-reduce (`all_reduce`)
+   and the sharded optimizer's gather (`gather`). Its peak per worker:
+   coordinator.prediction (gpipe.memory_model).
 4. Those whose every worker fits the budget, fastest first.
 
-Transfers and the per-action overhead are constants per device kind, not
-measured here: bench/plan.py says where they and the machine disagree.
+Transfers between stages and the per-action overhead are constants per
+device kind, not measured here: bench/plan.py says where they and the machine
+disagree.
 """
 
 from __future__ import annotations
