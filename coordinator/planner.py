@@ -4,10 +4,12 @@ One measurement, then a search over arithmetic:
 
 1. The job's plan (coordinator.plan.make_plan: the model, captured and cut at
    its blocks when it is no nn.Sequential, its data, the probe's footprint of
-   what each layer keeps) and each layer's costs (gpipe.costs: forward,
-   input-gradient and weight-gradient seconds as lines in the micro-batch
-   size), measured on this host with the threads a worker gets when N local
-   workers split its cores (on CUDA: the GPU).
+   what each layer keeps) and each layer's costs (gpipe.costs: forward, a
+   split backward's B and W, a plain backward, as lines in the micro-batch
+   size, and the optimizer's step), measured on this host as the workers run
+   the layers: with N CPU workers by N processes at once, each pinned to a
+   local worker's cores, which also time the replicas' collectives
+   (gpipe.costs_together); on CUDA, on the GPU.
 2. Every configuration within the job's batch: stages x replicas at most N;
    each schedule (interleaved-1f1b and zbv with 2 virtual stages); chunks
    (powers of two, and the stage count and its multiples, up to a sample a
@@ -18,13 +20,15 @@ One measurement, then a search over arithmetic:
    the service runs them) with each action's length from the measured costs
    (a recomputed forward before a checkpointed micro-batch's backward), plus
    a per-action overhead and each transfer (LINKS: latency + bytes /
-   bandwidth) on the sender, plus at each worker's step end its optimizer step
-   and, with replicas, the gradients' all-reduce (and the sharded optimizer's
-   gather). Its peak per worker: coordinator.prediction (gpipe.memory_model).
+   bandwidth) on the sender, plus at each worker's step end its layers'
+   optimizer step and, with replicas, the gradients' all-reduce (`all_reduce`)
+   and the sharded optimizer's gather (`gather`). Its peak per worker:
+   coordinator.prediction (gpipe.memory_model).
 4. Those whose every worker fits the budget, fastest first.
 
-Transfers and the per-action overhead are constants per device kind, not
-measured here: bench/plan.py says where they and the machine disagree.
+Transfers between stages and the per-action overhead are constants per
+device kind, not measured here: bench/plan.py says where they and the machine
+disagree.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,12 +51,14 @@ from coordinator.metrics import step_waits
 from coordinator.plan import Plan, make_plan, optimizer_slots
 from coordinator.spec import JobSpec
 from gpipe import balance as balancing
-from gpipe import costs, cuts, schedule
+from gpipe import costs, costs_together, cuts, optim, schedule
 from gpipe.costs import LayerCosts
+from gpipe.costs_together import Collectives
 from gpipe.errors import SpecError
 from gpipe.footprint import Layers, Line
 from gpipe.memory_model import checkpointing
 from gpipe.topology import model_chunk
+from gpipe.zero import BUCKET_BYTES, GATHER_BYTES
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
 VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # the virtual stages a schedule is searched with
@@ -79,10 +86,6 @@ class Link:
 # gloo between processes of one host (bench/README.md (b): 0.2-0.3 ms for small messages, 2-4 GB/s at 8 MiB;
 # (n): 0.3-1 ms of engine time per action); NCCL between GPUs of one host.
 LINKS = {"cpu": Link(3e-4, 3e9, 5e-4), "cuda": Link(3e-5, 2e10, 1e-4)}
-# An optimizer step's speed, per byte of its parameters. CPU: torch.optim.AdamW on one thread of the 2-core host
-# stepped 0.6-1.2 GB of parameters a second (bench/README.md (w): the uneven MLP's stages, 32 MiB in 50-57 ms and
-# 30 MiB in 30-32 ms; charlm's and GPT-2's whole models, 2.3-3.2 MiB in 2.3-3.1 ms), not the 2 GB/s assumed before.
-OPTIMIZER_BYTES_PER_S = {"cpu": 1e9, "cuda": 5e11}
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class Measured:
     param_bytes: list[int]  # per layer: its trainable parameters' bytes
     device: str  # "cpu" or "cuda"
     baseline_bytes: int = 0
+    collectives: Collectives | None = None  # the replicas' all-reduce and gather as measured here (CPU workers)
 
 
 def chunk_choices(batch: int, replicas: int, stages: int) -> list[int]:
@@ -192,10 +196,17 @@ def _sizes(batch: int, replicas: int, chunks: int) -> list[int]:
     return [per // chunks + (1 if i < per % chunks else 0) for i in range(chunks)]
 
 
+def _splits(c: Config) -> bool:
+    """Whether `c`'s schedule splits the backward (B and W)."""
+    return schedule.splits_backward(schedule.build(c.schedule, 0, c.stages, c.chunks, c.virtual_stages))
+
+
 def balance_for(m: Measured, c: Config, n: int) -> list[int]:
     """The balance by measured time at micro-batch size `n` (a checkpointed forward counted twice)."""
     twice = c.activation_checkpoint != "never"
-    per_layer = [lc.f.at(n) * (2 if twice else 1) + lc.b.at(n) + lc.w.at(n) for lc in m.layers]
+    split = _splits(c)
+    per_layer = [lc.f.at(n) * (2 if twice else 1) + (lc.b.at(n) + lc.w.at(n) if split else lc.backward(n))
+                 for lc in m.layers]
     return balancing.partition(per_layer, c.stages * c.virtual_stages)
 
 
@@ -214,17 +225,16 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
     splits = [schedule.splits_backward(schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages))
               for k in range(c.stages)]
     ends = [schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages)[-1] for k in range(c.stages)]
-    params = [sum(m.param_bytes[i] for i in range(*bounds[g])) for g in range(len(bounds))]
-    share = c.replicas if c.shard else 1
-    opt_rate = OPTIMIZER_BYTES_PER_S[m.device]
     end_work = []
     for k in range(c.stages):
-        held = sum(params[model_chunk(c.schedule, k, j, c.stages)] for j in range(c.virtual_stages))
-        t = held / share / opt_rate
+        held = [model_chunk(c.schedule, k, j, c.stages) for j in range(c.virtual_stages)]
+        nbytes = sum(m.param_bytes[i] for g in held for i in range(*bounds[g]))
+        # the optimizer's step, measured per layer; sharded, each replica steps its share
+        t = sum(m.layers[i].step for g in held for i in range(*bounds[g])) / (c.replicas if c.shard else 1)
         if c.replicas > 1:
-            t += link.transfer(int(2 * (c.replicas - 1) / c.replicas * held))  # the gradients' all-reduce
+            t += all_reduce(link, m.device, nbytes, c.replicas, m.collectives)
             if c.shard:
-                t += link.transfer(int((c.replicas - 1) / c.replicas * held))  # the weights' gather
+                t += gather(link, nbytes, c.replicas, m.collectives)
         end_work.append(t)
 
     def length(k: int, a: schedule.Action) -> float:
@@ -237,15 +247,16 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
             if g < last_chunk:
                 t += link.transfer(m.out_bytes[hi - 1].at(n))
         elif a.kind == "B":
-            t = sum(lc.b.at(n) for lc in layers)
             if not splits[k]:
-                t += sum(lc.w.at(n) for lc in layers)
+                t = sum(lc.backward(n) for lc in layers)
+            else:  # the first model chunk's input is the data: its B has no input to compute, its W is all of it
+                t = 0.0 if g == 0 else sum(lc.b.at(n) for lc in layers)
             if ckpt(a.micro_batch):
                 t += sum(lc.f.at(n) for lc in layers)  # the recomputed forward
             if g > 0:
                 t += link.transfer(m.out_bytes[lo - 1].at(n))  # its input's gradient, sent back
         else:
-            t = sum(lc.w.at(n) for lc in layers)
+            t = sum(lc.backward(n) if g == 0 else lc.w.at(n) for lc in layers)
         t += link.action_s
         if a == ends[k]:
             t += end_work[k]
@@ -254,6 +265,38 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
     waits = step_waits(spec, tied)
     period, bubble = schedule.steady(c.schedule, c.stages, c.chunks, c.virtual_stages, length, waits=waits)
     return period, max(0.0, bubble)
+
+
+def _ring(replicas: int) -> float:
+    """The bytes a ring all-reduce sends per byte of its tensor."""
+    return 2 * (replicas - 1) / replicas
+
+
+def all_reduce(link: Link, device: str, nbytes: int, replicas: int, measured: Collectives | None = None) -> float:
+    """Seconds the replicas' sum of `nbytes` of gradients adds to a worker's step (worker.reducer: buckets of
+    BUCKET_BYTES, each flattened and all-reduced during the step's last backward once its gradients are final).
+    On the CPU gloo sums on the worker's own cores: as `measured` (gpipe.costs_together, scaled to `replicas`
+    ranks), each bucket but the last at what it adds beside computation, the last whole; else all of it by the
+    link. NCCL on a GPU overlaps the backward, and what is left after it is about the last bucket's."""
+    if not nbytes or replicas < 2:
+        return 0.0
+    if device == "cuda":
+        return link.transfer(int(_ring(replicas) * min(nbytes, BUCKET_BYTES)))
+    full, rest = divmod(nbytes, BUCKET_BYTES)
+    if measured is not None:  # the buckets but the last beside the backward, the last after it
+        sizes = [BUCKET_BYTES] * full + ([rest] if rest else [])
+        t = sum(measured.overlapped * b / BUCKET_BYTES for b in sizes[:-1]) + measured.all_reduce.at(sizes[-1])
+        return t * _ring(replicas) / _ring(measured.ranks)
+    return (full + (1 if rest else 0)) * link.latency_s + _ring(replicas) * nbytes / link.bytes_per_s
+
+
+def gather(link: Link, nbytes: int, replicas: int, measured: Collectives | None = None) -> float:
+    """Seconds of the sharded optimizer's gather of `nbytes` of weights after its step (gpipe.zero: rounds of an
+    all-gather receiving at most GATHER_BYTES): as `measured` on this host's cores, else by the link."""
+    if measured is None:
+        return link.transfer(int((replicas - 1) / replicas * nbytes))
+    rounds = -(-nbytes // GATHER_BYTES)
+    return rounds * measured.all_gather.at(GATHER_BYTES // replicas)
 
 
 def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
@@ -372,19 +415,43 @@ def measure(spec: JobSpec, job_dir: Path, workers: int, threads: int | None = No
     if plan.footprint is None:
         raise SpecError(f"probe: plan needs each layer's memory, which the probe measures: {plan.footprint_missing}")
     device = "cuda" if spec.device == "cuda" else "cpu"  # the links' and the memory model's kind
-    if (on or device) == "cuda":
-        torch_device, threads = torch.device("cuda:0"), torch.get_num_threads()  # (the coordinator's stand-in)
-    else:
-        from worker.cores import split_cores, threads_for
-
-        torch_device = torch.device("cpu")
-        threads = threads or threads_for(split_cores(workers)[0])
     xs, _, _ = plan.stream().shards(0)[0]  # the whole first batch: chunks 1, one replica
     batch = spec.data.batch_size
-    small = max(1, batch // (workers * 8))
-    layers = costs.measure(plan.model, xs[0], torch_device, threads, (small, batch))
+    sizes = (max(1, batch // (workers * 8)), batch)
+    opt = _optimizer(spec)
+    collectives = None
+    if (on or device) == "cuda":  # (the coordinator's stand-in)
+        layers = costs.measure(plan.model, xs[0], torch.device("cuda:0"), torch.get_num_threads(), sizes,
+                               optimizer=opt)
+    else:
+        layers, collectives = _measure_cpu(plan, xs[0], workers, threads, sizes, opt)
     base_bytes = 0 if device == "cuda" else baseline.runtime_bytes(plan)
-    return Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), device, base_bytes)
+    return Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), device, base_bytes,
+                    collectives if device == "cpu" else None)
+
+
+def _optimizer(spec: JobSpec) -> costs.Optimizer:
+    """The job's optimizer as the workers build it (gpipe.optim), for its step's cost."""
+    return optim.optimizer_class(spec.optimizer.name), spec.optimizer.torch_kwargs()
+
+
+def _measure_cpu(plan: Plan, sample: Any, workers: int, threads: int | None, sizes: tuple[int, int],
+                 opt: costs.Optimizer) -> tuple[list[LayerCosts], Collectives | None]:
+    """The layers' costs as `workers` local workers see them: measured by as many processes at once, each pinned
+    to a worker's cores (gpipe.costs_together; one worker's cores at most once), and the collectives among them.
+    Where those processes cannot run (the job's code not importable in a fresh interpreter), the layers
+    measured here alone, and said so."""
+    from worker.cores import split_cores, threads_for
+
+    sets = list({tuple(c): None for c in split_cores(workers)})  # workers that share a core: that core once
+    counts = [threads or threads_for(list(c)) for c in sets]
+    if len(sets) > 1:
+        try:
+            return costs_together.measure_together(plan.model, sample, sets, counts, sizes, optimizer=opt)
+        except RuntimeError as e:
+            print(f"plan: {e}; the layers measured in one process alone instead (faster than a run's workers "
+                  "see them)", file=sys.stderr)
+    return costs.measure(plan.model, sample, torch.device("cpu"), counts[0], sizes, optimizer=opt), None
 
 
 def _out_bytes(plan: Plan) -> list[Line]:
@@ -409,7 +476,8 @@ def predict_step(plan: Plan, threads: int) -> tuple[float | None, str]:
         return None, "the model is built on the meta device here (model.weights, init per_layer)"
     xs, _, sizes = plan.stream().shards(0)[0]
     n = max(sizes)
-    layers = costs.measure(plan.model, xs[0], torch.device("cpu"), threads, (n, n), repeats=1)
+    layers = costs.measure(plan.model, xs[0], torch.device("cpu"), threads, (n, n), repeats=1,
+                           optimizer=_optimizer(spec))
     m = Measured(plan, layers, _out_bytes(plan), _param_bytes(plan), "cpu")
     c = Config(spec.stages, spec.replicas, spec.schedule, spec.virtual_stages, spec.chunks,
                spec.activation_checkpoint, spec.optimizer.shard, tuple(plan.balance))

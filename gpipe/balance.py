@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from functools import partial
 from typing import Any
 
@@ -73,7 +73,7 @@ class _Replay(skip.Context):
         return self.stashed[name]
 
 
-def layer_runs(model: nn.Sequential, sample: Any, device: torch.device) -> Iterator[tuple[nn.Module, Any]]:
+def layer_runs(model: nn.Sequential, sample: Any, device: torch.device) -> Generator[tuple[nn.Module, Any], None, None]:
     """Yield (layer, input) for each layer of a throwaway copy of the model, input ready for autograd."""
     model = copy.deepcopy(model).to(device)  # the plan's model holds the initial weights: leave it be
     x = structure.to(sample, device)

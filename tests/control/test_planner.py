@@ -13,6 +13,7 @@ from coordinator.plan import make_plan
 from coordinator.planner import Config, Link, Measured
 from coordinator.spec import parse_spec
 from gpipe.costs import Cost, LayerCosts
+from gpipe.costs_together import Collectives
 from gpipe.errors import SpecError
 from tests.support.spec import job_yaml
 
@@ -22,19 +23,20 @@ FREE = Link(0.0, float("inf"), 0.0)  # transfers and the engine's own time left 
 @pytest.fixture
 def free(monkeypatch):
     monkeypatch.setitem(planner.LINKS, "cpu", FREE)
-    monkeypatch.setitem(planner.OPTIMIZER_BYTES_PER_S, "cpu", float("inf"))
 
 
 def measured(tmp_path, f: list[float], b: list[float] | None = None, w: list[float] | None = None,
-             **changes) -> Measured:
-    """A real plan of an MLP of len(f) layers (batch 16), with fake per-sample costs: F, B, W seconds a sample."""
+             bw: list[float] | None = None, step: float = 0.0, **changes) -> Measured:
+    """A real plan of an MLP of len(f) layers (batch 16), with fake per-sample costs: F, B, W (and a plain
+    backward's, BW: else B + W) seconds a sample; `step`: each layer's optimizer step, seconds."""
     depth = len(f) - 1  # tests.support's mlp: depth hidden layers and the output layer
     spec = parse_spec(job_yaml(model__args={"width": 8, "depth": depth}, data__batch_size=16,
                                data__args__n=64, stages=1, chunks=1, **changes))
     plan = make_plan(spec, tmp_path)
     assert len(plan.model) == len(f)
     b, w = b or f, w or f
-    layers = [LayerCosts(Cost(0.0, fi), Cost(0.0, bi), Cost(0.0, wi)) for fi, bi, wi in zip(f, b, w, strict=True)]
+    layers = [LayerCosts(Cost(0.0, fi), Cost(0.0, bi), Cost(0.0, wi), None if bw is None else Cost(0.0, bw[i]), step)
+              for i, (fi, bi, wi) in enumerate(zip(f, b, w, strict=True))]
     out = [plan.footprint.line(lambda m, i=i: m.output_bytes(i + 1)) for i in range(len(plan.model))]
     params = [sum(p.numel() * 4 for p in layer.parameters()) for layer in plan.model]
     return Measured(plan, layers, out, params, "cpu", 0)
@@ -82,6 +84,50 @@ def test_transfers_and_the_per_action_cost_lengthen_the_step(tmp_path, free, mon
     monkeypatch.setitem(planner.LINKS, "cpu", Link(0.0, float("inf"), 1e-3))
     busy, _ = planner.step_time(m, c, spec)
     assert quiet < sent and quiet < busy
+
+
+def test_a_plain_backward_takes_its_own_cost_and_a_split_one_b_and_w(tmp_path, free):
+    # Fused linears make a plain backward cheaper than B + W of a split one (gpipe.costs measures both).
+    m = measured(tmp_path, [1e-3] * 4, b=[1e-3] * 4, w=[1e-3] * 4, bw=[1.5e-3] * 4)
+    one = Config(1, 1, "gpipe", 1, 4, "never", False, (4,))
+    step, _ = planner.step_time(m, one, m.plan.spec)
+    assert step == pytest.approx(16 * 4 * 2.5e-3)  # F + BW a sample, not F + B + W
+    c = Config(2, 1, "zb-h1", 1, 4, "never", False, (2, 2))
+    split, _ = planner.step_time(m, c, planner._spec_of(m.plan.spec, c))
+    assert split >= 16 * 2 * 3e-3  # each stage's F + B + W
+
+
+def test_the_step_ends_with_the_measured_optimizer_step_and_the_replicas_all_reduce(tmp_path, free, monkeypatch):
+    m = measured(tmp_path, [1e-3] * 4, step=2e-3, optimizer={"name": "adam", "lr": 0.01})
+    one = Config(1, 1, "gpipe", 1, 4, "never", False, (4,))
+    step, _ = planner.step_time(m, one, m.plan.spec)
+    assert step == pytest.approx(16 * 4 * 3e-3 + 4 * 2e-3)  # the work, then the 4 layers' optimizer step
+    two = Config(1, 2, "gpipe", 1, 4, "never", False, (4,))
+    replicas, _ = planner.step_time(m, two, planner._spec_of(m.plan.spec, two))
+    assert replicas == pytest.approx(8 * 4 * 3e-3 + 4 * 2e-3)  # half the batch each; all-reduce free here
+    sharded = dataclasses.replace(two, shard=True)
+    half, _ = planner.step_time(m, sharded, planner._spec_of(m.plan.spec, sharded))
+    assert half == pytest.approx(8 * 4 * 3e-3 + 2 * 2e-3)  # each replica steps half the parameters
+    # The all-reduce: on the CPU (gloo, on the worker's cores) all of it; on a GPU (NCCL, overlapping the last
+    # backward) about its last bucket.
+    link, bucket = Link(1e-3, 1e9, 0.0), planner.BUCKET_BYTES
+    assert planner.all_reduce(link, "cpu", 0, 2) == 0.0
+    assert planner.all_reduce(link, "cpu", 3 * bucket, 2) == pytest.approx(3e-3 + 3 * bucket / 1e9)
+    assert planner.all_reduce(link, "cuda", 3 * bucket, 2) == pytest.approx(1e-3 + bucket / 1e9)
+    monkeypatch.setitem(planner.LINKS, "cpu", link)
+    reduced, _ = planner.step_time(m, two, planner._spec_of(m.plan.spec, two))
+    assert reduced == pytest.approx(replicas + planner.all_reduce(link, "cpu", sum(m.param_bytes), 2))
+    # Measured among the workers' processes (gpipe.costs_together): each bucket at its measured time, the
+    # gather in its rounds.
+    timed = Collectives(2, Cost(1e-3, 1e-9), Cost(2e-3, 0.0), 5e-3)
+    assert planner.all_reduce(link, "cpu", bucket + 10, 2, timed) == pytest.approx(5e-3 + 1e-3 + 10e-9)
+    assert planner.all_reduce(link, "cpu", bucket, 4, timed) == pytest.approx((1e-3 + bucket * 1e-9) * 1.5)
+    assert planner.gather(link, 3 * planner.GATHER_BYTES, 2, timed) == pytest.approx(3 * 2e-3)
+    both, _ = planner.step_time(dataclasses.replace(m, collectives=timed), sharded,
+                                planner._spec_of(m.plan.spec, sharded))
+    nbytes = sum(m.param_bytes)
+    assert both == pytest.approx(half + planner.all_reduce(link, "cpu", nbytes, 2, timed) +
+                                 planner.gather(link, nbytes, 2, timed))
 
 
 def test_the_search_ranks_what_fits_fastest_first_and_a_budget_leaves_out_the_rest(tmp_path, free):
