@@ -67,6 +67,22 @@ def _ranks(out) -> list[int]:
     return [w["worker"] for w in json.loads((out / "plan.json").read_text())["workers"]]
 
 
+def _gated(gate, seconds: float) -> dict:
+    """A model held slow (tests.support.models.gated_mlp) while the file `gate` exists: a job a test holds running
+    until what it acts on has landed, however loaded the host, and then lets run fast."""
+    gate.touch()
+    return {"factory": "tests.support.models:gated_mlp", "args": {"gate": str(gate), "width": 16, "seconds": seconds}}
+
+
+def _record(out) -> dict:
+    return json.loads((out / "job.json").read_text())
+
+
+def _said(out, text: str) -> bool:
+    """Whether the job's record holds a change whose message says `text`."""
+    return (out / "job.json").exists() and any(text in h["message"] for h in _record(out)["history"])
+
+
 def _steps(out) -> list[tuple[int, int]]:
     lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
     return [(r["attempt"], r["step"]) for r in map(json.loads, lines) if "loss" in r]
@@ -93,7 +109,9 @@ def test_two_jobs_run_at_once_on_four_workers_each_the_bits_of_its_run_alone(cli
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)  # four jobs and an uninterrupted twin, on a loaded host
 def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(cli):
-    slow = job(SERVICE, model=slow_mlp(16, 0.1), steps=STEPS, checkpoint_every=1000)
+    # Both held slow until urgent has preempted one of them: neither can end first, however loaded the host.
+    gate = cli.tmp / "pool.gate"
+    slow = job(SERVICE, model=_gated(gate, 0.5), steps=STEPS, checkpoint_every=1000)
     first, low = slow | {"name": "first"}, slow | {"name": "low", "seed": 3}
     urgent = job(SERVICE, name="urgent", steps=3, priority=5)
     with _pool(cli) as s:
@@ -103,6 +121,9 @@ def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(c
         held = [line.split()[-1] for line in r.stdout.splitlines()[1:]]
         assert r.returncode == 0 and sorted(held) == ["first", "first", "low", "low"], r.stdout
         assert s.client("submit", str(cli.write(urgent, "urgent.yaml"))).returncode == 0
+        s.wait_for(lambda: any(_said(s.state / n, "preempted by job urgent") for n in ("first", "low")),
+                   "urgent to preempt first or low", 120)
+        gate.unlink()
         for n in ("urgent", "first", "low"):
             r = s.client("logs", n, "--follow", timeout=240)
             assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
@@ -183,7 +204,8 @@ def _started(out) -> list[float]:
 @pytest.mark.timeout(180)  # a twin run besides: about 90 s on a loaded 2-core host
 def test_serve_restarted_with_a_job_running_and_two_queued_runs_all_three_in_priority_order(cli):
     steps = 40  # long enough to be running still once the two others are submitted, under load
-    top = job(SERVICE, name="top", model=slow_mlp(16, 0.1), steps=steps, checkpoint_every=1000, priority=5)
+    gate = cli.tmp / "top.gate"  # top held slow until serve's SIGTERM has been handled: it cannot end first
+    top = job(SERVICE, name="top", model=_gated(gate, 0.5), steps=steps, checkpoint_every=1000, priority=5)
     low, mid = job(SERVICE, name="low", steps=3), job(SERVICE, name="mid", steps=3, priority=3)
     with _pool(cli, workers=2) as s:
         assert s.client("submit", str(cli.write(top, "top.yaml"))).returncode == 0
@@ -192,6 +214,7 @@ def test_serve_restarted_with_a_job_running_and_two_queued_runs_all_three_in_pri
         s.kill("serve", signal.SIGTERM)  # top checkpoints at its step boundary; the queue stays on disk
         states = {n: json.loads((s.state / n / "job.json").read_text())["state"] for n in ("top", "low", "mid")}
         assert states == {"top": "PREEMPTED", "low": "PENDING", "mid": "PENDING"}, states
+        gate.unlink()
         s.start_serve()  # the same state dir and port: the workers register again by themselves
         for n in ("top", "mid", "low"):
             r = s.client("logs", n, "--follow", timeout=120)
@@ -203,10 +226,6 @@ def test_serve_restarted_with_a_job_running_and_two_queued_runs_all_three_in_pri
         assert json.loads((s.state / "top" / "job.json").read_text())["restarts"] == 0  # no failure: none counted
     got = load_file(s.state / "top" / "model.safetensors")
     assert _same_bits(got, _alone(cli, top, "twin"))
-
-
-def _record(out) -> dict:
-    return json.loads((out / "job.json").read_text())
 
 
 @pytest.mark.multiprocess
@@ -246,14 +265,17 @@ def test_a_small_job_backfills_beside_a_waiting_large_one_which_is_not_starved_p
 def test_an_elastic_job_preempted_for_priority_runs_on_fewer_stages_meanwhile_to_the_one_device_weights(cli):
     from tests.support import reference
 
-    # flex outlasts urgent (about 30 s of steps against 5), so that it grows back once urgent has ended.
-    flex = job(SERVICE, name="flex", stages=4, balance=[1, 1, 1, 1], model=slow_mlp(16, 0.05), steps=120,
+    # flex is held slow until it has grown back, so that it cannot end first, however loaded the host.
+    gate = cli.tmp / "flex.gate"
+    flex = job(SERVICE, name="flex", stages=4, balance=[1, 1, 1, 1], model=_gated(gate, 0.1), steps=120,
                checkpoint_every=4, elastic={"min_stages": 2})
     urgent = job(SERVICE, name="urgent", model=slow_mlp(16, 0.1), steps=10, priority=5)  # 2 workers
     with _pool(cli) as s:
         assert s.client("submit", str(cli.write(flex, "flex.yaml"))).returncode == 0
         s.wait_for(lambda: len(_steps(s.state / "flex")) >= 3, "flex stepping", 90)
         assert s.client("submit", str(cli.write(urgent, "urgent.yaml"))).returncode == 0
+        s.wait_for(lambda: 3 in {a for a, _ in _steps(s.state / "flex")}, "flex to grow back", 150)
+        gate.unlink()
         for n in ("urgent", "flex"):
             r = s.client("logs", n, "--follow", timeout=150)
             assert r.returncode == 0, r.stdout + r.stderr + s.log("serve")
