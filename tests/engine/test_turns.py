@@ -4,6 +4,7 @@ wait is bounded, and a failure reaches every chunk."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -80,3 +81,33 @@ def test_a_failed_chunk_ends_the_others_waits_at_once():
     assert not t.is_alive() and caught
     turns.reset()  # the next step starts afresh
     assert chunks(turns, [[0], [1]], []) == {}
+
+
+def test_the_same_chunk_s_thread_runs_every_step_whichever_comes_last():
+    # Each chunk's thread lives across steps, as a worker's stage threads do; the one holding the worker's first
+    # action runs them all, whichever hands in last (on the CPU a thread allocates from its own arena: one
+    # thread, one arena, step after step).
+    turns, ran, idents = Turns(), [], {}
+    turns.join()
+    turns.join()
+    late = [0, 1, 1, 0, 1, 0]  # which chunk hands in last at each step
+    arrived = [threading.Event() for _ in late]
+
+    def chunk(i: int, parts: list[int]) -> None:
+        idents[i] = threading.get_ident()
+        for step, last in enumerate(late):
+            if last == i:
+                arrived[step].wait(5)  # the other chunk is in already, waiting
+                time.sleep(0.02)
+            else:
+                threading.Timer(0.01, arrived[step].set).start()
+            turns.run([(n, lambda step=step, n=n: ran.append((step, n, threading.get_ident()))) for n in parts],
+                      5.0, f"chunk {i}")
+
+    threads = [threading.Thread(target=chunk, args=(i, p)) for i, p in enumerate([[1, 2, 5], [0, 3, 4]])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [(s, n) for s, n, _ in ran] == [(s, n) for s in range(len(late)) for n in range(6)]
+    assert {t for _, _, t in ran} == {idents[1]}  # chunk 1 holds action 0: its thread, every step
