@@ -14,7 +14,10 @@ chunk's thread, step after step: on the CPU each thread allocates from its own
 glibc arena, and a worker whose actions ran on whichever thread came last kept
 freed activations in two arenas, its resident peak creeping up for tens of
 steps (the MLP's zbv of bench/plan.py: 477 -> 606 MiB over 24 steps, against
-445 -> 483 MiB plateaued by step 3 with one model chunk a worker). Then each model chunk's
+445 -> 483 MiB plateaued by step 3 with one model chunk a worker). The model
+chunks' optimizer steps go through a turn of their own the same way (gpipe.stage:
+the optimizer's state and temporaries in the same arena as the activations):
+with both, that worker's peak is 545 MiB. Then each model chunk's
 end-of-step reductions (which wait on the other stages) run on its own
 thread again, so they cannot deadlock each other. The model chunks also share the
 worker's activation meter (gpipe.memory), so a step's activation peak is the
