@@ -25,7 +25,7 @@ from worker.agent import MALLOC_ENV
 # never trims them: worker.agent's MALLOC_TRIM_THRESHOLD_); each micro-batch's backward makes its weights'
 # gradients before adding them into .grad, and those blocks, freed between the activations' smaller ones, leave
 # the heap larger than what is alive. bench/memory_model.py measured it at 2 to 4 times the gradients' bytes
-# per thread that runs a worker's actions (the same in a plain torch loop of one thread); this is the middle.
+# on the one thread that runs a worker's actions (gpipe.turns; the same in a plain torch loop); this is the middle.
 # It counts the gradients made that way: not the large weights' (gpipe.grad_in_place computes
 # them into .grad), nor blocks of at least glibc's mmap threshold (mapped on their own, unmapped when freed).
 CPU_HEAP_SLACK = 3.0
