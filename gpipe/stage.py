@@ -372,13 +372,19 @@ class Stage:
         self._sum_tied()
         t0 = time.perf_counter()
         skipped, grad_norm = self._finish_gradients()
+        p.busy += time.perf_counter() - t0
+
+        def update() -> None:  # its own time alone is this model chunk's busy time
+            t = time.perf_counter()
+            self._update(lr, skipped)
+            p.busy += time.perf_counter() - t
+
         if self.turns is not None and not cfg.sharded:
             # on the thread that ran the worker's actions (gpipe.turns): one glibc arena for all a step allocates
-            self.turns.run([(cfg.model_chunk, lambda: self._update(lr, skipped))], cfg.step_timeout_s,
+            self.turns.run([(cfg.model_chunk, update)], cfg.step_timeout_s,
                            f"model chunk {cfg.model_chunk}'s optimizer step")
         else:
-            self._update(lr, skipped)
-        p.busy += time.perf_counter() - t0
+            update()
         step_s = time.perf_counter() - t_step
         self._doing("idle")
         scaled = self.precision.scaler is not None
