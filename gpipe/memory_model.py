@@ -78,8 +78,9 @@ class Setting:
     data: int = 0  # bytes of one step's inputs (on the first stage) and targets (on the last) it holds
     steps_ahead: int = 2  # steps whose data a stage holds (the job's data.read_ahead)
     baseline: int = 0  # the process's own bytes before the job (coordinator.baseline)
-    # Bytes the heap keeps beyond those alive, per byte of gradient, for each thread that runs the worker's
-    # actions (one per model chunk: gpipe.turns runs a step on whichever chunk's thread comes last).
+    # Bytes the heap keeps beyond those alive, per byte of gradient, counted once per model chunk of the worker
+    # (measured when each chunk's thread could run a step; gpipe.turns now runs a worker's step on one thread,
+    # and bench/README.md (w)'s last addendum still measured two-chunk workers at 0.87-1.00 of the prediction).
     heap_slack: float = 0.0
 
 

@@ -381,6 +381,7 @@ class Stage:
 
         if self.turns is not None and not cfg.sharded:
             # on the thread that ran the worker's actions (gpipe.turns): one glibc arena for all a step allocates
+            self._doing("waiting", "the worker's other model chunks' optimizer steps")
             self.turns.run([(cfg.model_chunk, update)], cfg.step_timeout_s,
                            f"model chunk {cfg.model_chunk}'s optimizer step")
         else:

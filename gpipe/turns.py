@@ -49,6 +49,7 @@ class Turns:
         self._parts: list[Work] = []
         self._round = 0  # steps (or eval batches) whose actions have run
         self._error: tuple[int, BaseException] | None = None  # the last round's: which part failed, and how
+        self._running: int | None = None  # the actions of the round now running, once its runner took them
         self._failed = False
 
     def join(self) -> None:
@@ -82,15 +83,17 @@ class Turns:
             self._parts.append(work)
             if len(self._parts) == self.members:
                 self._cond.notify_all()  # all in: the runner goes (this thread, or the one waiting below)
-            else:
-                self._wait(lambda: len(self._parts) == self.members or self._round != round_, timeout,
+            else:  # (its runner may take the parts at once: then the round is running)
+                self._wait(lambda: len(self._parts) == self.members or self._round != round_
+                           or self._running is not None, timeout,
                            f"the worker's other chunks to start the step ({what})")
-            if self._round != round_ or not self._runs(mine):
-                waiting = sum(len(p) for p in self._parts)
+            if self._round != round_ or self._running is not None or not self._runs(mine):
+                waiting = self._running if self._running is not None else sum(len(p) for p in self._parts)
                 self._wait(lambda: self._round != round_, timeout * (waiting + 1),
                            f"the worker's actions of the step to run ({what})")
                 return self._outcome(mine, what)
             parts, self._parts = self._parts, []
+            self._running = sum(len(p) for p in parts)
         failed: tuple[int, BaseException] | None = None
         try:
             for _, part, action in sorted((n, i, a) for i, p in enumerate(parts) for n, a in p):
@@ -101,7 +104,7 @@ class Turns:
                     break
         finally:
             with self._cond:
-                self._error, self._round = failed, self._round + 1
+                self._error, self._round, self._running = failed, self._round + 1, None
                 self._cond.notify_all()
         self._outcome(mine, what)
 

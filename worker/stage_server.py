@@ -285,6 +285,8 @@ class StageServer:
             try:
                 fut.set_result(self._evaluate(args) if isinstance(args, EvalArgs) else self._step(args))
             except BaseException as e:
+                if self.stage is not None and self.stage.turns is not None:
+                    self.stage.turns.fail()  # this worker's other model chunks stop waiting for this one's turns
                 fut.set_result(self._failure(e, args[0] if isinstance(args, tuple) else None))
 
     def _snapshot(self, step: int, result: StepResult) -> None:

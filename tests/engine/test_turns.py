@@ -91,16 +91,14 @@ def test_the_same_chunk_s_thread_runs_every_step_whichever_comes_last():
     turns.join()
     turns.join()
     late = [0, 1, 1, 0, 1, 0]  # which chunk hands in last at each step
-    arrived = [threading.Event() for _ in late]
 
     def chunk(i: int, parts: list[int]) -> None:
         idents[i] = threading.get_ident()
         for step, last in enumerate(late):
-            if last == i:
-                arrived[step].wait(5)  # the other chunk is in already, waiting
-                time.sleep(0.02)
-            else:
-                threading.Timer(0.01, arrived[step].set).start()
+            if last == i:  # wait until the other chunk's part is in, waiting
+                deadline = time.monotonic() + 5
+                while len(turns._parts) != 1 and time.monotonic() < deadline:
+                    time.sleep(0.001)
             turns.run([(n, lambda step=step, n=n: ran.append((step, n, threading.get_ident()))) for n in parts],
                       5.0, f"chunk {i}")
 
@@ -111,3 +109,26 @@ def test_the_same_chunk_s_thread_runs_every_step_whichever_comes_last():
         t.join(10)
     assert [(s, n) for s, n, _ in ran] == [(s, n) for s in range(len(late)) for n in range(6)]
     assert {t for _, _, t in ran} == {idents[1]}  # chunk 1 holds action 0: its thread, every step
+
+
+def test_a_chunk_in_before_the_runner_waits_for_the_round_s_actions_not_only_its_start():
+    # The runner comes last and takes the round at once: the chunk already waiting has `timeout` a pending
+    # action (and one more) for them to run, not `timeout` from its arrival for the round to start.
+    turns, raised = Turns(), []
+    turns.join()
+    turns.join()
+
+    def early() -> None:
+        try:
+            turns.run([(3, lambda: None)], 0.5, "chunk 1")
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=early)
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(turns._parts) != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    turns.run([(n, lambda: time.sleep(0.3)) for n in range(3)], 0.5, "chunk 0")  # 0.9 s, past the 0.5 s start wait
+    t.join(5)
+    assert not t.is_alive() and raised == []

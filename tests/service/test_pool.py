@@ -265,7 +265,7 @@ def test_a_small_job_backfills_beside_a_waiting_large_one_which_is_not_starved_p
 def test_an_elastic_job_preempted_for_priority_runs_on_fewer_stages_meanwhile_to_the_one_device_weights(cli):
     from tests.support import reference
 
-    # flex is held slow until it has grown back, so that it cannot end first, however loaded the host.
+    # flex is held slow (0.1 s a layer's call, 120 steps) until it has grown back, so that it does not end first.
     gate = cli.tmp / "flex.gate"
     flex = job(SERVICE, name="flex", stages=4, balance=[1, 1, 1, 1], model=_gated(gate, 0.1), steps=120,
                checkpoint_every=4, elastic={"min_stages": 2})
