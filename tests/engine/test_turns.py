@@ -11,23 +11,30 @@ import pytest
 from gpipe.turns import TurnAborted, Turns
 
 
-def chunks(turns: Turns, parts: list[list[int]], ran: list, step: int = 0, fail_at: int | None = None):
-    """A thread per chunk, each handing in its actions (places in the worker's order); what each raised."""
+def chunks(turns: Turns, parts: list[list[int]], ran: list, step: int = 0, fail_at: int | None = None,
+           timeout: float = 5.0, pause: float = 0.0):
+    """A thread per chunk, each handing in its actions (places in the worker's order), the last chunk's once
+    all others' are in; each action takes `pause` seconds. What each raised."""
     raised: dict[int, BaseException] = {}
 
     def act(n: int) -> None:
+        time.sleep(pause)
         if n == fail_at:
             raise ValueError(f"boom at {n}")
         ran.append((step, n, threading.get_ident()))
 
     def chunk(i: int) -> None:
+        if i == len(parts) - 1:
+            deadline = time.monotonic() + 5
+            while len(turns._parts) < i and time.monotonic() < deadline:
+                time.sleep(0.001)
         try:
-            turns.run([(n, lambda n=n: act(n)) for n in parts[i]], 5.0, f"chunk {i}")
+            turns.run([(n, lambda n=n: act(n)) for n in parts[i]], timeout, f"chunk {i}")
         except BaseException as e:
             raised[i] = e
 
     threads = [threading.Thread(target=chunk, args=(i,)) for i in range(len(parts))]
-    for t in reversed(threads):
+    for t in threads:
         t.start()
     for t in threads:
         t.join(10)
@@ -114,21 +121,8 @@ def test_the_same_chunk_s_thread_runs_every_step_whichever_comes_last():
 def test_a_chunk_in_before_the_runner_waits_for_the_round_s_actions_not_only_its_start():
     # The runner comes last and takes the round at once: the chunk already waiting has `timeout` a pending
     # action (and one more) for them to run, not `timeout` from its arrival for the round to start.
-    turns, raised = Turns(), []
+    turns = Turns()
     turns.join()
     turns.join()
-
-    def early() -> None:
-        try:
-            turns.run([(3, lambda: None)], 0.5, "chunk 1")
-        except BaseException as e:
-            raised.append(e)
-
-    t = threading.Thread(target=early)
-    t.start()
-    deadline = time.monotonic() + 5
-    while len(turns._parts) != 1 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    turns.run([(n, lambda: time.sleep(0.3)) for n in range(3)], 0.5, "chunk 0")  # 0.9 s, past the 0.5 s start wait
-    t.join(5)
-    assert not t.is_alive() and raised == []
+    raised = chunks(turns, [[3], [0, 1, 2]], [], timeout=0.5, pause=0.3)  # chunk 1 last: 0.9 s of actions
+    assert raised == {}
