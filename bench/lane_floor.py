@@ -119,6 +119,38 @@ def _shm(me: int, n: int, size: int, *, shared: mmap.mmap, fds: tuple[int, int])
     return _timed(trip, n)
 
 
+def _unix(me: int, n: int, size: int, *, ends: tuple[socket.socket, socket.socket]) -> tuple[float, float]:
+    import torch
+
+    torch.set_num_threads(1)
+    sock = ends[me]
+    src = torch.randn(size // 4)
+    header = bytes(96)
+    head = bytearray(96)
+
+    def send() -> None:
+        view = memoryview(src.numpy()).cast("B")
+        sent = sock.sendmsg([header, view])
+        if sent < len(header) + size:
+            sock.sendall((header + bytes(view))[sent:])
+
+    def recv() -> torch.Tensor:
+        sock.recv_into(head, 96, socket.MSG_WAITALL)
+        t = torch.empty(size // 4)
+        sock.recv_into(memoryview(t.numpy()).cast("B"), size, socket.MSG_WAITALL)
+        return t
+
+    def trip() -> None:
+        if me == 0:
+            send()
+            recv()
+        else:
+            recv()
+            send()
+
+    return _timed(trip, n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -126,7 +158,7 @@ def main() -> None:
     ap.add_argument("--kib", type=int, default=128)
     a = ap.parse_args()
     size = a.kib << 10
-    got: dict[str, list[tuple[float, float]]] = {"gloo": [], "shared memory": []}
+    got: dict[str, list[tuple[float, float]]] = {"gloo": [], "shared memory": [], "unix socket": []}
     for _ in range(a.rounds):
         got["gloo"].append(_pair(_gloo(_free_port()), a.messages, size))
         shared = mmap.mmap(-1, 2 * size)
@@ -135,6 +167,13 @@ def main() -> None:
         for fd in fds:
             os.close(fd)
         shared.close()
+        ends = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for e in ends:
+            e.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            e.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        got["unix socket"].append(_pair(functools.partial(_unix, ends=ends), a.messages, size))
+        for e in ends:
+            e.close()
     print(f"{a.kib} KiB messages, {a.messages} round trips a round, {a.rounds} rounds; load {os.getloadavg()[0]:.1f}")
     print("| lane | CPU us a message (each side) | round trip us |")
     print("| --- | ---: | ---: |")

@@ -22,11 +22,21 @@ link and every sum this worker will take part in makes a first tiny exchange
 a peer that never comes, or that this worker cannot reach (a wrong network
 interface), fails the start within start_timeout_s, named with its address.
 At the attempt's end `World.leave` destroys the groups and their communicators.
+
+A lane between two workers of one host (one network namespace: `run`'s local
+workers, workers of one pod) goes over a Unix socket of its own instead of
+gloo (worker.unix_lane: a third of gloo's CPU a message, no thread on the
+path; bench/README.md (z)), formed with the groups (`World._same_host`) and
+closed at the attempt's end. Its gloo group is still formed, unused; CUDA
+stages keep NCCL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,11 +54,14 @@ from gpipe.topology import Topology
 from gpipe.transport import Among, GradSum, Hub, Inbound, Lane, Op, Outbound
 from gpipe.turns import Turns
 from gpipe.wire import backend_of
+from worker import unix_lane
 from worker.channel import Receiver, Sender, backstop_s
 from worker.reducer import GradReducer
+from worker.unix_lane import Listener, UnixReceiver, UnixSender, connect
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 JOINED_KEY = "joined/"  # + rank, in the data plane's store: that worker reached it, from this address
+LANE_KEY = "lane/"  # + replica/kind/a/b, in the data plane's store: a lane's socket on this host (worker.unix_lane)
 
 
 class World:
@@ -70,6 +83,8 @@ class World:
         """End this process's data plane (the attempt's end): every process group, and with it its
         communicators, destroyed now rather than left to the process's exit."""
         with cls._lock:
+            if cls._current is not None:
+                cls._current.close_sockets()
             cls._current = None
             _destroy()
 
@@ -83,6 +98,8 @@ class World:
         # (group, its timeout once warmed: None the world's), set after the warm-up, which the start's bounds
         self._steady: list[tuple[dist.ProcessGroup | None, timedelta]] = []
         self._peer: int | None = None  # the rank the warm-up waits for now
+        # Lanes to workers of this host (worker.unix_lane), by the key of `lanes`; the others go over c10d.
+        self.sockets: dict[tuple[str, int, int], socket.socket] = {}
         store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
         store.set(f"{JOINED_KEY}{self.me}", self._address())
         self._bounded(store)
@@ -118,6 +135,7 @@ class World:
         thread.join(self.cfg.start_timeout_s + 1.0)  # past c10d's own deadlines, so theirs say what they met
         if thread.is_alive() or failed:
             if not thread.is_alive():  # what formed goes: this process may try again
+                self.close_sockets()
                 with contextlib.suppress(Exception):
                     _destroy(abort=True)
             raise self._failure(store, failed[0] if failed else None, time.monotonic() >= deadline) from None
@@ -198,7 +216,61 @@ class World:
             if worker(a) != worker(b):
                 self.lanes["skip", a, b] = self._per_replica(sorted({worker(a), worker(b)}), lane)
                 self.lanes["skip-gradient", a, b] = self._per_replica(sorted({worker(a), worker(b)}), lane)
+        self._same_host(store, deadline)
         self._warm(deadline)
+
+    def _same_host(self, store: dist.Store, deadline: float) -> None:
+        """The lanes to workers of this host as Unix sockets (worker.unix_lane), in three rounds no rank waits
+        across: the worker of each lane's lower model chunk listens and says where; its peer connects, or finds no
+        such socket here, and says which; the first accepts. Lanes of other hosts, and every lane on CUDA or with
+        GPIPE_SAME_HOST_LANES=c10d, stay on c10d."""
+        top, me = self.topology, self.me
+        replica = top.replica_of(me)
+        offer = self.backend == "gloo" and unix_lane.mode() == "unix"
+        ends = []  # (lane's key, its store key, its first rank, its second)
+        for kind, a, b in sorted(self.lanes):
+            first, second = top.rank(replica, self.worker_of(a)), top.rank(replica, self.worker_of(b))
+            if me in (first, second):
+                ends.append(((kind, a, b), f"{LANE_KEY}{replica}/{kind}/{a}/{b}", first, second))
+        listening: dict[tuple[str, int, int], Listener] = {}
+        try:
+            for key, name, first, _ in ends:
+                if me == first:
+                    if offer:
+                        listening[key] = Listener()
+                    where = {"name": listening[key].name, "token": listening[key].token.hex()} if offer else {}
+                    store.set(name, json.dumps(where))
+            for key, name, first, second in ends:
+                if me == second:
+                    self._peer = first
+                    where = json.loads(store.get(name))
+                    sock = connect(where["name"], bytes.fromhex(where["token"]), deadline) if offer and where else None
+                    if sock is not None:
+                        self.sockets[key] = sock
+                    store.set(f"{name}/via", "unix" if sock is not None else "c10d")
+            for key, name, first, second in ends:
+                if me == first:
+                    self._peer = second
+                    via = store.get(f"{name}/via").decode()
+                    if via == "unix":
+                        self.sockets[key] = listening.pop(key).accept(deadline, self._who(second))
+        finally:
+            for listener in listening.values():
+                listener.close()
+        self._peer = None
+        if ends:  # one line in the attempt's log (no colon: it is not an error line, gpipe.proc.last_error_line)
+            unix = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) in self.sockets]
+            gloo = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) not in self.sockets]
+            print(f"data plane of rank {me}, lanes over a Unix socket of this host ({', '.join(unix) or 'none'}), "
+                  f"over {self.backend} ({', '.join(gloo) or 'none'})", file=sys.stderr, flush=True)
+
+    def close_sockets(self) -> None:
+        """Close this world's lanes of this host: a peer still reading sees their end at once."""
+        for sock in self.sockets.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self.sockets.clear()
 
     def _warm(self, deadline: float) -> None:
         """A first tiny exchange on each link and each sum this worker takes part in, so that their
@@ -212,7 +284,9 @@ class World:
         def left() -> timedelta:  # the start's time left (on NCCL the thread's bound is the one that holds)
             return timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
-        for (_, a, b), group in sorted(self.lanes.items()):
+        for (kind, a, b), group in sorted(self.lanes.items()):
+            if (kind, a, b) in self.sockets:  # formed, and warm
+                continue
             first, second = top.rank(replica, self.worker_of(a)), top.rank(replica, self.worker_of(b))
             if me not in (first, second):
                 continue
@@ -304,10 +378,13 @@ class C10dTransport:
         self.world = World.join(cfg, device)
         self.backend = self.world.backend
 
+    def _key(self, lane: Lane, peer: int) -> tuple[str, int, int]:
+        a, b = sorted((self.cfg.model_chunk, peer))
+        return lane, a, b
+
     def _group(self, lane: Lane, peer: int) -> tuple[int, dist.ProcessGroup] | None:
         """(peer rank, group) of a lane to stage `peer`; None when `peer` is on this worker (in memory)."""
-        a, b = sorted((self.cfg.model_chunk, peer))
-        group = self.world.lanes.get((lane, a, b))
+        group = self.world.lanes.get(self._key(lane, peer))
         if group is None:
             return None
         return self.world.topology.rank(self.cfg.replica, self.world.worker_of(peer)), group
@@ -315,11 +392,15 @@ class C10dTransport:
     def sender(self, peer: int, lane: Lane, name: str) -> Outbound:
         if (link := self._group(lane, peer)) is None:
             return self.world.local.transport(self.cfg.model_chunk, 0, self.device).sender(peer, lane, name)
+        if (sock := self.world.sockets.get(self._key(lane, peer))) is not None:
+            return UnixSender(sock, name)
         return Sender(*link, self.device, name)
 
     def receiver(self, peer: int, lane: Lane, name: str) -> Inbound:
         if (link := self._group(lane, peer)) is None:
             return self.world.local.transport(self.cfg.model_chunk, 0, self.device).receiver(peer, lane, name)
+        if (sock := self.world.sockets.get(self._key(lane, peer))) is not None:
+            return UnixReceiver(sock, name)
         return Receiver(*link, self.device, name, self.cfg.step_timeout_s)
 
     def all_reduce(self, t: torch.Tensor, among: Among, op: Op = "sum") -> None:

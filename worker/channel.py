@@ -1,4 +1,6 @@
-"""Point-to-point channels between stages (gloo on CPU, NCCL on CUDA): the data plane's lanes.
+"""Point-to-point channels between stages (gloo on CPU, NCCL on CUDA): the data plane's lanes between hosts.
+
+(Between two workers of one host, a CPU lane is a Unix socket: worker.unix_lane.)
 
 A message is written in the wire format of gpipe.wire (a header, a structure's
 JSON description, each tensor's bytes).
@@ -88,6 +90,15 @@ def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedel
     work = dist.irecv(t, peer, group=group)
     assert work is not None
     work.wait(timeout)
+
+
+def tensor_header(h: list[int]) -> tuple[torch.dtype, list[int], bool, bool]:
+    """(dtype, shape, wants grad, packed) of a received header of a single tensor; ValueError if it is not one."""
+    code, n, flags = h[1], h[2], h[3]
+    if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
+            and all(d >= 0 for d in h[4 : 4 + n])):
+        raise ValueError(f"a bad header: {h}")
+    return DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD), bool(flags & PACKED)
 
 
 class Capacity:
@@ -291,14 +302,11 @@ class Receiver:
         """One message, its first transfer into `buffer` (the header, and a packed tensor's data after it)."""
         _recv(buffer, self.peer, self.group, self.timeout)
         h = read_header(buffer if self._stream is None else self._host(buffer[:HEADER_BYTES]))
-        mb, code, n, flags = h[0], h[1], h[2], h[3]
+        mb, code, n = h[0], h[1], h[2]
         if code != STRUCTURE:
-            if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
-                    and all(d >= 0 for d in h[4 : 4 + n])):
-                raise ValueError(f"a bad header: {h}")
-            dtype, shape, grad = DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD)
+            dtype, shape, grad, packed = tensor_header(h)
             nbytes = asked_bytes([(dtype, shape)], self.limit)
-            if not flags & PACKED:
+            if not packed:
                 t = self._tensor(dtype, shape, grad)
                 self._capacity.carried(nbytes)  # once it has arrived (the module's docstring)
                 return mb, t

@@ -39,6 +39,7 @@ from gpipe import code_archive, grpcutil, job_records, proc, serde
 from gpipe.code_archive import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
+from worker import unix_lane
 from worker.agent import WORKER_PRELOAD, Agent, worker_template
 from worker.cores import parse_cores, threads_for
 from worker.device import check as check_device
@@ -267,8 +268,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="on SIGTERM, how long to wait for the job to checkpoint at its next step boundary before "
                         f"exiting ({grpcutil.MIN_GRACE_S:g}-{grpcutil.MAX_GRACE_S:g}; default "
                         f"{grpcutil.DEFAULT_GRACE_S:g}, under Kubernetes' 30 s terminationGracePeriodSeconds)")
+    p.add_argument("--same-host-lanes", choices=unix_lane.MODES, default=None,
+                   help="how activations and gradients go to a worker of this host (same network namespace): "
+                        "unix, a Unix socket of the attempt (default); c10d, gloo as between hosts (default: env "
+                        f"{unix_lane.MODE_ENV}, else unix). CPU only: CUDA stages use NCCL")
     a = p.parse_args(argv)
     try:
+        if a.same_host_lanes is not None:  # the attempt processes read it
+            os.environ[unix_lane.MODE_ENV] = a.same_host_lanes
+        unix_lane.mode()  # a bad env value: one line, exit 2
         if a.rank is None:
             env = os.environ.get("RANK", "")
             if not env.strip().lstrip("-").isdigit():

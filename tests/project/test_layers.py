@@ -2,7 +2,7 @@
 
     gpipe/          the engine (the stage interpreter, schedules, transport interface and in-memory hub,
                     capture, balance, probe, wire format, precision, ...) and the helpers both sides share
-    worker/         the data plane (c10d.py, channel.py, reducer.py), then the worker daemon above it
+    worker/         the data plane (c10d.py, channel.py, unix_lane.py, reducer.py), then the worker daemon above it
     coordinator/    spec, plan, driver, supervisor, API, CLI
 
 `gpipe.Pipeline` is the engine alone: importing it loads no gRPC, no protobuf, no service module."""
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA_PLANE = {"c10d", "channel", "reducer"}
+DATA_PLANE = {"c10d", "channel", "reducer", "unix_lane"}
 
 
 def imported(path: Path) -> set[str]:

@@ -20,6 +20,7 @@ from gpipe.contract import StageConfig
 from tests.support.ports import free_port
 from tests.support.spec import TWO_STAGES, job
 from tests.support.wire import INT16, _bits
+from worker import unix_lane
 from worker.channel import Receiver, Sender
 
 # -- the channel, over gloo, in two processes ---------------------------------------------------------
@@ -125,15 +126,20 @@ def _cfg(rank: int, port: int, start_s: float) -> StageConfig:
 
 
 def _world_end(rank: int, port: int, secret: str, start_s: float, mode: str, out: Any) -> None:
-    """Rank `rank` forms its world. mode 'stall': rank 1 joins and forms its groups, then never makes the
-    first exchange; 'ok': both form it, pass a tensor over a lane, and leave."""
+    """Rank `rank` forms its world. mode 'stall': rank 1 joins and forms its groups, then never makes gloo's
+    first exchange (every lane on gloo); 'stall-unix': never connects to this host's lanes; 'ok': both form it,
+    pass a tensor over a lane, and leave."""
     torch.set_num_threads(1)
     from worker import c10d
 
     try:
         net.use_secret(secret)
-        if mode == "stall" and rank == 1:
-            c10d.World._warm = lambda self, deadline: time.sleep(start_s + 30)  # type: ignore[method-assign]
+        if mode == "stall":  # gloo's lanes: rank 1 never makes their first exchange
+            os.environ[unix_lane.MODE_ENV] = "c10d"
+            if rank == 1:
+                c10d.World._warm = lambda self, deadline: time.sleep(start_s + 30)  # type: ignore[method-assign]
+        if mode == "stall-unix" and rank == 1:  # this host's lanes: rank 1 never connects
+            c10d.World._same_host = lambda self, store, deadline: time.sleep(start_s + 30)  # type: ignore[method-assign]
         t0 = time.monotonic()
         try:
             transport = c10d.C10dTransport(_cfg(rank, port, start_s), torch.device("cpu"))
@@ -186,8 +192,9 @@ def test_a_rank_that_never_joins_fails_the_start_within_its_timeout_naming_the_r
 
 
 @pytest.mark.multiprocess
-def test_a_peer_that_joins_but_never_exchanges_fails_the_warm_up_naming_it_and_its_address():
-    said = _form([0, 1], 3.0, "stall")
+@pytest.mark.parametrize("mode", ["stall", "stall-unix"])
+def test_a_peer_that_joins_but_never_exchanges_fails_the_warm_up_naming_it_and_its_address(mode):
+    said = _form([0, 1], 3.0, mode)
     kind, text, took = said[0]
     assert kind in ("TimeoutError", "ConnectionError"), said
     assert text.startswith("the data plane did not form within 3s: no first exchange with rank 1 (stage 1 of "

@@ -1,0 +1,216 @@
+"""A lane between two workers of one host (worker.unix_lane): real sockets, real processes where a peer ends."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe.wire import HEADER, STRUCTURE, header_bytes
+from tests.service.test_channel import _messages, _same
+from worker import unix_lane
+from worker.unix_lane import Listener, UnixReceiver, UnixSender, connect
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _lane() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a lane, formed as World._form forms them: a listener, a peer that connects with the token."""
+    listener = Listener()
+    deadline = time.monotonic() + 10
+    sock = connect(listener.name, listener.token, deadline)
+    assert sock is not None
+    return sock, listener.accept(deadline, "rank 1")
+
+
+@pytest.fixture
+def lane() -> Any:
+    a, b = _lane()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_every_kind_of_message_arrives_as_sent_in_order_and_out_of_order(lane: Any) -> None:
+    a, b = lane
+    out, into = UnixSender(a, "activation to stage 1"), UnixReceiver(b, "stage 0's activation")
+    messages = _messages()
+    for mb, (value, grads) in enumerate(messages):
+        out.send(mb, value, grads)
+    out.flush(10)
+    # Asked for in reverse: each one read ahead waits in the inbox for its turn.
+    for mb in reversed(range(len(messages))):
+        value, grads = messages[mb]
+        assert _same(value, into.get(mb, 10), grads) == ""
+    assert into.bytes == out.bytes > 0
+
+
+def test_messages_larger_than_the_socket_holds_both_ways_at_once_never_wait_for_each_other(lane: Any) -> None:
+    """Each end sends 8 messages of 16 MiB before it reads any: the socket takes a few MiB, the writer thread
+    the rest, so neither stage blocks on the other's reads (what a pipeline's two directions do)."""
+    a, b = lane
+    big = [torch.randn(4 << 20) for _ in range(8)]
+    got: dict[str, list[torch.Tensor]] = {}
+
+    def end(sock: socket.socket, who: str) -> None:
+        out, into = UnixSender(sock, f"to {who}"), UnixReceiver(sock, f"from {who}")
+        for mb, t in enumerate(big):
+            out.send(mb, t)  # returns at once, whether or not the peer has read
+        got[who] = [into.get(mb, 30) for mb in range(len(big))]
+        out.flush(30)
+
+    threads = [threading.Thread(target=end, args=(s, w)) for s, w in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert sorted(got) == ["a", "b"]
+    for received in got.values():
+        assert all(torch.equal(x, y) for x, y in zip(big, received, strict=True))
+
+
+def test_a_wait_past_its_deadline_names_the_lane_and_micro_batch_and_the_lane_goes_on(lane: Any) -> None:
+    a, b = lane
+    out, into = UnixSender(a, "gradient to stage 0"), UnixReceiver(b, "stage 1's gradient")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"waiting for stage 1's gradient of micro-batch 3"):
+        into.get(3, 0.3)
+    assert 0.25 < time.monotonic() - t0 < 5
+    out.send(3, torch.ones(2))
+    assert torch.equal(into.get(3, 10), torch.ones(2))
+
+
+def test_a_flush_the_peer_never_reads_ends_at_its_deadline_in_our_words(lane: Any) -> None:
+    a, _ = lane
+    out = UnixSender(a, "activation to stage 1")
+    for mb in range(4):
+        out.send(mb, torch.zeros(4 << 20))  # more than the socket holds: the writer waits for room
+    with pytest.raises(TimeoutError, match=r"sending activation to stage 1"):
+        out.flush(0.5)
+    out.close()
+
+
+@pytest.mark.parametrize("bad", ["huge", "dtype", "dims", "description"])
+def test_a_bad_header_fails_the_receive_naming_the_lane_before_allocating(lane: Any, bad: str) -> None:
+    a, b = lane
+    into = UnixReceiver(b, "stage 0's activation")
+    h = [0, 0, 1, 0, 1 << 60] + [0] * (HEADER - 5)  # float32 of 2^60 elements: over this host's memory
+    if bad == "dtype":
+        h[1] = 99
+    elif bad == "dims":
+        h[2] = 40
+    elif bad == "description":
+        h[1], h[2] = STRUCTURE, 1 << 30
+    a.sendall(header_bytes(h))
+    with pytest.raises(ConnectionError, match=r"receiving stage 0's activation failed: .*(bytes|header)"):
+        into.get(0, 5)
+    with pytest.raises(ConnectionError):  # and every later wait on the lane says so at once
+        into.get(1, 5)
+
+
+def test_a_peer_whose_process_ends_is_seen_at_once_not_after_the_deadline() -> None:
+    """The peer connects from a process of its own, sends one message's header and half its data, and exits."""
+    listener = Listener()
+    code = (
+        "import sys, time, torch\n"
+        "from gpipe.wire import header_bytes, HEADER\n"
+        "from worker.unix_lane import connect\n"
+        f"s = connect({listener.name!r}, bytes.fromhex({listener.token.hex()!r}), time.monotonic() + 10)\n"
+        "s.sendall(header_bytes([0, 0, 1, 0, 1024] + [0] * (HEADER - 5)) + bytes(2048))\n"
+        "s.close()\n"
+    )
+    peer = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        into = UnixReceiver(listener.accept(time.monotonic() + 30, "rank 1"), "stage 0's activation")
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=r"stage 0's activation failed: the peer closed the lane"):
+            into.get(0, 30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        peer.kill()
+        peer.wait(10)
+
+
+def test_a_send_to_a_closed_peer_fails_that_send_or_the_flush_naming_the_lane(lane: Any) -> None:
+    a, b = lane
+    b.close()
+    out = UnixSender(a, "activation to stage 1")
+    with pytest.raises(ConnectionError, match=r"sending activation to stage 1 of micro-batch \d failed"):
+        for mb in range(4):
+            out.send(mb, torch.zeros(1 << 20))
+        out.flush(5)
+
+
+def test_a_connection_without_the_token_is_closed_and_the_peer_with_it_is_let_in() -> None:
+    listener = Listener()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect("\0" + listener.name)  # the name is visible in /proc/net/unix; the token is not
+    stranger.sendall(b"x" * unix_lane.TOKEN_BYTES)
+    peer = connect(listener.name, listener.token, time.monotonic() + 10)
+    assert peer is not None
+    mine = listener.accept(time.monotonic() + 10, "rank 1")
+    stranger.settimeout(5)
+    assert stranger.recv(1) == b""  # closed on it
+    UnixSender(peer, "to 0").send(7, torch.arange(3))
+    assert torch.equal(UnixReceiver(mine, "from 1").get(7, 5), torch.arange(3))
+    for s in (stranger, peer, mine):
+        s.close()
+    # The listening socket is gone once its peer is in: nobody else gets in.
+    assert connect(listener.name, listener.token, time.monotonic() + 5) is None
+
+
+def test_a_listener_nobody_reaches_says_who_it_waited_for() -> None:
+    listener = Listener()
+    with pytest.raises(TimeoutError, match=r"rank 3 .* did not connect"):
+        listener.accept(time.monotonic() + 0.2, "rank 3 (stage 1 of replica 1)")
+
+
+def test_no_such_socket_here_means_another_host() -> None:
+    assert connect("gpipe-lane-" + "0" * 32, b"t" * unix_lane.TOKEN_BYTES, time.monotonic() + 5) is None
+
+
+def test_the_mode_is_read_from_the_environment_and_a_bad_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(unix_lane.MODE_ENV, raising=False)
+    assert unix_lane.mode() == "unix"
+    monkeypatch.setenv(unix_lane.MODE_ENV, "c10d")
+    assert unix_lane.mode() == "c10d"
+    monkeypatch.setenv(unix_lane.MODE_ENV, "shm")
+    with pytest.raises(ValueError, match=unix_lane.MODE_ENV):
+        unix_lane.mode()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_run_goes_over_unix_sockets_and_gives_the_bits_of_gloo_and_the_weights_of_one_device(cli: Any) -> None:
+    """`run` of 2 workers x 3 model chunks with skip connections (structures and skips between workers): every
+    lane between its two local workers is a Unix socket, each worker's log says so; with
+    GPIPE_SAME_HOST_LANES=c10d every lane is gloo's. The weights are the same to the bit, and one device's."""
+    from safetensors.torch import load_file
+
+    from tests.service.test_transparency import VIRTUAL
+    from tests.support import reference
+
+    spec = VIRTUAL["interleaved-1f1b-skips-clip"]
+    path = cli.write(spec)
+    weights, logs = {}, {}
+    for lanes in ("unix", "c10d"):
+        cli.env[unix_lane.MODE_ENV] = lanes
+        r = cli.run("run", str(path), "--state-dir", str(cli.tmp / lanes), "--no-progress", timeout=200)
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights[lanes] = load_file(cli.tmp / lanes / "t" / "model.safetensors")
+        logs[lanes] = [(cli.tmp / lanes / "t" / "logs" / f"stage-{k}.log").read_text() for k in range(2)]
+    for log in logs["unix"]:
+        line = next(x for x in log.splitlines() if x.startswith("data plane of rank"))
+        assert "Unix socket of this host (activation" in line and "skip" in line and line.endswith("gloo (none)")
+    for log in logs["c10d"]:
+        line = next(x for x in log.splitlines() if x.startswith("data plane of rank"))
+        assert "Unix socket of this host (none)" in line
+    assert all(torch.equal(weights["unix"][k], weights["c10d"][k]) for k in weights["c10d"])
+    want = reference.train(spec)
+    assert max((weights["unix"][k] - want[k]).abs().max().item() for k in want) <= 1e-5

@@ -1,0 +1,365 @@
+"""Lanes between two workers of one host: a Unix domain socket, written and read on the stage's own thread.
+
+A lane between two worker processes of one host (`gpipe-coordinator run`'s
+local workers; workers in one pod) need not go through gloo: gloo's per
+message cost (its own loop thread, a hand-off to our receive thread, a TCP
+connection through loopback) was most of what an action costs over its blocks
+alone (bench/README.md (s), (y), (z)). Here a message is one `sendmsg` of its
+header, its description and its tensors' memory (no copy on our side), and
+the receiver reads the header, then each tensor straight into the memory of
+the tensor it returns, on the thread that asked for it: no thread of ours is
+on the path, and nothing waits on a hand-off.
+
+The wire format is gpipe.wire's, checked as worker.channel checks it: a
+header that asks for more than this host's memory, a bad dtype code or a bad
+description fails the receive in our words before anything is allocated.
+
+Sends never block the stage: a send writes what the socket takes at once
+(MSG_DONTWAIT); what it does not take (the peer has not read yet: its send
+buffer, SO_SNDBUF, is full) goes to a writer thread of the lane, in order, and
+every later message goes behind it until the writer has caught up. Two stages
+that send to each other at once therefore never wait for each other's reads.
+`flush` waits for the writer under the step's deadline. The tensors a queued
+message reads are kept alive until written, as c10d's isend keeps them.
+
+Every wait has a deadline and names what it waited for. A peer whose process
+ends closes its end: the read sees end of file at once and says so, rather
+than waiting out a timeout.
+
+Forming a lane (`World._form` in worker.c10d): the worker holding the lane's
+lower model chunk listens on an abstract socket of a random name and writes the
+name and a random token to the data plane's store; its peer connects and sends
+the token, or answers that it reached no such socket, and the lane goes over
+c10d instead. An abstract socket is visible only within its network namespace,
+so reaching it means the two processes share a kernel: the same host, and the
+same pod. A process of that namespace that is not the peer may see the name
+(/proc/net/unix) but not the token (the store, behind the NetworkPolicy like
+c10d's ports); a connection without it is closed. The listening socket closes
+as soon as its peer is in, within the attempt's start.
+
+GPIPE_SAME_HOST_LANES=c10d (or `gpipe-worker --same-host-lanes c10d`) keeps every lane on c10d.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hmac
+import math
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gpipe import structure
+from gpipe.wire import (
+    HEADER_BYTES,
+    MAX_JSON_BYTES,
+    STRUCTURE,
+    asked_bytes,
+    decode,
+    encode,
+    header_bytes,
+    message_limit,
+)
+from worker.channel import tensor_header
+
+MODES = ("unix", "c10d")
+MODE_ENV = "GPIPE_SAME_HOST_LANES"
+SEND_BUFFER = 4 << 20  # what a lane's socket holds unread before the writer thread takes over (capped by the host)
+MAX_QUEUED = 4096  # messages a sender may have waiting for the writer: one step's worth is far fewer
+MAX_PARTS = 256  # buffers a sendmsg call is given at most (IOV_MAX is 1024 on Linux)
+TOKEN_BYTES = 32
+SLICE_S = 0.05  # how often a writer waiting for room checks that its lane is still open
+
+
+def mode() -> str:
+    """How lanes between workers of one host go: `unix` (a socket of this module) or `c10d`."""
+    value = os.environ.get(MODE_ENV, "unix") or "unix"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor `t` (any dtype), without a copy."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+    sock.setblocking(True)
+
+
+# -- forming a lane ------------------------------------------------------------------------------------------
+
+
+class Listener:
+    """The listening end of a lane being formed: an abstract socket of a random name, and the token its peer must
+    send."""
+
+    def __init__(self) -> None:
+        self.name = "gpipe-lane-" + os.urandom(16).hex()
+        self.token = os.urandom(TOKEN_BYTES)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(8)
+
+    def accept(self, deadline: float, who: str) -> socket.socket:
+        """The peer's connection, the first to send the token, by `deadline` (TimeoutError naming `who`);
+        connections without the token are closed. The listening socket is closed either way."""
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{who} did not connect to its lane")
+                self._sock.settimeout(left)
+                try:
+                    conn, _ = self._sock.accept()
+                except TimeoutError:
+                    raise TimeoutError(f"{who} did not connect to its lane") from None
+                try:
+                    conn.settimeout(max(0.001, deadline - time.monotonic()))
+                    got = b""
+                    while len(got) < TOKEN_BYTES and (part := conn.recv(TOKEN_BYTES - len(got))):
+                        got += part
+                except OSError:
+                    got = b""
+                if hmac.compare_digest(got, self.token):
+                    _tune(conn)
+                    return conn
+                conn.close()
+        finally:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def connect(name: str, token: bytes, deadline: float) -> socket.socket | None:
+    """A lane to the listener `name` of this network namespace, `token` sent; None when there is no such socket
+    here (the peer is on another host, or another pod)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            sock.connect("\0" + name)
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            return None
+        sock.sendall(token)
+        _tune(sock)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _Broken(Exception):
+    """A lane that cannot go on: its peer closed it, or stopped in the middle of a message."""
+
+
+# -- a lane's two ends ---------------------------------------------------------------------------------------
+
+
+def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `parts` once their first `sent` bytes are written."""
+    for i, p in enumerate(parts):
+        if sent < len(p):
+            return [p[sent:], *parts[i + 1:]]
+        sent -= len(p)
+    return []
+
+
+class UnixSender:
+    """Sends (micro-batch, value) pairs to one stage over a lane of this module (worker.channel.Sender's
+    contract)."""
+
+    def __init__(self, sock: socket.socket, name: str):
+        self.name = name
+        self.bytes = 0
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLOUT)
+        self._cv = threading.Condition()
+        # Messages the socket did not take at once, in order: (micro-batch, what is left, the tensors it reads).
+        self._queue: collections.deque[tuple[int, list[memoryview], list[torch.Tensor]]] = collections.deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._writer: threading.Thread | None = None
+
+    def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
+        """Write `obj` (gpipe.transport.Outbound.send); ValueError at once if it cannot travel, ConnectionError if
+        an earlier message failed or the peer is gone."""
+        if self._error is not None:
+            raise self._error
+        header, text, leaves = encode(mb, obj, grads, "gloo")
+        self.bytes += sum(t.numel() * t.element_size() for t in leaves)
+        parts = [memoryview(header_bytes(header))]
+        if text is not None:
+            parts.append(memoryview(text))
+        parts += [_view(t) for t in leaves if t.numel()]
+        with self._cv:
+            if not self._queue:
+                parts = self._push(mb, parts)
+                if not parts:
+                    return
+            if len(self._queue) >= MAX_QUEUED:
+                raise self._fail(mb, f"over {MAX_QUEUED} messages wait for the peer to read")
+            self._queue.append((mb, parts, leaves))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name=f"send-{self.name}", daemon=True)
+                self._writer.start()
+            self._cv.notify_all()
+
+    def _push(self, mb: int, parts: list[memoryview]) -> list[memoryview]:
+        """Write what the socket takes now of `parts`; what is left."""
+        while parts:
+            try:
+                sent = self._sock.sendmsg(parts[:MAX_PARTS], [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return parts
+            except OSError as e:
+                raise self._fail(mb, e.strerror or str(e)) from None
+            parts = _after(parts, sent)
+        return parts
+
+    def _fail(self, mb: int, why: str) -> ConnectionError:
+        with self._cv:
+            if self._error is None:
+                self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {why}")
+            self._cv.notify_all()
+            return self._error  # type: ignore[return-value]  # set just now, or earlier
+
+    def _write(self) -> None:
+        """The writer thread: the queue's messages, in order, as the peer makes room."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed or self._error is not None)
+                if self._closed or self._error is not None:
+                    return
+                mb, parts, _ = self._queue[0]
+            try:
+                while parts:
+                    if self._closed:
+                        return
+                    self._poll.poll(int(SLICE_S * 1000))
+                    parts = self._push(mb, parts)
+            except ConnectionError:
+                return
+            with self._cv:
+                if self._closed:  # close emptied the queue
+                    return
+                self._queue.popleft()
+                self._cv.notify_all()
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every message is in the socket, at most `timeout` seconds."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._queue or self._error is not None, timeout):
+                raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+
+
+class UnixReceiver:
+    """Receives (micro-batch, value) pairs from one stage over a lane of this module, on the thread that asks
+    (worker.channel.Receiver's contract)."""
+
+    def __init__(self, sock: socket.socket, name: str):
+        self.name = name
+        self.bytes = 0
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._inbox: dict[int, Any] = {}  # read ahead of the micro-batch asked for
+        self._error: BaseException | None = None
+        self.limit = message_limit(torch.device("cpu"))
+        self._head = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        self._head_view = _view(self._head)
+
+    def expect(self, count: int) -> None:
+        """Nothing to post: a message is read when the stage asks for it."""
+
+    def get(self, mb: int, timeout: float) -> Any:
+        """The value of micro-batch `mb`, waiting up to `timeout` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while mb not in self._inbox:
+            if self._error is not None:
+                raise self._error
+            if len(self._inbox) >= MAX_QUEUED:
+                raise self._broken(f"over {MAX_QUEUED} messages came before micro-batch {mb}")
+            try:
+                got, value = self._message(deadline)
+            except TimeoutError:
+                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {self.name} of micro-batch {mb}") \
+                    from None
+            except (_Broken, ValueError, OSError) as e:
+                raise self._broken(str(e)) from None
+            if got in self._inbox:
+                raise self._broken(f"micro-batch {got} came twice")
+            self._inbox[got] = value
+        return self._inbox.pop(mb)
+
+    def _broken(self, why: str) -> ConnectionError:
+        self._error = ConnectionError(f"receiving {self.name} failed: {why}")
+        return self._error
+
+    def _fill(self, view: memoryview, deadline: float, begun: bool) -> None:
+        """Read exactly len(view) bytes into `view` by `deadline`. Past it, a TimeoutError when none of the
+        message had come (`begun` false and nothing read: the lane is as it was); else the lane is broken."""
+        got, n = 0, len(view)
+        while got < n:
+            try:
+                k = self._sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if begun or got:
+                        raise _Broken("the peer stopped in the middle of a message") from None
+                    raise TimeoutError from None
+                self._poll.poll(max(1, math.ceil(left * 1000)))
+                continue
+            if k == 0:
+                raise _Broken("the peer closed the lane (its process ended)")
+            got += k
+
+    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool, deadline: float) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        if t.numel():
+            self._fill(_view(t), deadline, True)
+            self.bytes += t.numel() * t.element_size()
+        return t.requires_grad_() if grad else t
+
+    def _message(self, deadline: float) -> tuple[int, Any]:
+        self._fill(self._head_view, deadline, False)
+        h = memoryview(self._head_view).cast("q").tolist()
+        mb, code, n = h[0], h[1], h[2]
+        if code != STRUCTURE:
+            dtype, shape, grad, packed = tensor_header(h)
+            if packed:
+                raise ValueError(f"a packed tensor on a lane that packs none: {h}")
+            asked_bytes([(dtype, shape)], self.limit)
+            return mb, self._tensor(dtype, shape, grad, deadline)
+        if not 0 < n <= MAX_JSON_BYTES:
+            raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
+        text = bytearray(n)
+        self._fill(memoryview(text), deadline, True)
+        skeleton, metas = decode(bytes(text))
+        asked_bytes([(dtype, shape) for dtype, shape, _ in metas], self.limit)
+        return mb, structure.unflatten(skeleton, [self._tensor(*m, deadline) for m in metas])
+
+    def close(self) -> None:
+        pass  # the socket is the world's: it closes with the attempt (worker.c10d.World.leave)
