@@ -161,7 +161,8 @@ def decode(text: bytes) -> tuple[Any, list[tuple[torch.dtype, list[int], bool]]]
     for m in d["t"]:
         ok = (isinstance(m, list) and len(m) == 3 and type(m[0]) is int and 0 <= m[0] < len(DTYPES)
               and isinstance(m[1], list) and len(m[1]) <= MAX_DIMS
-              and all(type(n) is int and n >= 0 for n in m[1]) and m[2] in (0, 1))
+              and all(type(n) is int and n >= 0 for n in m[1]) and m[2] in (0, 1)
+              and (m[2] == 0 or DTYPES[m[0]].is_floating_point))
         if not ok:
             raise ValueError(f"not a tensor's description: {str(m)[:80]}")
         metas.append((DTYPES[m[0]], m[1], bool(m[2])))

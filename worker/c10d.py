@@ -25,8 +25,8 @@ At the attempt's end `World.leave` destroys the groups and their communicators.
 
 A lane between two workers of one host (one network namespace: `run`'s local
 workers, workers of one pod) goes over a Unix socket of its own instead of
-gloo (worker.unix_lane: a third of gloo's CPU a message, no thread on the
-path; bench/README.md (z)), formed with the groups (`World._same_host`) and
+gloo (worker.unix_lane: a fraction of gloo's CPU a message, and no thread
+on the path of a message the socket takes at once; bench/README.md (z)), formed with the groups (`World._same_host`) and
 closed at the attempt's end. Its gloo group is still formed, unused; CUDA
 stages keep NCCL.
 """
@@ -98,6 +98,7 @@ class World:
         # (group, its timeout once warmed: None the world's), set after the warm-up, which the start's bounds
         self._steady: list[tuple[dist.ProcessGroup | None, timedelta]] = []
         self._peer: int | None = None  # the rank the warm-up waits for now
+        self._forming = self.backend  # which lanes: "unix" while this host's form (_same_host)
         # Lanes to workers of this host (worker.unix_lane), by the key of `lanes`; the others go over c10d.
         self.sockets: dict[tuple[str, int, int], socket.socket] = {}
         store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
@@ -122,20 +123,29 @@ class World:
         """Form the groups and warm them, on a thread, for at most start_timeout_s: a peer that never joins or
         cannot be reached fails the start naming it (`_failure`), whatever c10d or NCCL would wait for."""
         failed: list[BaseException] = []
+        ended = threading.Lock()
+        done, abandoned = [False], [False]
 
         def form() -> None:
             try:
                 self._form(store, deadline)
             except BaseException as e:
                 failed.append(e)
+            finally:
+                with ended:
+                    done[0] = True
+                    if abandoned[0]:  # given up on: what it formed late goes
+                        self.close_sockets()
 
         deadline = time.monotonic() + self.cfg.start_timeout_s
         thread = threading.Thread(target=form, name="data-plane-start", daemon=True)
         thread.start()
         thread.join(self.cfg.start_timeout_s + 1.0)  # past c10d's own deadlines, so theirs say what they met
-        if thread.is_alive() or failed:
-            if not thread.is_alive():  # what formed goes: this process may try again
-                self.close_sockets()
+        with ended:
+            abandoned[0] = not done[0]
+        if abandoned[0] or failed:
+            self.close_sockets()
+            if not abandoned[0]:  # what formed goes: this process may try again
                 with contextlib.suppress(Exception):
                     _destroy(abort=True)
             raise self._failure(store, failed[0] if failed else None, time.monotonic() >= deadline) from None
@@ -153,6 +163,10 @@ class World:
         if missing:
             who = ", ".join(self._who(r) for r in missing)
             return TimeoutError(f"the data plane did not form within {s:.0f}s: {who} never joined it")
+        if self._peer is not None and self._forming == "unix":
+            what = (f"the data plane did not form within {s:.0f}s: no lane on this host with "
+                    f"{self._who(self._peer, joined.get(self._peer))}{said}")
+            return TimeoutError(what) if late else ConnectionError(what)
         if self._peer is not None:
             what = (f"the data plane did not form within {s:.0f}s: no first exchange with "
                     f"{self._who(self._peer, joined.get(self._peer))}{said}; check that the workers reach each "
@@ -222,8 +236,9 @@ class World:
     def _same_host(self, store: dist.Store, deadline: float) -> None:
         """The lanes to workers of this host as Unix sockets (worker.unix_lane), in three rounds no rank waits
         across: the worker of each lane's lower model chunk listens and says where; its peer connects, or finds no
-        such socket here, and says which; the first accepts. Lanes of other hosts, and every lane on CUDA or with
-        GPIPE_SAME_HOST_LANES=c10d, stay on c10d."""
+        such socket here, and says which (under the listener's name: an answer to an earlier try's offer is not
+        this one's); the first accepts. Lanes of other hosts, and every lane on CUDA or with
+        GPIPE_SAME_HOST_LANES=c10d, stay on c10d. Each wait ends by `deadline`."""
         top, me = self.topology, self.me
         replica = top.replica_of(me)
         offer = self.backend == "gloo" and unix_lane.mode() == "unix"
@@ -232,32 +247,40 @@ class World:
             first, second = top.rank(replica, self.worker_of(a)), top.rank(replica, self.worker_of(b))
             if me in (first, second):
                 ends.append(((kind, a, b), f"{LANE_KEY}{replica}/{kind}/{a}/{b}", first, second))
+
+        def read(key: str) -> str:
+            store.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            return store.get(key).decode()
+
         listening: dict[tuple[str, int, int], Listener] = {}
+        self._forming = "unix"
         try:
             for key, name, first, _ in ends:
                 if me == first:
                     if offer:
-                        listening[key] = Listener()
-                    where = {"name": listening[key].name, "token": listening[key].token.hex()} if offer else {}
+                        with contextlib.suppress(OSError):  # this host allows no such socket: c10d
+                            listening[key] = Listener()
+                    where = {"name": listening[key].name, "token": listening[key].token.hex()} if key in listening \
+                        else {}
                     store.set(name, json.dumps(where))
             for key, name, first, second in ends:
                 if me == second:
                     self._peer = first
-                    where = json.loads(store.get(name))
+                    where = json.loads(read(name))
                     sock = connect(where["name"], bytes.fromhex(where["token"]), deadline) if offer and where else None
                     if sock is not None:
                         self.sockets[key] = sock
-                    store.set(f"{name}/via", "unix" if sock is not None else "c10d")
-            for key, name, first, second in ends:
-                if me == first:
+                    if where:
+                        store.set(f"{name}/{where['name']}", "unix" if sock is not None else "c10d")
+            for key, name, _, second in ends:
+                if key in listening:
                     self._peer = second
-                    via = store.get(f"{name}/via").decode()
-                    if via == "unix":
+                    if read(f"{name}/{listening[key].name}") == "unix":
                         self.sockets[key] = listening.pop(key).accept(deadline, self._who(second))
         finally:
             for listener in listening.values():
                 listener.close()
-        self._peer = None
+        self._peer, self._forming = None, self.backend
         if ends:  # one line in the attempt's log (no colon: it is not an error line, gpipe.proc.last_error_line)
             unix = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) in self.sockets]
             gloo = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) not in self.sockets]
@@ -266,11 +289,12 @@ class World:
 
     def close_sockets(self) -> None:
         """Close this world's lanes of this host: a peer still reading sees their end at once."""
-        for sock in self.sockets.values():
+        socks = list(self.sockets.values())  # (the start's thread may still add one: it closes those itself)
+        self.sockets.clear()
+        for sock in socks:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
-        self.sockets.clear()
 
     def _warm(self, deadline: float) -> None:
         """A first tiny exchange on each link and each sum this worker takes part in, so that their

@@ -98,6 +98,8 @@ def tensor_header(h: list[int]) -> tuple[torch.dtype, list[int], bool, bool]:
     if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
             and all(d >= 0 for d in h[4 : 4 + n])):
         raise ValueError(f"a bad header: {h}")
+    if flags & WANTS_GRAD and not DTYPES[code].is_floating_point:
+        raise ValueError(f"a bad header: a {DTYPES[code]} tensor that wants a gradient: {h}")
     return DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD), bool(flags & PACKED)
 
 

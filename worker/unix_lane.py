@@ -8,7 +8,8 @@ alone (bench/README.md (s), (y), (z)). Here a message is one `sendmsg` of its
 header, its description and its tensors' memory (no copy on our side), and
 the receiver reads the header, then each tensor straight into the memory of
 the tensor it returns, on the thread that asked for it: no thread of ours is
-on the path, and nothing waits on a hand-off.
+on the path of a message the socket takes at once, and nothing waits on a
+hand-off.
 
 The wire format is gpipe.wire's, checked as worker.channel checks it: a
 header that asks for more than this host's memory, a bad dtype code or a bad
@@ -26,7 +27,7 @@ Every wait has a deadline and names what it waited for. A peer whose process
 ends closes its end: the read sees end of file at once and says so, rather
 than waiting out a timeout.
 
-Forming a lane (`World._form` in worker.c10d): the worker holding the lane's
+Forming a lane (`World._same_host` in worker.c10d): the worker holding the lane's
 lower model chunk listens on an abstract socket of a random name and writes the
 name and a random token to the data plane's store; its peer connects and sends
 the token, or answers that it reached no such socket, and the lane goes over
@@ -34,8 +35,9 @@ c10d instead. An abstract socket is visible only within its network namespace,
 so reaching it means the two processes share a kernel: the same host, and the
 same pod. A process of that namespace that is not the peer may see the name
 (/proc/net/unix) but not the token (the store, behind the NetworkPolicy like
-c10d's ports); a connection without it is closed. The listening socket closes
-as soon as its peer is in, within the attempt's start.
+c10d's ports): another user's connection is closed at once (SO_PEERCRED), one
+without the token within TOKEN_S. The listening socket closes as soon as its
+peer is in, within the attempt's start.
 
 GPIPE_SAME_HOST_LANES=c10d (or `gpipe-worker --same-host-lanes c10d`) keeps every lane on c10d.
 """
@@ -49,6 +51,7 @@ import math
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -75,6 +78,8 @@ SEND_BUFFER = 4 << 20  # what a lane's socket holds unread before the writer thr
 MAX_QUEUED = 4096  # messages a sender may have waiting for the writer: one step's worth is far fewer
 MAX_PARTS = 256  # buffers a sendmsg call is given at most (IOV_MAX is 1024 on Linux)
 TOKEN_BYTES = 32
+TOKEN_S = 1.0  # how long a connection to a forming lane may take to send its token
+BACKLOG = 64
 SLICE_S = 0.05  # how often a writer waiting for room checks that its lane is still open
 
 
@@ -102,41 +107,52 @@ def _tune(sock: socket.socket) -> None:
 
 class Listener:
     """The listening end of a lane being formed: an abstract socket of a random name, and the token its peer must
-    send."""
+    send. OSError if this host allows no such socket (the lane stays on c10d)."""
 
     def __init__(self) -> None:
         self.name = "gpipe-lane-" + os.urandom(16).hex()
         self.token = os.urandom(TOKEN_BYTES)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind("\0" + self.name)
-        self._sock.listen(8)
+        try:
+            self._sock.bind("\0" + self.name)
+            self._sock.listen(BACKLOG)
+        except BaseException:
+            self._sock.close()
+            raise
 
     def accept(self, deadline: float, who: str) -> socket.socket:
-        """The peer's connection, the first to send the token, by `deadline` (TimeoutError naming `who`);
-        connections without the token are closed. The listening socket is closed either way."""
+        """The peer's connection, the first of this user's to send the token, by `deadline` (TimeoutError naming
+        `who`). Any other is closed: another user's at once (SO_PEERCRED), one without the token once it has
+        sent TOKEN_BYTES or stayed silent for TOKEN_S. The listening socket is closed either way."""
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{who} did not connect to its lane")
+                    raise TimeoutError(f"{who} did not connect to its lane on this host")
                 self._sock.settimeout(left)
                 try:
                     conn, _ = self._sock.accept()
                 except TimeoutError:
-                    raise TimeoutError(f"{who} did not connect to its lane") from None
-                try:
-                    conn.settimeout(max(0.001, deadline - time.monotonic()))
-                    got = b""
-                    while len(got) < TOKEN_BYTES and (part := conn.recv(TOKEN_BYTES - len(got))):
-                        got += part
-                except OSError:
-                    got = b""
-                if hmac.compare_digest(got, self.token):
+                    raise TimeoutError(f"{who} did not connect to its lane on this host") from None
+                if self._admitted(conn, deadline):
                     _tune(conn)
                     return conn
                 conn.close()
         finally:
             self._sock.close()
+
+    def _admitted(self, conn: socket.socket, deadline: float) -> bool:
+        try:
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                return False
+            conn.settimeout(max(0.001, min(TOKEN_S, deadline - time.monotonic())))
+            got = b""
+            while len(got) < TOKEN_BYTES and (part := conn.recv(TOKEN_BYTES - len(got))):
+                got += part
+        except OSError:
+            return False
+        return hmac.compare_digest(got, self.token)
 
     def close(self) -> None:
         self._sock.close()
@@ -144,13 +160,13 @@ class Listener:
 
 def connect(name: str, token: bytes, deadline: float) -> socket.socket | None:
     """A lane to the listener `name` of this network namespace, `token` sent; None when there is no such socket
-    here (the peer is on another host, or another pod)."""
+    here (the peer is on another host, or another pod) or this host allows none (a sandbox's policy)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             sock.connect("\0" + name)
-        except (ConnectionRefusedError, FileNotFoundError):
+        except (ConnectionRefusedError, FileNotFoundError, PermissionError):
             sock.close()
             return None
         sock.sendall(token)
@@ -204,6 +220,7 @@ class UnixSender:
         parts = [memoryview(header_bytes(header))]
         if text is not None:
             parts.append(memoryview(text))
+        leaves = [t if t.device.type == "cpu" else t.detach().cpu() for t in leaves]  # (a CPU stage's: as it is)
         parts += [_view(t) for t in leaves if t.numel()]
         with self._cv:
             if not self._queue:
@@ -244,7 +261,7 @@ class UnixSender:
                 self._cv.wait_for(lambda: self._queue or self._closed or self._error is not None)
                 if self._closed or self._error is not None:
                     return
-                mb, parts, _ = self._queue[0]
+                mb, parts, leaves = self._queue[0]  # `leaves` keeps the memory `parts` reads alive
             try:
                 while parts:
                     if self._closed:
@@ -253,6 +270,7 @@ class UnixSender:
                     parts = self._push(mb, parts)
             except ConnectionError:
                 return
+            del leaves
             with self._cv:
                 if self._closed:  # close emptied the queue
                     return
@@ -262,6 +280,8 @@ class UnixSender:
     def flush(self, timeout: float) -> None:
         """Wait until every message is in the socket, at most `timeout` seconds."""
         with self._cv:
+            if self._closed:
+                raise ConnectionError(f"sending {self.name} failed: the lane was closed")
             if not self._cv.wait_for(lambda: not self._queue or self._error is not None, timeout):
                 raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
             if self._error is not None:
@@ -306,8 +326,8 @@ class UnixReceiver:
             except TimeoutError:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {self.name} of micro-batch {mb}") \
                     from None
-            except (_Broken, ValueError, OSError) as e:
-                raise self._broken(str(e)) from None
+            except Exception as e:  # a bad message, a peer gone, a tensor this host cannot allocate
+                raise self._broken(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
             if got in self._inbox:
                 raise self._broken(f"micro-batch {got} came twice")
             self._inbox[got] = value

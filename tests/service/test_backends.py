@@ -197,7 +197,8 @@ def test_a_peer_that_joins_but_never_exchanges_fails_the_warm_up_naming_it_and_i
     said = _form([0, 1], 3.0, mode)
     kind, text, took = said[0]
     assert kind in ("TimeoutError", "ConnectionError"), said
-    assert text.startswith("the data plane did not form within 3s: no first exchange with rank 1 (stage 1 of "
+    waited = "no first exchange with" if mode == "stall" else "no lane on this host with"
+    assert text.startswith(f"the data plane did not form within 3s: {waited} rank 1 (stage 1 of "
                            "replica 0, at 127.0.0.1)"), text
     assert "\n" not in text and took < 3.0 + 5, took
 

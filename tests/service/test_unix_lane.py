@@ -96,7 +96,7 @@ def test_a_flush_the_peer_never_reads_ends_at_its_deadline_in_our_words(lane: An
     out.close()
 
 
-@pytest.mark.parametrize("bad", ["huge", "dtype", "dims", "description"])
+@pytest.mark.parametrize("bad", ["huge", "dtype", "dims", "description", "grad-int"])
 def test_a_bad_header_fails_the_receive_naming_the_lane_before_allocating(lane: Any, bad: str) -> None:
     a, b = lane
     into = UnixReceiver(b, "stage 0's activation")
@@ -107,9 +107,12 @@ def test_a_bad_header_fails_the_receive_naming_the_lane_before_allocating(lane: 
         h[2] = 40
     elif bad == "description":
         h[1], h[2] = STRUCTURE, 1 << 30
+    elif bad == "grad-int":  # an int64 tensor that asks for a gradient
+        h[1], h[3], h[4] = 4, 1, 2
     a.sendall(header_bytes(h))
-    with pytest.raises(ConnectionError, match=r"receiving stage 0's activation failed: .*(bytes|header)"):
+    with pytest.raises(ConnectionError, match=r"receiving stage 0's activation failed: .*(bytes|header)") as e:
         into.get(0, 5)
+    assert "\n" not in str(e.value)
     with pytest.raises(ConnectionError):  # and every later wait on the lane says so at once
         into.get(1, 5)
 
@@ -163,6 +166,29 @@ def test_a_connection_without_the_token_is_closed_and_the_peer_with_it_is_let_in
         s.close()
     # The listening socket is gone once its peer is in: nobody else gets in.
     assert connect(listener.name, listener.token, time.monotonic() + 5) is None
+
+
+def test_a_silent_stranger_holds_the_lane_up_for_a_second_at_most() -> None:
+    listener = Listener()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect("\0" + listener.name)  # sends nothing
+    peer = connect(listener.name, listener.token, time.monotonic() + 10)
+    assert peer is not None
+    t0 = time.monotonic()
+    mine = listener.accept(time.monotonic() + 10, "rank 1")
+    assert time.monotonic() - t0 < unix_lane.TOKEN_S + 2
+    for s in (stranger, peer, mine):
+        s.close()
+
+
+def test_a_closed_sender_says_so_at_its_flush_and_its_writer_keeps_what_it_reads_alive(lane: Any) -> None:
+    a, b = lane
+    out = UnixSender(a, "activation to stage 1")
+    for mb in range(4):
+        out.send(mb, torch.full((4 << 20,), float(mb)))  # over what the socket holds: the writer has some
+    out.close()
+    with pytest.raises(ConnectionError, match=r"sending activation to stage 1 failed: the lane was closed"):
+        out.flush(5)
 
 
 def test_a_listener_nobody_reaches_says_who_it_waited_for() -> None:
