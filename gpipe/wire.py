@@ -124,6 +124,17 @@ def read_header(buffer: torch.Tensor) -> list[int]:
     return h.tolist()
 
 
+def tensor_header(h: list[int]) -> tuple[torch.dtype, list[int], bool, bool]:
+    """(dtype, shape, wants grad, packed) of a received header of a single tensor; ValueError if it is not one."""
+    code, n, flags = h[1], h[2], h[3]
+    if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
+            and all(d >= 0 for d in h[4 : 4 + n])):
+        raise ValueError(f"a bad header: {h}")
+    if flags & WANTS_GRAD and not DTYPES[code].is_floating_point:
+        raise ValueError(f"a bad header: a {DTYPES[code]} tensor that wants a gradient: {h}")
+    return DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD), bool(flags & PACKED)
+
+
 def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
            backend: str = "gloo") -> tuple[list[int], bytes | None, list[torch.Tensor]]:
     """(header, JSON or None, tensors to send) of one message; ValueError if `obj` cannot travel over `backend`.

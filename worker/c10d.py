@@ -26,9 +26,9 @@ At the attempt's end `World.leave` destroys the groups and their communicators.
 A lane between two workers of one host (one network namespace: `run`'s local
 workers, workers of one pod) goes over a Unix socket of its own instead of
 gloo (worker.unix_lane: a fraction of gloo's CPU a message, and no thread
-on the path of a message the socket takes at once; bench/README.md (z)), formed with the groups (`World._same_host`) and
-closed at the attempt's end. Its gloo group is still formed, unused; CUDA
-stages keep NCCL.
+on the path of a message the socket takes at once; bench/README.md (z)),
+formed with the groups (`World._same_host`) and closed at the attempt's end.
+Its gloo group is still formed, unused; CUDA stages keep NCCL.
 """
 
 from __future__ import annotations
@@ -260,9 +260,8 @@ class World:
                     if offer:
                         with contextlib.suppress(OSError):  # this host allows no such socket: c10d
                             listening[key] = Listener()
-                    where = {"name": listening[key].name, "token": listening[key].token.hex()} if key in listening \
-                        else {}
-                    store.set(name, json.dumps(where))
+                    mine = listening.get(key)
+                    store.set(name, json.dumps({"name": mine.name, "token": mine.token.hex()} if mine else {}))
             for key, name, first, second in ends:
                 if me == second:
                     self._peer = first

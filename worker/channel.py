@@ -61,14 +61,11 @@ import torch.distributed as dist
 
 from gpipe import structure
 from gpipe.wire import (
-    DTYPES,
     HEADER_BYTES,
-    MAX_DIMS,
     MAX_JSON_BYTES,
     PACK_MAX_BYTES,
     PACKED,
     STRUCTURE,
-    WANTS_GRAD,
     asked_bytes,
     decode,
     encode,
@@ -76,6 +73,7 @@ from gpipe.wire import (
     message_limit,
     on_wire,
     read_header,
+    tensor_header,
 )
 
 
@@ -90,17 +88,6 @@ def _recv(t: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: timedel
     work = dist.irecv(t, peer, group=group)
     assert work is not None
     work.wait(timeout)
-
-
-def tensor_header(h: list[int]) -> tuple[torch.dtype, list[int], bool, bool]:
-    """(dtype, shape, wants grad, packed) of a received header of a single tensor; ValueError if it is not one."""
-    code, n, flags = h[1], h[2], h[3]
-    if not (0 <= code < len(DTYPES) and 0 <= n <= MAX_DIMS and 0 <= flags <= WANTS_GRAD | PACKED
-            and all(d >= 0 for d in h[4 : 4 + n])):
-        raise ValueError(f"a bad header: {h}")
-    if flags & WANTS_GRAD and not DTYPES[code].is_floating_point:
-        raise ValueError(f"a bad header: a {DTYPES[code]} tensor that wants a gradient: {h}")
-    return DTYPES[code], h[4 : 4 + n], bool(flags & WANTS_GRAD), bool(flags & PACKED)
 
 
 class Capacity:

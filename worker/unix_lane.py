@@ -69,8 +69,8 @@ from gpipe.wire import (
     encode,
     header_bytes,
     message_limit,
+    tensor_header,
 )
-from worker.channel import tensor_header
 
 MODES = ("unix", "c10d")
 MODE_ENV = "GPIPE_SAME_HOST_LANES"
@@ -307,8 +307,7 @@ class UnixReceiver:
         self._inbox: dict[int, Any] = {}  # read ahead of the micro-batch asked for
         self._error: BaseException | None = None
         self.limit = message_limit(torch.device("cpu"))
-        self._head = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        self._head_view = _view(self._head)
+        self._head = memoryview(bytearray(HEADER_BYTES))
 
     def expect(self, count: int) -> None:
         """Nothing to post: a message is read when the stage asks for it."""
@@ -364,8 +363,8 @@ class UnixReceiver:
         return t.requires_grad_() if grad else t
 
     def _message(self, deadline: float) -> tuple[int, Any]:
-        self._fill(self._head_view, deadline, False)
-        h = memoryview(self._head_view).cast("q").tolist()
+        self._fill(self._head, deadline, False)
+        h = self._head.cast("q").tolist()  # this host's byte order, as header_bytes writes it
         mb, code, n = h[0], h[1], h[2]
         if code != STRUCTURE:
             dtype, shape, grad, packed = tensor_header(h)
