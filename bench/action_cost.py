@@ -1,23 +1,30 @@
 """What a pipelined action costs beyond its compute: the service's F and B against the same blocks alone.
 
-    python bench/action_cost.py [--rounds 3] [--steps 30]
+    python bench/action_cost.py [--rounds 3] [--steps 30] [--width 1024]
 
 The model and micro-batches are bench/step_time.py's: 8 x (Linear(1024)+ReLU),
 batch 256 in 8 micro-batches of 32, one thread per process. Interleaved round
 by round, medians over rounds:
 
-- alone: one micro-batch's forward and backward through 4 blocks in a plain
-  loop, in a process pinned to one core, once with the input wanting a
-  gradient (as stage 1's) and once without (as stage 0's); with torch's own
-  Linear layers, and fused as a worker's stage runs them
-  (gpipe.grad_in_place.fuse: the weight gradient added into .grad), the
-  "same blocks" an action is held against; and again beside the same loop
-  on the other core, as a 2-stage pipeline's stages compute side by side
-  (they share the last-level cache and the memory bandwidth: the 2-stage
-  service's actions are held against this one);
+- alone: the same 4 blocks in a plain training loop (LOOP), in a process
+  pinned to one core, doing a stage's work without the engine: the batch's
+  micro-batches in turn in 1f1b's order, each stage's linears fused as a
+  worker's are (gpipe.grad_in_place.fuse), the loss where the stage has it,
+  and the optimizer's step after each batch; for each role a stage plays
+  (the only stage; stage 0 of 2, whose input wants no gradient; stage 1 of
+  2, whose input does, with the loss), and again beside stage 1's loop on
+  the other core, as a 2-stage pipeline's stages compute side by side (they
+  share the last-level cache and the memory bandwidth: the 2-stage service's
+  actions are held against this one);
 - 1 stage: `gpipe-coordinator run` of those 4 blocks on one stage, so no data
   plane: F and B from metrics.jsonl's timeline;
 - 2 stages: the 8 blocks on 2 stages, 1f1b: each stage's F and B.
+
+"over" is an action's cost beyond its blocks: per round, the service's median
+less its loop's, then the median over rounds. At `--width 16` the blocks
+compute next to nothing, so what is left is the engine's own cost of an
+action, measured to a few microseconds on this noisy machine; at 1024 the
+noise of a round is some 0.5 ms, so it takes rounds.
 
 The 2-stage run also gives each process's CPU per step, read from
 /proc/PID/stat over the run's middle: the two workers, the coordinator's
@@ -45,52 +52,81 @@ from step_time import BATCH, CHUNKS, WIDTH, cores, env  # noqa: E402
 
 BLOCKS = 4  # per stage
 
-ALONE = f"""
-import statistics, sys, time, torch
+# The same blocks in a plain training loop, as a stage runs them: the batch's micro-batches in turn, fused
+# (gpipe.grad_in_place.fuse, as a worker's stage runs its linears), 1f1b's order and micro-batches in flight
+# for the role, the optimizer's step and zero_grad after each batch. Roles: "first" (stage 0 of 2: no input
+# gradient, its output's gradient given as stage 1 sends it), "last" (stage 1 of 2: its input wants a gradient,
+# then the loss) and "only" (1 stage: the loss, no input gradient). argv: role, width, steps (0: until killed).
+LOOP = f"""
+import collections, statistics, sys, time, torch
 from gpipe import grad_in_place
 torch.set_num_threads(1)
-for fused in (False, True):
-    torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear({WIDTH}, {WIDTH}), torch.nn.ReLU())
-                                   for _ in range({BLOCKS})])
-    if fused:
-        grad_in_place.fuse(layers)  # as a worker's stage runs them
-    x = torch.randn({BATCH // CHUNKS}, {WIDTH})
-    for wants in (False, True):
-        f, b = [], []
-        for n in range(300):
-            if n % {CHUNKS} == 0:
-                layers.zero_grad(set_to_none=True)  # a step's micro-batches add into one gradient
-            xi = x.clone().requires_grad_(wants)
-            t0 = time.perf_counter(); y = layers(xi); t1 = time.perf_counter()
-            y.backward(torch.ones_like(y)); t2 = time.perf_counter()
-            if n >= 50:
-                f.append(t1 - t0); b.append(t2 - t1)
-        print(statistics.median(f), statistics.median(b))
+role, width, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+batch, chunks = {BATCH}, {CHUNKS}
+size = batch // chunks
+torch.manual_seed(0)
+layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+                               for _ in range({BLOCKS})])
+grad_in_place.fuse(layers)
+opt = torch.optim.SGD(layers.parameters(), lr=1e-3)
+x, target = torch.randn(batch, width), torch.randn(batch, width)
+in_flight = 2 if role == "first" else 1  # 1f1b: stage k of P holds P - k micro-batches
+f, b, step = [], [], 0
+while steps == 0 or step < steps:
+    held = collections.deque()
+    def forward(i):
+        xi = x[i * size:(i + 1) * size].clone().requires_grad_(role == "last")  # as it arrives: a new tensor
+        t0 = time.perf_counter()
+        y = layers(xi)
+        if role != "first":
+            y = torch.nn.functional.mse_loss(y, target[i * size:(i + 1) * size])
+        f.append(time.perf_counter() - t0)
+        held.append(y)
+    def backward():
+        y = held.popleft()
+        g = torch.ones_like(y) if role == "first" else None  # stage 1's gradient arrives as a new tensor
+        t0 = time.perf_counter()
+        if g is None:
+            y = y * (size / batch)  # the loss's weight: a micro-batch's share of the batch
+        y.backward(g)
+        b.append(time.perf_counter() - t0)
+    for i in range(chunks):
+        forward(i)
+        if len(held) == in_flight:
+            backward()
+    while held:
+        backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    step += 1
+    if step == 5:
+        f.clear(), b.clear()  # past the first steps
+print(statistics.median(f), statistics.median(b))
 """
+ROLES = ("only", "first", "last")
 
 
-def alone(beside: bool = False) -> dict[str, float]:
-    """One micro-batch's F and B through the blocks in a plain loop: torch's own Linear layers, and the same
-    fused as a worker's stage runs them (gpipe.grad_in_place.fuse), the target's "alone". `beside`: with the
-    same loop running on the first core meanwhile, as a 2-stage pipeline's other worker computes beside each
-    stage (the two share the last-level cache and the memory bandwidth)."""
+def alone(width: int, steps: int, beside: bool = False) -> dict[str, float]:
+    """F and B of a micro-batch through the blocks in a plain training loop (LOOP), for each role, on the last
+    core. `beside`: with stage 1's loop running on the first core meanwhile, as a 2-stage pipeline's other
+    worker computes beside each stage (the two share the last-level cache and the memory bandwidth)."""
     other = None
     if beside and len(cores()) > 1:
-        loop = ALONE.replace("range(300)", "range(100000)")  # until it is ended below
-        other = subprocess.Popen(["taskset", "-c", str(cores()[0]), sys.executable, "-c", loop], env=env(),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        other = subprocess.Popen(["taskset", "-c", str(cores()[0]), sys.executable, "-c", LOOP, "last",
+                                  str(width), "0"], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # past its imports
+    out: dict[str, float] = {}
     try:
-        out = subprocess.run(["taskset", "-c", str(cores()[-1]), sys.executable, "-c", ALONE], env=env(),
-                             capture_output=True, text=True, check=True, timeout=300).stdout.split()
+        for role in ROLES:
+            got = subprocess.run(["taskset", "-c", str(cores()[-1]), sys.executable, "-c", LOOP, role, str(width),
+                                  str(steps + 5)], env=env(), capture_output=True, text=True, check=True,
+                                 timeout=300).stdout.split()
+            out[f"{role} F"], out[f"{role} B"] = map(float, got)
     finally:
         if other is not None:
             other.kill()
             other.wait()
-    t = list(map(float, out))
-    return {"torch F (input: no grad)": t[0], "torch B (input: no grad)": t[1], "torch F": t[2], "torch B": t[3],
-            "F (input: no grad)": t[4], "B (input: no grad)": t[5], "F": t[6], "B": t[7]}
+    return out
 
 
 def _cpu(pid: int) -> tuple[str, float] | None:
@@ -120,14 +156,15 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def service(stages: int, steps: int, tmp: Path, checkout: Path | None = None) -> dict[str, Any]:
+def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
+            checkout: Path | None = None) -> dict[str, Any]:
     """Median F and B per stage from a `run` of `stages` stages; with 2, also CPU per step by process. With
     `checkout`, that checkout's gpipe (set up: make setup), from its own environment."""
     name = f"cost-{stages}"
     spec = {
-        "name": name, "model": {"factory": "mlp", "args": {"width": WIDTH, "depth": BLOCKS * stages, "head": False}},
+        "name": name, "model": {"factory": "mlp", "args": {"width": width, "depth": BLOCKS * stages, "head": False}},
         "stages": stages, "chunks": CHUNKS, "schedule": "1f1b", "balance": [BLOCKS] * stages,
-        "data": {"factory": "random_regression", "args": {"n": BATCH, "in_features": WIDTH, "out_features": WIDTH},
+        "data": {"factory": "random_regression", "args": {"n": BATCH, "in_features": width, "out_features": width},
                  "batch_size": BATCH},
         "loss": "mse", "optimizer": {"name": "sgd", "lr": 1e-3}, "steps": steps + 3,
     }
@@ -178,44 +215,51 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--width", type=int, default=WIDTH, help="the blocks' width (16: the engine's own cost, with "
+                    "next to no compute)")
     ap.add_argument("--before", type=Path, help="another checkout, set up (make setup): its service runs too, "
                     "interleaved, for its rows beside ours in one run")
     a = ap.parse_args()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
-            got = {"alone": alone(), "beside": alone(beside=True), "1 stage": service(1, a.steps, Path(d)),
-                   "2 stages": service(2, a.steps, Path(d))}
+            got = {"alone": alone(a.width, a.steps), "beside": alone(a.width, a.steps, beside=True),
+                   "1 stage": service(1, a.steps, Path(d), a.width), "2 stages": service(2, a.steps, Path(d), a.width)}
             if a.before is not None:
-                got["before 1 stage"] = service(1, a.steps, Path(d), a.before)
-                got["before 2 stages"] = service(2, a.steps, Path(d), a.before)
+                got["before 1 stage"] = service(1, a.steps, Path(d), a.width, a.before)
+                got["before 2 stages"] = service(2, a.steps, Path(d), a.width, a.before)
             rounds.append(got)
             print(f"round {r + 1}: 2-stage step {got['2 stages']['step'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
     def med(who: str, key: str) -> float:
         return float(statistics.median(r[who][key] for r in rounds)) * 1e3
 
-    print(f"\nF and B of one micro-batch ({BATCH // CHUNKS} x {WIDTH}) through {BLOCKS} x (Linear({WIDTH})+ReLU), "
-          f"ms, median of {a.rounds} rounds")
-    print(f"{'where':72} {'F':>7} {'B':>7}")
-    for run, where in (("alone", "alone"), ("beside", "beside a loop on the other core")):
-        for who, pre in (("torch's Linear", "torch "), ("fused, as the stage", "")):
-            print(f"{f'{where} ({who}), no input gradient':72} {med(run, pre + 'F (input: no grad)'):7.2f} "
-                  f"{med(run, pre + 'B (input: no grad)'):7.2f}")
-            print(f"{f'{where} ({who}), input gradient':72} {med(run, pre + 'F'):7.2f} {med(run, pre + 'B'):7.2f}")
+    def over(who: str, key: str, base: str, base_key: str) -> float:
+        """The median over rounds of the service's figure less the loop's of the same round."""
+        return float(statistics.median(r[who][key] - r[base][base_key] for r in rounds)) * 1e3
+
+    print(f"\nF and B of one micro-batch ({BATCH // CHUNKS} x {a.width}) through {BLOCKS} x "
+          f"(Linear({a.width})+ReLU), ms, medians of {a.rounds} rounds; \"over\": the median over rounds of the "
+          "service's less the loop's of the same round")
+    print(f"{'where':64} {'F':>7} {'B':>7} {'F over':>7} {'B over':>7}")
+    rows = [("the blocks in a training loop, 1 stage's role", "alone", "only", None),
+            ("the blocks beside a loop on the other core, stage 0's role", "beside", "first", None),
+            ("the blocks beside a loop on the other core, stage 1's role", "beside", "last", None)]
     for pre in ("", "before ") if a.before is not None else ("",):
-        print(f"{f'{pre}service, 1 stage (no data plane)':72} {med(pre + '1 stage', 'stage 0 F'):7.2f} "
-              f"{med(pre + '1 stage', 'stage 0 B'):7.2f}")
-        for k in range(2):
-            print(f"{f'{pre}service, 2 stages: stage {k}':72} {med(pre + '2 stages', f'stage {k} F'):7.2f} "
-                  f"{med(pre + '2 stages', f'stage {k} B'):7.2f}")
-        if pre:
-            print(f"{'before: 2 stages, 1f1b: step':72} {med('before 2 stages', 'step'):7.1f}")
-    step = med("2 stages", "step")
-    print(f"\n2 stages, 1f1b: step {step:.1f} ms; CPU per step by process (ms; the last round, "
-          f"{rounds[-1]['2 stages']['window']:.1f} s of it):")
-    for name, s in sorted(rounds[-1]["2 stages"]["cpu"], key=lambda kv: -kv[1]):
-        print(f"  {name:20} {s * 1e3:7.2f}")
+        rows += [(f"{pre}service, 1 stage (no data plane)", f"{pre}1 stage", "stage 0", ("alone", "only")),
+                 (f"{pre}service, 2 stages: stage 0", f"{pre}2 stages", "stage 0", ("beside", "first")),
+                 (f"{pre}service, 2 stages: stage 1", f"{pre}2 stages", "stage 1", ("beside", "last"))]
+    for where, who, key, base in rows:
+        line = f"{where:64} {med(who, key + ' F'):7.3f} {med(who, key + ' B'):7.3f}"
+        if base is not None:
+            line += f" {over(who, key + ' F', base[0], base[1] + ' F'):+7.3f} " \
+                    f"{over(who, key + ' B', base[0], base[1] + ' B'):+7.3f}"
+        print(line)
+    for pre in ("", "before ") if a.before is not None else ("",):
+        print(f"{pre}2 stages, 1f1b: step {med(pre + '2 stages', 'step'):.1f} ms")
+    print(f"2 stages: CPU per step by process (ms; the last round, {rounds[-1]['2 stages']['window']:.1f} s of it):")
+    for name, sec in sorted(rounds[-1]["2 stages"]["cpu"], key=lambda kv: -kv[1]):
+        print(f"  {name:20} {sec * 1e3:7.2f}")
 
 
 if __name__ == "__main__":

@@ -272,9 +272,11 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
 
     def on_step(m: StepMetrics) -> None:
         step_times.append(m.step_time_s)
-        if log.write(m):
+        if log.logs(m.step):
+            values = m.values()
+            log.write(values)
             board.step(m)
-            tell(report.Metrics(asdict(m)))
+            tell(report.Metrics(values))
 
     def on_eval(m: EvalMetrics, weights: dict[str, torch.Tensor] | None) -> None:
         log.write_eval(m)

@@ -2,8 +2,10 @@
 
 The attempt process writes the steps metrics.jsonl logs (every `log_every`-th
 and the last) and every evaluation, each scalar at its step, with torch's
-SummaryWriter, and flushes after each as metrics.jsonl does, so that
-`tensorboard --logdir <state-dir>` shows every job as it trains. A step's
+SummaryWriter, and flushes at most once a second (FLUSH_S), after an evaluation,
+and at the end, so that `tensorboard --logdir <state-dir>` shows every job as
+it trains without a write to the disk per step on the thread that drives the
+stages. A step's
 scalars are at its metrics.jsonl step (counted from 0); an evaluation's at the
 steps done before it (its metrics.jsonl step + 1), where the loss of the step
 that ran on the same weights is.
@@ -17,6 +19,7 @@ holds a step twice. A fresh start drops the folder (coordinator.outputs).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
@@ -28,6 +31,7 @@ from gpipe.errors import JobFailed, describe_os_error
 
 # metrics.jsonl's fields that TensorBoard shows, under the same names.
 STEP_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "bubble_fraction")
+FLUSH_S = 1.0  # the longest a step's scalars wait in the writer's queue before they are written
 
 
 class Board:
@@ -39,13 +43,15 @@ class Board:
             self.w = SummaryWriter(str(self.path), purge_step=purge_step)
         except OSError as e:
             raise self._failed(e) from None
+        self.flushed = time.monotonic()
 
     def step(self, m: StepMetrics) -> None:
         for tag in STEP_SCALARS:
             value = getattr(m, tag)
             if value is not None:  # grad_norm: None when no stage measured it
                 self.w.add_scalar(tag, value, m.step)
-        self._flush()
+        if time.monotonic() - self.flushed >= FLUSH_S:
+            self._flush()
 
     def eval(self, m: EvalMetrics) -> None:
         """eval_loss at the count of steps done (metrics.jsonl's step + 1): the weights it measured are those
@@ -59,6 +65,7 @@ class Board:
             self.w.flush()
         except OSError as e:  # a full disk: the job fails, naming the folder, as for metrics.jsonl
             raise self._failed(e) from None
+        self.flushed = time.monotonic()
 
     def _failed(self, e: OSError) -> JobFailed:
         return JobFailed(f"tensorboard: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",

@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,14 @@ class StepMetrics:
     skipped: bool | None = None  # fp16: an inf or nan in some stage's gradients skipped the optimizer step
     stages: list[dict[str, Any]] = field(default_factory=list)  # every worker's, by rank
     replicas: list[dict[str, Any]] = field(default_factory=list)  # per replica: its time, bubble and reduction wait
+
+    def values(self) -> dict[str, Any]:
+        """metrics.jsonl's line, as a dict: the fields by name, as they are (dataclasses.asdict would copy every
+        action of every timeline, once per logged step, on the thread that drives the stages)."""
+        return {f.name: getattr(self, f.name) for f in _STEP_FIELDS}
+
+
+_STEP_FIELDS = fields(StepMetrics)
 
 
 @dataclass
@@ -201,11 +209,13 @@ class MetricsLog:
                 self.f.write("\n")
         self.log_every, self.steps = log_every, steps
 
-    def write(self, m: StepMetrics) -> bool:
-        if m.step % self.log_every and m.step != self.steps - 1:
-            return False
-        self._line(asdict(m))
-        return True
+    def logs(self, step: int) -> bool:
+        """Whether step `step` gets its line: every `log_every`-th, and the last."""
+        return not step % self.log_every or step == self.steps - 1
+
+    def write(self, values: dict[str, Any]) -> None:
+        """A step's line (StepMetrics.values())."""
+        self._line(values)
 
     def write_eval(self, m: EvalMetrics) -> None:
         """Every evaluation gets its line: {"step", "eval_loss", "eval_samples", "eval_time_s", "attempt"}."""

@@ -21,7 +21,7 @@ BatchNorm (gpipe.batchnorm) uses it to track each micro-batch once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 _recomputing: ContextVar[bool] = ContextVar("gpipe_recomputing", default=False)
+_NOTHING = nullcontext()  # reusable: it keeps no state
 
 
 def is_recomputing() -> bool:
@@ -52,9 +53,13 @@ class Buffers:
         for b in m.buffers(recurse=False):
             self.updated[id(b)] = b
 
+    def watch(self) -> AbstractContextManager[None]:
+        """Run a forward, and learn which modules it updates in place (nothing to do once every module with
+        buffers is known to)."""
+        return self._watch() if self.unseen else _NOTHING
+
     @contextmanager
-    def watch(self) -> Iterator[None]:
-        """Run a first forward, and learn which modules it updates in place."""
+    def _watch(self) -> Iterator[None]:
         before = [[b._version for b in m.buffers(recurse=False)] for m in self.unseen]
         yield
         for m, versions in zip(list(self.unseen), before, strict=True):

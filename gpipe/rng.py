@@ -8,7 +8,6 @@ checkpointing recomputes a forward in the backward.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Iterable
@@ -21,6 +20,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from gpipe import structure
 
 _MASK = (1 << 64) - 1
+_NONE = torch.empty(0)  # the device of a structure with no tensor: the CPU's
 
 
 def _mix(x: int) -> int:
@@ -33,10 +33,12 @@ def _mix(x: int) -> int:
 
 def layer_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
     """The seed of layer `layer` on micro-batch `micro_batch` of step `step`."""
-    h = _mix(seed)
-    for v in (step, micro_batch, layer):
-        h = _mix(h ^ v)
-    return h >> 1  # torch takes seeds below 2**63
+    return _mix(_micro_batch_key(seed, step, micro_batch) ^ layer) >> 1  # torch takes seeds below 2**63
+
+
+def _micro_batch_key(seed: int, step: int, micro_batch: int) -> int:
+    """What every layer's seed of one micro-batch starts from (a forward mixes it once per layer, not four times)."""
+    return _mix(_mix(_mix(seed) ^ step) ^ micro_batch)
 
 
 def generators(device: torch.device) -> list[torch.Generator]:
@@ -84,13 +86,21 @@ def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, s
     the generators seeded are those of its first tensor's device. With `shared`, only the layers
     that draw are seeded, each under its lock.
     """
-    gens = generators(next(iter(structure.tensors(x)), torch.empty(0)).device)
+    gens = generators(x.device if type(x) is torch.Tensor else next(iter(structure.tensors(x)), _NONE).device)
+    key = _micro_batch_key(seed, step, micro_batch)
+    if shared is None:
+        for index, layer in layers:
+            s = _mix(key ^ index) >> 1  # layer_seed(seed, step, micro_batch, index)
+            for g in gens:
+                g.manual_seed(s)
+            x = layer(x)
+        return x
     for index, layer in layers:
-        if shared is not None and not shared.draws(layer):
+        if not shared.draws(layer):
             x = layer(x)
             continue
-        with shared.lock if shared is not None else contextlib.nullcontext():
-            s = layer_seed(seed, step, micro_batch, index)
+        with shared.lock:
+            s = _mix(key ^ index) >> 1
             for g in gens:
                 g.manual_seed(s)
             x = layer(x)

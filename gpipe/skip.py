@@ -29,9 +29,7 @@ change.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -67,15 +65,22 @@ def current() -> Context:
     return ctx
 
 
-@contextlib.contextmanager
-def use(ctx: Context) -> Iterator[Context]:
-    """Send this thread's stashes and pops to `ctx` within the block."""
-    before: Context | None = getattr(_local, "ctx", None)
-    _local.ctx = ctx
-    try:
-        yield ctx
-    finally:
-        _local.ctx = before
+class use:  # noqa: N801  # a context manager, named as the function it replaced (a class: entered every forward)
+    """Send this thread's stashes and pops to `ctx` within the block: `with skip.use(ctx):`."""
+
+    __slots__ = ("ctx", "before")
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.before: Context | None = None
+
+    def __enter__(self) -> Context:
+        self.before = getattr(_local, "ctx", None)
+        _local.ctx = self.ctx
+        return self.ctx
+
+    def __exit__(self, *exc: object) -> None:
+        _local.ctx = self.before
 
 
 def stash(name: str, tensor: torch.Tensor) -> None:

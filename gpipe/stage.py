@@ -189,7 +189,7 @@ class Pass:
     targets: list[Any] | None  # the last stage's (none: keep the outputs instead of taking the loss)
     sizes: list[int]
     batch: int  # the whole batch: a micro-batch's loss weighs size/batch
-    loss_sum: torch.Tensor  # the last stage's: each micro-batch's loss times its size (float64, on its device)
+    losses: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # the last stage's: (loss, size) each
     what: str = "micro-batch"  # how waits name a micro-batch
     outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
     in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
@@ -198,6 +198,16 @@ class Pass:
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     busy: float = 0.0
     computing_from: float = 0.0  # when the current action's compute began (after its waits)
+
+    def loss_sum(self) -> float:
+        """The sum over micro-batches of each one's loss times its size, in float64 and in their order: summed once
+        the pass is done, not in each F (the peer's schedules collect their losses so too)."""
+        if not self.losses:
+            return 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.losses[0][0].device)
+        for loss, size in self.losses:
+            total += loss.double() * size
+        return float(total)
 
     def tag(self, mb: int) -> int:
         """The number micro-batch `mb` travels under: eval batches under negative ones (gpipe.eval_schedule)."""
@@ -261,7 +271,7 @@ class Stage:
         self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.model_chunk for k in keys}
         self.shared_rng = shared_rng
         self._turns: Turns | None = None  # with virtual stages: the turns of this model chunk's worker (gpipe.turns)
-        self._activity_lock = threading.Lock()
+        # Replaced whole (one reference: read and written without a lock) on every action.
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
         self.transport = transport
         self._link()
@@ -297,14 +307,12 @@ class Stage:
 
     def _doing(self, state: str, what: str = "") -> None:
         """What the stage does now: idle (between steps), computing, or waiting on a neighbour for `what`."""
-        with self._activity_lock:
-            self._activity = (state, what, time.monotonic())
+        self._activity = (state, what, time.monotonic())
 
     def activity(self) -> tuple[str, str, float]:
         """(idle | computing | waiting, what it waits for, seconds since it began): the coordinator tells a
         partition between workers (every stage waiting) from a slow stage (one computing)."""
-        with self._activity_lock:
-            state, what, since = self._activity
+        state, what, since = self._activity
         return state, what, time.monotonic() - since
 
     @contextlib.contextmanager
@@ -353,8 +361,7 @@ class Stage:
         cfg, t_step = self.cfg, time.perf_counter()
         start_unix = _EPOCH_UNIX + (t_step - _EPOCH_PERF)  # one clock for every stage of this process
         loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
-        p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
-                 loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
+        p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes))
         self._begin(len(sizes))
         bytes_before = {c.name: c.bytes for c in self.senders} | {c.name: c.bytes for c in self.receivers}
         self.meter.reset_peak()
@@ -391,7 +398,7 @@ class Stage:
         scaled = self.precision.scaler is not None
         return StepResult(
             rank=self.rank, stage=cfg.model_chunk, replica=cfg.replica,
-            loss_sum=float(p.loss_sum) if self.last else None, grad_norm=grad_norm,
+            loss_sum=p.loss_sum() if self.last else None, grad_norm=grad_norm,
             busy_s=p.busy, idle_s=max(0.0, step_s - p.busy),
             activation_peak_bytes=self.meter.peak, peak_memory_bytes=self._peak_memory(),
             start_unix=start_unix, timeline=p.timeline,
@@ -405,6 +412,8 @@ class Stage:
         """Before a step: no gradients, nothing tracked or reduced (what a failed step left), receives posted."""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        chunk = self.cfg.model_chunk  # what a failed step's micro-batches saved is held no longer
+        self.meter.release_all(keep=lambda key: key[0] != chunk)  # type: ignore[index]  # keys: (chunk, mb)
         batchnorm.discard(self.layers)
         if self.grad_sum is not None:
             self.grad_sum.reset()
@@ -481,7 +490,7 @@ class Stage:
         ckpt = p.train and self.checkpointed(mb)
         ctx = self.skips.context(arrived)
         if p.train:  # checkpointed: no autograd now, the backward recomputes it
-            with torch.no_grad() if ckpt else self.meter.hooks(), self.buffers.watch():
+            with torch.no_grad() if ckpt else self._saving(mb, p), self.buffers.watch():
                 y = self._compute(mb, x, ctx, p)
         else:
             y = self._compute(mb, x, ctx, p)
@@ -491,15 +500,27 @@ class Stage:
             if p.targets is None:
                 p.outputs[mb] = structure.map_tensors(y, torch.Tensor.detach)
             else:
-                p.loss_sum += y.detach().double() * p.sizes[mb]
+                p.losses.append((y.detach(), p.sizes[mb]))
         else:
             wants = wants_grad(y, ckpt)
             self.send_act.send(tag, structure.map_tensors(y, torch.Tensor.detach), wants)  # type: ignore[union-attr]  # every stage but the last sends
             if any(wants):
                 self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
         if p.train:
-            held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))] if not self.first else None
+            held_x = None
+            if not self.first:  # its input, kept for the backward, is activation memory too
+                if p.split:
+                    held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))]
+                else:
+                    self.meter.add((self.cfg.model_chunk, mb), structure.tensors((x, arrived)))
             p.in_flight[mb] = (x, held_x, None if ckpt else y, wants, arrived, None if ckpt else ctx.out, skip_wants)
+
+    def _saving(self, mb: int, p: Pass) -> contextlib.AbstractContextManager[Any]:
+        """The context micro-batch `mb`'s forward saves tensors for its backward in, counted (gpipe.memory): by
+        handle when the backward is split (its B lets go of part of the graph W keeps), else until its B ends."""
+        if p.split:
+            return self.meter.hooks()
+        return self.meter.counting((self.cfg.model_chunk, mb))
 
     def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass) -> Any:
         """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage; what
@@ -530,7 +551,7 @@ class Stage:
                 skip_grads = self.skips.gradients(mb, skip_wants, timeout)
         if y is None:  # checkpointed: recompute the forward, replaying its randomness
             ctx = self.skips.context(arrived)
-            with self.meter.hooks(), self.buffers.recompute():
+            with self._saving(mb, p), self.buffers.recompute():
                 y = self._compute(mb, x, ctx, p)
             stashed = ctx.out
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -545,6 +566,8 @@ class Stage:
         elif pairs:  # (torch.autograd.backward: Tensor.backward is unannotated.)
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         del y, held_x, stashed, skip_grads, pairs
+        if not p.split:  # the graph is freed: what it saved is no longer held
+            self.meter.release((cfg.model_chunk, mb))
         if not self.first:
             inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
             if inputs_back:  # the ones that wanted a gradient, in order
@@ -630,8 +653,7 @@ class Stage:
     def _evaluate(self, batch: int, inputs: list[Any] | None, targets: list[Any] | None,
                   sizes: list[int]) -> EvalResult:
         dev, chunks = self.device, len(sizes)
-        p = Pass(False, eval_schedule.seed_step(batch), 0, inputs, targets, sizes, sum(sizes), what="eval micro-batch",
-                 loss_sum=torch.zeros((), dtype=torch.float64, device=dev))
+        p = Pass(False, eval_schedule.seed_step(batch), 0, inputs, targets, sizes, sum(sizes), what="eval micro-batch")
         self._expect(chunks)
         t0 = time.perf_counter()
         # A module may update a buffer even in eval mode; and a layer's randomness must not move training's.
@@ -652,7 +674,7 @@ class Stage:
                     b.copy_(saved)
             self._doing("idle")
         last_loss = self.last and targets is not None
-        return EvalResult(stage=self.cfg.model_chunk, loss_sum=float(p.loss_sum) if last_loss else None,
+        return EvalResult(stage=self.cfg.model_chunk, loss_sum=p.loss_sum() if last_loss else None,
                           samples=sum(sizes), eval_s=time.perf_counter() - t0,
                           outputs=[p.outputs[mb] for mb in range(chunks)] if self.last and targets is None else None)
 

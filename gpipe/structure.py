@@ -115,6 +115,8 @@ def check_skeleton(skeleton: object) -> int:
 
 def tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors of a structure, in the fixed order."""
+    if isinstance(obj, torch.Tensor):  # the common case, without the generator
+        return [obj]
     return list(_tensors(obj))
 
 
@@ -142,6 +144,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def to(obj: Any, device: torch.device) -> Any:
     """The structure with its tensors on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
     return map_tensors(obj, lambda t: t.to(device, non_blocking=True))
 
 
