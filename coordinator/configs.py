@@ -13,7 +13,7 @@ from gpipe.contract import StageConfig
 # copied to the StageConfig field of the same name,
 SAME_AS_SPEC = ("virtual_stages", "loss", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
                 "step_timeout_s", "start_timeout_s", "deferred_batch_norm", "replicas", "init", "init_hook",
-                "precision", "deterministic")
+                "precision", "deterministic", "activation_meter_every")
 # read into StageConfig fields of other names (stage_config),
 DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval", "steps")
 # or the coordinator's alone: the stages never see it.
@@ -51,6 +51,7 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
         # Evaluation (gpipe.eval_schedule.EvalSchedule): spec.eval and spec.steps, as the plan schedules them.
         "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
         "steps": evals.steps if first else 0,
+        "last_step": spec.steps - 1,  # metered (activation_meter_every), as each attempt's first step is
         "capture": plan.capture_args(), "tied": plan.tied_stages(),
         "model_chunks": spec.model_chunks,  # a Stage per model chunk; virtual_stages of them on each worker
     }

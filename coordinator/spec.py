@@ -538,6 +538,13 @@ class JobSpec(_Spec):
         "(docs/gpu.md gives the figures). A CPU is deterministic either way.",
     )
     log_every: Steps = Field(default=1, description="Write metrics every this many steps.")
+    activation_meter_every: Steps | None = Field(
+        default=50, description="Count the bytes each stage holds for its backward (metrics.jsonl's "
+        "activation_peak_bytes, exact: autograd's saved tensors, by storage) on each attempt's first step, every "
+        "this many steps and the last; null on the other steps' lines. It costs a forward some 2-3 us a tensor "
+        "it saves (a schedule that splits the backward, zb-h1 or zbv, counts on every step: its B needs the "
+        "count's handles anyway). 1: every step; none: each attempt's first step and the last.",
+    )
     trace_step: Annotated[StrictInt, Range(1, MAX_STEPS)] | None = Field(
         default=None, description="The step drawn in trace.json and timeline.png, counted from 1 as the "
         "progress bar counts; none: the last.",

@@ -74,6 +74,10 @@ class StageConfig:
     eval_every: int | None = None
     eval_batches: int = 0
     steps: int = 0
+    # Which steps count the activations (gpipe.memory, StepResult.activation_peak_bytes): each attempt's first,
+    # every activation_meter_every-th (None: no others) and last_step; a split backward's, every one.
+    activation_meter_every: int | None = 1
+    last_step: int = -1
     # A model that is not an nn.Sequential (gpipe.capture): what the stage captures it with (split_points,
     # output, and the first micro-batch's skeleton: gpipe.capture.sample_signature); None for an nn.Sequential.
     capture: dict[str, Any] | None = None
@@ -112,7 +116,7 @@ class StepResult:
     grad_norm: float | None  # with clipping: the global norm before clipping
     busy_s: float
     idle_s: float
-    activation_peak_bytes: int
+    activation_peak_bytes: int | None  # None: a step that did not count them (StageConfig.activation_meter_every)
     peak_memory_bytes: int
     start_unix: float
     timeline: list[tuple[str, int, float, float]]  # (action, micro-batch, start s, end s) from start_unix

@@ -59,6 +59,10 @@ from gpipe.zero import ShardedOptimizer
 # timelines on one clock (reading time.time() beside perf_counter() per step would put each stage's on a clock
 # of its own, off by however long a loaded machine paused the thread between the two reads).
 _EPOCH_PERF = time.perf_counter()
+_NOTHING = contextlib.nullcontext()  # reusable: it keeps no state
+# Saved tensors as they are, without autograd's version check (reusable: it keeps no state). Detached: a saved
+# output would otherwise hold its own grad_fn, a cycle through autograd's nodes (gpipe.memory).
+_UNCHECKED = torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t)
 _EPOCH_UNIX = time.time()
 
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
@@ -194,6 +198,7 @@ class Pass:
     outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
     in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
     split: bool = False  # the backward is split: B the inputs' gradients, W the weights' (gpipe.split_backward)
+    metered: bool = True  # the forwards' saved tensors are counted (gpipe.memory; always when the backward is split)
     weights: dict[int, WeightGradients] = field(default_factory=dict)  # after B, until W
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     busy: float = 0.0
@@ -273,6 +278,7 @@ class Stage:
         self._turns: Turns | None = None  # with virtual stages: the turns of this model chunk's worker (gpipe.turns)
         # Replaced whole (one reference: read and written without a lock) on every action.
         self._activity: tuple[str, str, float] = ("idle", "", time.monotonic())
+        self._metered_once = False  # whether a step of this stage (of this attempt) has counted the activations
         self.transport = transport
         self._link()
 
@@ -361,7 +367,8 @@ class Stage:
         cfg, t_step = self.cfg, time.perf_counter()
         start_unix = _EPOCH_UNIX + (t_step - _EPOCH_PERF)  # one clock for every stage of this process
         loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
-        p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes))
+        p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
+                 metered=self._meters(step))
         self._begin(len(sizes))
         bytes_before = {c.name: c.bytes for c in self.senders} | {c.name: c.bytes for c in self.receivers}
         self.meter.reset_peak()
@@ -400,13 +407,21 @@ class Stage:
             rank=self.rank, stage=cfg.model_chunk, replica=cfg.replica,
             loss_sum=p.loss_sum() if self.last else None, grad_norm=grad_norm,
             busy_s=p.busy, idle_s=max(0.0, step_s - p.busy),
-            activation_peak_bytes=self.meter.peak, peak_memory_bytes=self._peak_memory(),
+            activation_peak_bytes=self.meter.peak if p.metered else None, peak_memory_bytes=self._peak_memory(),
             start_unix=start_unix, timeline=p.timeline,
             sent_bytes={c.name: c.bytes - bytes_before[c.name] for c in self.senders},
             received_bytes={c.name: c.bytes - bytes_before[c.name] for c in self.receivers},
             reduce_s=reduce_s if cfg.replicas > 1 else None,
             loss_scale=loss_scale if scaled else None, skipped=skipped if scaled else None,
         )
+
+    def _meters(self, step: int) -> bool:
+        """Whether step `step` counts the activations: this stage's first (an attempt's), every
+        activation_meter_every-th and the job's last (StageConfig); a split backward's count, every step."""
+        every, first = self.cfg.activation_meter_every, not self._metered_once
+        metered = first or (every is not None and step % every == 0) or step == self.cfg.last_step
+        self._metered_once = self._metered_once or metered
+        return metered
 
     def _begin(self, chunks: int) -> None:
         """Before a step: no gradients, nothing tracked or reduced (what a failed step left), receives posted."""
@@ -452,6 +467,7 @@ class Stage:
         in that order, on one thread (gpipe.turns).
         """
         p.split = schedule.splits_backward(actions)
+        p.metered = p.metered or p.split  # B lets go of what W will not use through the count's handles
         final = "W" if p.split else "B"  # the action whose gradients are the step's last
         last_backward = max((i for i, a in enumerate(actions) if a.kind == final), default=-1)
 
@@ -508,7 +524,7 @@ class Stage:
                 self.recv_grad.expect(1)  # type: ignore[union-attr]  # every stage but the last gets gradients
         if p.train:
             held_x = None
-            if not self.first:  # its input, kept for the backward, is activation memory too
+            if not self.first and p.metered:  # its input, kept for the backward, is activation memory too
                 if p.split:
                     held_x = [self.meter.hold(t) for t in structure.tensors((x, arrived))]
                 else:
@@ -520,6 +536,11 @@ class Stage:
         handle when the backward is split (its B lets go of part of the graph W keeps), else until its B ends."""
         if p.split:
             return self.meter.hooks()
+        if not p.metered:
+            # A module that updates a buffer in place in its forward (BatchNorm's running statistics) bumps the
+            # version of a tensor an earlier micro-batch's graph saved. Hooks skip autograd's version check, the
+            # count's as these: an uncounted step's backward sees what a counted one's does.
+            return _UNCHECKED if self.buffers.updated or self.buffers.unseen else _NOTHING
         return self.meter.counting((self.cfg.model_chunk, mb))
 
     def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass) -> Any:
@@ -566,7 +587,7 @@ class Stage:
         elif pairs:  # (torch.autograd.backward: Tensor.backward is unannotated.)
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         del y, held_x, stashed, skip_grads, pairs
-        if not p.split:  # the graph is freed: what it saved is no longer held
+        if p.metered and not p.split:  # the graph is freed: what it saved is no longer held
             self.meter.release((cfg.model_chunk, mb))
         if not self.first:
             inputs_back = [t for t in structure.tensors(x) if t.requires_grad]

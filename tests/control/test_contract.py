@@ -141,3 +141,17 @@ def test_a_stages_error_becomes_a_job_failure_with_its_fields_and_the_users_line
     with pytest.raises(JobFailed) as failed:
         run._wait_all({0: answered(None), 1: torch.futures.Future()}, 0.05, "while building its stage", type(None))
     assert failed.value.cause is Cause.TIMEOUT and failed.value.rank == 1
+
+
+def test_a_steps_metrics_line_is_its_fields_in_their_order_as_asdict_gives_them():
+    """StepMetrics.values() (once per logged step, for metrics.jsonl and the report) leaves no field out and
+    writes the same JSON as dataclasses.asdict, which copied every timeline."""
+    from dataclasses import asdict
+
+    from coordinator.metrics import StepMetrics
+
+    m = StepMetrics(step=3, loss=0.5, lr=0.1, step_time_s=0.2, samples_per_s=10.0, grad_norm=None,
+                    bubble_fraction=0.25, attempt=2, loss_scale=8.0, skipped=False,
+                    stages=[result().metrics()], replicas=[{"replica": 0, "step_time_s": 0.2}])
+    assert list(m.values()) == [f.name for f in fields(StepMetrics)]
+    assert json.dumps(m.values()) == json.dumps(asdict(m))

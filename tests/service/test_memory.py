@@ -44,3 +44,26 @@ def test_1f1b_and_checkpointing_bound_activation_memory(cli):
         assert one_f_one_b[k] <= gpipe[k] * (STAGES - k) / CHUNKS * 1.1
         # Recomputation keeps only each micro-batch's input (and one live forward).
         assert always[k] <= 0.4 * gpipe[k]
+
+
+@pytest.mark.multiprocess
+def test_activations_are_counted_on_the_first_every_nth_and_last_steps_and_every_step_when_split(cli):
+    """activation_meter_every: 4 of 6 steps: steps 0, 4 and 5 count (the same bytes each: the same shapes), the
+    others' lines say null; zb-h1, whose B lets go through the count's handles, counts on every step, the
+    same bytes whether asked every step or not."""
+    def lines(schedule: str, every: int) -> list[list[int | None]]:
+        spec = job(name="a", stages=STAGES, balance=[2, 2], chunks=4, schedule=schedule, steps=6,
+                   activation_meter_every=every)
+        state = cli.tmp / f"{schedule}-{every}"
+        r = cli.run("run", str(cli.write(spec)), "--state-dir", str(state), "--no-progress")
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(x) for x in (state / "a" / "metrics.jsonl").read_text().splitlines()]
+        return [[s["activation_peak_bytes"] for s in row["stages"]] for row in rows]
+
+    sampled = lines("1f1b", 4)
+    assert [all(v is None for v in row) for row in sampled] == [False, True, True, True, False, False]
+    counted = [row for row in sampled if row[0] is not None]
+    assert all(row == counted[0] for row in counted) and all(v > 0 for v in counted[0])
+    assert lines("1f1b", 1) == [counted[0]] * 6
+    split = lines("zb-h1", 4)
+    assert all(v is not None and v > 0 for row in split for v in row)

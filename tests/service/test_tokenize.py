@@ -3,9 +3,11 @@ workers, and after a run killed half-way; its bad inputs are one line, exit 2.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,12 +60,22 @@ def test_tokenize_killed_half_way_leaves_no_file_and_a_rerun_writes_the_same_byt
     args = ["tokenize", "a.txt", "b.jsonl", "--tokenizer", "tok", "--out", "data/train.bin",
             "--eos", "<|endoftext|>"]
     partial = cli.tmp / "data" / "train.bin.partial"
+    semaphores = set(Path("/dev/shm").glob("sem.mp-*"))
     with cli.running(*args, "--workers", "2") as p:
         wait_for(lambda: partial.exists() and partial.stat().st_size > 0 or p.poll() is not None, 60,
                  "a.txt's tokens in train.bin.partial")
         assert p.poll() is None, p.communicate()
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    # The kill took multiprocessing's resource tracker with the pool: the semaphores it would have unlinked are
+    # ours to, those new since the start that no live process maps (another test's pool may be making its own).
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/sem." in line}
+    for sem in set(Path("/dev/shm").glob("sem.mp-*")) - semaphores:
+        if str(sem) not in mapped:
+            sem.unlink(missing_ok=True)
     assert not (cli.tmp / "data" / "train.bin").exists()
     (cli.tmp / "b.jsonl").unlink()
     (cli.tmp / "rows").rename(cli.tmp / "b.jsonl")
