@@ -287,6 +287,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
             tell(report.Log(f"best: after step {after}, eval loss {m.eval_loss:.6g}: {best.path}"))
 
     def on_checkpoint(step: int, d: Path, size: int, write_s: float, stall_s: float) -> None:
+        board.flush()  # a resumed attempt purges only the steps after this checkpoint: those before are written
         tell(report.Checkpoint(step, str(d), size, write_s, stall_s))
 
     try:

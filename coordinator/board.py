@@ -2,8 +2,8 @@
 
 The attempt process writes the steps metrics.jsonl logs (every `log_every`-th
 and the last) and every evaluation, each scalar at its step, with torch's
-SummaryWriter, and flushes at most once a second (FLUSH_S), after an evaluation,
-and at the end, so that `tensorboard --logdir <state-dir>` shows every job as
+SummaryWriter, whose thread flushes once a second (FLUSH_S), and flushes after
+an evaluation, a checkpoint and at the end, so that `tensorboard --logdir <state-dir>` shows every job as
 it trains without a write to the disk per step on the thread that drives the
 stages. A step's
 scalars are at its metrics.jsonl step (counted from 0); an evaluation's at the
@@ -19,7 +19,7 @@ holds a step twice. A fresh start drops the folder (coordinator.outputs).
 
 from __future__ import annotations
 
-import time
+import contextlib
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
@@ -31,7 +31,7 @@ from gpipe.errors import JobFailed, describe_os_error
 
 # metrics.jsonl's fields that TensorBoard shows, under the same names.
 STEP_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "bubble_fraction")
-FLUSH_S = 1.0  # the longest a step's scalars wait in the writer's queue before they are written
+FLUSH_S = 1  # seconds between the writer thread's flushes: how long a step's scalars may wait to be written
 
 
 class Board:
@@ -40,18 +40,16 @@ class Board:
     def __init__(self, out: Path, purge_step: int | None = None):
         self.path = out / TENSORBOARD
         try:
-            self.w = SummaryWriter(str(self.path), purge_step=purge_step)
+            # its writer thread flushes every FLUSH_S: a step's scalars reach the disk off the driving thread
+            self.w = SummaryWriter(str(self.path), purge_step=purge_step, flush_secs=FLUSH_S)
         except OSError as e:
             raise self._failed(e) from None
-        self.flushed = time.monotonic()
 
     def step(self, m: StepMetrics) -> None:
         for tag in STEP_SCALARS:
             value = getattr(m, tag)
             if value is not None:  # grad_norm: None when no stage measured it
                 self.w.add_scalar(tag, value, m.step)
-        if time.monotonic() - self.flushed >= FLUSH_S:
-            self._flush()
 
     def eval(self, m: EvalMetrics) -> None:
         """eval_loss at the count of steps done (metrics.jsonl's step + 1): the weights it measured are those
@@ -60,12 +58,18 @@ class Board:
             self.w.add_scalar("eval_loss", m.eval_loss, m.step + 1)
             self._flush()
 
+    def flush(self) -> None:
+        """Everything added so far to the disk: after a checkpoint, whose steps a later attempt does not purge.
+        From the checkpoint's thread: a failed write is left to the next evaluation's flush, or the end's, to
+        report."""
+        with contextlib.suppress(OSError):
+            self.w.flush()
+
     def _flush(self) -> None:
         try:
             self.w.flush()
         except OSError as e:  # a full disk: the job fails, naming the folder, as for metrics.jsonl
             raise self._failed(e) from None
-        self.flushed = time.monotonic()
 
     def _failed(self, e: OSError) -> JobFailed:
         return JobFailed(f"tensorboard: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",

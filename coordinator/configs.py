@@ -3,6 +3,7 @@ stage's setting (or is declared the coordinator's alone)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -13,9 +14,9 @@ from gpipe.contract import StageConfig
 # copied to the StageConfig field of the same name,
 SAME_AS_SPEC = ("virtual_stages", "loss", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
                 "step_timeout_s", "start_timeout_s", "deferred_batch_norm", "replicas", "init", "init_hook",
-                "precision", "deterministic", "activation_meter_every")
+                "precision", "deterministic")
 # read into StageConfig fields of other names (stage_config),
-DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval", "steps")
+DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval", "steps", "activation_meter_every")
 # or the coordinator's alone: the stages never see it.
 COORDINATOR_ONLY = ("name", "balance", "probe", "lr_schedule", "device", "log_every", "trace_step",
                     "checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout_s", "peer_timeout_s",
@@ -52,6 +53,9 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
         "eval_every": evals.every if first else None, "eval_batches": evals.batches if first else 0,
         "steps": evals.steps if first else 0,
         "last_step": spec.steps - 1,  # metered (activation_meter_every), as each attempt's first step is
+        # on logged steps only: every activation_meter_every-th rounded up to a multiple of log_every
+        "activation_meter_every": None if spec.activation_meter_every is None
+        else math.lcm(spec.activation_meter_every, spec.log_every),
         "capture": plan.capture_args(), "tied": plan.tied_stages(),
         "model_chunks": spec.model_chunks,  # a Stage per model chunk; virtual_stages of them on each worker
     }

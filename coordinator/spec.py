@@ -541,7 +541,7 @@ class JobSpec(_Spec):
     activation_meter_every: Steps | None = Field(
         default=50, description="Count the bytes each stage holds for its backward (metrics.jsonl's "
         "activation_peak_bytes, exact: autograd's saved tensors, by storage) on each attempt's first step, every "
-        "this many steps and the last; null on the other steps' lines. It costs a forward some 2-3 us a tensor "
+        "this many steps (rounded up to a multiple of log_every) and the last; null on the other steps' lines. It costs a forward some 2-3 us a tensor "
         "it saves (a schedule that splits the backward, zb-h1 or zbv, counts on every step: its B needs the "
         "count's handles anyway). 1: every step; none: each attempt's first step and the last.",
     )

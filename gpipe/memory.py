@@ -11,7 +11,15 @@ that stops counting it when autograd lets it go (so a split backward can let
 go of part of a graph it keeps: `releasing`); `counting(key)` counts a
 micro-batch's saved tensors, with no handle, until `release(key)` at the end of
 the backward that frees its graph whole, some 3 us a tensor less, the stage's
-path when its backward is not split.
+path when its backward is not split. The two agree but for a tensor saved by a
+branch the forward itself lets go of (a statistic computed and dropped):
+`counting` holds it until the backward, an upper bound.
+
+`counting` and `checking` (no count) keep autograd's version check, which any
+saved-tensor hook turns off: a saved tensor changed in place before its
+backward fails it, as on one device, but for `exempt` storages (the stage's
+buffers: BatchNorm's running statistics, which the next micro-batch's forward
+updates under an earlier one's graph, and which its backward does not read).
 """
 
 from __future__ import annotations
@@ -37,7 +45,10 @@ class ActivationMeter:
         # counting(): each key's storages (one entry per saved tensor), and the key now counted under
         self._records: dict[Hashable, list[int]] = {}
         self._open: list[int] = []
-        self._counting = torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
+        self.exempt: set[int] = set()  # storages changed in place between a forward and its backward, rightly
+        self._counting = torch.autograd.graph.saved_tensors_hooks(self._pack, _checked)
+        # Saved tensors uncounted, with the version check (a stage with buffers, on a step that does not count).
+        self.checking = torch.autograd.graph.saved_tensors_hooks(self._pack_checked, _checked)
 
     def skip(self, params: Sequence[torch.Tensor]) -> None:
         """Count `params` not (the weights of another model chunk that shares this meter)."""
@@ -108,10 +119,10 @@ class ActivationMeter:
 
     def release_all(self, keep: Callable[[Hashable], bool] = lambda key: False) -> None:
         """Everything counted under keys `keep` does not keep is let go (a failed step's micro-batches)."""
-        for key in [k for k in self._records if not keep(k)]:
+        for key in [k for k in list(self._records) if not keep(k)]:  # (list(): another chunk may release its own)
             self.release(key)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, int]:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._skip:  # a parameter, or a view of one
@@ -129,16 +140,30 @@ class ActivationMeter:
                 entry[1] += 1
         self._open.append(ptr)
         # Detached: a saved output (ReLU's) would otherwise hold its own grad_fn, which holds this tensor: a cycle
-        # through autograd's nodes, never freed.
-        return t.detach()
+        # through autograd's nodes, never freed. With its version (the detached view shares the counter).
+        return t.detach() if ptr in self.exempt else (t.detach(), t._version)
+
+    def _pack_checked(self, t: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, int]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._skip:
+            return t if t.is_leaf else t.detach()
+        return t.detach() if not ptr or ptr in self.exempt else (t.detach(), t._version)
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
+def _checked(saved: torch.Tensor | tuple[torch.Tensor, int]) -> torch.Tensor:
+    """A saved tensor back for the backward, failing it as autograd does if it was changed in place since."""
+    if type(saved) is not tuple:
+        return saved  # type: ignore[return-value]  # a tensor: a parameter's, an exempt one
+    t, version = saved
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                           f"{version} instead (saved by the stage's forward, changed in place before its backward)")
     return t
 
 
 class _Held:
-    __slots__ = ("tensor", "_meter", "_ptr", "_owner")
+    __slots__ = ("tensor", "_meter", "_ptr", "_owner", "_version")
 
     def __init__(self, meter: ActivationMeter, t: torch.Tensor):
         # Detached: a saved output (ReLU's) would otherwise hold its own grad_fn, which holds this handle: a
@@ -148,6 +173,8 @@ class _Held:
         self._meter: ActivationMeter | None = None
         self._owner = meter
         ptr = storage_key(t)
+        # autograd's version check, which the hook turns off (the module's docstring), but for exempt storages
+        self._version = None if ptr in meter._skip or ptr in meter.exempt else t._version
         if ptr and ptr not in meter._skip:
             self._meter, self._ptr = meter, ptr
             meter._add(ptr, t.untyped_storage().nbytes())
@@ -156,6 +183,8 @@ class _Held:
         t = self.tensor
         if t is None:
             raise RuntimeError("a saved tensor released after the split backward's B was needed again")
+        if self._version is not None and t._version != self._version:
+            _checked((t, self._version))  # raises
         if self._owner._releasing:  # unpacked to be let go (ActivationMeter.releasing)
             self.tensor = None
             self._del()

@@ -42,7 +42,7 @@ from gpipe import (
 from gpipe import state as layout
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
-from gpipe.memory import ActivationMeter
+from gpipe.memory import ActivationMeter, storage_key
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import SharedGenerators, seeded_forward
@@ -60,9 +60,6 @@ from gpipe.zero import ShardedOptimizer
 # of its own, off by however long a loaded machine paused the thread between the two reads).
 _EPOCH_PERF = time.perf_counter()
 _NOTHING = contextlib.nullcontext()  # reusable: it keeps no state
-# Saved tensors as they are, without autograd's version check (reusable: it keeps no state). Detached: a saved
-# output would otherwise hold its own grad_fn, a cycle through autograd's nodes (gpipe.memory).
-_UNCHECKED = torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t)
 _EPOCH_UNIX = time.time()
 
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
@@ -271,6 +268,7 @@ class Stage:
         self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = resolve(cfg.loss) if self.last and cfg.loss \
             else None
         self.meter = ActivationMeter(list(self.layers.parameters()))
+        self.meter.exempt |= {storage_key(b) for b in self.layers.buffers()}  # changed in place by forwards
         self.tied = self._tied_here()
         # A tied weight's copies on the stages after its first holder: equal to the first's, saved by it alone.
         self.copies = {k for keys, stages in cfg.tied if stages[0] != cfg.model_chunk for k in keys}
@@ -294,6 +292,7 @@ class Stage:
         if turns is not None:
             turns.join()
             turns.meter.skip(list(self.layers.parameters()))
+            turns.meter.exempt |= self.meter.exempt
             self.meter = turns.meter
 
     def _link(self) -> None:
@@ -538,9 +537,9 @@ class Stage:
             return self.meter.hooks()
         if not p.metered:
             # A module that updates a buffer in place in its forward (BatchNorm's running statistics) bumps the
-            # version of a tensor an earlier micro-batch's graph saved. Hooks skip autograd's version check, the
-            # count's as these: an uncounted step's backward sees what a counted one's does.
-            return _UNCHECKED if self.buffers.updated or self.buffers.unseen else _NOTHING
+            # version of a tensor an earlier micro-batch's graph saved: the meter's hooks exempt the stage's
+            # buffers from autograd's version check, as counting does (gpipe.memory).
+            return self.meter.checking if self.buffers.updated or self.buffers.unseen else _NOTHING
         return self.meter.counting((self.cfg.model_chunk, mb))
 
     def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass) -> Any:

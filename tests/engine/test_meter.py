@@ -4,6 +4,7 @@ figures must be the handles' ones."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -85,3 +86,31 @@ def test_parameters_saved_under_counting_are_not_counted():
     y.sum().backward()
     meter.release(0)
     assert meter.current == 0
+
+
+@pytest.mark.parametrize("way", ["counting", "checking", "autograd"])
+def test_a_saved_tensor_changed_in_place_fails_the_backward_as_autograd_does_but_a_buffer(way):
+    """Hooks turn autograd's version check off; the meter's keep it, so a counted step, an uncounted one and one
+    device agree: an input changed in place after the forward saved it fails the backward. The stage's buffers
+    are exempt: BatchNorm's running statistics, which the next micro-batch's forward updates under an earlier
+    one's graph (its backward does not read them)."""
+    bn, linear = nn.BatchNorm1d(8), nn.Linear(8, 8)
+    meter = ActivationMeter([*linear.parameters(), *bn.parameters()])
+    meter.exempt |= {b.untyped_storage().data_ptr() for b in bn.buffers()}
+
+    def ctx() -> contextlib.AbstractContextManager[object]:
+        return {"counting": meter.counting(0), "checking": meter.checking, "autograd": contextlib.nullcontext()}[way]
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with ctx():
+        y = bn(x)
+        bn(torch.randn(4, 8))  # the next micro-batch's forward: the running statistics change in place
+    y.sum().backward()
+    assert x.grad is not None
+    saved = torch.randn(4, 8, requires_grad=True) * 1.0
+    with ctx():
+        z = linear(saved)
+    with torch.no_grad():
+        saved.mul_(2)  # the input the linear saved, changed before its backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
