@@ -125,26 +125,26 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, int]:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._skip:  # a parameter, or a view of one
-            return t if t.is_leaf else t.detach()
-        if not ptr:  # an empty storage, or the meta device's (counted by handle: hooks())
-            return t.detach()
-        with self._lock:  # _add's, inline: this runs for every tensor a forward saves
-            entry = self._live.get(ptr)
-            if entry is None:
-                self._live[ptr] = [storage.nbytes(), 1]
-                self.current += storage.nbytes()
-                if self.current > self.peak:
-                    self.peak = self.current
-            else:
-                entry[1] += 1
-        self._open.append(ptr)
-        # Detached: a saved output (ReLU's) would otherwise hold its own grad_fn, which holds this tensor: a cycle
-        # through autograd's nodes, never freed. With its version (the detached view shares the counter).
-        return t.detach() if ptr in self.exempt else (t.detach(), t._version)
+        if ptr and ptr not in self._skip:  # not a parameter (or a view of one), not empty or on the meta device
+            with self._lock:  # _add's, inline: this runs for every tensor a forward saves
+                entry = self._live.get(ptr)
+                if entry is None:
+                    self._live[ptr] = [storage.nbytes(), 1]
+                    self.current += storage.nbytes()
+                    if self.current > self.peak:
+                        self.peak = self.current
+                else:
+                    entry[1] += 1
+            self._open.append(ptr)
+        return self._saved(t, ptr)
 
     def _pack_checked(self, t: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, int]:
-        ptr = t.untyped_storage().data_ptr()
+        return self._saved(t, t.untyped_storage().data_ptr())
+
+    def _saved(self, t: torch.Tensor, ptr: int) -> torch.Tensor | tuple[torch.Tensor, int]:
+        """What autograd keeps of `t` (storage `ptr`) for `_checked`: detached, since a saved output (ReLU's) would
+        otherwise hold its own grad_fn, which holds it, a cycle through autograd's nodes never freed; with its
+        version (the detached view shares the counter) but for a parameter and an exempt storage."""
         if ptr in self._skip:
             return t if t.is_leaf else t.detach()
         return t.detach() if not ptr or ptr in self.exempt else (t.detach(), t._version)
