@@ -26,6 +26,13 @@ compute next to nothing, so what is left is the engine's own cost of an
 action, measured to a few microseconds on this noisy machine; at 1024 the
 noise of a round is some 0.5 ms, so it takes rounds.
 
+- 2 stages, from inside: the 2-stage run again, with a probe in each worker
+  (PROBE) timing each action's blocks (F: each layer's call and the loss; B:
+  autograd's backward) and its send. The action less its blocks, in the
+  same process, is the engine's own cost with none of the drift between two
+  processes' compute (at width 1024 a process's blocks run some 0.3-0.8 ms
+  faster or slower than another's, round to round).
+
 The 2-stage run also gives each process's CPU per step, read from
 /proc/PID/stat over the run's middle: the two workers, the coordinator's
 attempt, and `run` itself. On this machine's 2 cores, the attempt shares a core
@@ -105,6 +112,70 @@ print(statistics.median(f), statistics.median(b))
 """
 ROLES = ("only", "first", "last")
 
+# A probe in each worker of the 2-stage run (a sitecustomize.py on its PYTHONPATH, GPIPE_BENCH_PROBE naming where it
+# writes): per action, the time inside its blocks (F: each layer's call and the loss; B: autograd's backward) and
+# inside its send, in the same process as the action, so that what is left is the engine's own cost with none of
+# two processes' drift between them. Written at each step's end: (stage, kind, action s, blocks s, send s) per
+# action, in the timeline's order. Its own clock reads (two per layer, loss, backward and send) cost some 1-2 us an
+# action, most of it counted inside the blocks.
+PROBE = """
+import json, os, time
+OUT = os.environ.get("GPIPE_BENCH_PROBE")
+if OUT:
+    import torch
+    import gpipe.stage as st
+    from worker import unix_lane
+    clock = time.perf_counter
+    now = {"blocks": 0.0, "send": 0.0}
+    class Timed:
+        def __init__(self, f):
+            self.f = f
+        def __call__(self, *a, **k):
+            t = clock()
+            try:
+                return self.f(*a, **k)
+            finally:
+                now["blocks"] += clock() - t
+    backward = torch.autograd.backward
+    def timed_backward(*a, **k):
+        t = clock()
+        try:
+            return backward(*a, **k)
+        finally:
+            now["blocks"] += clock() - t
+    torch.autograd.backward = timed_backward
+    send = unix_lane.UnixSender.send
+    def timed_send(self, *a, **k):
+        t = clock()
+        try:
+            return send(self, *a, **k)
+        finally:
+            now["send"] += clock() - t
+    unix_lane.UnixSender.send = timed_send
+    got = []
+    def action(f):
+        def run(self, mb, p):
+            now["blocks"] = now["send"] = 0.0
+            f(self, mb, p)
+            got.append((now["blocks"], now["send"]))
+        return run
+    st.Stage.ACTIONS = {k: action(f) for k, f in st.Stage.ACTIONS.items()}
+    run = st.Stage.run
+    def timed_run(self, actions, positions, p, t_start):
+        if not getattr(self, "_probed", False):
+            self._probed = True
+            if self.shared_rng is None:
+                self.indexed = [(n, Timed(m)) for n, m in self.indexed]
+            if self.loss_fn is not None:
+                self.loss_fn = Timed(self.loss_fn)
+        got.clear()
+        run(self, actions, positions, p, t_start)
+        rows = [(self.cfg.model_chunk, kind, end - start, b, s) for (kind, _, start, end), (b, s) in zip(p.timeline, got)]
+        with open(os.path.join(OUT, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(rows) + "\\n")
+    st.Stage.run = timed_run
+"""
+
 
 def alone(width: int, steps: int, beside: bool = False) -> dict[str, float]:
     """F and B of a micro-batch through the blocks in a plain training loop (LOOP), for each role, on the last
@@ -157,9 +228,11 @@ def _tree(root: int) -> list[int]:
 
 
 def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
-            checkout: Path | None = None) -> dict[str, Any]:
+            checkout: Path | None = None, probe: bool = False) -> dict[str, Any]:
     """Median F and B per stage from a `run` of `stages` stages; with 2, also CPU per step by process. With
-    `checkout`, that checkout's gpipe (set up: make setup), from its own environment."""
+    `checkout`, that checkout's gpipe (set up: make setup), from its own environment. `probe`: each action's time
+    in its blocks and its send, from inside the workers (PROBE): out["probe"][stage kind] = (the action less its
+    blocks, its send), medians."""
     name = f"cost-{stages}"
     spec = {
         "name": name, "model": {"factory": "mlp", "args": {"width": width, "depth": BLOCKS * stages, "head": False}},
@@ -174,6 +247,13 @@ def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
     if checkout is not None:
         e.pop("PYTHONPATH", None)  # it imports its own gpipe
         cmd = [str(checkout / ".venv/bin/gpipe-coordinator")]
+    probed = tmp / f"{name}-probe"
+    if probe:
+        shutil.rmtree(probed, ignore_errors=True)
+        (probed / "out").mkdir(parents=True)
+        (probed / "sitecustomize.py").write_text(PROBE)
+        e["PYTHONPATH"] = ":".join(x for x in (str(probed), e.get("PYTHONPATH")) if x)
+        e["GPIPE_BENCH_PROBE"] = str(probed / "out")
     p = subprocess.Popen([*cmd, "run", str(job), "--state-dir", str(tmp), "--no-progress"], env=e,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=checkout)
     metrics = tmp / name / "metrics.jsonl"
@@ -203,6 +283,13 @@ def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
     rows = [json.loads(x) for x in metrics.read_text().splitlines()[3:]]
     shutil.rmtree(tmp / name)  # the next round's run starts afresh
     out: dict[str, Any] = {"step": statistics.median(r["step_time_s"] for r in rows), "cpu": cpu, "window": window}
+    if probe:  # past each worker's first 3 steps, as the timeline's figures below
+        acts = [a for f in (probed / "out").glob("*.jsonl") for line in f.read_text().splitlines()[3:]
+                for a in json.loads(line)]
+        shutil.rmtree(probed)
+        out["probe"] = {f"stage {k} {kind}": (statistics.median(a - b for s, x, a, b, _ in acts if (s, x) == (k, kind)),
+                                              statistics.median(c for s, x, _, _, c in acts if (s, x) == (k, kind)))
+                        for k in range(stages) for kind in ("F", "B")}
     for k in range(stages):
         for kind in ("F", "B"):
             out[f"stage {k} {kind}"] = statistics.median(
@@ -224,10 +311,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             got = {"alone": alone(a.width, a.steps), "beside": alone(a.width, a.steps, beside=True),
-                   "1 stage": service(1, a.steps, Path(d), a.width), "2 stages": service(2, a.steps, Path(d), a.width)}
+                   "1 stage": service(1, a.steps, Path(d), a.width), "2 stages": service(2, a.steps, Path(d), a.width),
+                   "probed": service(2, a.steps, Path(d), a.width, probe=True)}
             if a.before is not None:
                 got["before 1 stage"] = service(1, a.steps, Path(d), a.width, a.before)
                 got["before 2 stages"] = service(2, a.steps, Path(d), a.width, a.before)
+                got["before probed"] = service(2, a.steps, Path(d), a.width, a.before, probe=True)
             rounds.append(got)
             print(f"round {r + 1}: 2-stage step {got['2 stages']['step'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
@@ -255,6 +344,15 @@ def main() -> None:
             line += f" {over(who, key + ' F', base[0], base[1] + ' F'):+7.3f} " \
                     f"{over(who, key + ' B', base[0], base[1] + ' B'):+7.3f}"
         print(line)
+    print("\nThe same actions from inside the 2-stage run's workers (a probe, its own run): each action less the "
+          "time in its blocks, in the same process; of it, its send (ms, medians of rounds)")
+    print(f"{'where':64} {'F':>7} {'send':>7} {'B':>7} {'send':>7}")
+    for pre in ("", "before ") if a.before is not None else ("",):
+        for k in range(2):
+            fig = [float(statistics.median(r[pre + "probed"]["probe"][f"stage {k} {kind}"][i] for r in rounds)) * 1e3
+                   for kind in ("F", "B") for i in (0, 1)]
+            print(f"{f'{pre}service, 2 stages: stage {k}, beyond its blocks':64} " +
+                  " ".join(f"{v:+7.3f}" for v in fig))
     for pre in ("", "before ") if a.before is not None else ("",):
         print(f"{pre}2 stages, 1f1b: step {med(pre + '2 stages', 'step'):.1f} ms")
     print(f"2 stages: CPU per step by process (ms; the last round, {rounds[-1]['2 stages']['window']:.1f} s of it):")

@@ -81,6 +81,9 @@ TOKEN_BYTES = 32
 TOKEN_S = 1.0  # how long a connection to a forming lane may take to send its token
 BACKLOG = 64
 SLICE_S = 0.05  # how often a writer waiting for room checks that its lane is still open
+MAX_KINDS = 64  # the kinds of tensor (dtype, shape, wants a gradient) a sender keeps a header of
+_NO_WAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)  # (an int: an enum's `|` runs Python on every send)
+_MB = struct.Struct("=q")  # a header's first int64, the micro-batch (this host's byte order, as gpipe.wire's)
 
 
 def mode() -> str:
@@ -209,12 +212,33 @@ class UnixSender:
         self._error: BaseException | None = None
         self._closed = False
         self._writer: threading.Thread | None = None
+        self._tails: dict[tuple[torch.dtype, torch.Size, bool], bytes] = {}  # a header after its micro-batch, by kind
 
     def send(self, mb: int, obj: Any, grads: Sequence[bool] = ()) -> None:
         """Write `obj` (gpipe.transport.Outbound.send); ValueError at once if it cannot travel, ConnectionError if
         an earlier message failed or the peer is gone."""
         if self._error is not None:
             raise self._error
+        if type(obj) is torch.Tensor and obj.is_cpu and obj.is_contiguous() and not self._queue:
+            # An activation or a gradient, as nearly every message is: the header of its kind of tensor built and
+            # checked once (gpipe.wire.encode), only the micro-batch written per message. Each line of Python on
+            # this path costs several times its warm cost after an action's GEMMs have taken the caches.
+            want = bool(grads and grads[0])
+            tail = self._tails.get((obj.dtype, obj.shape, want))
+            if tail is None:
+                tail = self._tail(obj, want)
+            n = obj.nbytes
+            self.bytes += n
+            parts = [memoryview(_MB.pack(mb) + tail)]
+            if n:
+                parts.append(_view(obj))
+            with self._cv:
+                if not self._queue:
+                    parts = self._push(mb, parts)
+                    if not parts:
+                        return
+                self._behind(mb, parts, [obj])
+            return
         header, text, leaves = encode(mb, obj, grads, "gloo")
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
         parts = [memoryview(header_bytes(header))]
@@ -227,19 +251,33 @@ class UnixSender:
                 parts = self._push(mb, parts)
                 if not parts:
                     return
-            if len(self._queue) >= MAX_QUEUED:
-                raise self._fail(mb, f"over {MAX_QUEUED} messages wait for the peer to read")
-            self._queue.append((mb, parts, leaves))
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write, name=f"send-{self.name}", daemon=True)
-                self._writer.start()
-            self._cv.notify_all()
+            self._behind(mb, parts, leaves)
+
+    def _tail(self, t: torch.Tensor, want: bool) -> bytes:
+        """The header of a message of one tensor like `t` after its micro-batch, checked as gpipe.wire.encode
+        checks it (ValueError if it cannot travel), and kept for the next of its kind."""
+        header, _, _ = encode(0, t, (want,), "gloo")
+        if len(self._tails) >= MAX_KINDS:
+            self._tails.clear()
+        tail = self._tails[(t.dtype, t.shape, want)] = header_bytes(header)[_MB.size:]
+        return tail
+
+    def _behind(self, mb: int, parts: list[memoryview], leaves: list[torch.Tensor]) -> None:
+        """Queue what is left of a message for the writer thread (the socket took no more), behind any earlier;
+        called under the lock."""
+        if len(self._queue) >= MAX_QUEUED:
+            raise self._fail(mb, f"over {MAX_QUEUED} messages wait for the peer to read")
+        self._queue.append((mb, parts, leaves))
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name=f"send-{self.name}", daemon=True)
+            self._writer.start()
+        self._cv.notify_all()
 
     def _push(self, mb: int, parts: list[memoryview]) -> list[memoryview]:
         """Write what the socket takes now of `parts`; what is left."""
         while parts:
             try:
-                sent = self._sock.sendmsg(parts[:MAX_PARTS], [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                sent = self._sock.sendmsg(parts[:MAX_PARTS], (), _NO_WAIT)
             except (BlockingIOError, InterruptedError):
                 return parts
             except OSError as e:
