@@ -127,50 +127,37 @@ if OUT:
     from worker import unix_lane
     clock = time.perf_counter
     now = {"blocks": 0.0, "send": 0.0}
-    class Timed:
-        def __init__(self, f):
-            self.f = f
-        def __call__(self, *a, **k):
+    def timed(f, what):
+        def call(*a, **k):
             t = clock()
             try:
-                return self.f(*a, **k)
+                return f(*a, **k)
             finally:
-                now["blocks"] += clock() - t
-    backward = torch.autograd.backward
-    def timed_backward(*a, **k):
-        t = clock()
-        try:
-            return backward(*a, **k)
-        finally:
-            now["blocks"] += clock() - t
-    torch.autograd.backward = timed_backward
-    send = unix_lane.UnixSender.send
-    def timed_send(self, *a, **k):
-        t = clock()
-        try:
-            return send(self, *a, **k)
-        finally:
-            now["send"] += clock() - t
-    unix_lane.UnixSender.send = timed_send
-    got = []
-    def action(f):
+                now[what] += clock() - t
+        return call
+    torch.autograd.backward = timed(torch.autograd.backward, "blocks")
+    torch.autograd.grad = timed(torch.autograd.grad, "blocks")  # a split backward's B (its W: backward)
+    unix_lane.UnixSender.send = timed(unix_lane.UnixSender.send, "send")
+    def action(f):  # (a worker's actions run one at a time, on one thread: gpipe.turns)
         def run(self, mb, p):
             now["blocks"] = now["send"] = 0.0
             f(self, mb, p)
-            got.append((now["blocks"], now["send"]))
+            self._probe_got.append((now["blocks"], now["send"]))
         return run
     st.Stage.ACTIONS = {k: action(f) for k, f in st.Stage.ACTIONS.items()}
     run = st.Stage.run
     def timed_run(self, actions, positions, p, t_start):
         if not getattr(self, "_probed", False):
+            if self.shared_rng is not None:
+                raise RuntimeError("the probe times stages in processes of their own, not gpipe.Pipeline's threads")
             self._probed = True
-            if self.shared_rng is None:
-                self.indexed = [(n, Timed(m)) for n, m in self.indexed]
+            self.indexed = [(n, timed(m, "blocks")) for n, m in self.indexed]
             if self.loss_fn is not None:
-                self.loss_fn = Timed(self.loss_fn)
-        got.clear()
+                self.loss_fn = timed(self.loss_fn, "blocks")
+        self._probe_got = []
         run(self, actions, positions, p, t_start)
-        rows = [(self.cfg.model_chunk, kind, end - start, b, s) for (kind, _, start, end), (b, s) in zip(p.timeline, got)]
+        rows = [(self.cfg.model_chunk, kind, end - start, b, s)
+                for (kind, _, start, end), (b, s) in zip(p.timeline, self._probe_got, strict=True)]
         with open(os.path.join(OUT, f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(rows) + "\\n")
     st.Stage.run = timed_run
@@ -281,15 +268,18 @@ def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
     if p.returncode:
         raise RuntimeError(f"run failed: {err[-2000:]}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()[3:]]
-    shutil.rmtree(tmp / name)  # the next round's run starts afresh
     out: dict[str, Any] = {"step": statistics.median(r["step_time_s"] for r in rows), "cpu": cpu, "window": window}
     if probe:  # past each worker's first 3 steps, as the timeline's figures below
         acts = [a for f in (probed / "out").glob("*.jsonl") for line in f.read_text().splitlines()[3:]
                 for a in json.loads(line)]
+        if not acts:
+            raise RuntimeError(f"the probe wrote nothing: its sitecustomize did not load in the workers (their "
+                               f"logs, kept: {tmp / name})")
         shutil.rmtree(probed)
         out["probe"] = {f"stage {k} {kind}": (statistics.median(a - b for s, x, a, b, _ in acts if (s, x) == (k, kind)),
                                               statistics.median(c for s, x, _, _, c in acts if (s, x) == (k, kind)))
                         for k in range(stages) for kind in ("F", "B")}
+    shutil.rmtree(tmp / name)  # the next round's run starts afresh
     for k in range(stages):
         for kind in ("F", "B"):
             out[f"stage {k} {kind}"] = statistics.median(

@@ -109,6 +109,12 @@ def _tensor_meta(t: torch.Tensor, where: str, backend: str) -> tuple[int, list[i
     return DTYPE_CODE[t.dtype], list(t.shape)
 
 
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """`t` as memory that holds its values: contiguous, with no negation left lazy (the real part of a
+    conjugate's imaginary view, `x.conj().imag`, is its memory negated on read)."""
+    return t.resolve_neg().contiguous()
+
+
 def header_bytes(header: Sequence[int]) -> bytes:
     """A header (HEADER int64s, as `encode` gives it) as its bytes on the wire (this host's byte order, as the
     receiver's int64 view reads them)."""
@@ -144,7 +150,7 @@ def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
     if isinstance(obj, torch.Tensor):
         code, shape = _tensor_meta(obj, "the value", backend)
         h = [mb, code, len(shape), int(bool(grads and grads[0])), *shape]
-        return h + [0] * (HEADER - len(h)), None, [obj.contiguous()]
+        return h + [0] * (HEADER - len(h)), None, [_memory(obj)]
     try:
         skeleton, leaves = structure.flatten(obj)
     except structure.StructureError as e:
@@ -158,7 +164,7 @@ def encode(mb: int, obj: Any, grads: Sequence[bool] = (),
         raise ValueError(f"{structure.describe(obj)}: its description is {len(text)} bytes, over the "
                          f"{MAX_JSON_BYTES >> 10} KiB a structure between stages may take")
     h = [mb, STRUCTURE, len(text), 0]
-    return h + [0] * (HEADER - len(h)), text, [t.contiguous() for t in leaves]
+    return h + [0] * (HEADER - len(h)), text, [_memory(t) for t in leaves]
 
 
 def decode(text: bytes) -> tuple[Any, list[tuple[torch.dtype, list[int], bool]]]:

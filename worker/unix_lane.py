@@ -219,7 +219,8 @@ class UnixSender:
         an earlier message failed or the peer is gone."""
         if self._error is not None:
             raise self._error
-        if type(obj) is torch.Tensor and obj.is_cpu and obj.is_contiguous() and not self._queue:
+        if (type(obj) is torch.Tensor and obj.layout is torch.strided and obj.is_cpu and obj.is_contiguous()
+                and not obj.is_neg() and not self._queue):
             # An activation or a gradient, as nearly every message is: the header of its kind of tensor built and
             # checked once (gpipe.wire.encode), only the micro-batch written per message. Each line of Python on
             # this path costs several times its warm cost after an action's GEMMs have taken the caches.
@@ -228,10 +229,10 @@ class UnixSender:
             if tail is None:
                 tail = self._tail(obj, want)
             n = obj.nbytes
-            self.bytes += n
             parts = [memoryview(_MB.pack(mb) + tail)]
             if n:
                 parts.append(_view(obj))
+            self.bytes += n
             with self._cv:
                 if not self._queue:
                     parts = self._push(mb, parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import subprocess
 import sys
@@ -74,6 +75,46 @@ def test_a_plain_tensor_goes_as_gpipe_wire_encodes_it_its_header_kept_per_kind(l
         out.send(1, torch.zeros(2, dtype=torch.complex64))
     out.send(2, torch.ones(2))
     assert torch.equal(UnixReceiver(b, "stage 0's activation").get(2, 10), torch.ones(2))
+
+
+def test_short_path_messages_behind_a_full_socket_keep_their_order_and_memory_and_a_new_kind_past_the_cap(
+        lane: Any) -> None:
+    """Behind a message the socket cannot take, plain tensors and structures queue in order for the writer, each
+    tensor's memory kept alive by the queue when the caller lets go of it; the header cache, emptied when it
+    outgrows MAX_KINDS, still gives each kind its own header; a negated view goes as its values."""
+    a, b = lane
+    out, into = UnixSender(a, "activation to stage 1"), UnixReceiver(b, "stage 0's activation")
+    big = torch.randn(4 << 20)  # 16 MiB: more than the socket holds unread
+    out.send(0, big)
+    kinds = [torch.full((k + 1,), float(k)) for k in range(unix_lane.MAX_KINDS + 1)]  # one kind each, then again
+    values: list[Any] = []
+    for k, t in enumerate([*kinds, kinds[0], {"h": torch.arange(5), "m": [torch.ones(3, 3)]},
+                           torch.tensor([1 + 2j]).conj().imag]):
+        values.append(t.clone() if isinstance(t, torch.Tensor) else t)
+        out.send(k + 1, t)
+    assert out._queue  # the writer has them
+    del kinds, t
+    gc.collect()
+    got = [into.get(k, 30) for k in range(len(values) + 1)]
+    for k, want in enumerate([big, *values]):
+        assert _same(want, got[k], []) == "", k
+    assert torch.equal(got[-1], torch.tensor([-2.0]))  # x.conj().imag: its memory holds 2, its value is -2
+    out.flush(10)
+
+
+def test_a_tensor_that_cannot_travel_fails_its_send_in_our_words_and_counts_nothing(lane: Any) -> None:
+    a, b = lane
+    out = UnixSender(a, "activation to stage 1")
+    out.send(0, torch.ones(2, 3))
+    before = out.bytes
+    for bad, what in [(torch.ones(2, 3).to_sparse_csr(), "sparse_csr"), (torch.ones(2, 3).to_mkldnn(), "mkldnn"),
+                      (torch.zeros(2, dtype=torch.complex64), "complex64")]:
+        with pytest.raises(ValueError, match=what):
+            out.send(1, bad)
+        assert out.bytes == before
+    out.send(2, torch.ones(2, 3))
+    into = UnixReceiver(b, "stage 0's activation")
+    assert torch.equal(into.get(2, 10), torch.ones(2, 3)) and torch.equal(into.get(0, 10), torch.ones(2, 3))
 
 
 def test_messages_larger_than_the_socket_holds_both_ways_at_once_never_wait_for_each_other(lane: Any) -> None:
