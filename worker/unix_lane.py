@@ -9,7 +9,10 @@ header, its description and its tensors' memory (no copy on our side), and
 the receiver reads the header, then each tensor straight into the memory of
 the tensor it returns, on the thread that asked for it: no thread of ours is
 on the path of a message the socket takes at once, and nothing waits on a
-hand-off.
+hand-off. A plain tensor (an activation, a gradient) takes a shorter path: its
+header is built and checked once per kind of tensor, and only the micro-batch
+is written per message; right after an action's GEMMs each line of Python
+costs several times its warm cost (bench/README.md (ab)).
 
 The wire format is gpipe.wire's, checked as worker.channel checks it: a
 header that asks for more than this host's memory, a bad dtype code or a bad
