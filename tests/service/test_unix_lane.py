@@ -102,6 +102,7 @@ def test_short_path_messages_behind_a_full_socket_keep_their_order_and_memory_an
     out.flush(10)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_a_tensor_that_cannot_travel_fails_its_send_in_our_words_and_counts_nothing(lane: Any) -> None:
     a, b = lane
     out = UnixSender(a, "activation to stage 1")
