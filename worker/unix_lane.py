@@ -223,7 +223,7 @@ class UnixSender:
         if self._error is not None:
             raise self._error
         if (type(obj) is torch.Tensor and obj.layout is torch.strided and obj.is_cpu and obj.is_contiguous()
-                and not obj.is_neg() and not self._queue):
+                and not obj.is_neg()):
             # An activation or a gradient, as nearly every message is: the header of its kind of tensor built and
             # checked once (gpipe.wire.encode), only the micro-batch written per message. Each line of Python on
             # this path costs several times its warm cost after an action's GEMMs have taken the caches.
@@ -236,12 +236,7 @@ class UnixSender:
             if n:
                 parts.append(_view(obj))
             self.bytes += n
-            with self._cv:
-                if not self._queue:
-                    parts = self._push(mb, parts)
-                    if not parts:
-                        return
-                self._behind(mb, parts, [obj])
+            self._out(mb, parts, [obj])
             return
         header, text, leaves = encode(mb, obj, grads, "gloo")
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
@@ -250,12 +245,7 @@ class UnixSender:
             parts.append(memoryview(text))
         leaves = [t if t.device.type == "cpu" else t.detach().cpu() for t in leaves]  # (a CPU stage's: as it is)
         parts += [_view(t) for t in leaves if t.numel()]
-        with self._cv:
-            if not self._queue:
-                parts = self._push(mb, parts)
-                if not parts:
-                    return
-            self._behind(mb, parts, leaves)
+        self._out(mb, parts, leaves)
 
     def _tail(self, t: torch.Tensor, want: bool) -> bytes:
         """The header of a message of one tensor like `t` after its micro-batch, checked as gpipe.wire.encode
@@ -266,16 +256,21 @@ class UnixSender:
         tail = self._tails[(t.dtype, t.shape, want)] = header_bytes(header)[_MB.size:]
         return tail
 
-    def _behind(self, mb: int, parts: list[memoryview], leaves: list[torch.Tensor]) -> None:
-        """Queue what is left of a message for the writer thread (the socket took no more), behind any earlier;
-        called under the lock."""
-        if len(self._queue) >= MAX_QUEUED:
-            raise self._fail(mb, f"over {MAX_QUEUED} messages wait for the peer to read")
-        self._queue.append((mb, parts, leaves))
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write, name=f"send-{self.name}", daemon=True)
-            self._writer.start()
-        self._cv.notify_all()
+    def _out(self, mb: int, parts: list[memoryview], leaves: list[torch.Tensor]) -> None:
+        """Write a message's `parts` (reading `leaves`' memory): what the socket takes now, and the rest queued for
+        the writer thread; behind any earlier message the writer still has."""
+        with self._cv:
+            if not self._queue:
+                parts = self._push(mb, parts)
+                if not parts:
+                    return
+            if len(self._queue) >= MAX_QUEUED:
+                raise self._fail(mb, f"over {MAX_QUEUED} messages wait for the peer to read")
+            self._queue.append((mb, parts, leaves))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name=f"send-{self.name}", daemon=True)
+                self._writer.start()
+            self._cv.notify_all()
 
     def _push(self, mb: int, parts: list[memoryview]) -> list[memoryview]:
         """Write what the socket takes now of `parts`; what is left."""
