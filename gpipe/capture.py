@@ -40,7 +40,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from gpipe import grad_in_place
+from gpipe import grad_in_place, rng
 
 MAX_SPLIT_POINTS = 255
 
@@ -73,6 +73,7 @@ class Captured:
     shapes: list[list[str]] = field(default_factory=list)
 
 
+@rng.vouch  # its forward only runs its graph, a submodule proven on its own (gpipe.rng.quiet)
 class Piece(nn.Module):
     """One piece of a captured model: carry in, carry out (see the module's doc). It holds its parameters and
     buffers under the model's own names (`transformer.h.2.attn.c_attn.weight`), and its graph beside them."""

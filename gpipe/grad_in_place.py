@@ -53,6 +53,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from gpipe import rng
+
 # A weight's gradient at least this large is computed into `.grad`. Below it the Function's Python (some 50 us a
 # forward and a backward, here) costs more than the add it saves: at 1 MiB (Linear(512), 32 rows a micro-batch) the
 # two come out even on one core; at 4 MiB (Linear(1024)) the backward takes 0.8x, a split backward's W 0.3x
@@ -320,6 +322,8 @@ def embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1
 # operation: (its in-place form, the index of its weight argument)
 _IN_PLACE = {_aten.linear.default: (linear, 1), _aten.addmm.default: (addmm, 2),
              _aten.embedding.default: (embedding, 0)}
+for _form, _ in _IN_PLACE.values():
+    rng.vouch(_form)  # they draw no random numbers: a captured graph that calls them may go unseeded
 
 
 def rewrite(gm: fx.GraphModule, large: set[str]) -> int:
@@ -340,6 +344,7 @@ def rewrite(gm: fx.GraphModule, large: set[str]) -> int:
 _FUSED = "_gp_fused"  # set on an nn.Linear whose forward `fuse` made this module's linear
 
 
+@rng.vouch  # a fused linear's forward draws nothing (gpipe.rng.quiet)
 def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     assert isinstance(self, torch.nn.Linear)  # (fuse takes only these)
     return linear(x, self.weight, self.bias)

@@ -8,13 +8,15 @@ checkpointing recomputes a forward in the backward.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
 from gpipe import structure
@@ -61,8 +63,9 @@ class SharedGenerators:
     this lock, so no other stage's seed lands between its seed and its draws;
     a layer that draws none neither seeds nor waits. A layer draws when it is
     (or holds) one of torch's dropout modules, RReLU, a MultiheadAttention with
-    dropout, or a module with `gpipe_random = True` (set it on a layer whose
-    forward calls torch.rand, F.dropout and the like itself).
+    dropout, a captured graph (gpipe.capture) that calls an operation which may
+    draw (`graph_draws`), or a module with `gpipe_random = True` (set it on a
+    layer whose forward calls torch.rand, F.dropout and the like itself).
     """
 
     def __init__(self) -> None:
@@ -73,26 +76,113 @@ class SharedGenerators:
         if (known := self._draws.get(layer)) is not None:
             return known
         found = any(isinstance(m, _DropoutNd | nn.RReLU) or getattr(m, "gpipe_random", False)
-                    or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) for m in layer.modules())
+                    or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+                    or (isinstance(m, fx.GraphModule) and graph_draws(m)) for m in layer.modules())
         self._draws[layer] = found
         return found
 
 
+# torch.nn's own modules whose forward draws no random numbers, by exact class (a subclass may have a forward of
+# its own). A container's forward calls its children, each proven on its own.
+_QUIET_CLASSES: set[type] = {
+    nn.Module,  # exactly: a holder of parameters under nested names, with no forward (a captured piece's)
+    nn.Sequential, nn.Identity, nn.Flatten, nn.Unflatten,
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh,
+    nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.GLU,
+    nn.Softmax, nn.LogSoftmax,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+}
+# Functions a captured graph may call that draw nothing, besides torch's operations (told apart by their tags).
+_QUIET_FUNCTIONS: set[Callable[..., Any]] = {operator.getitem}
+
+
+def vouch(what: Any) -> Any:
+    """Mark a module class of ours whose own forward draws no random numbers (its submodules are proven on their
+    own), or a function a captured graph calls that draws none. Returns it: usable as a decorator."""
+    (_QUIET_CLASSES if isinstance(what, type) else _QUIET_FUNCTIONS).add(what)
+    return what
+
+
+def graph_draws(gm: fx.GraphModule) -> bool:
+    """Whether a captured graph may draw random numbers: it calls an operation torch tags as drawing from a
+    generator (dropout, bernoulli, rand, attention with its dropout...), or one this module cannot vouch for."""
+    for n in gm.graph.nodes:
+        if n.op == "call_method":
+            return True
+        if n.op != "call_function":
+            continue
+        target = n.target
+        if isinstance(target, torch._ops.OpOverload):
+            if torch.Tag.nondeterministic_seeded in target.tags:
+                return True
+        elif target not in _QUIET_FUNCTIONS:
+            return True
+    return False
+
+
+def quiet(layer: nn.Module) -> bool:
+    """Whether `layer`'s forward provably draws no random numbers: every module in it is one of torch.nn's own that
+    draws none (its exact class, its class's forward) or one vouched for, or a captured graph that calls no
+    operation which may draw, and none has a forward hook."""
+    for m in layer.modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return False
+        if isinstance(m, fx.GraphModule):
+            if graph_draws(m):
+                return False
+            continue
+        if type(m) not in _QUIET_CLASSES:
+            return False
+        own = m.__dict__.get("forward")
+        if own is not None and own not in _QUIET_FUNCTIONS and getattr(own, "func", None) not in _QUIET_FUNCTIONS:
+            return False  # an instance's own forward: only one vouched for (gpipe.grad_in_place's fused linear)
+    return True
+
+
+def seeding(layers: Sequence[tuple[int, nn.Module]]) -> list[bool]:
+    """Which of a stage's (global index, layer) pairs its forward seeds: each that may draw, and the last.
+
+    Seeding a layer that draws nothing changes no draw: the next layer that draws is seeded before it. The last
+    is seeded still, so that what runs after the forward (the loss) finds the generator as the last layer's seed
+    left it, as on one device. Seeding costs a microsecond or two a layer, several times that right after the
+    layers' products have taken the caches (bench/README.md (ab)).
+    """
+    return [i == len(layers) - 1 or not quiet(m) for i, (_, m) in enumerate(layers)]
+
+
+def _hooked() -> bool:
+    """Whether a forward hook of every module is registered (torch.nn.modules.module.register_module_forward_hook):
+    it runs inside every layer, so any layer may draw."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
 def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, step: int, micro_batch: int,
-                   shared: SharedGenerators | None = None) -> Any:
+                   shared: SharedGenerators | None = None, seeded: Sequence[bool] | None = None) -> Any:
     """Run (global index, layer) pairs in order, seeding each layer's randomness.
 
     `x` is what the first layer takes (a tensor, or a structure of them: gpipe.structure);
     the generators seeded are those of its first tensor's device. With `shared`, only the layers
-    that draw are seeded, each under its lock.
+    that draw are seeded, each under its lock. `seeded`: which layers to seed (`seeding`), else every one.
     """
     gens = generators(x.device if type(x) is torch.Tensor else next(iter(structure.tensors(x)), _NONE).device)
     key = _micro_batch_key(seed, step, micro_batch)
     if shared is None:
-        for index, layer in layers:
-            s = _mix(key ^ index) >> 1  # layer_seed(seed, step, micro_batch, index)
-            for g in gens:
-                g.manual_seed(s)
+        if seeded is None or _hooked():
+            for index, layer in layers:
+                s = _mix(key ^ index) >> 1  # layer_seed(seed, step, micro_batch, index)
+                for g in gens:
+                    g.manual_seed(s)
+                x = layer(x)
+            return x
+        for (index, layer), seeds in zip(layers, seeded, strict=True):
+            if seeds:
+                s = _mix(key ^ index) >> 1
+                for g in gens:
+                    g.manual_seed(s)
             x = layer(x)
         return x
     for index, layer in layers:
