@@ -81,6 +81,8 @@ class SkipLinks:
 
     def send_forward(self, mb: int, out: dict[str, torch.Tensor], checkpointed: bool) -> dict[int, list[bool]]:
         """Send micro-batch `mb`'s stashes to the stages that pop them; per stage, which want a gradient."""
+        if not self.leaving:  # no skip leaves this stage (most stages of most models)
+            return {}
         missing = sorted(set(self.leaving) - set(out))
         if missing:
             raise skip.SkipError(f"skip.stash({missing[0]!r}) did not happen on micro-batch {mb}, though the probe "

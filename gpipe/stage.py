@@ -45,7 +45,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter, storage_key
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
-from gpipe.rng import SharedGenerators, seeded_forward
+from gpipe.rng import SharedGenerators, seeded_forward, seeding
 from gpipe.skiplanes import Routed, SkipLinks
 from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
@@ -248,6 +248,8 @@ class Stage:
             batchnorm.convert_deferred_batch_norm(self.layers)
         self.buffers = Buffers(self.layers)  # a recomputed forward leaves running statistics be
         self.indexed = [(int(n), m) for n, m in self.layers.named_children()]
+        self._shares: dict[tuple[float, torch.device], torch.Tensor] = {}  # the loss's gradients (_loss_root)
+        self.seeded = seeding(self.indexed)  # the layers a forward seeds: those that may draw, and the last
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
@@ -546,7 +548,8 @@ class Stage:
         """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage; what
         leaves the stage travels in the autocast dtype."""
         with skip.use(ctx), self.autocast():
-            y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng)
+            y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng,
+                               self.seeded)
         ctx.out = self.precision.cut(ctx.out)
         if not self.last:
             return self.precision.cut(y)
@@ -575,8 +578,8 @@ class Stage:
                 y = self._compute(mb, x, ctx, p)
             stashed = ctx.out
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
-        if self.last:  # fp16: times the loss scale; a scalar's gradient is one
-            pairs = [(self.precision.scaled(y * (p.sizes[mb] / p.batch)), None)]
+        if self.last:
+            pairs = [self._loss_root(y, p.sizes[mb] / p.batch)]
         else:
             pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads)))
         if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
@@ -593,6 +596,26 @@ class Stage:
             if inputs_back:  # the ones that wanted a gradient, in order
                 self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
         self.skips.send_gradients(mb, arrived)
+
+    def _loss_root(self, loss: Any, share: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last stage's backward root: (tensor, its gradient; None: one) for a micro-batch's loss weighed by
+        its `share` of the batch, and for fp16 times the loss scale.
+
+        A float32 scalar loss of a stage without a loss scale starts from the share itself as its gradient (a
+        float32 tensor, one per share and device, kept): the same bits as the product's backward, which
+        multiplies a gradient of one by the share cast to float32, with no product in the graph. Right after
+        the forward's products each torch operation costs several times its warm cost (bench/README.md (ab)).
+        """
+        if self.precision.scaler is None and type(loss) is torch.Tensor and loss.dtype is torch.float32 \
+                and loss.dim() == 0:
+            grad = self._shares.get((share, loss.device))
+            if grad is None:
+                if len(self._shares) >= 64:  # a share per micro-batch size and device: a few
+                    self._shares.clear()
+                grad = self._shares[(share, loss.device)] = torch.tensor(share, dtype=torch.float32,
+                                                                         device=loss.device)
+            return loss, grad
+        return self.precision.scaled(loss * share), None  # fp16: times the loss scale; a scalar's gradient is one
 
     def _weight(self, mb: int, p: Pass) -> None:
         """W: micro-batch `mb`'s weight gradients, added into `.grad`, from what its B kept (the graph is then

@@ -144,9 +144,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def to(obj: Any, device: torch.device) -> Any:
     """The structure with its tensors on `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    return map_tensors(obj, lambda t: t.to(device, non_blocking=True))
+    if isinstance(obj, torch.Tensor):  # (.to would return it as it is, through the dispatcher's argument parsing)
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    return map_tensors(obj, lambda t: t if t.device == device else t.to(device, non_blocking=True))
 
 
 def describe(obj: Any, limit: int = 200) -> str:
