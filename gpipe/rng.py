@@ -23,6 +23,7 @@ from gpipe import structure
 
 _MASK = (1 << 64) - 1
 _NONE = torch.empty(0)  # the device of a structure with no tensor: the CPU's
+_NOT = object()
 
 
 def _mix(x: int) -> int:
@@ -84,7 +85,7 @@ class SharedGenerators:
 
 # torch.nn's own modules whose forward draws no random numbers, by exact class (a subclass may have a forward of
 # its own). A container's forward calls its children, each proven on its own.
-_QUIET_CLASSES: set[type] = {
+_QUIET_CLASSES: dict[type, Any] = {cls: cls.forward for cls in (
     nn.Module,  # exactly: a holder of parameters under nested names, with no forward (a captured piece's)
     nn.Sequential, nn.Identity, nn.Flatten, nn.Unflatten,
     nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
@@ -95,31 +96,40 @@ _QUIET_CLASSES: set[type] = {
     nn.Softmax, nn.LogSoftmax,
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-}
-# Functions a captured graph may call that draw nothing, besides torch's operations (told apart by their tags).
+)}  # each with its forward as torch defines it: one patched since (a library's noise) is not vouched for
+# torch's own operations, told apart by their tags; any other library's (torch.library.custom_op: an attention
+# kernel with its dropout) may draw, whatever its tags say.
+_TAGGED_NAMESPACES = ("aten", "prims")
+# Functions a captured graph may call that draw nothing, besides torch's operations.
 _QUIET_FUNCTIONS: set[Callable[..., Any]] = {operator.getitem}
 
 
 def vouch(what: Any) -> Any:
     """Mark a module class of ours whose own forward draws no random numbers (its submodules are proven on their
     own), or a function a captured graph calls that draws none. Returns it: usable as a decorator."""
-    (_QUIET_CLASSES if isinstance(what, type) else _QUIET_FUNCTIONS).add(what)
+    if isinstance(what, type):
+        _QUIET_CLASSES[what] = what.forward
+    else:
+        _QUIET_FUNCTIONS.add(what)
     return what
 
 
 def graph_draws(gm: fx.GraphModule) -> bool:
     """Whether a captured graph may draw random numbers: it calls an operation torch tags as drawing from a
-    generator (dropout, bernoulli, rand, attention with its dropout...), or one this module cannot vouch for."""
+    generator (dropout, bernoulli, rand, attention with its dropout...), an operation of another library than
+    torch's (whose tags say nothing of it), or anything else this module cannot vouch for."""
     for n in gm.graph.nodes:
         if n.op == "call_method":
             return True
         if n.op != "call_function":
             continue
         target = n.target
-        if isinstance(target, torch._ops.OpOverload):
+        if target in _QUIET_FUNCTIONS:
+            continue
+        if isinstance(target, torch._ops.OpOverload) and target.namespace in _TAGGED_NAMESPACES:
             if torch.Tag.nondeterministic_seeded in target.tags:
                 return True
-        elif target not in _QUIET_FUNCTIONS:
+        else:
             return True
     return False
 
@@ -127,15 +137,15 @@ def graph_draws(gm: fx.GraphModule) -> bool:
 def quiet(layer: nn.Module) -> bool:
     """Whether `layer`'s forward provably draws no random numbers: every module in it is one of torch.nn's own that
     draws none (its exact class, its class's forward) or one vouched for, or a captured graph that calls no
-    operation which may draw, and none has a forward hook."""
+    operation which may draw; none has a forward hook or is marked `gpipe_random`."""
     for m in layer.modules():
-        if m._forward_hooks or m._forward_pre_hooks:
+        if m._forward_hooks or m._forward_pre_hooks or getattr(m, "gpipe_random", False):
             return False
         if isinstance(m, fx.GraphModule):
             if graph_draws(m):
                 return False
             continue
-        if type(m) not in _QUIET_CLASSES:
+        if _QUIET_CLASSES.get(type(m), _NOT) is not type(m).forward:
             return False
         own = m.__dict__.get("forward")
         if own is not None and own not in _QUIET_FUNCTIONS and getattr(own, "func", None) not in _QUIET_FUNCTIONS:
@@ -149,7 +159,8 @@ def seeding(layers: Sequence[tuple[int, nn.Module]]) -> list[bool]:
     Seeding a layer that draws nothing changes no draw: the next layer that draws is seeded before it. The last
     is seeded still, so that what runs after the forward (the loss) finds the generator as the last layer's seed
     left it, as on one device. Seeding costs a microsecond or two a layer, several times that right after the
-    layers' products have taken the caches (bench/README.md (ab)).
+    layers' products have taken the caches (bench/README.md (ab)). Decided when the stage is built: a hook
+    registered on one of its layers later is not seen (one registered on every module is: `seeded_forward`).
     """
     return [i == len(layers) - 1 or not quiet(m) for i, (_, m) in enumerate(layers)]
 

@@ -121,3 +121,31 @@ def test_a_captured_model_with_dropout_through_threads_equals_its_pieces_on_one_
     assert set(got) == set(want)
     worst = max((got[n] - want[n]).abs().max().item() for n in got)
     assert worst <= 1e-6, f"weights differ from one device by {worst}"
+
+
+@torch.library.custom_op("gpipe_test::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    """Another library's operation that draws: torch's tags say nothing of it."""
+    return x + torch.rand_like(x)
+
+
+@noisy.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_a_graph_that_calls_another_library_s_operation_may_draw():
+    g = torch.fx.Graph()
+    g.output(g.call_function(torch.ops.gpipe_test.noisy.default, (g.placeholder("x"),)))
+    gm = torch.fx.GraphModule(nn.Module(), g)
+    assert not quiet(gm) and SharedGenerators().draws(gm)
+    layers = list(enumerate([nn.Linear(4, 4), gm, nn.Linear(4, 4)]))
+    assert seeding(layers) == [False, True, True]
+
+
+def test_a_module_class_whose_forward_was_patched_or_marked_random_is_not_quiet(monkeypatch):
+    marked = nn.Linear(4, 4)
+    marked.gpipe_random = True  # type: ignore[assignment]
+    assert not quiet(marked)
+    monkeypatch.setattr(nn.Tanh, "forward", lambda self, x: torch.tanh(x) + torch.rand_like(x))
+    assert not quiet(nn.Tanh()) and quiet(nn.ReLU())
