@@ -108,7 +108,7 @@ def vouch(what: Any) -> Any:
     """Mark a module class of ours whose own forward draws no random numbers (its submodules are proven on their
     own), or a function a captured graph calls that draws none. Returns it: usable as a decorator."""
     if isinstance(what, type):
-        _QUIET_CLASSES[what] = what.forward
+        _QUIET_CLASSES[what] = getattr(what, "forward", None)
     else:
         _QUIET_FUNCTIONS.add(what)
     return what
