@@ -153,16 +153,18 @@ def quiet(layer: nn.Module) -> bool:
     return True
 
 
-def seeding(layers: Sequence[tuple[int, nn.Module]]) -> list[bool]:
-    """Which of a stage's (global index, layer) pairs its forward seeds: each that may draw, and the last.
+def seeding(layers: Sequence[tuple[int, nn.Module]], loss_follows: bool = True) -> list[bool]:
+    """Which of a stage's (global index, layer) pairs its forward seeds: each that may draw and, when the loss
+    follows the forward (the last stage), the last.
 
-    Seeding a layer that draws nothing changes no draw: the next layer that draws is seeded before it. The last
-    is seeded still, so that what runs after the forward (the loss) finds the generator as the last layer's seed
-    left it, as on one device. Seeding costs a microsecond or two a layer, several times that right after the
-    layers' products have taken the caches (bench/README.md (ab)). Decided when the stage is built: a hook
-    registered on one of its layers later is not seen (one registered on every module is: `seeded_forward`).
+    Seeding a layer that draws nothing changes no draw: the next layer that draws is seeded before it. Before a
+    loss the last is seeded still, so that the loss finds the generator as the last layer's seed left it, as on
+    one device; after another stage's forward nothing draws before a layer that is seeded. Seeding costs a
+    microsecond a layer, some 10 us right after the layers' products have taken the caches (bench/README.md
+    (ac)). Decided when the stage is built: a hook registered on one of its layers later is not seen (one
+    registered on every module is: `seeded_forward`).
     """
-    return [i == len(layers) - 1 or not quiet(m) for i, (_, m) in enumerate(layers)]
+    return [(loss_follows and i == len(layers) - 1) or not quiet(m) for i, (_, m) in enumerate(layers)]
 
 
 def _hooked() -> bool:

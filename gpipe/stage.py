@@ -249,7 +249,8 @@ class Stage:
         self.buffers = Buffers(self.layers)  # a recomputed forward leaves running statistics be
         self.indexed = [(int(n), m) for n, m in self.layers.named_children()]
         self._shares: dict[tuple[float, torch.device], torch.Tensor] = {}  # the loss's gradients (_loss_root)
-        self.seeded = seeding(self.indexed)  # the layers a forward seeds: those that may draw, and the last
+        # The layers a forward seeds: those that may draw and, before the loss, the last.
+        self.seeded = seeding(self.indexed, loss_follows=self.last)
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]

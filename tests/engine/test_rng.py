@@ -55,9 +55,10 @@ def test_only_torch_s_own_quiet_modules_and_captured_graphs_without_random_opera
     assert not any(quiet(p) for p in still)  # captured in training mode: dropout's op is in the graph at p=0 too
 
 
-def test_a_forward_seeds_the_layers_that_may_draw_and_the_last():
+def test_a_forward_seeds_the_layers_that_may_draw_and_the_last_before_the_loss():
     layers = list(enumerate([nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4), nn.Linear(4, 4)]))
     assert seeding(layers) == [False, True, False, True]
+    assert seeding(layers, loss_follows=False) == [False, True, False, False]
 
 
 def test_skipping_the_quiet_layers_seeds_changes_neither_the_output_nor_the_generator_after():
@@ -70,6 +71,8 @@ def test_skipping_the_quiet_layers_seeds_changes_neither_the_output_nor_the_gene
         outs.append(seeded_forward(layers, x, 7, 3, 1, seeded=seeded))
         after.append(torch.rand(4))
     assert torch.equal(outs[0], outs[1]) and torch.equal(after[0], after[1])
+    torch.manual_seed(5)
+    assert torch.equal(seeded_forward(layers, x, 7, 3, 1, seeded=seeding(layers, loss_follows=False)), outs[0])
     torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None).remove()  # (none stays)
 
 
