@@ -215,11 +215,12 @@ def _tree(root: int) -> list[int]:
 
 
 def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
-            checkout: Path | None = None, probe: bool = False) -> dict[str, Any]:
+            checkout: Path | None = None, probe: bool = False, probe_code: str = PROBE) -> dict[str, Any]:
     """Median F and B per stage from a `run` of `stages` stages; with 2, also CPU per step by process. With
     `checkout`, that checkout's gpipe (set up: make setup), from its own environment. `probe`: each action's time
     in its blocks and its send, from inside the workers (PROBE): out["probe"][stage kind] = (the action less its
-    blocks, its send), medians."""
+    blocks, its send), medians. `probe_code`: another probe, written as PROBE writes its rows (a JSON list a line,
+    a line a step); out["probe_rows"] then holds its rows past each worker's first 3 steps, as they are."""
     name = f"cost-{stages}"
     spec = {
         "name": name, "model": {"factory": "mlp", "args": {"width": width, "depth": BLOCKS * stages, "head": False}},
@@ -238,7 +239,7 @@ def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
     if probe:
         shutil.rmtree(probed, ignore_errors=True)
         (probed / "out").mkdir(parents=True)
-        (probed / "sitecustomize.py").write_text(PROBE)
+        (probed / "sitecustomize.py").write_text(probe_code)
         e["PYTHONPATH"] = ":".join(x for x in (str(probed), e.get("PYTHONPATH")) if x)
         e["GPIPE_BENCH_PROBE"] = str(probed / "out")
     p = subprocess.Popen([*cmd, "run", str(job), "--state-dir", str(tmp), "--no-progress"], env=e,
@@ -276,9 +277,13 @@ def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
             raise RuntimeError(f"the probe wrote nothing: its sitecustomize did not load in the workers (their "
                                f"logs, kept: {tmp / name})")
         shutil.rmtree(probed)
-        out["probe"] = {f"stage {k} {kind}": (statistics.median(a - b for s, x, a, b, _ in acts if (s, x) == (k, kind)),
-                                              statistics.median(c for s, x, _, _, c in acts if (s, x) == (k, kind)))
-                        for k in range(stages) for kind in ("F", "B")}
+        if probe_code is not PROBE:
+            out["probe_rows"] = acts
+        else:
+            out["probe"] = {
+                f"stage {k} {kind}": (statistics.median(a - b for s, x, a, b, _ in acts if (s, x) == (k, kind)),
+                                      statistics.median(c for s, x, _, _, c in acts if (s, x) == (k, kind)))
+                for k in range(stages) for kind in ("F", "B")}
     shutil.rmtree(tmp / name)  # the next round's run starts afresh
     for k in range(stages):
         for kind in ("F", "B"):

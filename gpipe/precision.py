@@ -117,6 +117,9 @@ class LossScaler:
         return cls(float(scale), tracker, growth_interval)
 
 
+_NOTHING = nullcontext()  # reusable: it keeps no state
+
+
 class Precision:
     """A stage's precision on `device`: its autocast, its cut's dtype and, for fp16, its loss scaler."""
 
@@ -136,7 +139,7 @@ class Precision:
     def autocast(self) -> AbstractContextManager[None]:
         """The context a forward runs in: autocast to the dtype, or nothing for fp32."""
         if self.dtype is None:
-            return nullcontext()
+            return _NOTHING
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def cut(self, value: Any) -> Any:

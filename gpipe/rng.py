@@ -24,6 +24,7 @@ from gpipe import structure
 _MASK = (1 << 64) - 1
 _NONE = torch.empty(0)  # the device of a structure with no tensor: the CPU's
 _NOT = object()
+_CPU_GENERATORS = [torch.default_generator]  # generators(torch.device("cpu")), as a forward on the CPU seeds them
 
 
 def _mix(x: int) -> int:
@@ -167,12 +168,6 @@ def seeding(layers: Sequence[tuple[int, nn.Module]], loss_follows: bool = True) 
     return [(loss_follows and i == len(layers) - 1) or not quiet(m) for i, (_, m) in enumerate(layers)]
 
 
-def _hooked() -> bool:
-    """Whether a forward hook of every module is registered (torch.nn.modules.module.register_module_forward_hook):
-    it runs inside every layer, so any layer may draw."""
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
-
-
 def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, step: int, micro_batch: int,
                    shared: SharedGenerators | None = None, seeded: Sequence[bool] | None = None) -> Any:
     """Run (global index, layer) pairs in order, seeding each layer's randomness.
@@ -181,10 +176,15 @@ def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, s
     the generators seeded are those of its first tensor's device. With `shared`, only the layers
     that draw are seeded, each under its lock. `seeded`: which layers to seed (`seeding`), else every one.
     """
-    gens = generators(x.device if type(x) is torch.Tensor else next(iter(structure.tensors(x)), _NONE).device)
+    if type(x) is torch.Tensor and x.is_cpu:  # (a bool: cheaper than the device object x.device makes)
+        gens = _CPU_GENERATORS
+    else:
+        gens = generators(x.device if type(x) is torch.Tensor else next(iter(structure.tensors(x)), _NONE).device)
     key = _micro_batch_key(seed, step, micro_batch)
     if shared is None:
-        if seeded is None or _hooked():
+        # A forward hook of every module (torch.nn.modules.module.register_module_forward_hook) runs inside
+        # every layer, so any layer may draw: each is seeded.
+        if seeded is None or _module._global_forward_hooks or _module._global_forward_pre_hooks:
             for index, layer in layers:
                 s = _mix(key ^ index) >> 1  # layer_seed(seed, step, micro_batch, index)
                 for g in gens:

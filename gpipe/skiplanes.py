@@ -22,7 +22,7 @@ class Routed(skip.Context):
     pops of names that arrived get the received tensors, the rest stays within the stage."""
 
     def __init__(self, leaving: dict[str, int], arrived: dict[str, torch.Tensor]):
-        super().__init__()
+        self.stashed: dict[str, torch.Tensor] = {}  # (skip.Context's, without the call: one per forward)
         self.leaving, self.arrived = leaving, arrived
         self.out: dict[str, torch.Tensor] = {}
 

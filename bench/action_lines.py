@@ -1,0 +1,147 @@
+"""Where an action's own cost goes, statement by statement: F and B of the 2-stage service, from inside the workers.
+
+    python bench/action_lines.py [--rounds 2] [--steps 30] [--width 1024] [--checkout DIR]
+
+The job is bench/action_cost.py's (4 x (Linear(1024)+ReLU) a stage, 2 stages,
+1f1b, batch 256 in 8 micro-batches of 32, `gpipe-coordinator run`, one core a
+worker). A probe in each worker (a sitecustomize, as action_cost's PROBE)
+recompiles gpipe.stage.Stage's `_forward`, `_backward` and `_compute`, and
+gpipe.rng.seeded_forward, from their source with a clock read before each of
+their top-level statements, and reads the clock around each layer's call
+inside seeded_forward, and nothing else: no
+wrapper around a layer, whose own cost right after the layers' products would
+be counted as the engine's (bench/README.md (ab)). A clock read costs some
+0.1 us; each statement's figure is the median over every action of every step
+after the third, in us. The statement that holds the blocks (F's `if p.train:`,
+B's `if p.split:`) and a wait for a neighbour (stage 1's `if self.first:`, stage
+0's `if any(wants):`) show their whole time: the rest is the engine's own. F's
+`if p.train:` is the time from that statement to its first layer's call; each
+layer's figure, its call; the figure after it, the engine's time to the next
+layer's call or the next statement (a call of the probe's own a layer, some
+1-2 us, is in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from action_cost import service  # noqa: E402
+from step_time import WIDTH  # noqa: E402
+
+# The probe: `SOURCES` (the marked functions' source, by action) is filled in below.
+PROBE = r'''
+import json, os, time
+OUT = os.environ.get("GPIPE_BENCH_PROBE")
+if OUT:
+    import gpipe.rng as rng
+    import gpipe.stage as st
+    SOURCES = {sources!r}
+    _M = []
+    for mod in (st, rng):
+        mod._M, mod._clock = _M, time.perf_counter
+    clock = time.perf_counter
+    for name, src in SOURCES.items():
+        exec(compile(src, "bench-" + name, "exec"), (rng if name == "seeded_forward" else st).__dict__)
+    st.Stage._forward, st.Stage._backward = st._marked_forward, st._marked_backward
+    st.Stage._compute = st._marked_compute
+    forward = rng._marked_seeded_forward
+
+    def seeded_forward(layers, x, seed, step, micro_batch, shared=None, seeded=None):
+        def marked(n, layer):
+            def call(v):
+                _M.append(("seeded_forward: layer %d" % n, clock()))
+                out = layer(v)
+                _M.append(("seeded_forward: after layer %d" % n, clock()))
+                return out
+            return call
+        args = [[(i, marked(n, m)) for n, (i, m) in enumerate(layers)], x, seed, step, micro_batch, shared]
+        return forward(*args) if seeded is None else forward(*args, seeded)  # (an engine that seeds every layer)
+    st.seeded_forward = seeded_forward
+
+    def action(f, kind):
+        def run(self, mb, p):
+            _M.clear()
+            f(self, mb, p)
+            _M.append(("end", clock()))
+            self._probe_got.append((kind, p.computing_from, list(_M)))
+        return run
+    st.Stage.ACTIONS = dict(st.Stage.ACTIONS, F=action(st.Stage._forward, "F"), B=action(st.Stage._backward, "B"))
+    run = st.Stage.run
+
+    def timed_run(self, actions, positions, p, t_start):
+        self._probe_got = []
+        run(self, actions, positions, p, t_start)
+        rows = [(self.cfg.model_chunk, kind, [(name, t - t0) for name, t in m]) for kind, t0, m in self._probe_got]
+        with open(os.path.join(OUT, f"{{os.getpid()}}.jsonl"), "a") as f:
+            f.write(json.dumps(rows) + "\n")
+    st.Stage.run = timed_run
+'''
+
+
+def marked(fn: object, name: str, prefix: str = "") -> str:
+    """`fn`'s source as a module-level function `name`, a clock read (naming the statement) before each of its
+    top-level statements and at its end. The reads record the time each statement starts: a statement's figure is
+    the next read's time less its own."""
+    lines = textwrap.dedent(inspect.getsource(fn)).splitlines()  # type: ignore[arg-type]
+    body = next(i for i, line in enumerate(lines) if line.rstrip().endswith(":")) + 1  # past the signature
+    doc = lines[body].strip()
+    if doc.startswith('"""'):  # past the docstring
+        body = body if doc.count('"""') == 2 and len(doc) > 3 else \
+            next(i for i in range(body + 1, len(lines)) if '"""' in lines[i])
+        body += 1
+    out = ["def " + name + lines[0][lines[0].index("("):]] + lines[1:body]
+    for line in lines[body:]:
+        text = line.strip()
+        top = line.startswith("    ") and not line.startswith("     ")
+        if top and text and not text.startswith(("#", "elif", "else", "except", "finally", ")", "]", "}")):
+            out.append(f"    _M.append(({(prefix + text)[:72]!r}, _clock()))")
+        out.append(line)
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--width", type=int, default=WIDTH)
+    ap.add_argument("--checkout", type=Path, help="another checkout, set up (make setup): its engine, profiled")
+    a = ap.parse_args()
+    if a.checkout is not None:
+        sys.path.insert(0, str(a.checkout))
+        for m in [m for m in sys.modules if m == "gpipe" or m.startswith("gpipe.")]:
+            del sys.modules[m]
+    from gpipe import rng, stage
+
+    sources = {"F": marked(stage.Stage._forward, "_marked_forward"),
+               "B": marked(stage.Stage._backward, "_marked_backward"),
+               "_compute": marked(stage.Stage._compute, "_marked_compute", "_compute: "),
+               "seeded_forward": marked(rng.seeded_forward, "_marked_seeded_forward", "seeded_forward: ")}
+    code = PROBE.replace("{{", "{").replace("}}", "}").replace("{sources!r}", repr(sources))
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(a.rounds):
+            rows += service(2, a.steps, Path(d), a.width, a.checkout, probe=True, probe_code=code)["probe_rows"]
+    print(f"F and B of one micro-batch ({a.width} wide) on each of 2 stages, by statement (us, medians over "
+          f"{a.rounds} rounds' actions); * holds the blocks or a wait")
+    for k in range(2):
+        for kind in ("F", "B"):
+            marks = [m for s, x, m in rows if (s, x) == (k, kind)]
+            names = [name for name, _ in marks[0]]
+            if any([name for name, _ in m] != names for m in marks):
+                raise RuntimeError(f"stage {k} {kind}: the actions took different paths")
+            print(f"\nstage {k} {kind} ({len(marks)} actions)")
+            for i, name in enumerate(names[:-1]):
+                v = statistics.median(m[i + 1][1] - m[i][1] for m in marks) * 1e6
+                star = "*" if v > 500 else " "
+                print(f"  {v:9.1f}{star} {name}")
+
+
+if __name__ == "__main__":
+    main()
