@@ -149,7 +149,7 @@ def quiet(layer: nn.Module) -> bool:
         if _QUIET_CLASSES.get(type(m), _NOT) is not type(m).forward:
             return False
         own = m.__dict__.get("forward")
-        if own is not None and own not in _QUIET_FUNCTIONS and getattr(own, "func", None) not in _QUIET_FUNCTIONS:
+        if own is not None and getattr(own, "func", own) not in _QUIET_FUNCTIONS:
             return False  # an instance's own forward: only one vouched for (gpipe.grad_in_place's fused linear)
     return True
 
@@ -184,16 +184,10 @@ def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, s
     if shared is None:
         # A forward hook of every module (torch.nn.modules.module.register_module_forward_hook) runs inside
         # every layer, so any layer may draw: each is seeded.
-        if seeded is None or _module._global_forward_hooks or _module._global_forward_pre_hooks:
-            for index, layer in layers:
+        every = seeded is None or _module._global_forward_hooks or _module._global_forward_pre_hooks
+        for i, (index, layer) in enumerate(layers):
+            if every or seeded[i]:  # type: ignore[index]  # (every: seeded None)
                 s = _mix(key ^ index) >> 1  # layer_seed(seed, step, micro_batch, index)
-                for g in gens:
-                    g.manual_seed(s)
-                x = layer(x)
-            return x
-        for (index, layer), seeds in zip(layers, seeded, strict=True):
-            if seeds:
-                s = _mix(key ^ index) >> 1
                 for g in gens:
                     g.manual_seed(s)
             x = layer(x)

@@ -73,7 +73,6 @@ def test_skipping_the_quiet_layers_seeds_changes_neither_the_output_nor_the_gene
     assert torch.equal(outs[0], outs[1]) and torch.equal(after[0], after[1])
     torch.manual_seed(5)
     assert torch.equal(seeded_forward(layers, x, 7, 3, 1, seeded=seeding(layers, loss_follows=False)), outs[0])
-    torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None).remove()  # (none stays)
 
 
 def test_a_global_forward_hook_seeds_every_layer():
