@@ -26,8 +26,10 @@ At the attempt's end `World.leave` destroys the groups and their communicators.
 A lane between two workers of one host (one network namespace: `run`'s local
 workers, workers of one pod) goes over a Unix socket of its own instead of
 gloo (worker.unix_lane: a fraction of gloo's CPU a message, and no thread
-on the path of a message the socket takes at once; bench/README.md (z)),
-formed with the groups (`World._same_host`) and closed at the attempt's end.
+on the path of a message the socket takes at once; bench/README.md (z)), with
+a ring of shared memory beside it for messages of up to 4 MiB (no socket call
+but an eventfd's; bench/README.md (ad)), formed with the groups
+(`World._same_host`) and closed at the attempt's end.
 Its gloo group is still formed, unused; CUDA stages keep NCCL.
 """
 
@@ -57,7 +59,15 @@ from gpipe.wire import backend_of
 from worker import unix_lane
 from worker.channel import Receiver, Sender, backstop_s
 from worker.reducer import GradReducer
-from worker.unix_lane import Listener, UnixReceiver, UnixSender, connect
+from worker.unix_lane import (
+    Listener,
+    Ring,
+    UnixReceiver,
+    UnixSender,
+    connect,
+    offer_ring,
+    take_ring,
+)
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 JOINED_KEY = "joined/"  # + rank, in the data plane's store: that worker reached it, from this address
@@ -101,6 +111,7 @@ class World:
         self._forming = self.backend  # which lanes: "unix" while this host's form (_same_host)
         # Lanes to workers of this host (worker.unix_lane), by the key of `lanes`; the others go over c10d.
         self.sockets: dict[tuple[str, int, int], socket.socket] = {}
+        self.rings: dict[tuple[str, int, int], Ring] = {}  # a lane's shared memory, where the host allows it
         store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
         store.set(f"{JOINED_KEY}{self.me}", self._address())
         self._bounded(store)
@@ -269,13 +280,17 @@ class World:
                     sock = connect(where["name"], bytes.fromhex(where["token"]), deadline) if offer and where else None
                     if sock is not None:
                         self.sockets[key] = sock
+                        if (ring := offer_ring(sock)) is not None:
+                            self.rings[key] = ring
                     if where:
                         store.set(f"{name}/{where['name']}", "unix" if sock is not None else "c10d")
             for key, name, _, second in ends:
                 if key in listening:
                     self._peer = second
                     if read(f"{name}/{listening[key].name}") == "unix":
-                        self.sockets[key] = listening.pop(key).accept(deadline, self._who(second))
+                        sock = self.sockets[key] = listening.pop(key).accept(deadline, self._who(second))
+                        if (ring := take_ring(sock, deadline)) is not None:
+                            self.rings[key] = ring
         finally:
             for listener in listening.values():
                 listener.close()
@@ -283,13 +298,16 @@ class World:
         if ends:  # one line in the attempt's log (no colon: it is not an error line, gpipe.proc.last_error_line)
             unix = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) in self.sockets]
             gloo = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) not in self.sockets]
+            shared = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) in self.rings]
             print(f"data plane of rank {me}, lanes over a Unix socket of this host ({', '.join(unix) or 'none'}), "
+                  f"of them with shared memory ({', '.join(shared) or 'none'}), "
                   f"over {self.backend} ({', '.join(gloo) or 'none'})", file=sys.stderr, flush=True)
 
     def close_sockets(self) -> None:
         """Close this world's lanes of this host: a peer still reading sees their end at once."""
         socks = list(self.sockets.values())  # (the start's thread may still add one: it closes those itself)
         self.sockets.clear()
+        self.rings.clear()  # (let go with the last sender or receiver that holds one)
         for sock in socks:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -415,15 +433,15 @@ class C10dTransport:
     def sender(self, peer: int, lane: Lane, name: str) -> Outbound:
         if (link := self._group(lane, peer)) is None:
             return self.world.local.transport(self.cfg.model_chunk, 0, self.device).sender(peer, lane, name)
-        if (sock := self.world.sockets.get(self._key(lane, peer))) is not None:
-            return UnixSender(sock, name)
+        if (sock := self.world.sockets.get(key := self._key(lane, peer))) is not None:
+            return UnixSender(sock, name, self.world.rings.get(key))
         return Sender(*link, self.device, name)
 
     def receiver(self, peer: int, lane: Lane, name: str) -> Inbound:
         if (link := self._group(lane, peer)) is None:
             return self.world.local.transport(self.cfg.model_chunk, 0, self.device).receiver(peer, lane, name)
-        if (sock := self.world.sockets.get(self._key(lane, peer))) is not None:
-            return UnixReceiver(sock, name)
+        if (sock := self.world.sockets.get(key := self._key(lane, peer))) is not None:
+            return UnixReceiver(sock, name, self.world.rings.get(key))
         return Receiver(*link, self.device, name, self.cfg.step_timeout_s)
 
     def all_reduce(self, t: torch.Tensor, among: Among, op: Op = "sum") -> None:

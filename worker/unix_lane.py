@@ -14,6 +14,16 @@ header is built and checked once per kind of tensor, and only the micro-batch
 is written per message; right after an action's GEMMs each line of Python
 costs several times its warm cost (bench/README.md (ab)).
 
+Beside its socket a lane has a ring of shared memory (`Ring`: a sealed memfd
+and two eventfds, made by the connecting end and handed over the socket once
+the token is in): a message of up to MAX_RING_MESSAGE goes there when the ring
+has room, with one copy and an eventfd's write, no socket call. Right after an
+action's GEMMs a 128 KiB `sendmsg` took 62-105 us here, its copy into the ring
+and the eventfd's write 27-50 (bench/README.md (ad)). The receiver waits on
+both, reads the ring first and orders by micro-batch as it does already; the
+socket still carries what the ring has no room for and says when the peer's
+process has ended.
+
 The wire format is gpipe.wire's, checked as worker.channel checks it: a
 header that asks for more than this host's memory, a bad dtype code or a bad
 description fails the receive in our words before anything is allocated.
@@ -48,16 +58,20 @@ GPIPE_SAME_HOST_LANES=c10d (or `gpipe-worker --same-host-lanes c10d`) keeps ever
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import fcntl
 import hmac
 import math
+import mmap
 import os
 import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +100,12 @@ BACKLOG = 64
 SLICE_S = 0.05  # how often a writer waiting for room checks that its lane is still open
 MAX_KINDS = 64  # the kinds of tensor (dtype, shape, wants a gradient) a sender keeps a header of
 _NO_WAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)  # (an int: an enum's `|` runs Python on every send)
+RING_BYTES = 16 << 20  # a lane's shared memory (pages are taken as messages first reach them)
+MAX_RING_MESSAGE = 4 << 20  # a larger message goes on the socket: its copies cost more than the socket's calls
+RING_SLOTS = 1024  # messages a ring holds unread at most
+_TABLE_BYTES = RING_SLOTS * 16  # each slot's (offset, length) in the data, ahead of it
+_ALIGN = 64
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _MB = struct.Struct("=q")  # a header's first int64, the micro-batch (this host's byte order, as gpipe.wire's)
 
 
@@ -183,6 +203,152 @@ def connect(name: str, token: bytes, deadline: float) -> socket.socket | None:
         raise
 
 
+# -- a lane's shared memory ----------------------------------------------------------------------------------
+
+
+class Ring:
+    """A lane's shared memory: messages of up to MAX_RING_MESSAGE bytes, written by the lane's sender and read by
+    its receiver, each once, in order, with no socket call but an eventfd's.
+
+    A memfd of RING_BYTES (sealed: neither end can shrink it under the other's reads) holds a table of RING_SLOTS
+    (offset, length) pairs, then the messages' bytes (gpipe.wire's, as on the socket). The sender writes a
+    message where the ring has room (from the start whenever every message has been read: the memory it
+    touches stays what it has in flight), its slot's pair, then adds one to `posted` (an eventfd); the receiver
+    takes `posted`'s count, reads that many slots in order, copying each message out, and adds what it read to
+    `freed`, which the sender takes before it next places a message. Both counts go through the kernel's
+    eventfd, whose lock orders each side's writes before the other's reads on any architecture.
+
+    A message the ring has no room for, or too large for it, goes on the lane's socket: the receiver waits on
+    both and orders by micro-batch, as it does already. The socket still says when the peer's process ends.
+    The memory and eventfds are let go when neither end's sender or receiver holds the ring any longer.
+    """
+
+    def __init__(self, mem: int, posted: int, freed: int):
+        if os.fstat(mem).st_size != _TABLE_BYTES + RING_BYTES or \
+                fcntl.fcntl(mem, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+            raise ValueError("a lane's shared memory of the wrong size, or not sealed")
+        self._map = mmap.mmap(mem, _TABLE_BYTES + RING_BYTES)
+        self.fds = (mem, posted, freed)
+        self.posted, self.freed = posted, freed
+        weakref.finalize(self, _close_fds, self.fds)  # (not at close: a descriptor number may be reused at once)
+        whole = memoryview(self._map)
+        self.table = whole[:_TABLE_BYTES].cast("q")
+        self.data = whole[_TABLE_BYTES:]
+        self.size = RING_BYTES
+        self._seq = 0  # messages posted (sender) or read (receiver)
+        self._spans: collections.deque[tuple[int, int]] = collections.deque()  # the sender's unread: (offset, end)
+        self._ready = 0  # the receiver's: posted and not yet read
+
+    @classmethod
+    def create(cls) -> Ring:
+        """A new ring (OSError where this host allows no memfd or eventfd: the lane keeps to its socket)."""
+        fds: list[int] = []
+        try:
+            fds.append(os.memfd_create("gpipe-lane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+            os.ftruncate(fds[0], _TABLE_BYTES + RING_BYTES)
+            fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, _SEALS)
+            for _ in range(2):
+                fds.append(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+            return cls(*fds)
+        except BaseException:
+            _close_fds(fds)
+            raise
+
+    # the sender's side
+
+    def place(self, n: int) -> int | None:
+        """Where a message of `n` bytes can go now; None when the ring has no room for it."""
+        spans = self._spans
+        if spans:
+            try:
+                for _ in range(min(os.eventfd_read(self.freed), len(spans))):
+                    spans.popleft()
+            except BlockingIOError:
+                pass  # none read since
+        if n > MAX_RING_MESSAGE or len(spans) >= RING_SLOTS:
+            return None
+        if not spans:
+            return 0
+        first, (last, end) = spans[0][0], spans[-1]
+        if last >= first:  # in use: [first, end)
+            if end + n <= self.size:
+                return end
+            return 0 if n <= first else None
+        return end if end + n <= first else None  # in use: [first, size) and [0, end)
+
+    def post(self, at: int, n: int) -> None:
+        """The message of `n` bytes written at `at` is the receiver's."""
+        i = 2 * (self._seq % RING_SLOTS)
+        self.table[i] = at
+        self.table[i + 1] = n
+        self._seq += 1
+        self._spans.append((at, at + (n + _ALIGN - 1) // _ALIGN * _ALIGN))
+        os.eventfd_write(self.posted, 1)
+
+    # the receiver's side
+
+    def take(self) -> memoryview | None:
+        """The next message's bytes, or None when none is posted; `done` once they are copied out. ValueError
+        for a slot out of the ring's bounds."""
+        if not self._ready:
+            try:
+                self._ready = os.eventfd_read(self.posted)
+            except BlockingIOError:
+                return None
+        i = 2 * (self._seq % RING_SLOTS)
+        at, n = self.table[i], self.table[i + 1]
+        if not (0 <= at and 0 < n <= MAX_RING_MESSAGE and at + n <= self.size) or self._ready > RING_SLOTS:
+            raise ValueError(f"a message of the lane's shared memory out of its bounds ({n} bytes at {at})")
+        self._seq += 1
+        self._ready -= 1
+        return self.data[at:at + n]
+
+    def done(self) -> None:
+        """The message `take` gave is copied out: its room is the sender's again."""
+        os.eventfd_write(self.freed, 1)
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def offer_ring(sock: socket.socket) -> Ring | None:
+    """The connecting end of a lane: make its ring and send the peer its three descriptors (SCM_RIGHTS); None, and
+    the peer told so, where this host allows none."""
+    try:
+        ring = Ring.create()
+    except OSError:
+        sock.sendall(b"-")
+        return None
+    socket.send_fds(sock, [b"R"], list(ring.fds))
+    return ring
+
+
+def take_ring(sock: socket.socket, deadline: float) -> Ring | None:
+    """The accepting end of a lane: the ring its peer offers, by `deadline` (TimeoutError); None when it offers
+    none. ValueError for one that is not a lane's ring (the wrong size, unsealed)."""
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 3)
+    finally:
+        sock.setblocking(True)
+    if msg != b"R" or len(fds) != 3:
+        _close_fds(fds)
+        if msg == b"-":
+            return None
+        raise ValueError(f"a lane's peer sent {msg!r} and {len(fds)} descriptors for its shared memory")
+    try:
+        return Ring(*fds)
+    except BaseException:
+        _close_fds(fds)
+        raise
+
+
+_Fill = Callable[[memoryview, bool], None]  # read exactly len(view) bytes of a message into `view` (begun: not its first)
+
+
 class _Broken(Exception):
     """A lane that cannot go on: its peer closed it, or stopped in the middle of a message."""
 
@@ -203,10 +369,12 @@ class UnixSender:
     """Sends (micro-batch, value) pairs to one stage over a lane of this module (worker.channel.Sender's
     contract)."""
 
-    def __init__(self, sock: socket.socket, name: str):
+    def __init__(self, sock: socket.socket, name: str, ring: Ring | None = None):
         self.name = name
         self.bytes = 0
+        self.ring_messages = 0  # of those sent, through the lane's shared memory
         self._sock = sock
+        self._ring = ring
         self._poll = select.poll()
         self._poll.register(sock, select.POLLOUT)
         self._cv = threading.Condition()
@@ -236,7 +404,8 @@ class UnixSender:
             if n:
                 parts.append(_view(obj))
             self.bytes += n
-            self._out(mb, parts, [obj])
+            if self._ring is None or not self._post(parts, HEADER_BYTES + n):
+                self._out(mb, parts, [obj])
             return
         header, text, leaves = encode(mb, obj, grads, "gloo")
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
@@ -245,7 +414,22 @@ class UnixSender:
             parts.append(memoryview(text))
         leaves = [t if t.device.type == "cpu" else t.detach().cpu() for t in leaves]  # (a CPU stage's: as it is)
         parts += [_view(t) for t in leaves if t.numel()]
-        self._out(mb, parts, leaves)
+        if self._ring is None or not self._post(parts, sum(map(len, parts))):
+            self._out(mb, parts, leaves)
+
+    def _post(self, parts: list[memoryview], n: int) -> bool:
+        """Write a message of `n` bytes (`parts`) to the lane's shared memory; False when it has no room for it."""
+        ring = self._ring
+        at = ring.place(n)  # type: ignore[union-attr]  # a ring's lane
+        if at is None:
+            return False
+        data, i = ring.data, at  # type: ignore[union-attr]
+        for p in parts:
+            data[i:i + len(p)] = p
+            i += len(p)
+        ring.post(at, n)  # type: ignore[union-attr]
+        self.ring_messages += 1
+        return True
 
     def _tail(self, t: torch.Tensor, want: bool) -> bytes:
         """The header of a message of one tensor like `t` after its micro-batch, checked as gpipe.wire.encode
@@ -284,10 +468,11 @@ class UnixSender:
             parts = _after(parts, sent)
         return parts
 
-    def _fail(self, mb: int, why: str) -> ConnectionError:
+    def _fail(self, mb: int | None, why: str) -> ConnectionError:
         with self._cv:
             if self._error is None:
-                self._error = ConnectionError(f"sending {self.name} of micro-batch {mb} failed: {why}")
+                of = "" if mb is None else f" of micro-batch {mb}"
+                self._error = ConnectionError(f"sending {self.name}{of} failed: {why}")
             self._cv.notify_all()
             return self._error  # type: ignore[return-value]  # set just now, or earlier
 
@@ -315,7 +500,8 @@ class UnixSender:
                 self._cv.notify_all()
 
     def flush(self, timeout: float) -> None:
-        """Wait until every message is in the socket, at most `timeout` seconds."""
+        """Wait until every message is in the socket or the ring, at most `timeout` seconds; ConnectionError if the
+        peer has closed the lane (a message in the ring does not find it out)."""
         with self._cv:
             if self._closed:
                 raise ConnectionError(f"sending {self.name} failed: the lane was closed")
@@ -323,6 +509,15 @@ class UnixSender:
                 raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
             if self._error is not None:
                 raise self._error
+        if self._ring is not None:
+            try:  # the peer writes nothing on a lane it reads: an end of file is its end
+                gone = self._sock.recv(1, socket.MSG_PEEK | _NO_WAIT) == b""
+            except (BlockingIOError, InterruptedError):
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                raise self._fail(None, "the peer closed the lane") from None
 
     def close(self) -> None:
         with self._cv:
@@ -333,14 +528,19 @@ class UnixSender:
 
 class UnixReceiver:
     """Receives (micro-batch, value) pairs from one stage over a lane of this module, on the thread that asks
-    (worker.channel.Receiver's contract)."""
+    (worker.channel.Receiver's contract): from the lane's socket, and from its ring when it has one."""
 
-    def __init__(self, sock: socket.socket, name: str):
+    def __init__(self, sock: socket.socket, name: str, ring: Ring | None = None):
         self.name = name
         self.bytes = 0
         self._sock = sock
-        self._poll = select.poll()
+        self._ring = ring
+        self._poll = select.poll()  # the socket, within a message
         self._poll.register(sock, select.POLLIN)
+        self._either = select.poll()  # the socket or the ring, between messages
+        self._either.register(sock, select.POLLIN)
+        if ring is not None:
+            self._either.register(ring.posted, select.POLLIN)
         self._inbox: dict[int, Any] = {}  # read ahead of the micro-batch asked for
         self._error: BaseException | None = None
         self.limit = message_limit(torch.device("cpu"))
@@ -358,7 +558,7 @@ class UnixReceiver:
             if len(self._inbox) >= MAX_QUEUED:
                 raise self._broken(f"over {MAX_QUEUED} messages came before micro-batch {mb}")
             try:
-                got, value = self._message(deadline)
+                got, value = self._next(deadline)
             except TimeoutError:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {self.name} of micro-batch {mb}") \
                     from None
@@ -372,6 +572,43 @@ class UnixReceiver:
     def _broken(self, why: str) -> ConnectionError:
         self._error = ConnectionError(f"receiving {self.name} failed: {why}")
         return self._error
+
+    def _next(self, deadline: float) -> tuple[int, Any]:
+        """The next message, from the ring (first: what the peer posted there before it ended is still read) or
+        the socket, by `deadline` (TimeoutError with nothing read: the lane is as it was)."""
+        ring = self._ring
+        if ring is None:
+            return self._message(lambda view, begun: self._fill(view, deadline, begun))
+        while True:
+            record = ring.take()
+            if record is not None:
+                try:
+                    return self._record(record)
+                finally:
+                    ring.done()
+            if self._poll.poll(0):  # the socket has bytes, or its end
+                return self._message(lambda view, begun: self._fill(view, deadline, begun))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._either.poll(max(1, math.ceil(left * 1000)))
+
+    def _record(self, record: memoryview) -> tuple[int, Any]:
+        """A message read from the ring's `record` (its bytes copied out)."""
+        at = 0
+
+        def fill(view: memoryview, begun: bool) -> None:
+            nonlocal at
+            n = len(view)
+            if at + n > len(record):
+                raise ValueError(f"a message of the lane's shared memory longer than its {len(record)} bytes")
+            view[:] = record[at:at + n]
+            at += n
+
+        got = self._message(fill)
+        if at != len(record):
+            raise ValueError(f"a message of the lane's shared memory of {at} bytes in {len(record)}")
+        return got
 
     def _fill(self, view: memoryview, deadline: float, begun: bool) -> None:
         """Read exactly len(view) bytes into `view` by `deadline`. Past it, a TimeoutError when none of the
@@ -392,15 +629,15 @@ class UnixReceiver:
                 raise _Broken("the peer closed the lane (its process ended)")
             got += k
 
-    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool, deadline: float) -> torch.Tensor:
+    def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool, fill: _Fill) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
         if t.numel():
-            self._fill(_view(t), deadline, True)
+            fill(_view(t), True)
             self.bytes += t.numel() * t.element_size()
         return t.requires_grad_() if grad else t
 
-    def _message(self, deadline: float) -> tuple[int, Any]:
-        self._fill(self._head, deadline, False)
+    def _message(self, fill: _Fill) -> tuple[int, Any]:
+        fill(self._head, False)
         h = self._head.cast("q").tolist()  # this host's byte order, as header_bytes writes it
         mb, code, n = h[0], h[1], h[2]
         if code != STRUCTURE:
@@ -408,14 +645,14 @@ class UnixReceiver:
             if packed:
                 raise ValueError(f"a packed tensor on a lane that packs none: {h}")
             asked_bytes([(dtype, shape)], self.limit)
-            return mb, self._tensor(dtype, shape, grad, deadline)
+            return mb, self._tensor(dtype, shape, grad, fill)
         if not 0 < n <= MAX_JSON_BYTES:
             raise ValueError(f"a structure's description of {n} bytes (at most {MAX_JSON_BYTES})")
         text = bytearray(n)
-        self._fill(memoryview(text), deadline, True)
+        fill(memoryview(text), True)
         skeleton, metas = decode(bytes(text))
         asked_bytes([(dtype, shape) for dtype, shape, _ in metas], self.limit)
-        return mb, structure.unflatten(skeleton, [self._tensor(*m, deadline) for m in metas])
+        return mb, structure.unflatten(skeleton, [self._tensor(*m, fill) for m in metas])
 
     def close(self) -> None:
-        pass  # the socket is the world's: it closes with the attempt (worker.c10d.World.leave)
+        pass  # the socket and the ring are the world's: they close with the attempt (worker.c10d.World.leave)

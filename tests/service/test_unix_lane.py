@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import socket
 import subprocess
@@ -16,7 +17,15 @@ import torch
 from gpipe.wire import HEADER, STRUCTURE, encode, header_bytes
 from tests.service.test_channel import _messages, _same
 from worker import unix_lane
-from worker.unix_lane import Listener, UnixReceiver, UnixSender, connect
+from worker.unix_lane import (
+    Listener,
+    Ring,
+    UnixReceiver,
+    UnixSender,
+    connect,
+    offer_ring,
+    take_ring,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,6 +37,15 @@ def _lane() -> tuple[socket.socket, socket.socket]:
     sock = connect(listener.name, listener.token, deadline)
     assert sock is not None
     return sock, listener.accept(deadline, "rank 1")
+
+
+def _ring_lane() -> tuple[socket.socket, socket.socket, Ring, Ring]:
+    """A lane with its ring, as World._same_host forms it: the connecting end offers it, the other takes it."""
+    a, b = _lane()
+    mine = offer_ring(a)
+    theirs = take_ring(b, time.monotonic() + 10)
+    assert mine is not None and theirs is not None
+    return a, b, mine, theirs
 
 
 @pytest.fixture
@@ -301,9 +319,174 @@ def test_run_goes_over_unix_sockets_and_gives_the_bits_of_gloo_and_the_weights_o
     for log in logs["unix"]:
         line = next(x for x in log.splitlines() if x.startswith("data plane of rank"))
         assert "Unix socket of this host (activation" in line and "skip" in line and line.endswith("gloo (none)")
+        assert "with shared memory (activation" in line
     for log in logs["c10d"]:
         line = next(x for x in log.splitlines() if x.startswith("data plane of rank"))
         assert "Unix socket of this host (none)" in line
     assert all(torch.equal(weights["unix"][k], weights["c10d"][k]) for k in weights["c10d"])
     want = reference.train(spec)
     assert max((weights["unix"][k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+
+# -- the lane's ring of shared memory -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def ring_lane() -> Any:
+    a, b, mine, theirs = _ring_lane()
+    yield a, b, mine, theirs
+    a.close()
+    b.close()
+
+
+def test_through_the_ring_every_kind_of_message_arrives_as_sent_with_no_byte_on_the_socket(ring_lane: Any) -> None:
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    messages = _messages()
+    for mb, (value, grads) in enumerate(messages):
+        out.send(mb, value, grads)
+    out.flush(10)
+    assert out.ring_messages == len(messages)
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing went on the socket
+        b.recv(1)
+    b.setblocking(True)
+    for mb in reversed(range(len(messages))):
+        value, grads = messages[mb]
+        assert _same(value, into.get(mb, 10), grads) == ""
+    assert into.bytes == out.bytes > 0
+
+
+def test_what_the_ring_has_no_room_for_goes_on_the_socket_and_all_arrive_in_any_order(ring_lane: Any) -> None:
+    """3 MiB messages: the ring (16 MiB) takes five unread, the rest go on the socket (and its writer). Once all
+    are read the ring starts again from its beginning; a message over MAX_RING_MESSAGE always takes the socket."""
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    sent = [torch.full((3 << 18,), float(mb)) for mb in range(9)]
+    for mb, t in enumerate(sent):
+        out.send(mb, t)
+    assert 0 < out.ring_messages < len(sent)
+    for mb in [8, 0, 4, 7, 1, 2, 3, 6, 5]:
+        assert torch.equal(into.get(mb, 10), sent[mb])
+    out.flush(10)
+    before = out.ring_messages
+    for mb in range(9, 12):
+        out.send(mb, sent[mb - 9])
+        assert torch.equal(into.get(mb, 10), sent[mb - 9])
+    assert out.ring_messages == before + 3
+    big = torch.arange(unix_lane.MAX_RING_MESSAGE // 4 + 1, dtype=torch.float32)
+    out.send(12, big)
+    assert out.ring_messages == before + 3
+    assert torch.equal(into.get(12, 10), big)
+
+
+def test_a_receiver_waiting_on_the_ring_wakes_for_a_message_and_its_deadline_names_the_lane(ring_lane: Any) -> None:
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    later = threading.Timer(0.3, lambda: out.send(0, torch.ones(3)))
+    later.start()
+    t0 = time.monotonic()
+    assert torch.equal(into.get(0, 20), torch.ones(3))
+    assert time.monotonic() - t0 < 10
+    later.join()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"stage 0's activation of micro-batch 1"):
+        into.get(1, 0.3)
+    assert time.monotonic() - t0 < 5
+    out.send(1, torch.zeros(2))  # the lane goes on
+    assert torch.equal(into.get(1, 10), torch.zeros(2))
+
+
+def test_a_slot_out_of_the_rings_bounds_fails_the_receive_in_our_words(ring_lane: Any) -> None:
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    out.send(0, torch.ones(4))
+    mine.table[0] = unix_lane.RING_BYTES - 8  # its offset: the message would run past the ring's end
+    with pytest.raises(ConnectionError, match=r"receiving stage 0's activation failed: .*out of its bounds"):
+        into.get(0, 5)
+
+
+def test_a_message_shorter_than_its_slot_fails_the_receive_in_our_words(ring_lane: Any) -> None:
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    out.send(0, torch.ones(4))
+    mine.table[1] += 64  # its length
+    with pytest.raises(ConnectionError, match=r"receiving stage 0's activation failed: .* bytes in"):
+        into.get(0, 5)
+
+
+def test_a_ring_that_is_not_a_lanes_is_refused_and_one_not_offered_is_none() -> None:
+    import os
+
+    a, b = _lane()
+    try:
+        fds = [os.memfd_create("x"), os.eventfd(0), os.eventfd(0)]  # unsealed, and of no size
+        socket.send_fds(a, [b"R"], fds)
+        for fd in fds:
+            os.close(fd)
+        with pytest.raises(ValueError, match="wrong size, or not sealed"):
+            take_ring(b, time.monotonic() + 5)
+        a.sendall(b"-")  # a host without memfd: the lane keeps to its socket
+        assert take_ring(b, time.monotonic() + 5) is None
+        with pytest.raises(TimeoutError):  # nothing offered
+            take_ring(b, time.monotonic() + 0.2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_ends_after_posting_to_the_ring_is_read_out_then_seen_gone() -> None:
+    """The peer posts two messages to the ring and exits: both are read, then its end, at once; a sender whose
+    peer has closed the lane says so at its flush (a message in the ring cannot find it out)."""
+    listener = Listener()
+    code = (
+        "import time, torch\n"
+        "from worker.unix_lane import UnixSender, connect, offer_ring\n"
+        f"s = connect({listener.name!r}, bytes.fromhex({listener.token.hex()!r}), time.monotonic() + 10)\n"
+        "out = UnixSender(s, 'to 0', offer_ring(s))\n"
+        "out.send(0, torch.ones(5)); out.send(1, torch.zeros(5))\n"
+        "assert out.ring_messages == 2\n"
+    )
+    peer = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        sock = listener.accept(time.monotonic() + 30, "rank 1")
+        into = UnixReceiver(sock, "stage 1's gradient", take_ring(sock, time.monotonic() + 30))
+        assert peer.wait(30) == 0
+        assert torch.equal(into.get(1, 10), torch.zeros(5)) and torch.equal(into.get(0, 10), torch.ones(5))
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=r"stage 1's gradient failed: the peer closed the lane"):
+            into.get(2, 30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        peer.kill()
+        peer.wait(10)
+    a, b, mine, _ = _ring_lane()
+    out = UnixSender(a, "activation to stage 1", mine)
+    b.close()
+    out.send(0, torch.ones(3))  # into the ring
+    with pytest.raises(ConnectionError, match=r"sending activation to stage 1 failed: the peer closed the lane"):
+        out.flush(5)
+    a.close()
+
+
+def test_a_rings_memory_and_descriptors_are_let_go_with_the_last_end_that_holds_it() -> None:
+    import os
+
+    def open_fds() -> int:  # this process's rings' memory and eventfds
+        gc.collect()
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum("memfd:gpipe-lane" in x or "eventfd" in x for x in links)
+
+    before = open_fds()
+    a, b, mine, theirs = _ring_lane()
+    out, into = UnixSender(a, "to 1", mine), UnixReceiver(b, "from 0", theirs)
+    out.send(0, torch.ones(3))
+    assert torch.equal(into.get(0, 5), torch.ones(3))
+    a.close()
+    b.close()
+    assert open_fds() == before + 8  # each end: its memfd, the map's own copy of it, two eventfds
+    del out, into, mine, theirs
+    assert open_fds() == before
