@@ -78,6 +78,7 @@ import torch
 
 from gpipe import structure
 from gpipe.wire import (
+    HEADER,
     HEADER_BYTES,
     MAX_JSON_BYTES,
     STRUCTURE,
@@ -103,9 +104,11 @@ _NO_WAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)  # (an int: an enum's 
 RING_BYTES = 16 << 20  # a lane's shared memory (pages are taken as messages first reach them)
 MAX_RING_MESSAGE = 4 << 20  # a larger message goes on the socket: its copies cost more than the socket's calls
 RING_SLOTS = 1024  # messages a ring holds unread at most
+WARM_BYTES = 2 << 20  # a sender takes back what was read before it writes past this much of its ring
 _TABLE_BYTES = RING_SLOTS * 16  # each slot's (offset, length) in the data, ahead of it
 _ALIGN = 64
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_HEADER = struct.Struct(f"={HEADER}q")  # a message's header (gpipe.wire's)
 _MB = struct.Struct("=q")  # a header's first int64, the micro-batch (this host's byte order, as gpipe.wire's)
 
 
@@ -234,6 +237,7 @@ class Ring:
         whole = memoryview(self._map)
         self.table = whole[:_TABLE_BYTES].cast("q")
         self.data = whole[_TABLE_BYTES:]
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map, _TABLE_BYTES))  # self.data's address
         self.size = RING_BYTES
         self._seq = 0  # messages posted (sender) or read (receiver)
         self._spans: collections.deque[tuple[int, int]] = collections.deque()  # the sender's unread: (offset, end)
@@ -257,24 +261,43 @@ class Ring:
     # the sender's side
 
     def place(self, n: int) -> int | None:
-        """Where a message of `n` bytes can go now; None when the ring has no room for it."""
-        spans = self._spans
-        if spans:
+        """Where a message of `n` bytes can go now; None when the ring has no room for it. What the receiver has
+        read is taken back (an eventfd's read) only when the message would not fit, or would go past the ring's
+        first WARM_BYTES: most sends make no call for it, and the memory the ring touches stays small."""
+        if n > MAX_RING_MESSAGE:
+            return None
+        at = self._fit(n)
+        if at is None or at + n > WARM_BYTES:
+            spans = self._spans
             try:
                 for _ in range(min(os.eventfd_read(self.freed), len(spans))):
                     spans.popleft()
             except BlockingIOError:
                 pass  # none read since
-        if n > MAX_RING_MESSAGE or len(spans) >= RING_SLOTS:
-            return None
+            at = self._fit(n)
+        return at
+
+    def _fit(self, n: int) -> int | None:
+        spans = self._spans
         if not spans:
             return 0
+        if len(spans) >= RING_SLOTS:
+            return None
         first, (last, end) = spans[0][0], spans[-1]
         if last >= first:  # in use: [first, end)
             if end + n <= self.size:
                 return end
             return 0 if n <= first else None
         return end if end + n <= first else None  # in use: [first, size) and [0, end)
+
+    def put(self, at: int, mb: int, tail: bytes, t: torch.Tensor, n: int) -> None:
+        """Write at `at` the message of the contiguous CPU tensor `t` (`n` bytes): micro-batch `mb`, the rest of
+        its header `tail`, its memory; then post it."""
+        _MB.pack_into(self._map, _TABLE_BYTES + at, mb)
+        self.data[at + _MB.size:at + HEADER_BYTES] = tail
+        if n:
+            ctypes.memmove(self.address + at + HEADER_BYTES, t.data_ptr(), n)
+        self.post(at, HEADER_BYTES + n)
 
     def post(self, at: int, n: int) -> None:
         """The message of `n` bytes written at `at` is the receiver's."""
@@ -287,9 +310,9 @@ class Ring:
 
     # the receiver's side
 
-    def take(self) -> memoryview | None:
-        """The next message's bytes, or None when none is posted; `done` once they are copied out. ValueError
-        for a slot out of the ring's bounds."""
+    def take(self) -> tuple[int, int] | None:
+        """(offset, length) in `data` of the next message, or None when none is posted; `done` once it is copied
+        out. ValueError for a slot out of the ring's bounds."""
         if not self._ready:
             try:
                 self._ready = os.eventfd_read(self.posted)
@@ -297,11 +320,12 @@ class Ring:
                 return None
         i = 2 * (self._seq % RING_SLOTS)
         at, n = self.table[i], self.table[i + 1]
-        if not (0 <= at and 0 < n <= MAX_RING_MESSAGE and at + n <= self.size) or self._ready > RING_SLOTS:
+        if not (0 <= at and HEADER_BYTES <= n <= MAX_RING_MESSAGE and at + n <= self.size) or \
+                self._ready > RING_SLOTS:
             raise ValueError(f"a message of the lane's shared memory out of its bounds ({n} bytes at {at})")
         self._seq += 1
         self._ready -= 1
-        return self.data[at:at + n]
+        return at, n
 
     def done(self) -> None:
         """The message `take` gave is copied out: its room is the sender's again."""
@@ -400,12 +424,16 @@ class UnixSender:
             if tail is None:
                 tail = self._tail(obj, want)
             n = obj.nbytes
+            self.bytes += n
+            ring = self._ring
+            if ring is not None and (at := ring.place(HEADER_BYTES + n)) is not None:
+                ring.put(at, mb, tail, obj, n)
+                self.ring_messages += 1
+                return
             parts = [memoryview(_MB.pack(mb) + tail)]
             if n:
                 parts.append(_view(obj))
-            self.bytes += n
-            if self._ring is None or not self._post(parts, HEADER_BYTES + n):
-                self._out(mb, parts, [obj])
+            self._out(mb, parts, [obj])
             return
         header, text, leaves = encode(mb, obj, grads, "gloo")
         self.bytes += sum(t.numel() * t.element_size() for t in leaves)
@@ -580,10 +608,10 @@ class UnixReceiver:
         if ring is None:
             return self._message(lambda view, begun: self._fill(view, deadline, begun))
         while True:
-            record = ring.take()
-            if record is not None:
+            slot = ring.take()
+            if slot is not None:
                 try:
-                    return self._record(record)
+                    return self._record(ring, *slot)
                 finally:
                     ring.done()
             if self._poll.poll(0):  # the socket has bytes, or its end
@@ -593,21 +621,34 @@ class UnixReceiver:
                 raise TimeoutError
             self._either.poll(max(1, math.ceil(left * 1000)))
 
-    def _record(self, record: memoryview) -> tuple[int, Any]:
-        """A message read from the ring's `record` (its bytes copied out)."""
-        at = 0
+    def _record(self, ring: Ring, at: int, n: int) -> tuple[int, Any]:
+        """The message of `n` bytes at `at` in `ring`'s data, copied out."""
+        h = list(_HEADER.unpack_from(ring.data, at))
+        if h[1] != STRUCTURE:  # a tensor, as nearly every message is: its memory copied straight to the new one
+            dtype, shape, grad, packed = tensor_header(h)
+            if packed:
+                raise ValueError(f"a packed tensor on a lane that packs none: {h}")
+            nbytes = asked_bytes([(dtype, shape)], self.limit)
+            if HEADER_BYTES + nbytes != n:
+                raise ValueError(f"a message of the lane's shared memory of {HEADER_BYTES + nbytes} bytes in {n}")
+            t = torch.empty(shape, dtype=dtype)
+            if nbytes:
+                ctypes.memmove(t.data_ptr(), ring.address + at + HEADER_BYTES, nbytes)
+                self.bytes += nbytes
+            return h[0], t.requires_grad_() if grad else t
+        record, done = ring.data[at:at + n], 0
 
         def fill(view: memoryview, begun: bool) -> None:
-            nonlocal at
-            n = len(view)
-            if at + n > len(record):
-                raise ValueError(f"a message of the lane's shared memory longer than its {len(record)} bytes")
-            view[:] = record[at:at + n]
-            at += n
+            nonlocal done
+            k = len(view)
+            if done + k > n:
+                raise ValueError(f"a message of the lane's shared memory longer than its {n} bytes")
+            view[:] = record[done:done + k]
+            done += k
 
         got = self._message(fill)
-        if at != len(record):
-            raise ValueError(f"a message of the lane's shared memory of {at} bytes in {len(record)}")
+        if done != n:
+            raise ValueError(f"a message of the lane's shared memory of {done} bytes in {n}")
         return got
 
     def _fill(self, view: memoryview, deadline: float, begun: bool) -> None:

@@ -380,6 +380,21 @@ def test_what_the_ring_has_no_room_for_goes_on_the_socket_and_all_arrive_in_any_
     assert torch.equal(into.get(12, 10), big)
 
 
+def test_a_sender_whose_messages_are_read_keeps_to_the_rings_first_bytes(ring_lane: Any) -> None:
+    """Messages read as they come: the sender takes back their room before it would pass WARM_BYTES, and writes
+    from the ring's start again; the memory the ring touches stays that of the messages in flight."""
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    sent = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+    offsets = []
+    for mb in range(20):
+        out.send(mb, sent + mb)
+        offsets.append(mine.table[2 * mb])
+        assert torch.equal(into.get(mb, 10), sent + mb)
+    assert out.ring_messages == 20
+    assert max(offsets) < unix_lane.WARM_BYTES and offsets.count(0) >= 5, offsets
+
+
 def test_a_receiver_waiting_on_the_ring_wakes_for_a_message_and_its_deadline_names_the_lane(ring_lane: Any) -> None:
     a, b, mine, theirs = ring_lane
     out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
