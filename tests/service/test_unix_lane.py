@@ -450,6 +450,25 @@ def test_a_ring_that_is_not_a_lanes_is_refused_and_one_not_offered_is_none() -> 
         b.close()
 
 
+def test_a_host_that_allows_no_memfd_keeps_the_lane_on_its_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    def refused(*args: Any) -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    a, b = _lane()
+    try:
+        monkeypatch.setattr(os, "memfd_create", refused)  # a sandbox's seccomp policy
+        assert offer_ring(a) is None
+        assert take_ring(b, time.monotonic() + 5) is None
+        out, into = UnixSender(a, "to 1", None), UnixReceiver(b, "from 0", None)
+        out.send(0, torch.ones(2))
+        assert torch.equal(into.get(0, 5), torch.ones(2)) and out.ring_messages == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_peer_that_ends_after_posting_to_the_ring_is_read_out_then_seen_gone() -> None:
     """The peer posts two messages to the ring and exits: both are read, then its end, at once; a sender whose
     peer has closed the lane says so at its flush (a message in the ring cannot find it out)."""
