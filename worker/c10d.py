@@ -289,7 +289,7 @@ class World:
                     self._peer = second
                     if read(f"{name}/{listening[key].name}") == "unix":
                         sock = self.sockets[key] = listening.pop(key).accept(deadline, self._who(second))
-                        if (ring := take_ring(sock, deadline)) is not None:
+                        if (ring := take_ring(sock, deadline, self._who(second))) is not None:
                             self.rings[key] = ring
         finally:
             for listener in listening.values():

@@ -19,10 +19,9 @@ and two eventfds, made by the connecting end and handed over the socket once
 the token is in): a message of up to MAX_RING_MESSAGE goes there when the ring
 has room, with one copy and an eventfd's write, no socket call. Right after an
 action's GEMMs a 128 KiB `sendmsg` took 62-105 us here, its copy into the ring
-and the eventfd's write 27-50 (bench/README.md (ad)). The receiver waits on
-both, reads the ring first and orders by micro-batch as it does already; the
-socket still carries what the ring has no room for and says when the peer's
-process has ended.
+and the eventfd's write 27-50 (bench/README.md (ad)). The socket still
+carries what the ring has no room for, in the lane's order (`Ring`), and says
+when the peer's process has ended.
 
 The wire format is gpipe.wire's, checked as worker.channel checks it: a
 header that asks for more than this host's memory, a bad dtype code or a bad
@@ -60,6 +59,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hmac
 import math
@@ -68,6 +68,8 @@ import os
 import select
 import socket
 import struct
+import sys
+import termios
 import threading
 import time
 import weakref
@@ -107,6 +109,7 @@ RING_SLOTS = 1024  # messages a ring holds unread at most
 WARM_BYTES = 2 << 20  # a sender takes back what was read before it writes past this much of its ring
 _TABLE_BYTES = RING_SLOTS * 16  # each slot's (offset, length) in the data, ahead of it
 _ALIGN = 64
+_MFD_NOEXEC_SEAL = 0x0008  # (os has no name for it before Python 3.12)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _HEADER = struct.Struct(f"={HEADER}q")  # a message's header (gpipe.wire's)
 _MB = struct.Struct("=q")  # a header's first int64, the micro-batch (this host's byte order, as gpipe.wire's)
@@ -221,8 +224,11 @@ class Ring:
     `freed`, which the sender takes before it next places a message. Both counts go through the kernel's
     eventfd, whose lock orders each side's writes before the other's reads on any architecture.
 
-    A message the ring has no room for, or too large for it, goes on the lane's socket: the receiver waits on
-    both and orders by micro-batch, as it does already. The socket still says when the peer's process ends.
+    A message the ring has no room for, or too large for it, goes on the lane's socket. A lane's messages arrive
+    in the order they were sent (an evaluation's micro-batches repeat their tags batch after batch): the ring
+    takes a message only once the peer has read every byte sent on the socket (SIOCOUTQ), and the socket only
+    once the ring has none unread (else the lane's writer thread waits for that), so the receiver, which waits
+    on both, finds unread messages on one of them at a time. The socket still says when the peer has ended.
     The memory and eventfds are let go when neither end's sender or receiver holds the ring any longer.
     """
 
@@ -248,7 +254,13 @@ class Ring:
         """A new ring (OSError where this host allows no memfd or eventfd: the lane keeps to its socket)."""
         fds: list[int] = []
         try:
-            fds.append(os.memfd_create("gpipe-lane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+            flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+            try:  # not executable: kernels since 6.3 ask for it (vm.memfd_noexec)
+                fds.append(os.memfd_create("gpipe-lane", flags | _MFD_NOEXEC_SEAL))
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # (an older kernel: no such flag)
+                    raise
+                fds.append(os.memfd_create("gpipe-lane", flags))
             os.ftruncate(fds[0], _TABLE_BYTES + RING_BYTES)
             fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, _SEALS)
             for _ in range(2):
@@ -268,14 +280,23 @@ class Ring:
             return None
         at = self._fit(n)
         if at is None or at + n > WARM_BYTES:
-            spans = self._spans
-            try:
-                for _ in range(min(os.eventfd_read(self.freed), len(spans))):
-                    spans.popleft()
-            except BlockingIOError:
-                pass  # none read since
+            self._reclaim()
             at = self._fit(n)
         return at
+
+    def unread(self) -> int:
+        """How many of the messages posted the receiver has not read yet."""
+        if self._spans:
+            self._reclaim()
+        return len(self._spans)
+
+    def _reclaim(self) -> None:
+        spans = self._spans
+        try:
+            for _ in range(min(os.eventfd_read(self.freed), len(spans))):
+                spans.popleft()
+        except BlockingIOError:
+            pass  # none read since
 
     def _fit(self, n: int) -> int | None:
         spans = self._spans
@@ -332,6 +353,13 @@ class Ring:
         os.eventfd_write(self.freed, 1)
 
 
+def _unread(sock: socket.socket) -> int:
+    """The bytes sent on `sock` that its peer has not read yet (SIOCOUTQ)."""
+    buf = bytearray(4)
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)
+    return int.from_bytes(buf, sys.byteorder)
+
+
 def _close_fds(fds: Sequence[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -350,21 +378,26 @@ def offer_ring(sock: socket.socket) -> Ring | None:
     return ring
 
 
-def take_ring(sock: socket.socket, deadline: float) -> Ring | None:
-    """The accepting end of a lane: the ring its peer offers, by `deadline` (TimeoutError); None when it offers
-    none. ValueError for one that is not a lane's ring (the wrong size, unsealed)."""
+def take_ring(sock: socket.socket, deadline: float, who: str = "the lane's peer") -> Ring | None:
+    """The accepting end of a lane: the ring its peer (`who`) offers, by `deadline` (TimeoutError naming it); None
+    when it offers none. ValueError naming it for one that is not a lane's ring (the wrong size, unsealed)."""
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     try:
-        msg, fds, _, _ = socket.recv_fds(sock, 1, 3)
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 3, socket.MSG_CMSG_CLOEXEC)
+    except TimeoutError:
+        raise TimeoutError(f"{who} did not offer its lane's shared memory in time") from None
     finally:
         sock.setblocking(True)
     if msg != b"R" or len(fds) != 3:
         _close_fds(fds)
         if msg == b"-":
             return None
-        raise ValueError(f"a lane's peer sent {msg!r} and {len(fds)} descriptors for its shared memory")
+        raise ValueError(f"{who} sent {msg!r} and {len(fds)} descriptors for its lane's shared memory")
     try:
         return Ring(*fds)
+    except ValueError as e:
+        _close_fds(fds)
+        raise ValueError(f"{who}: {e}") from None
     except BaseException:
         _close_fds(fds)
         raise
@@ -375,6 +408,10 @@ _Fill = Callable[[memoryview, bool], None]  # read exactly len(view) bytes of a 
 
 class _Broken(Exception):
     """A lane that cannot go on: its peer closed it, or stopped in the middle of a message."""
+
+
+class _Ended(_Broken):
+    """The lane's socket ended between two messages."""
 
 
 # -- a lane's two ends ---------------------------------------------------------------------------------------
@@ -399,8 +436,13 @@ class UnixSender:
         self.ring_messages = 0  # of those sent, through the lane's shared memory
         self._sock = sock
         self._ring = ring
+        # A message went on the socket that the peer may not have read yet: the ring waits for it (`_ring_may`).
+        self._on_socket = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLOUT)
+        self._ring_poll = select.poll()  # the writer's, while the ring has messages unread before its first
+        if ring is not None:
+            self._ring_poll.register(ring.freed, select.POLLIN)
         self._cv = threading.Condition()
         # Messages the socket did not take at once, in order: (micro-batch, what is left, the tensors it reads).
         self._queue: collections.deque[tuple[int, list[memoryview], list[torch.Tensor]]] = collections.deque()
@@ -426,7 +468,7 @@ class UnixSender:
             n = obj.nbytes
             self.bytes += n
             ring = self._ring
-            if ring is not None and (at := ring.place(HEADER_BYTES + n)) is not None:
+            if ring is not None and self._ring_may() and (at := ring.place(HEADER_BYTES + n)) is not None:
                 ring.put(at, mb, tail, obj, n)
                 self.ring_messages += 1
                 return
@@ -442,8 +484,20 @@ class UnixSender:
             parts.append(memoryview(text))
         leaves = [t if t.device.type == "cpu" else t.detach().cpu() for t in leaves]  # (a CPU stage's: as it is)
         parts += [_view(t) for t in leaves if t.numel()]
-        if self._ring is None or not self._post(parts, sum(map(len, parts))):
+        if self._ring is None or not self._ring_may() or not self._post(parts, sum(map(len, parts))):
             self._out(mb, parts, leaves)
+
+    def _ring_may(self) -> bool:
+        """Whether a message may go to the ring now: the lane's messages arrive in the order they were sent (an
+        evaluation's micro-batches repeat their tags batch after batch), so only once the peer has read every
+        byte sent on the socket; and the socket takes a message only once the ring has none unread (`_out`)."""
+        if self._queue:  # (only this thread adds to it; the writer takes a message off once it is written)
+            return False
+        if self._on_socket:
+            if _unread(self._sock):
+                return False
+            self._on_socket = False
+        return True
 
     def _post(self, parts: list[memoryview], n: int) -> bool:
         """Write a message of `n` bytes (`parts`) to the lane's shared memory; False when it has no room for it."""
@@ -471,8 +525,9 @@ class UnixSender:
     def _out(self, mb: int, parts: list[memoryview], leaves: list[torch.Tensor]) -> None:
         """Write a message's `parts` (reading `leaves`' memory): what the socket takes now, and the rest queued for
         the writer thread; behind any earlier message the writer still has."""
+        self._on_socket = True
         with self._cv:
-            if not self._queue:
+            if not self._queue and not (self._ring is not None and self._ring.unread()):
                 parts = self._push(mb, parts)
                 if not parts:
                     return
@@ -513,6 +568,10 @@ class UnixSender:
                     return
                 mb, parts, leaves = self._queue[0]  # `leaves` keeps the memory `parts` reads alive
             try:
+                while self._ring is not None and self._ring.unread():  # what went before it, first
+                    if self._closed:
+                        return
+                    self._ring_poll.poll(int(SLICE_S * 1000))
                 while parts:
                     if self._closed:
                         return
@@ -610,19 +669,28 @@ class UnixReceiver:
         while True:
             slot = ring.take()
             if slot is not None:
-                try:
-                    return self._record(ring, *slot)
-                finally:
-                    ring.done()
+                return self._record(ring, *slot)
             if self._poll.poll(0):  # the socket has bytes, or its end
-                return self._message(lambda view, begun: self._fill(view, deadline, begun))
+                try:
+                    return self._message(lambda view, begun: self._fill(view, deadline, begun))
+                except _Ended:  # what the peer posted to the ring just before it ended is still read
+                    slot = ring.take()
+                    if slot is None:
+                        raise
+                    return self._record(ring, *slot)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             self._either.poll(max(1, math.ceil(left * 1000)))
 
     def _record(self, ring: Ring, at: int, n: int) -> tuple[int, Any]:
-        """The message of `n` bytes at `at` in `ring`'s data, copied out."""
+        """The message of `n` bytes at `at` in `ring`'s data, copied out; its room is then the sender's again."""
+        try:
+            return self._copied(ring, at, n)
+        finally:
+            ring.done()
+
+    def _copied(self, ring: Ring, at: int, n: int) -> tuple[int, Any]:
         h = list(_HEADER.unpack_from(ring.data, at))
         if h[1] != STRUCTURE:  # a tensor, as nearly every message is: its memory copied straight to the new one
             dtype, shape, grad, packed = tensor_header(h)
@@ -667,7 +735,7 @@ class UnixReceiver:
                 self._poll.poll(max(1, math.ceil(left * 1000)))
                 continue
             if k == 0:
-                raise _Broken("the peer closed the lane (its process ended)")
+                raise (_Broken if begun or got else _Ended)("the peer closed the lane (its process ended)")
             got += k
 
     def _tensor(self, dtype: torch.dtype, shape: list[int], grad: bool, fill: _Fill) -> torch.Tensor:

@@ -380,6 +380,42 @@ def test_what_the_ring_has_no_room_for_goes_on_the_socket_and_all_arrive_in_any_
     assert torch.equal(into.get(12, 10), big)
 
 
+def test_messages_of_one_tag_arrive_in_the_order_sent_whichever_way_each_goes(ring_lane: Any) -> None:
+    """An evaluation's micro-batches repeat their tags batch after batch, and a stage may run a batch ahead of the
+    next: batch 0's tag -2 is over MAX_RING_MESSAGE (the socket), batch 1's messages would fit the ring. Each
+    batch gets its own, in order; later ones go to the ring again once the peer has read the socket."""
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    big = torch.full((unix_lane.MAX_RING_MESSAGE // 4 + 16,), 1.0)
+    batches = [[torch.full((4,), 10.0), big], [torch.full((4,), 20.0), torch.full((4,), 2.0)],
+               [big + 1, torch.full((4,), 3.0)]]
+    for batch in batches:  # the sender runs every batch ahead of the receiver
+        for m, t in enumerate(batch):
+            out.send(-1 - m, t)
+    for batch in batches:
+        for m, t in enumerate(batch):
+            assert torch.equal(into.get(-1 - m, 10), t)
+    out.flush(10)
+    before = out.ring_messages
+    out.send(-1, torch.ones(2))  # all read: the ring again
+    assert out.ring_messages == before + 1 and torch.equal(into.get(-1, 10), torch.ones(2))
+
+
+def test_a_ring_with_every_slot_unread_sends_on_the_socket_in_order(ring_lane: Any) -> None:
+    a, b, mine, theirs = ring_lane
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    count = unix_lane.RING_SLOTS + 40
+    for k in range(count):  # one tag, as an evaluation's: only the order tells them apart
+        out.send(-1, torch.tensor([float(k)]))
+    assert out.ring_messages == unix_lane.RING_SLOTS
+    got = [into.get(-1, 10).item() for _ in range(100)]  # the ring has room again, the socket some unread
+    for k in range(count, count + 50):
+        out.send(-1, torch.tensor([float(k)]))
+    got += [into.get(-1, 10).item() for _ in range(count - 50)]
+    assert got == [float(k) for k in range(count + 50)]
+    out.flush(10)
+
+
 def test_a_sender_whose_messages_are_read_keeps_to_the_rings_first_bytes(ring_lane: Any) -> None:
     """Messages read as they come: the sender takes back their room before it would pass WARM_BYTES, and writes
     from the ring's start again; the memory the ring touches stays that of the messages in flight."""
