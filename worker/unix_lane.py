@@ -468,7 +468,8 @@ class UnixSender:
             n = obj.nbytes
             self.bytes += n
             ring = self._ring
-            if ring is not None and self._ring_may() and (at := ring.place(HEADER_BYTES + n)) is not None:
+            if ring is not None and n <= MAX_RING_MESSAGE - HEADER_BYTES and self._ring_may() and \
+                    (at := ring.place(HEADER_BYTES + n)) is not None:
                 ring.put(at, mb, tail, obj, n)
                 self.ring_messages += 1
                 return
