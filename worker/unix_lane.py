@@ -441,8 +441,9 @@ class UnixSender:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLOUT)
         self._ring_poll = select.poll()  # the writer's, while the ring has messages unread before its first
-        if ring is not None:
+        if ring is not None:  # the ring's reads, or the peer's end
             self._ring_poll.register(ring.freed, select.POLLIN)
+            self._ring_poll.register(sock, select.POLLIN)
         self._cv = threading.Condition()
         # Messages the socket did not take at once, in order: (micro-batch, what is left, the tensors it reads).
         self._queue: collections.deque[tuple[int, list[memoryview], list[torch.Tensor]]] = collections.deque()
@@ -492,8 +493,8 @@ class UnixSender:
         """Whether a message may go to the ring now: the lane's messages arrive in the order they were sent (an
         evaluation's micro-batches repeat their tags batch after batch), so only once the peer has read every
         byte sent on the socket; and the socket takes a message only once the ring has none unread (`_out`)."""
-        if self._queue:  # (only this thread adds to it; the writer takes a message off once it is written)
-            return False
+        if self._queue or self._closed:  # (only this thread adds to the queue; the writer takes a message off
+            return False                 # once it is written, and is done with the ring once the queue is empty)
         if self._on_socket:
             if _unread(self._sock):
                 return False
@@ -572,7 +573,8 @@ class UnixSender:
                 while self._ring is not None and self._ring.unread():  # what went before it, first
                     if self._closed:
                         return
-                    self._ring_poll.poll(int(SLICE_S * 1000))
+                    if self._ring_poll.poll(int(SLICE_S * 1000)) and self._peer_gone():
+                        raise self._fail(mb, "the peer closed the lane")
                 while parts:
                     if self._closed:
                         return
@@ -597,15 +599,18 @@ class UnixSender:
                 raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
             if self._error is not None:
                 raise self._error
-        if self._ring is not None:
-            try:  # the peer writes nothing on a lane it reads: an end of file is its end
-                gone = self._sock.recv(1, socket.MSG_PEEK | _NO_WAIT) == b""
-            except (BlockingIOError, InterruptedError):
-                gone = False
-            except OSError:
-                gone = True
-            if gone:
-                raise self._fail(None, "the peer closed the lane") from None
+        if self._ring is not None and self._peer_gone():
+            raise self._fail(None, "the peer closed the lane")
+
+    def _peer_gone(self) -> bool:
+        """Whether the peer has closed the lane: it writes nothing on a lane it reads, so an end of file is its
+        end (a message in the ring does not find it out, as a socket's send does)."""
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | _NO_WAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def close(self) -> None:
         with self._cv:

@@ -539,6 +539,22 @@ def test_a_peer_that_ends_after_posting_to_the_ring_is_read_out_then_seen_gone()
     a.close()
 
 
+def test_a_message_waiting_for_the_ring_to_drain_sees_the_peers_end_at_once() -> None:
+    """A message over the ring's size waits behind one unread in the ring; the peer ends without reading: the
+    flush fails at once naming the lane, not at its deadline."""
+    a, b, mine, theirs = _ring_lane()
+    out = UnixSender(a, "activation to stage 1", mine)
+    out.send(0, torch.zeros(4))  # the ring
+    out.send(1, torch.zeros(unix_lane.MAX_RING_MESSAGE // 4 + 16))  # the socket, once the ring is read
+    b.close()
+    del theirs
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"sending activation to stage 1 of micro-batch 1 failed: the peer"):
+        out.flush(30)
+    assert time.monotonic() - t0 < 10
+    a.close()
+
+
 def test_a_rings_memory_and_descriptors_are_let_go_with_the_last_end_that_holds_it() -> None:
     import os
 
