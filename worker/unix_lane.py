@@ -591,7 +591,7 @@ class UnixSender:
 
     def flush(self, timeout: float) -> None:
         """Wait until every message is in the socket or the ring, at most `timeout` seconds; ConnectionError if the
-        peer has closed the lane (a message in the ring does not find it out)."""
+        peer has closed the lane with messages of the ring unread (a message in the ring does not find it out)."""
         with self._cv:
             if self._closed:
                 raise ConnectionError(f"sending {self.name} failed: the lane was closed")
@@ -599,8 +599,8 @@ class UnixSender:
                 raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
             if self._error is not None:
                 raise self._error
-        if self._ring is not None and self._peer_gone():
-            raise self._fail(None, "the peer closed the lane")
+        if self._ring is not None and self._ring.unread() and self._peer_gone():  # (all read: nothing is lost)
+            raise self._fail(None, "the peer closed the lane before reading what was sent")
 
     def _peer_gone(self) -> bool:
         """Whether the peer has closed the lane: it writes nothing on a lane it reads, so an end of file is its

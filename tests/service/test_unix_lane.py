@@ -537,6 +537,14 @@ def test_a_peer_that_ends_after_posting_to_the_ring_is_read_out_then_seen_gone()
     with pytest.raises(ConnectionError, match=r"sending activation to stage 1 failed: the peer closed the lane"):
         out.flush(5)
     a.close()
+    # A peer that has read everything and then ends loses nothing: the flush is clean.
+    a, b, mine, theirs = _ring_lane()
+    out, into = UnixSender(a, "activation to stage 1", mine), UnixReceiver(b, "stage 0's activation", theirs)
+    out.send(0, torch.ones(3))
+    assert torch.equal(into.get(0, 5), torch.ones(3))
+    b.close()
+    out.flush(5)
+    a.close()
 
 
 def test_a_message_waiting_for_the_ring_to_drain_sees_the_peers_end_at_once() -> None:
