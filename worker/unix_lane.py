@@ -221,7 +221,7 @@ class Ring:
     message where the ring has room (from the start whenever every message has been read: the memory it
     touches stays what it has in flight), its slot's pair, then adds one to `posted` (an eventfd); the receiver
     takes `posted`'s count, reads that many slots in order, copying each message out, and adds what it read to
-    `freed`, which the sender takes before it next places a message. Both counts go through the kernel's
+    `freed`, which the sender takes when a message would not fit or would pass WARM_BYTES. Both counts go through the kernel's
     eventfd, whose lock orders each side's writes before the other's reads on any architecture.
 
     A message the ring has no room for, or too large for it, goes on the lane's socket. A lane's messages arrive
