@@ -168,6 +168,13 @@ def seeding(layers: Sequence[tuple[int, nn.Module]], loss_follows: bool = True) 
     return [(loss_follows and i == len(layers) - 1) or not quiet(m) for i, (_, m) in enumerate(layers)]
 
 
+def _generators_of(x: Any) -> Sequence[torch.Generator]:
+    """The generators a forward of `x` draws from: those of its first tensor's device."""
+    if type(x) is torch.Tensor and x.is_cpu:  # (a bool: cheaper than the device object x.device makes)
+        return _CPU_GENERATORS
+    return generators(x.device if type(x) is torch.Tensor else next(iter(structure.tensors(x)), _NONE).device)
+
+
 def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, step: int, micro_batch: int,
                    shared: SharedGenerators | None = None, seeded: Sequence[bool] | None = None) -> Any:
     """Run (global index, layer) pairs in order, seeding each layer's randomness.
@@ -176,22 +183,21 @@ def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, s
     the generators seeded are those of its first tensor's device. With `shared`, only the layers
     that draw are seeded, each under its lock. `seeded`: which layers to seed (`seeding`), else every one.
     """
-    if type(x) is torch.Tensor and x.is_cpu:  # (a bool: cheaper than the device object x.device makes)
-        gens = _CPU_GENERATORS
-    else:
-        gens = generators(x.device if type(x) is torch.Tensor else next(iter(structure.tensors(x)), _NONE).device)
-    key = _micro_batch_key(seed, step, micro_batch)
     if shared is None:
         # A forward hook of every module (torch.nn.modules.module.register_module_forward_hook) runs inside
         # every layer, so any layer may draw: each is seeded.
         every = seeded is None or _module._global_forward_hooks or _module._global_forward_pre_hooks
+        key, x0 = -1, x  # the micro-batch's key and the generators of x0's device: when a layer is first seeded
         for i, (index, layer) in enumerate(layers):
             if every or seeded[i]:  # type: ignore[index]  # (every: seeded None)
+                if key < 0:
+                    key, gens = _micro_batch_key(seed, step, micro_batch), _generators_of(x0)
                 s = _mix(key ^ index) >> 1  # layer_seed(seed, step, micro_batch, index)
                 for g in gens:
                     g.manual_seed(s)
             x = layer(x)
         return x
+    gens, key = _generators_of(x), _micro_batch_key(seed, step, micro_batch)
     for index, layer in layers:
         if not shared.draws(layer):
             x = layer(x)

@@ -330,8 +330,12 @@ class Stage:
         try:
             yield
         finally:
-            self._doing("computing")
-            p.computing_from = time.perf_counter()
+            self._computing(p)
+
+    def _computing(self, p: Pass) -> None:
+        """A wait on another stage is over: the action's compute starts (`_waiting`'s end, without its context)."""
+        self._activity = ("computing", "", time.monotonic())
+        p.computing_from = time.perf_counter()
 
     def autocast(self) -> Any:
         """The context every forward of this stage runs in (autocast for bf16 and fp16)."""
@@ -494,25 +498,30 @@ class Stage:
 
     def _forward(self, mb: int, p: Pass) -> None:
         """F: receive micro-batch `mb`'s input (and skips), run the layers, send the output (and skips) on."""
-        cfg, timeout, tag = self.cfg, self.cfg.step_timeout_s, p.tag(mb)
+        # Right after the blocks each line of Python costs several times its warm cost (bench/README.md (ab)):
+        # a context manager or a call that has nothing to do for this stage is not entered.
+        cfg, timeout, tag, skips = self.cfg, self.cfg.step_timeout_s, p.tag(mb), self.skips
         if self.first:
             x = structure.to(p.inputs[mb], self.device)  # type: ignore[index]  # the first stage gets inputs
         else:
-            with self._waiting(p, f"stage {cfg.model_chunk - 1}'s activation of {p.what} {mb}"):
-                # Its tensors that want a gradient back require grad.
+            self._doing("waiting", f"stage {cfg.model_chunk - 1}'s activation of {p.what} {mb}")
+            try:  # its tensors that want a gradient back require grad
                 x = self.recv_act.get(tag, timeout)  # type: ignore[union-attr]  # every stage but the first receives
+            finally:
+                self._computing(p)
         arrived: dict[str, torch.Tensor] = {}
-        if self.skips.recv:
+        if skips.recv:
             with self._waiting(p, f"the skip connections of {p.what} {mb}"):
-                arrived = self.skips.receive(tag, timeout)
-        ckpt = p.train and self.checkpointed(mb)
-        ctx = self.skips.context(arrived)
-        if p.train:  # checkpointed: no autograd now, the backward recomputes it
-            with torch.no_grad() if ckpt else self._saving(mb, p), self.buffers.watch():
+                arrived = skips.receive(tag, timeout)
+        ckpt = p.train and cfg.activation_checkpoint != "never" and self.checkpointed(mb)
+        ctx = Routed(skips.leaving, arrived)
+        buffers = self.buffers
+        if not p.train or not (ckpt or p.split or p.metered or buffers.updated or buffers.unseen):
+            y = self._compute(mb, x, ctx, p)  # (_saving and watch would be nothing)
+        else:  # checkpointed: no autograd now, the backward recomputes it
+            with torch.no_grad() if ckpt else self._saving(mb, p), buffers.watch():
                 y = self._compute(mb, x, ctx, p)
-        else:
-            y = self._compute(mb, x, ctx, p)
-        skip_wants = self.skips.send_forward(tag, ctx.out, ckpt)
+        skip_wants = skips.send_forward(tag, ctx.out, ckpt) if skips.leaving else {}
         wants: list[bool] = []
         if self.last:
             if p.targets is None:
@@ -548,16 +557,21 @@ class Stage:
     def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass) -> Any:
         """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage; what
         leaves the stage travels in the autocast dtype."""
-        with skip.use(ctx), self.autocast():
-            y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng,
-                               self.seeded)
-        ctx.out = self.precision.cut(ctx.out)
-        if not self.last:
-            return self.precision.cut(y)
-        if p.targets is None:
+        precision = self.precision
+        if precision.dtype is None:  # float32: no autocast, nothing cast at the cut (one call, not two contexts)
+            y = skip.within(ctx, seeded_forward, self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb,
+                            self.shared_rng, self.seeded)
+        else:
+            with skip.use(ctx), precision.autocast():
+                y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng,
+                                   self.seeded)
+            ctx.out = precision.cut(ctx.out)
+            if not self.last:
+                return precision.cut(y)
+        if not self.last or p.targets is None:
             return y
         target = structure.to(p.targets[mb], self.device)
-        return self.loss_fn(self.precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
+        return self.loss_fn(precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
 
     def _backward(self, mb: int, p: Pass) -> None:
         """B: receive micro-batch `mb`'s output gradients (and skips'), recompute its forward if it was
@@ -567,10 +581,13 @@ class Stage:
         x, held_x, y, wants, arrived, stashed, skip_wants = p.in_flight.pop(mb)
         grads: list[torch.Tensor] = []
         if any(wants):
-            with self._waiting(p, f"stage {cfg.model_chunk + 1}'s gradient of micro-batch {mb}"):
+            self._doing("waiting", f"stage {cfg.model_chunk + 1}'s gradient of micro-batch {mb}")
+            try:
                 grads = gradients(self.recv_grad.get(mb, timeout))  # type: ignore[union-attr]  # wants: not the last
+            finally:
+                self._computing(p)
         skip_grads: dict[int, list[torch.Tensor]] = {}
-        if any(map(any, skip_wants.values())):
+        if skip_wants and any(map(any, skip_wants.values())):
             with self._waiting(p, f"the skip gradients of micro-batch {mb}"):
                 skip_grads = self.skips.gradients(mb, skip_wants, timeout)
         if y is None:  # checkpointed: recompute the forward, replaying its randomness
@@ -582,7 +599,7 @@ class Stage:
         if self.last:
             pairs = [self._loss_root(y, p.sizes[mb] / p.batch)]
         else:
-            pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads)))
+            pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads) if skip_grads else ()))
         if p.split:  # the inputs' gradients now, the weights' at this micro-batch's W
             inputs = [t for t in structure.tensors((x, arrived)) if t.requires_grad]
             p.weights[mb] = backward_input([t for t, _ in pairs], [g for _, g in pairs], inputs, self.params,
@@ -593,10 +610,12 @@ class Stage:
         if p.metered and not p.split:  # the graph is freed: what it saved is no longer held
             self.meter.release((cfg.model_chunk, mb))
         if not self.first:
-            inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
+            inputs_back = [x] if type(x) is torch.Tensor else structure.tensors(x)  # (a tensor: no walk)
+            inputs_back = [t for t in inputs_back if t.requires_grad]
             if inputs_back:  # the ones that wanted a gradient, in order
                 self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
-        self.skips.send_gradients(mb, arrived)
+        if self.skips.send_grad:
+            self.skips.send_gradients(mb, arrived)
 
     def _loss_root(self, loss: Any, share: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last stage's backward root: (tensor, its gradient; None: one) for a micro-batch's loss weighed by

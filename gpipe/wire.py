@@ -192,14 +192,18 @@ def wants_grad(value: Any, checkpointed: bool) -> list[bool]:
     A checkpointed forward ran without autograd, so it cannot tell: every
     floating-point tensor asks, and the backward drops those that turn out not to need one.
     """
+    if type(value) is torch.Tensor:  # (nearly every activation: no walk, no comprehension)
+        return [value.is_floating_point() and (checkpointed or value.requires_grad)]
     return [t.is_floating_point() and (checkpointed or t.requires_grad) for t in structure.tensors(value)]
 
 
 def gradient_message(wanted: Sequence[torch.Tensor]) -> Any:
     """What goes back for tensors that wanted a gradient: their gradients (zeros for one unused) in order;
     a single tensor needs no description."""
-    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
-    return grads[0] if len(grads) == 1 else grads
+    if len(wanted) == 1:  # (nearly every message: no comprehension)
+        g = wanted[0].grad
+        return g if g is not None else torch.zeros_like(wanted[0])
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
 
 
 def gradients(message: Any) -> list[torch.Tensor]:

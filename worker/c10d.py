@@ -299,8 +299,9 @@ class World:
             unix = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) in self.sockets]
             gloo = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) not in self.sockets]
             shared = [f"{k} {a}-{b}" for (k, a, b), *_ in ends if (k, a, b) in self.rings]
+            writer = "C" if unix_lane._CWriter is not None else "Python (worker/_ring.c was not built)"
             print(f"data plane of rank {me}, lanes over a Unix socket of this host ({', '.join(unix) or 'none'}), "
-                  f"of them with shared memory ({', '.join(shared) or 'none'}), "
+                  f"of them with shared memory ({', '.join(shared) or 'none'}; its writer in {writer}), "
                   f"over {self.backend} ({', '.join(gloo) or 'none'})", file=sys.stderr, flush=True)
 
     def close_sockets(self) -> None:

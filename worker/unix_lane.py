@@ -19,7 +19,11 @@ and two eventfds, made by the connecting end and handed over the socket once
 the token is in): a message of up to MAX_RING_MESSAGE goes there when the ring
 has room, with one copy and an eventfd's write, no socket call. Right after an
 action's GEMMs a 128 KiB `sendmsg` took 62-105 us here, its copy into the ring
-and the eventfd's write 27-50 (bench/README.md (ad)). The socket still
+and the eventfd's write 27-50 (bench/README.md (ad)). A tensor's message is
+written by one call of C (worker/_ring.c's Writer, built at install where a C
+compiler is at hand; `_Writer`, the same bookkeeping in Python, stands in
+elsewhere): the send of an activation went from 0.07 to 0.03 ms of its action
+(bench/README.md (ae)). The socket still
 carries what the ring has no room for, in the lane's order (`Ring`), and says
 when the peer's process has ended.
 
@@ -74,7 +78,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,6 +95,15 @@ from gpipe.wire import (
     message_limit,
     tensor_header,
 )
+
+if TYPE_CHECKING:
+    from worker._ring import Writer as _CWriterType  # (worker/_ring.pyi)
+
+_CWriter: type[_CWriterType] | None
+try:  # the C writer of a lane's ring (worker/_ring.c), where the install could build it
+    from worker._ring import Writer as _CWriter
+except ImportError:  # (no C compiler where gpipe was installed: the Python writer, the same bookkeeping)
+    _CWriter = None
 
 MODES = ("unix", "c10d")
 MODE_ENV = "GPIPE_SAME_HOST_LANES"
@@ -221,7 +234,8 @@ class Ring:
     message where the ring has room (from the start whenever every message has been read: the memory it
     touches stays what it has in flight), its slot's pair, then adds one to `posted` (an eventfd); the receiver
     takes `posted`'s count, reads that many slots in order, copying each message out, and adds what it read to
-    `freed`, which the sender takes when a message would not fit or would pass WARM_BYTES. Both counts go through the kernel's
+    `freed`, which the sender takes when a message would not fit or would pass WARM_BYTES (the sender's side is
+    `writer`: worker/_ring.c's Writer, or `_Writer`). Both counts go through the kernel's
     eventfd, whose lock orders each side's writes before the other's reads on any architecture.
 
     A message the ring has no room for, or too large for it, goes on the lane's socket. A lane's messages arrive
@@ -245,9 +259,12 @@ class Ring:
         self.data = whole[_TABLE_BYTES:]
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map, _TABLE_BYTES))  # self.data's address
         self.size = RING_BYTES
-        self._seq = 0  # messages posted (sender) or read (receiver)
-        self._spans: collections.deque[tuple[int, int]] = collections.deque()  # the sender's unread: (offset, end)
+        self._seq = 0  # the receiver's: messages read
         self._ready = 0  # the receiver's: posted and not yet read
+        # The sender's bookkeeping and writes (place, post, send, unread): in C where it was built.
+        self.writer: _Writer | _CWriterType = (_CWriter or _Writer)(
+            self._map, self.address, ctypes.addressof(ctypes.c_char.from_buffer(self._map)), RING_BYTES,
+            RING_SLOTS, WARM_BYTES, MAX_RING_MESSAGE, HEADER_BYTES, posted, freed)
 
     @classmethod
     def create(cls) -> Ring:
@@ -269,65 +286,6 @@ class Ring:
         except BaseException:
             _close_fds(fds)
             raise
-
-    # the sender's side
-
-    def place(self, n: int) -> int | None:
-        """Where a message of `n` bytes can go now; None when the ring has no room for it. What the receiver has
-        read is taken back (an eventfd's read) only when the message would not fit, or would go past the ring's
-        first WARM_BYTES: most sends make no call for it, and the memory the ring touches stays small."""
-        if n > MAX_RING_MESSAGE:
-            return None
-        at = self._fit(n)
-        if at is None or at + n > WARM_BYTES:
-            self._reclaim()
-            at = self._fit(n)
-        return at
-
-    def unread(self) -> int:
-        """How many of the messages posted the receiver has not read yet."""
-        if self._spans:
-            self._reclaim()
-        return len(self._spans)
-
-    def _reclaim(self) -> None:
-        spans = self._spans
-        try:
-            for _ in range(min(os.eventfd_read(self.freed), len(spans))):
-                spans.popleft()
-        except BlockingIOError:
-            pass  # none read since
-
-    def _fit(self, n: int) -> int | None:
-        spans = self._spans
-        if not spans:
-            return 0
-        if len(spans) >= RING_SLOTS:
-            return None
-        first, (last, end) = spans[0][0], spans[-1]
-        if last >= first:  # in use: [first, end)
-            if end + n <= self.size:
-                return end
-            return 0 if n <= first else None
-        return end if end + n <= first else None  # in use: [first, size) and [0, end)
-
-    def put(self, at: int, mb: int, tail: bytes, t: torch.Tensor, n: int) -> None:
-        """Write at `at` the message of the contiguous CPU tensor `t` (`n` bytes): micro-batch `mb`, the rest of
-        its header `tail`, its memory; then post it."""
-        _MB.pack_into(self._map, _TABLE_BYTES + at, mb)
-        self.data[at + _MB.size:at + HEADER_BYTES] = tail
-        if n:
-            ctypes.memmove(self.address + at + HEADER_BYTES, t.data_ptr(), n)
-        self.post(at, HEADER_BYTES + n)
-
-    def post(self, at: int, n: int) -> None:
-        """The message of `n` bytes written at `at` is the receiver's."""
-        i = 2 * (self._seq % RING_SLOTS)
-        self.table[i] = at
-        self.table[i + 1] = n
-        self._seq += 1
-        self._spans.append((at, at + (n + _ALIGN - 1) // _ALIGN * _ALIGN))
-        os.eventfd_write(self.posted, 1)
 
     # the receiver's side
 
@@ -351,6 +309,83 @@ class Ring:
     def done(self) -> None:
         """The message `take` gave is copied out: its room is the sender's again."""
         os.eventfd_write(self.freed, 1)
+
+
+class _Writer:
+    """The sending end of a ring: where each message goes, its slot, the eventfd writes (worker/_ring.c's Writer
+    does the same in C, one call a tensor's message; this one stands in where it was not built)."""
+
+    def __init__(self, keep: mmap.mmap, data: int, table: int, size: int, slots: int, warm: int, max_message: int,
+                 header: int, posted: int, freed: int):
+        whole = memoryview(keep)  # (`table` and `data`: the addresses of its two parts, the C writer's)
+        self.table = whole[:slots * 16].cast("q")
+        self.data = whole[slots * 16:]
+        self.address = data
+        self.size, self.slots, self.warm, self.max_message, self.header = size, slots, warm, max_message, header
+        self.posted, self.freed = posted, freed
+        self._seq = 0  # messages posted
+        self._spans: collections.deque[tuple[int, int]] = collections.deque()  # unread: (offset, end)
+
+    def place(self, n: int) -> int | None:
+        """Where a message of `n` bytes can go now; None when the ring has no room for it. What the receiver has
+        read is taken back (an eventfd's read) only when the message would not fit, or would go past the ring's
+        first `warm` bytes: most sends make no call for it, and the memory the ring touches stays small."""
+        if n > self.max_message:
+            return None
+        at = self._fit(n)
+        if at is None or at + n > self.warm:
+            self._reclaim()
+            at = self._fit(n)
+        return at
+
+    def post(self, at: int, n: int) -> None:
+        """The message of `n` bytes written at `at` is the receiver's."""
+        i = 2 * (self._seq % self.slots)
+        self.table[i] = at
+        self.table[i + 1] = n
+        self._seq += 1
+        self._spans.append((at, at + (n + _ALIGN - 1) // _ALIGN * _ALIGN))
+        os.eventfd_write(self.posted, 1)
+
+    def send(self, mb: int, tail: bytes, address: int, n: int) -> bool:
+        """Write and post the message of a tensor of `n` bytes at `address`: micro-batch `mb`, the rest of its
+        header `tail`; False when the ring has no room for it."""
+        at = self.place(self.header + n)
+        if at is None:
+            return False
+        _MB.pack_into(self.data, at, mb)
+        self.data[at + _MB.size:at + self.header] = tail
+        if n:
+            ctypes.memmove(self.address + at + self.header, address, n)
+        self.post(at, self.header + n)
+        return True
+
+    def unread(self) -> int:
+        """How many of the messages posted the receiver has not read yet."""
+        if self._spans:
+            self._reclaim()
+        return len(self._spans)
+
+    def _reclaim(self) -> None:
+        spans = self._spans
+        try:
+            for _ in range(min(os.eventfd_read(self.freed), len(spans))):
+                spans.popleft()
+        except BlockingIOError:
+            pass  # none read since
+
+    def _fit(self, n: int) -> int | None:
+        spans = self._spans
+        if not spans:
+            return 0
+        if len(spans) >= self.slots:
+            return None
+        first, (last, end) = spans[0][0], spans[-1]
+        if last >= first:  # in use: [first, end)
+            if end + n <= self.size:
+                return end
+            return 0 if n <= first else None
+        return end if end + n <= first else None  # in use: [first, size) and [0, end)
 
 
 def _unread(sock: socket.socket) -> int:
@@ -469,9 +504,7 @@ class UnixSender:
             n = obj.nbytes
             self.bytes += n
             ring = self._ring
-            if ring is not None and n <= MAX_RING_MESSAGE - HEADER_BYTES and self._ring_may() and \
-                    (at := ring.place(HEADER_BYTES + n)) is not None:
-                ring.put(at, mb, tail, obj, n)
+            if ring is not None and self._ring_may() and ring.writer.send(mb, tail, obj.data_ptr(), n):
                 self.ring_messages += 1
                 return
             parts = [memoryview(_MB.pack(mb) + tail)]
@@ -504,14 +537,14 @@ class UnixSender:
     def _post(self, parts: list[memoryview], n: int) -> bool:
         """Write a message of `n` bytes (`parts`) to the lane's shared memory; False when it has no room for it."""
         ring = self._ring
-        at = ring.place(n)  # type: ignore[union-attr]  # a ring's lane
+        at = ring.writer.place(n)  # type: ignore[union-attr]  # a ring's lane
         if at is None:
             return False
         data, i = ring.data, at  # type: ignore[union-attr]
         for p in parts:
             data[i:i + len(p)] = p
             i += len(p)
-        ring.post(at, n)  # type: ignore[union-attr]
+        ring.writer.post(at, n)  # type: ignore[union-attr]
         self.ring_messages += 1
         return True
 
@@ -529,7 +562,7 @@ class UnixSender:
         the writer thread; behind any earlier message the writer still has."""
         self._on_socket = True
         with self._cv:
-            if not self._queue and not (self._ring is not None and self._ring.unread()):
+            if not self._queue and not (self._ring is not None and self._ring.writer.unread()):
                 parts = self._push(mb, parts)
                 if not parts:
                     return
@@ -570,7 +603,7 @@ class UnixSender:
                     return
                 mb, parts, leaves = self._queue[0]  # `leaves` keeps the memory `parts` reads alive
             try:
-                while self._ring is not None and self._ring.unread():  # what went before it, first
+                while self._ring is not None and self._ring.writer.unread():  # what went before it, first
                     if self._closed:
                         return
                     if self._ring_poll.poll(int(SLICE_S * 1000)) and self._peer_gone():
@@ -599,7 +632,7 @@ class UnixSender:
                 raise TimeoutError(f"timed out after {timeout:.0f}s sending {self.name}")
             if self._error is not None:
                 raise self._error
-        if self._ring is not None and self._ring.unread() and self._peer_gone():  # (all read: nothing is lost)
+        if self._ring is not None and self._ring.writer.unread() and self._peer_gone():  # (all read: nothing is lost)
             raise self._fail(None, "the peer closed the lane before reading what was sent")
 
     def _peer_gone(self) -> bool:

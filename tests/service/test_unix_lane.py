@@ -320,6 +320,7 @@ def test_run_goes_over_unix_sockets_and_gives_the_bits_of_gloo_and_the_weights_o
         line = next(x for x in log.splitlines() if x.startswith("data plane of rank"))
         assert "Unix socket of this host (activation" in line and "skip" in line and line.endswith("gloo (none)")
         assert "with shared memory (activation" in line
+        assert f"its writer in {'C' if unix_lane._CWriter is not None else 'Python'}" in line
     for log in logs["c10d"]:
         line = next(x for x in log.splitlines() if x.startswith("data plane of rank"))
         assert "Unix socket of this host (none)" in line
@@ -331,8 +332,87 @@ def test_run_goes_over_unix_sockets_and_gives_the_bits_of_gloo_and_the_weights_o
 # -- the lane's ring of shared memory -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def ring_lane() -> Any:
+def _writer(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rings made from now on are written by the C writer ("c") or the Python one ("python")."""
+    if which == "python":
+        monkeypatch.setattr(unix_lane, "_CWriter", None)
+    elif unix_lane._CWriter is None:
+        pytest.skip("worker._ring was not built here (no C compiler at install): the Python writer stands in")
+
+
+def test_the_c_writer_is_built_where_the_install_had_a_compiler() -> None:
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this host: the install keeps the Python writer")
+    assert unix_lane._CWriter is not None, "worker._ring was not built: reinstall (make setup) to build it"
+    ring = Ring.create()
+    assert type(ring.writer) is unix_lane._CWriter
+
+
+def test_the_c_and_python_writers_write_the_same_bytes_and_slots_and_take_back_the_same_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sends, posts and reads against a ring written by each: every answer, the table and the bytes
+    written are equal, through wrap-arounds, a full ring, every slot used and WARM_BYTES."""
+    import os
+    import random
+
+    if unix_lane._CWriter is None:
+        pytest.skip("worker._ring was not built here")
+    rings = [Ring.create()]
+    with monkeypatch.context() as m:
+        m.setattr(unix_lane, "_CWriter", None)
+        rings.append(Ring.create())
+    assert type(rings[0].writer) is not type(rings[1].writer)
+    rng = random.Random(7)
+    tail = bytes(range(HEADER * 8 - 8))
+    sizes = [0, 4, 1000, 64 << 10, 1 << 20, 3 << 20, unix_lane.MAX_RING_MESSAGE - HEADER * 8,
+             unix_lane.MAX_RING_MESSAGE]
+    src = torch.randint(0, 255, (unix_lane.MAX_RING_MESSAGE,), dtype=torch.uint8)
+    for k in range(3000):
+        op = rng.random()
+        answers = []
+        for ring in rings:
+            w = ring.writer
+            if op < 0.55:
+                n = sizes[k % len(sizes)] if k % 7 == 0 else random.Random(k).randrange(0, 200)
+                answers.append(w.send(k, tail, src.data_ptr(), n))
+            elif op < 0.65:
+                n = random.Random(k).randrange(1, 5000)
+                at = w.place(n)
+                if at is not None:
+                    ring.data[at:at + n] = bytes([k % 251]) * n
+                    w.post(at, n)
+                answers.append(at)
+            elif op < 0.95:  # the receiver reads some
+                read = random.Random(k).randrange(0, 8)
+                if read:
+                    os.eventfd_write(ring.freed, read)
+                answers.append(read)
+            else:
+                answers.append(w.unread())
+        assert answers[0] == answers[1], (k, answers)
+    assert bytes(rings[0].table) == bytes(rings[1].table)
+    assert rings[0].data == rings[1].data
+
+
+def test_the_c_writer_refuses_a_header_of_the_wrong_length_and_a_message_past_the_ring() -> None:
+    if unix_lane._CWriter is None:
+        pytest.skip("worker._ring was not built here")
+    w = Ring.create().writer
+    with pytest.raises(ValueError, match="header"):
+        w.send(0, b"short", 0, 0)
+    with pytest.raises(ValueError, match="past the ring"):
+        w.post(unix_lane.RING_BYTES - 8, 64)
+    with pytest.raises(ValueError, match="negative"):
+        w.place(-1)
+    assert w.place(unix_lane.MAX_RING_MESSAGE + 1) is None
+
+
+@pytest.fixture(params=["c", "python"])
+def ring_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A lane with its ring, its sending end written by worker/_ring.c's Writer or by the Python one."""
+    _writer(request.param, monkeypatch)
     a, b, mine, theirs = _ring_lane()
     yield a, b, mine, theirs
     a.close()
