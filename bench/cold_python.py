@@ -15,7 +15,11 @@ call ("warm"), medians over calls, then over rounds:
 - the socket's sendmsg of the same bytes alone (no Python of ours around it);
 - UnixSender.send of it into the lane's ring of shared memory (worker.unix_lane.Ring), the reader taking it
   out as a UnixReceiver does (--no-ring leaves these two rows out);
-- the ring's part alone: the copy into the ring and the eventfd's write.
+- the ring's part alone: the copy into the ring and the eventfd's write;
+- the ring's writer alone (nobody waiting): worker/_ring.c's Writer, and worker.unix_lane._Writer (the Python
+  it stands in for), each writing the activation's message, then the eventfd write a reader would make to give
+  its room back (in the call: some 1-4 us, the same for both);
+- UnixSender.send into a ring written by the Python writer (a third lane and reader).
 
 What it is for: bench/README.md (ab). At width 1024 the blocks stream some
 16 MiB of weights through the core's caches; the engine's Python between two
@@ -38,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpipe.rng import _micro_batch_key, _mix, generators  # noqa: E402
-from gpipe.wire import encode  # noqa: E402
+from gpipe.wire import HEADER_BYTES, encode  # noqa: E402
+from worker import unix_lane  # noqa: E402
 from worker.unix_lane import Ring, UnixReceiver, UnixSender, _view  # noqa: E402
 
 BLOCKS, MICRO_BATCH = 4, 32
@@ -81,11 +86,20 @@ def main() -> None:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     ring = None if a.no_ring else Ring.create()
+    c_writer = unix_lane._CWriter
+    unix_lane._CWriter = None
+    ring_py = None if a.no_ring else Ring.create()  # written by the Python writer
+    unix_lane._CWriter = c_writer
     mine_r, theirs_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a second lane, with the ring
-    reader = _reader(theirs, None, cores[0], [mine, mine_r, theirs_r])
-    ring_reader = _reader(theirs_r, ring, cores[0], [mine, mine_r, theirs]) if ring is not None else None
+    mine_p, theirs_p = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # a third, the Python writer's ring
+    reader = _reader(theirs, None, cores[0], [mine, mine_r, theirs_r, mine_p, theirs_p])
+    ring_reader = _reader(theirs_r, ring, cores[0], [mine, mine_r, theirs, mine_p, theirs_p]) \
+        if ring is not None else None
+    py_reader = _reader(theirs_p, ring_py, cores[0], [mine, mine_r, theirs, theirs_r, mine_p]) \
+        if ring_py is not None else None
     theirs.close()
     theirs_r.close()
+    theirs_p.close()
     os.sched_setaffinity(0, [cores[-1]])
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.ReLU())
@@ -118,6 +132,26 @@ def main() -> None:
             os.eventfd_write(bare.posted, 1)
 
         calls["the ring's copy and eventfd write alone"] = ring_alone
+        tail = bytes(HEADER_BYTES - 8)
+        c_bare = Ring.create()
+        unix_lane._CWriter = None
+        py_bare = Ring.create()
+        unix_lane._CWriter = c_writer
+
+        def writer_alone(bare: Ring) -> Callable[[torch.Tensor], object]:
+            def send(y: torch.Tensor) -> None:
+                if not bare.writer.send(3, tail, y.data_ptr(), y.nbytes):
+                    raise RuntimeError("the ring is full: what was read is not given back")
+                os.eventfd_write(bare.freed, 1)  # (after the timed call: the next call's, as a reader's would)
+            return send
+
+        if c_writer is not None:
+            calls["the ring's writer alone: worker/_ring.c's"] = writer_alone(c_bare)
+        calls["the ring's writer alone: the Python one"] = writer_alone(py_bare)
+        py_mb = iter(range(1 << 40))
+        into_py = UnixSender(mine_p, "activation to the reader's ring (Python writer)", ring_py)
+        calls["UnixSender.send of the activation into the ring, the Python writer"] = \
+            lambda y: into_py.send(next(py_mb), y, (True,))
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
     try:
         with torch.no_grad():
@@ -140,8 +174,10 @@ def main() -> None:
         mine.close()
         os.waitpid(reader, 0)
         mine_r.close()
-        if ring_reader is not None:
-            os.waitpid(ring_reader, 0)
+        mine_p.close()
+        for pid in (ring_reader, py_reader):
+            if pid is not None:
+                os.waitpid(pid, 0)
     print(f"us a call, medians of {a.rounds} rounds of {a.calls} (width {a.width}, 4 blocks, micro-batch "
           f"{MICRO_BATCH}: a {MICRO_BATCH * a.width * 4 >> 10} KiB activation); load {os.getloadavg()[0]:.1f}")
     print("| call | after the blocks | warm | ratio |\n| --- | ---: | ---: | ---: |")
