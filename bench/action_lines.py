@@ -8,9 +8,9 @@ worker). A probe in each worker (a sitecustomize, as action_cost's PROBE)
 recompiles gpipe.stage.Stage's `_forward`, `_backward` and `_compute`, and
 gpipe.rng.seeded_forward, from their source with a clock read before each of
 their top-level statements, and reads the clock around each layer's call
-inside seeded_forward, and nothing else: no
-wrapper around a layer, whose own cost right after the layers' products would
-be counted as the engine's (bench/README.md (ab)). A clock read costs some
+(the stage's layers each in a marking call, wherever the engine calls them:
+seeded_forward, or `_compute`'s own loop when no layer is seeded), and nothing
+else (bench/README.md (ab)). A clock read costs some
 0.1 us; each statement's figure is the median over every action of every step
 after the third, in us. The statement that holds the blocks (F's `if p.train:`,
 B's `if p.split:`) and a wait for a neighbour (stage 1's `if self.first:`, stage
@@ -55,15 +55,16 @@ if OUT:
     st.Stage._compute = st._marked_compute
     forward = rng._marked_seeded_forward
 
+    def marked(n, layer):
+        def call(v):
+            _M.append(("layer %d" % n, clock()))
+            out = layer(v)
+            _M.append(("after layer %d" % n, clock()))
+            return out
+        return call
+
     def seeded_forward(layers, x, seed, step, micro_batch, shared=None, seeded=None):
-        def marked(n, layer):
-            def call(v):
-                _M.append(("seeded_forward: layer %d" % n, clock()))
-                out = layer(v)
-                _M.append(("seeded_forward: after layer %d" % n, clock()))
-                return out
-            return call
-        args = [[(i, marked(n, m)) for n, (i, m) in enumerate(layers)], x, seed, step, micro_batch, shared]
+        args = [layers, x, seed, step, micro_batch, shared]  # (its layers marked: the stage's, below)
         return forward(*args) if seeded is None else forward(*args, seeded)  # (an engine that seeds every layer)
     st.seeded_forward = seeded_forward
 
@@ -78,6 +79,9 @@ if OUT:
     run = st.Stage.run
 
     def timed_run(self, actions, positions, p, t_start):
+        if not getattr(self, "_marked", False):  # each layer's call marked, wherever the engine calls it
+            self._marked = True
+            self.indexed = [(i, marked(n, m)) for n, (i, m) in enumerate(self.indexed)]
         self._probe_got = []
         run(self, actions, positions, p, t_start)
         rows = [(self.cfg.model_chunk, kind, [(name, t - t0) for name, t in m]) for kind, t0, m in self._probe_got]

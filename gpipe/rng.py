@@ -168,6 +168,12 @@ def seeding(layers: Sequence[tuple[int, nn.Module]], loss_follows: bool = True) 
     return [(loss_follows and i == len(layers) - 1) or not quiet(m) for i, (_, m) in enumerate(layers)]
 
 
+def hooked() -> bool:
+    """Whether a forward hook of every module is registered (torch.nn.modules.module's
+    register_module_forward_hook): it runs inside every layer, so any layer may draw."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
 def _generators_of(x: Any) -> Sequence[torch.Generator]:
     """The generators a forward of `x` draws from: those of its first tensor's device."""
     if type(x) is torch.Tensor and x.is_cpu:  # (a bool: cheaper than the device object x.device makes)
@@ -181,12 +187,17 @@ def seeded_forward(layers: Iterable[tuple[int, nn.Module]], x: Any, seed: int, s
 
     `x` is what the first layer takes (a tensor, or a structure of them: gpipe.structure);
     the generators seeded are those of its first tensor's device. With `shared`, only the layers
-    that draw are seeded, each under its lock. `seeded`: which layers to seed (`seeding`), else every one.
+    that draw are seeded, each under its lock. `seeded`: which layers to seed (`seeding`; empty: none), else
+    every one.
     """
     if shared is None:
         # A forward hook of every module (torch.nn.modules.module.register_module_forward_hook) runs inside
         # every layer, so any layer may draw: each is seeded.
-        every = seeded is None or _module._global_forward_hooks or _module._global_forward_pre_hooks
+        every = seeded is None or hooked()
+        if not every and not seeded:  # (an empty `seeded`: no layer draws)
+            for _, layer in layers:
+                x = layer(x)
+            return x
         key, x0 = -1, x  # the micro-batch's key and the generators of x0's device: when a layer is first seeded
         for i, (index, layer) in enumerate(layers):
             if every or seeded[i]:  # type: ignore[index]  # (every: seeded None)

@@ -30,12 +30,8 @@ change.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import torch
-
-T = TypeVar("T")
 
 
 class SkipError(LookupError):
@@ -59,6 +55,7 @@ class Context:
 
 
 _local = threading.local()
+local = _local  # its `ctx`: the context `use` set (gpipe.stage sets and restores it as `use` does, inline)
 
 
 def current() -> Context:
@@ -85,17 +82,6 @@ class use:  # noqa: N801  # a context manager, named as the function it replaced
 
     def __exit__(self, *exc: object) -> None:
         _local.ctx = self.before
-
-
-def within(ctx: Context, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` with this thread's stashes and pops going to `ctx`: `use`'s, in one call (a stage's forward
-    runs in it, right after the blocks, where every call of Python costs several times its warm cost)."""
-    before = getattr(_local, "ctx", None)
-    _local.ctx = ctx
-    try:
-        return fn(*args)
-    finally:
-        _local.ctx = before
 
 
 def stash(name: str, tensor: torch.Tensor) -> None:

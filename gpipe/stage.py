@@ -45,7 +45,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import ActivationMeter, storage_key
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
-from gpipe.rng import SharedGenerators, seeded_forward, seeding
+from gpipe.rng import SharedGenerators, hooked, seeded_forward, seeding
 from gpipe.skiplanes import Routed, SkipLinks
 from gpipe.split_backward import WeightGradients, backward_input
 from gpipe.state import StageState
@@ -251,6 +251,8 @@ class Stage:
         self._shares: dict[tuple[float, torch.device], torch.Tensor] = {}  # the loss's gradients (_loss_root)
         # The layers a forward seeds: those that may draw and, before the loss, the last.
         self.seeded = seeding(self.indexed, loss_follows=self.last)
+        self._seeds = self.seeded if any(self.seeded) else []  # (empty: seeded_forward seeds no layer)
+        self._on_cpu = self.device.type == "cpu"
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = params = [p for _, p in named]
@@ -502,7 +504,9 @@ class Stage:
         # a context manager or a call that has nothing to do for this stage is not entered.
         cfg, timeout, tag, skips = self.cfg, self.cfg.step_timeout_s, p.tag(mb), self.skips
         if self.first:
-            x = structure.to(p.inputs[mb], self.device)  # type: ignore[index]  # the first stage gets inputs
+            x = p.inputs[mb]  # type: ignore[index]  # the first stage gets inputs
+            if not (self._on_cpu and type(x) is torch.Tensor and x.is_cpu):
+                x = structure.to(x, self.device)
         else:
             self._doing("waiting", f"stage {cfg.model_chunk - 1}'s activation of {p.what} {mb}")
             try:  # its tensors that want a gradient back require grad
@@ -558,13 +562,24 @@ class Stage:
         """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage; what
         leaves the stage travels in the autocast dtype."""
         precision = self.precision
-        if precision.dtype is None:  # float32: no autocast, nothing cast at the cut (one call, not two contexts)
-            y = skip.within(ctx, seeded_forward, self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb,
-                            self.shared_rng, self.seeded)
+        if precision.dtype is None:  # float32: no autocast, nothing cast at the cut; skip.use's work, inline
+            local = skip.local
+            before = getattr(local, "ctx", None)
+            local.ctx = ctx
+            try:
+                if self._seeds or self.shared_rng is not None or hooked():
+                    y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb,
+                                       self.shared_rng, self._seeds)
+                else:  # no layer draws: seeded_forward would seed none (one call fewer, right after the blocks)
+                    y = x
+                    for _, layer in self.indexed:
+                        y = layer(y)
+            finally:
+                local.ctx = before
         else:
             with skip.use(ctx), precision.autocast():
                 y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng,
-                                   self.seeded)
+                                   self._seeds)
             ctx.out = precision.cut(ctx.out)
             if not self.last:
                 return precision.cut(y)
@@ -609,9 +624,13 @@ class Stage:
         del y, held_x, stashed, skip_grads, pairs
         if p.metered and not p.split:  # the graph is freed: what it saved is no longer held
             self.meter.release((cfg.model_chunk, mb))
-        if not self.first:
-            inputs_back = [x] if type(x) is torch.Tensor else structure.tensors(x)  # (a tensor: no walk)
-            inputs_back = [t for t in inputs_back if t.requires_grad]
+        if self.first:
+            pass
+        elif type(x) is torch.Tensor:  # (nearly every input: no walk, no comprehension)
+            if x.requires_grad:
+                self.send_grad.send(mb, gradient_message([x]))  # type: ignore[union-attr]  # not the first stage
+        else:
+            inputs_back = [t for t in structure.tensors(x) if t.requires_grad]
             if inputs_back:  # the ones that wanted a gradient, in order
                 self.send_grad.send(mb, gradient_message(inputs_back))  # type: ignore[union-attr]  # not the first stage
         if self.skips.send_grad:

@@ -85,12 +85,21 @@ def test_a_global_forward_hook_seeds_every_layer():
     handle = torch.nn.modules.module.register_module_forward_hook(draw)
     try:
         got = []
-        for seeded in (None, seeding(layers)):
+        for seeded in (None, seeding(layers), []):  # ([]: no layer draws, as a stage of Linears is told)
             torch.manual_seed(len(got))
             got.append(seeded_forward(layers, x, 7, 3, 1, seeded=seeded))
     finally:
         handle.remove()
-    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+def test_no_layer_that_draws_seeds_none_and_leaves_the_generator_as_it_was():
+    layers = list(enumerate([nn.Linear(8, 8), nn.ReLU()]))
+    x = torch.randn(4, 8)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    assert torch.equal(seeded_forward(layers, x, 7, 3, 1, seeded=[]), layers[1][1](layers[0][1](x)))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_the_shared_generators_seed_a_captured_graph_that_draws():
