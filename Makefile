@@ -12,7 +12,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test test-all test-fast lint typecheck protos clean gpu-check gpu-wheels
 
-$(STAMP): pyproject.toml
+# worker/_ring.c: the install builds it (an editable install does not rebuild it by itself).
+$(STAMP): pyproject.toml worker/_ring.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 is this machine's CPU wheel; never let pip reach for a CUDA build.

@@ -7,7 +7,9 @@
    core's caches, each line of Python costs several times its warm cost (bench/README.md (ab)); this module
    makes the send one line.
 
-   Nothing here reads the peer's memory: the peer only ever adds to `freed` (an eventfd, a count). */
+   Nothing here reads the peer's memory: the peer only ever adds to `freed` (an eventfd, a count), taken as at
+   most the messages posted. The Writer holds the ring's mapping as a buffer (it cannot be unmapped under it),
+   and every offset it writes at is within it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +25,8 @@
 
 typedef struct {
     PyObject_HEAD
-    PyObject *keep;            /* what holds the ring's mapping alive (its Python Ring) */
+    Py_buffer view;            /* the ring's mapping (an mmap's buffer: it cannot be closed while held) */
+    int viewing;               /* whether `view` is held: the Writer is initialised */
     char *data;                /* the ring's messages */
     int64_t *table;            /* RING_SLOTS (offset, length) pairs */
     Py_ssize_t size, warm, max_message, header;
@@ -37,48 +40,83 @@ typedef struct {
 static void writer_dealloc(Writer *self) {
     PyMem_Free(self->starts);
     PyMem_Free(self->ends);
-    Py_XDECREF(self->keep);
+    if (self->viewing)
+        PyBuffer_Release(&self->view);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Writer(keep, data_address, table_address, size, slots, warm, max_message, header, posted, freed) */
+/* Writer(mapping, size, slots, warm, max_message, header, posted, freed): `mapping` (the ring's mmap) holds the
+   table of `slots` (offset, length) pairs, then `size` bytes of messages. */
 static int writer_init(Writer *self, PyObject *args, PyObject *kw) {
     PyObject *keep;
-    unsigned long long data, table;
+    Py_ssize_t size, slots, warm, max_message, header;
+    int posted, freed;
     if (kw != NULL && PyDict_GET_SIZE(kw)) {
         PyErr_SetString(PyExc_TypeError, "Writer takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OKKnnnnnii", &keep, &data, &table, &self->size, &self->slots, &self->warm,
-                          &self->max_message, &self->header, &self->posted, &self->freed))
+    if (self->viewing) {
+        PyErr_SetString(PyExc_RuntimeError, "a Writer is initialised once");
         return -1;
-    if (self->size <= 0 || self->slots <= 0 || self->header < MB_BYTES || self->max_message > self->size) {
+    }
+    if (!PyArg_ParseTuple(args, "Onnnnnii", &keep, &size, &slots, &warm, &max_message, &header, &posted, &freed))
+        return -1;
+    if (size <= 0 || slots <= 0 || slots > PY_SSIZE_T_MAX / 32 || header < MB_BYTES || max_message > size ||
+        header > max_message || warm < 0) {
         PyErr_SetString(PyExc_ValueError, "a ring of no room, or a header shorter than its micro-batch");
         return -1;
     }
-    PyMem_Free(self->starts);
-    PyMem_Free(self->ends);
-    self->starts = PyMem_New(Py_ssize_t, self->slots);
-    self->ends = PyMem_New(Py_ssize_t, self->slots);
+    if (PyObject_GetBuffer(keep, &self->view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+        return -1;
+    if (self->view.len < slots * 16 || self->view.len - slots * 16 < size) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "a ring larger than its mapping");
+        return -1;
+    }
+    self->starts = PyMem_New(Py_ssize_t, slots);
+    self->ends = PyMem_New(Py_ssize_t, slots);
     if (self->starts == NULL || self->ends == NULL) {
+        PyMem_Free(self->starts);
+        PyMem_Free(self->ends);
+        self->starts = self->ends = NULL;
+        PyBuffer_Release(&self->view);
         PyErr_NoMemory();
         return -1;
     }
-    Py_INCREF(keep);
-    Py_XSETREF(self->keep, keep);
-    self->data = (char *)(uintptr_t)data;
-    self->table = (int64_t *)(uintptr_t)table;
+    self->viewing = 1;
+    self->table = (int64_t *)self->view.buf;
+    self->data = (char *)self->view.buf + slots * 16;
+    self->size = size;
+    self->slots = slots;
+    self->warm = warm;
+    self->max_message = max_message;
+    self->header = header;
+    self->posted = posted;
+    self->freed = freed;
     self->seq = self->head = self->count = 0;
     return 0;
 }
 
-static void reclaim(Writer *self) {
+static int ready(Writer *self) {
+    if (self->viewing)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "a Writer used before it was initialised");
+    return 0;
+}
+
+/* What the receiver has read since, taken back: 0, or -1 with OSError (a descriptor gone). */
+static int reclaim(Writer *self) {
     eventfd_t read;
-    if (eventfd_read(self->freed, &read) != 0)
-        return; /* EAGAIN: none read since */
+    if (eventfd_read(self->freed, &read) != 0) {
+        if (errno == EAGAIN)
+            return 0; /* none read since */
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
     Py_ssize_t k = read < (eventfd_t)self->count ? (Py_ssize_t)read : self->count;
     self->head = (self->head + k) % self->slots;
     self->count -= k;
+    return 0;
 }
 
 static Py_ssize_t fit(Writer *self, Py_ssize_t n) {
@@ -97,12 +135,14 @@ static Py_ssize_t fit(Writer *self, Py_ssize_t n) {
     return end + n <= first ? end : -1; /* in use: [first, size) and [0, end) */
 }
 
+/* Where a message of `n` bytes (0 <= n) goes: -1 where the ring has no room for it, -2 with OSError set. */
 static Py_ssize_t place(Writer *self, Py_ssize_t n) {
     if (n > self->max_message)
         return -1;
     Py_ssize_t at = fit(self, n);
     if (at < 0 || at + n > self->warm) {
-        reclaim(self);
+        if (reclaim(self) < 0)
+            return -2;
         at = fit(self, n);
     }
     return at;
@@ -125,6 +165,8 @@ static int post(Writer *self, Py_ssize_t at, Py_ssize_t n) {
 }
 
 static PyObject *writer_place(Writer *self, PyObject *arg) {
+    if (!ready(self))
+        return NULL;
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred())
         return NULL;
@@ -133,12 +175,16 @@ static PyObject *writer_place(Writer *self, PyObject *arg) {
         return NULL;
     }
     Py_ssize_t at = place(self, n);
+    if (at == -2)
+        return NULL;
     if (at < 0)
         Py_RETURN_NONE;
     return PyLong_FromSsize_t(at);
 }
 
 static PyObject *writer_post(Writer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(self))
+        return NULL;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "post(at, n)");
         return NULL;
@@ -146,7 +192,7 @@ static PyObject *writer_post(Writer *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t at = PyLong_AsSsize_t(args[0]), n = PyLong_AsSsize_t(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    if (at < 0 || n < 0 || at + n > self->size) {
+    if (at < 0 || n < 0 || n > self->size || at > self->size - n) {
         PyErr_SetString(PyExc_ValueError, "a message past the ring's end");
         return NULL;
     }
@@ -158,6 +204,8 @@ static PyObject *writer_post(Writer *self, PyObject *const *args, Py_ssize_t nar
 /* send(mb, tail, address, n): the message of a tensor of `n` bytes at `address` (its memory, contiguous),
    micro-batch `mb`, the rest of its header `tail`; False when the ring has no room for it. */
 static PyObject *writer_send(Writer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(self))
+        return NULL;
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "send(mb, tail, address, n)");
         return NULL;
@@ -177,8 +225,12 @@ static PyObject *writer_send(Writer *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "a header of the wrong length, or no tensor memory");
         return NULL;
     }
+    if (n > self->max_message - self->header)
+        Py_RETURN_FALSE;
     Py_ssize_t total = self->header + n;
     Py_ssize_t at = place(self, total);
+    if (at == -2)
+        return NULL;
     if (at < 0)
         Py_RETURN_FALSE;
     char *to = self->data + at;
@@ -197,8 +249,10 @@ static PyObject *writer_send(Writer *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *writer_unread(Writer *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->count)
-        reclaim(self);
+    if (!ready(self))
+        return NULL;
+    if (self->count && reclaim(self) < 0)
+        return NULL;
     return PyLong_FromSsize_t(self->count);
 }
 

@@ -263,8 +263,7 @@ class Ring:
         self._ready = 0  # the receiver's: posted and not yet read
         # The sender's bookkeeping and writes (place, post, send, unread): in C where it was built.
         self.writer: _Writer | _CWriterType = (_CWriter or _Writer)(
-            self._map, self.address, ctypes.addressof(ctypes.c_char.from_buffer(self._map)), RING_BYTES,
-            RING_SLOTS, WARM_BYTES, MAX_RING_MESSAGE, HEADER_BYTES, posted, freed)
+            self._map, RING_BYTES, RING_SLOTS, WARM_BYTES, MAX_RING_MESSAGE, HEADER_BYTES, posted, freed)
 
     @classmethod
     def create(cls) -> Ring:
@@ -315,12 +314,15 @@ class _Writer:
     """The sending end of a ring: where each message goes, its slot, the eventfd writes (worker/_ring.c's Writer
     does the same in C, one call a tensor's message; this one stands in where it was not built)."""
 
-    def __init__(self, keep: mmap.mmap, data: int, table: int, size: int, slots: int, warm: int, max_message: int,
-                 header: int, posted: int, freed: int):
-        whole = memoryview(keep)  # (`table` and `data`: the addresses of its two parts, the C writer's)
+    def __init__(self, mapping: mmap.mmap, size: int, slots: int, warm: int, max_message: int, header: int,
+                 posted: int, freed: int):
+        """`mapping` holds the table of `slots` (offset, length) pairs, then `size` bytes of messages."""
+        whole = memoryview(mapping)
+        if len(whole) < slots * 16 + size:
+            raise ValueError("a ring larger than its mapping")
         self.table = whole[:slots * 16].cast("q")
         self.data = whole[slots * 16:]
-        self.address = data
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(mapping, slots * 16))
         self.size, self.slots, self.warm, self.max_message, self.header = size, slots, warm, max_message, header
         self.posted, self.freed = posted, freed
         self._seq = 0  # messages posted
@@ -330,6 +332,8 @@ class _Writer:
         """Where a message of `n` bytes can go now; None when the ring has no room for it. What the receiver has
         read is taken back (an eventfd's read) only when the message would not fit, or would go past the ring's
         first `warm` bytes: most sends make no call for it, and the memory the ring touches stays small."""
+        if n < 0:
+            raise ValueError("a message of a negative length")
         if n > self.max_message:
             return None
         at = self._fit(n)
@@ -340,6 +344,8 @@ class _Writer:
 
     def post(self, at: int, n: int) -> None:
         """The message of `n` bytes written at `at` is the receiver's."""
+        if at < 0 or n < 0 or at + n > self.size:
+            raise ValueError("a message past the ring's end")
         i = 2 * (self._seq % self.slots)
         self.table[i] = at
         self.table[i + 1] = n
@@ -350,6 +356,8 @@ class _Writer:
     def send(self, mb: int, tail: bytes, address: int, n: int) -> bool:
         """Write and post the message of a tensor of `n` bytes at `address`: micro-batch `mb`, the rest of its
         header `tail`; False when the ring has no room for it."""
+        if _MB.size + len(tail) != self.header or n < 0 or (n and not address):
+            raise ValueError("a header of the wrong length, or no tensor memory")
         at = self.place(self.header + n)
         if at is None:
             return False
@@ -504,7 +512,8 @@ class UnixSender:
             n = obj.nbytes
             self.bytes += n
             ring = self._ring
-            if ring is not None and self._ring_may() and ring.writer.send(mb, tail, obj.data_ptr(), n):
+            if ring is not None and n <= MAX_RING_MESSAGE - HEADER_BYTES and self._ring_may() and \
+                    ring.writer.send(mb, tail, obj.data_ptr(), n):
                 self.ring_messages += 1
                 return
             parts = [memoryview(_MB.pack(mb) + tail)]

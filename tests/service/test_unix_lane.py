@@ -396,17 +396,54 @@ def test_the_c_and_python_writers_write_the_same_bytes_and_slots_and_take_back_t
     assert rings[0].data == rings[1].data
 
 
-def test_the_c_writer_refuses_a_header_of_the_wrong_length_and_a_message_past_the_ring() -> None:
-    if unix_lane._CWriter is None:
-        pytest.skip("worker._ring was not built here")
-    w = Ring.create().writer
+@pytest.mark.parametrize("which", ["c", "python"])
+def test_a_writer_refuses_a_bad_header_a_message_past_the_ring_and_a_mapping_too_small(
+        which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+    import os
+
+    _writer(which, monkeypatch)
+    ring = Ring.create()
+    w = ring.writer
     with pytest.raises(ValueError, match="header"):
         w.send(0, b"short", 0, 0)
     with pytest.raises(ValueError, match="past the ring"):
         w.post(unix_lane.RING_BYTES - 8, 64)
+    with pytest.raises(ValueError, match="past the ring"):
+        w.post(1 << 62, 1 << 62)
     with pytest.raises(ValueError, match="negative"):
         w.place(-1)
     assert w.place(unix_lane.MAX_RING_MESSAGE + 1) is None
+    tail = bytes(HEADER * 8 - 8)
+    assert w.send(0, tail, 1, (1 << 62)) is False  # more than a ring message: the socket's
+    with pytest.raises(ValueError, match="larger than its mapping"):
+        type(w)(mmap.mmap(-1, 4096), unix_lane.RING_BYTES, unix_lane.RING_SLOTS, unix_lane.WARM_BYTES,
+                unix_lane.MAX_RING_MESSAGE, HEADER * 8, ring.posted, ring.freed)
+    gone = os.eventfd(0)
+    w2 = type(w)(mmap.mmap(-1, 1 << 16), 1 << 15, 16, 1 << 14, 1 << 14, HEADER * 8, gone, gone)
+    os.close(gone)
+    with pytest.raises(OSError):  # its eventfd gone: said at once, not a ring that never drains
+        w2.send(0, tail, 0, 0)
+
+
+def test_the_c_writer_is_initialised_once_and_not_used_before() -> None:
+    import mmap
+
+    if unix_lane._CWriter is None:
+        pytest.skip("worker._ring was not built here")
+    blank = unix_lane._CWriter.__new__(unix_lane._CWriter)
+    for call in (lambda: blank.post(0, 0), lambda: blank.place(1), lambda: blank.send(0, b"", 0, 0), blank.unread):
+        with pytest.raises(RuntimeError, match="before it was initialised"):
+            call()
+    ring = Ring.create()
+    with pytest.raises(RuntimeError, match="once"):
+        ring.writer.__init__(mmap.mmap(-1, 4096), 1, 1, 1, 1, 8, 0, 0)  # type: ignore[misc]
+    m = mmap.mmap(-1, 1 << 16)
+    held = unix_lane._CWriter(m, 1 << 15, 16, 1 << 14, 1 << 14, HEADER * 8, ring.posted, ring.freed)
+    with pytest.raises(BufferError):  # the mapping is held while its writer lives
+        m.close()
+    del held
+    m.close()
 
 
 @pytest.fixture(params=["c", "python"])
