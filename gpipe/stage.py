@@ -249,9 +249,9 @@ class Stage:
         self.buffers = Buffers(self.layers)  # a recomputed forward leaves running statistics be
         self.indexed = [(int(n), m) for n, m in self.layers.named_children()]
         self._shares: dict[tuple[float, torch.device], torch.Tensor] = {}  # the loss's gradients (_loss_root)
-        # The layers a forward seeds: those that may draw and, before the loss, the last.
-        self.seeded = seeding(self.indexed, loss_follows=self.last)
-        self._seeds = self.seeded if any(self.seeded) else []  # (empty: seeded_forward seeds no layer)
+        # The layers a forward seeds: those that may draw and, before the loss, the last (empty: none).
+        seeded = seeding(self.indexed, loss_follows=self.last)
+        self.seeded = seeded if any(seeded) else []
         self._on_cpu = self.device.type == "cpu"
         named = [(n, p) for n, p in self.layers.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -517,7 +517,7 @@ class Stage:
         if skips.recv:
             with self._waiting(p, f"the skip connections of {p.what} {mb}"):
                 arrived = skips.receive(tag, timeout)
-        ckpt = p.train and cfg.activation_checkpoint != "never" and self.checkpointed(mb)
+        ckpt = p.train and self.checkpointed(mb)
         ctx = Routed(skips.leaving, arrived)
         buffers = self.buffers
         if not p.train or not (ckpt or p.split or p.metered or buffers.updated or buffers.unseen):
@@ -567,9 +567,9 @@ class Stage:
             before = getattr(local, "ctx", None)
             local.ctx = ctx
             try:
-                if self._seeds or self.shared_rng is not None or hooked():
+                if self.seeded or self.shared_rng is not None or hooked():
                     y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb,
-                                       self.shared_rng, self._seeds)
+                                       self.shared_rng, self.seeded)
                 else:  # no layer draws: seeded_forward would seed none (one call fewer, right after the blocks)
                     y = x
                     for _, layer in self.indexed:
@@ -579,7 +579,7 @@ class Stage:
         else:
             with skip.use(ctx), precision.autocast():
                 y = seeded_forward(self.indexed, x, self.cfg.seed, p.seed_step, p.mb_offset + mb, self.shared_rng,
-                                   self._seeds)
+                                   self.seeded)
             ctx.out = precision.cut(ctx.out)
             if not self.last:
                 return precision.cut(y)
