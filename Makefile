@@ -30,7 +30,7 @@ lint: setup
 
 # Settings in pyproject.toml [tool.mypy]: strict on most modules.
 typecheck: setup
-	$(BIN)/mypy
+	$(BIN)/python .ci/typecheck.py
 
 # TEST_WORKERS pytest-xdist processes share the tests (most of a test's time is its processes starting
 # and waiting); tests that share a module's serve stay on one (tests/conftest.py). TEST_WORKERS=0: one process.
@@ -39,7 +39,7 @@ TEST_WORKERS ?= 5  # on 2 cores: many tests mostly wait (heartbeats, grace perio
 # mypy runs beside the tests (the tests' processes leave a core idle while they wait); its report follows
 # theirs, and their closing line is said again last. $(1): which tests (pytest's -m), empty for all.
 define suite
-	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	@$(BIN)/python .ci/typecheck.py > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup $(1) 2>&1 | tee $(VENV)/pytest.log; \
 	tests=$${PIPESTATUS[0]}; wait $$types; typed=$$?; \
 	echo "mypy: $$(tail -n 1 $(VENV)/mypy.log)"; test $$typed -eq 0 || cat $(VENV)/mypy.log; \

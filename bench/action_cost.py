@@ -124,7 +124,7 @@ OUT = os.environ.get("GPIPE_BENCH_PROBE")
 if OUT:
     import torch
     import gpipe.stage as st
-    from worker import unix_lane
+    from gpipe.worker import unix_lane
     clock = time.perf_counter
     now = {"blocks": 0.0, "send": 0.0}
     def timed(f, what):
@@ -231,7 +231,7 @@ def service(stages: int, steps: int, tmp: Path, width: int = WIDTH,
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    e, cmd = env(), [sys.executable, "-m", "coordinator.cli"]
+    e, cmd = env(), [sys.executable, "-m", "gpipe.coordinator.cli"]
     if checkout is not None:
         e.pop("PYTHONPATH", None)  # it imports its own gpipe
         cmd = [str(checkout / ".venv/bin/gpipe-coordinator")]

@@ -90,7 +90,7 @@ check() {
 }
 
 check env 60 "$PY" -c '
-import torch, gpipe, coordinator.cli, gpipe.stage, worker.stage_server, gpipe.v1.jobs_pb2
+import torch, gpipe, gpipe.coordinator.cli, gpipe.stage, gpipe.worker.stage_server, gpipe.v1.jobs_pb2
 cuda = torch.cuda.is_available()
 name = torch.cuda.get_device_name() if cuda else "no GPU"
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-"
@@ -106,7 +106,7 @@ gpus = device.probe()
 found = "PASS" if gpus.gpus else "SKIP"
 print(f"RESULT {found} worker-device-probe {gpus.describe()}")
 missing = f"cuda:{len(gpus.gpus)}"
-r = subprocess.run([sys.executable, "-c", "import sys; from worker.daemon import main; sys.exit(main())",
+r = subprocess.run([sys.executable, "-c", "import sys; from gpipe.worker.daemon import main; sys.exit(main())",
                     "--rank", "0", "--device", missing, "--coordinator", "127.0.0.1:9"],
                    capture_output=True, text=True, timeout=120)
 line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""

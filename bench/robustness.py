@@ -72,11 +72,11 @@ class Cluster:
         self.wait(lambda: self.log(key).count(ready) > before, f"{key}: {ready}")
 
     def serve(self) -> None:
-        self.start("serve", ["coordinator.cli", "serve", "--port", str(self.port), "--state-dir",
+        self.start("serve", ["gpipe.coordinator.cli", "serve", "--port", str(self.port), "--state-dir",
                              str(self.tmp / "state")], "coordinator serving on")
 
     def worker(self, rank: int) -> None:
-        self.start(f"worker{rank}", ["worker.daemon", "--rank", str(rank), "--coordinator", self.address,
+        self.start(f"worker{rank}", ["gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                      "--cores", str(rank % os.cpu_count()), "--log-dir",
                                      str(self.tmp / f"w{rank}")], "registered as rank")
 
@@ -158,7 +158,7 @@ def sigterm_round(c: Cluster, r: int) -> tuple[float, float, float, float]:
     c.worker(1)
     name = f"term{r}"
     (c.tmp / f"{name}.yaml").write_text(yaml.safe_dump(spec(name, model=SLOW, steps=10_000, checkpoint_every=5)))
-    subprocess.run([sys.executable, "-m", "coordinator.cli", "submit", f"{name}.yaml", "--coordinator",
+    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "submit", f"{name}.yaml", "--coordinator",
                     c.address], cwd=c.tmp, env=c.env, check=True, capture_output=True, timeout=300)
     c.wait(lambda: c.steps(name) > 3, "the job's step 3")
     serve_running = c.sigterm("serve")

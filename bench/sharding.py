@@ -43,7 +43,7 @@ def run(spec: dict[str, Any], tmp: Path) -> tuple[list[int], list[float], dict[s
     job = tmp / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-m", "coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
                     "--no-progress"], env=env, check=True, capture_output=True, timeout=900)
     out = tmp / spec["name"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -51,7 +51,7 @@ PEER_NAMES = {  # each of our schedules: the peer's same schedule (zb-h1 has non
 def env() -> dict[str, str]:
     # Every contender runs with the malloc settings gpipe's workers use, so the
     # ratios compare the engines, not the allocator.
-    from worker.agent import MALLOC_ENV
+    from gpipe.worker.agent import MALLOC_ENV
 
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **MALLOC_ENV)
 
@@ -108,7 +108,7 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    e, cmd = env(), [sys.executable, "-m", "coordinator.cli"]
+    e, cmd = env(), [sys.executable, "-m", "gpipe.coordinator.cli"]
     if checkout is not None:
         e.pop("PYTHONPATH", None)  # it imports its own gpipe
         cmd = [str(checkout / ".venv/bin/gpipe-coordinator")]

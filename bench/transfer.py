@@ -27,7 +27,7 @@ def peer(rank: int, port: int, rounds: int, count: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from worker.channel import Receiver, Sender
+    from gpipe.worker.channel import Receiver, Sender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -86,7 +86,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cores = sorted(os.sched_getaffinity(0))
-    from worker.agent import MALLOC_ENV  # as the stages run
+    from gpipe.worker.agent import MALLOC_ENV  # as the stages run
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **MALLOC_ENV)
     procs = [

@@ -10,10 +10,10 @@ passing over damaged or torn ones with a line each (at step 0 where none was
 committed; bad input, naming each, where every one committed is damaged);
 without it, it starts over and drops an earlier run's metrics and checkpoints.
 
-It reports to the supervisor in typed messages (coordinator.report) on
+It reports to the supervisor in typed messages (gpipe.coordinator.report) on
 the stream that was its stdout; the model's own prints go to its log.
 
-    python -m coordinator.attempt --spec S --job-dir J --state-dir D --host H \\
+    python -m gpipe.coordinator.attempt --spec S --job-dir J --state-dir D --host H \\
         --placement '[{"host": H, "device": "cpu", "cores": [0], "threads": 1}, ...]' [--resume] [--attempt N]
 
 With --evaluate WEIGHTS it trains nothing and writes nothing: it evaluates the
@@ -45,15 +45,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coordinator import policy, report
-from coordinator.records import Placement
-from coordinator.spec import JobSpec, load_spec
 from gpipe.contract import Cause
+from gpipe.coordinator import policy, report
+from gpipe.coordinator.records import Placement
+from gpipe.coordinator.spec import JobSpec, load_spec
 from gpipe.errors import EXIT_FAILED, GpipeError, JobFailed, SpecError, describe_os_error
 from gpipe.factory import enter_job_folder
 
 if TYPE_CHECKING:
-    from coordinator.plan import Plan
+    from gpipe.coordinator.plan import Plan
 
 
 def device_for(spec: JobSpec, device: str, rank: int) -> str:
@@ -95,11 +95,11 @@ def _placed(a: argparse.Namespace, spec: JobSpec) -> tuple[list[Placement], list
 
 def _auto(spec: JobSpec, a: argparse.Namespace, placement: list[Placement], out: Path,
           tell: report.Reporter) -> tuple[JobSpec, dict[str, Any] | None]:
-    """`spec` with its `auto` fields chosen (coordinator.planner.resolve), and the record plan.json keeps; a
+    """`spec` with its `auto` fields chosen (gpipe.coordinator.planner.resolve), and the record plan.json keeps; a
     resumed attempt takes the choice its job made before (plan.json's `auto`), so its micro-batches stay."""
     if not spec.auto:
         return spec, None
-    from coordinator import planner
+    from gpipe.coordinator import planner
 
     if a.resume:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -115,12 +115,12 @@ def _auto(spec: JobSpec, a: argparse.Namespace, placement: list[Placement], out:
 
 
 def _predict_step(plan: Plan, threads: int) -> None:
-    """plan.json's predicted step time: the auto choice's, or the job's own (coordinator.planner.predict_step);
+    """plan.json's predicted step time: the auto choice's, or the job's own (gpipe.coordinator.planner.predict_step);
     a prediction that fails stops nothing."""
     if plan.auto:
         plan.predicted_step_s = plan.auto["predicted_step_s"]
         return
-    from coordinator import planner
+    from gpipe.coordinator import planner
 
     try:
         plan.predicted_step_s, plan.predicted_step_missing = planner.predict_step(plan, threads)
@@ -171,9 +171,9 @@ def evaluate(a: argparse.Namespace, tell: report.Reporter) -> None:
     placement, devices = _placed(a, spec)
     import torch
 
-    from coordinator.driver import drive_eval
-    from coordinator.eval_weights import load_weights
-    from coordinator.plan import make_plan
+    from gpipe.coordinator.driver import drive_eval
+    from gpipe.coordinator.eval_weights import load_weights
+    from gpipe.coordinator.plan import make_plan
 
     # The model built whole, to hold the weights evaluated (not model.weights', which a job starts from).
     plan = make_plan(spec, Path(a.job_dir), "cpu", placement[0].threads, meta=False)  # the coordinator's CPU
@@ -194,10 +194,10 @@ PREEMPTED = threading.Event()  # SIGUSR1: stop at the next step boundary, with a
 
 
 def _shaped(a: argparse.Namespace, spec: JobSpec) -> JobSpec:
-    """The job at --stages x --replicas (a re-planned attempt: coordinator.elastic), or as its spec says."""
+    """The job at --stages x --replicas (a re-planned attempt: gpipe.coordinator.elastic), or as its spec says."""
     if a.stages is None and a.replicas is None:
         return spec
-    from coordinator.elastic import describe, shapes
+    from gpipe.coordinator.elastic import describe, shapes
 
     want = spec.topology_at(spec.stages if a.stages is None else a.stages,
                             spec.replicas if a.replicas is None else a.replicas)
@@ -214,14 +214,14 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     placement, devices = _placed(a, spec)
     import torch
 
-    from coordinator import checkpoint, prediction
-    from coordinator.board import Board
-    from coordinator.driver import drive
-    from coordinator.eval_weights import BEST, Best
-    from coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
-    from coordinator.outputs import prepare_output
-    from coordinator.plan import make_plan
-    from coordinator.resume import resume_parts
+    from gpipe.coordinator import checkpoint, prediction
+    from gpipe.coordinator.board import Board
+    from gpipe.coordinator.driver import drive
+    from gpipe.coordinator.eval_weights import BEST, Best
+    from gpipe.coordinator.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
+    from gpipe.coordinator.outputs import prepare_output
+    from gpipe.coordinator.plan import make_plan
+    from gpipe.coordinator.resume import resume_parts
     from gpipe.memory import map_apart, resident_peak_bytes
 
     resume = None
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     # Reports go to the stream that was stdout; from here on, anything printed goes to the log.
     tell = report.Reporter(os.fdopen(os.dup(1), "w"))
     os.dup2(2, 1)
-    p = argparse.ArgumentParser(prog="python -m coordinator.attempt")
+    p = argparse.ArgumentParser(prog="python -m gpipe.coordinator.attempt")
     p.add_argument("--spec", required=True)
     p.add_argument("--job-dir", required=True, help="the job file's folder (its modules are importable)")
     p.add_argument("--state-dir", required=True)

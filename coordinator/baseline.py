@@ -1,7 +1,7 @@
 """The runtime's own memory: what a worker's process holds before any weight or activation of its job.
 
 A worker's peak on the CPU is its process's resident peak, which starts at
-this: Python, torch and gpipe's modules (worker.agent.WORKER_PRELOAD), and what
+this: Python, torch and gpipe's modules (gpipe.worker.agent.WORKER_PRELOAD), and what
 the job's model brings before it holds any weight: the modules its factory
 imports (transformers: some 50 MiB) and, for a model that is not an
 nn.Sequential, its capture (gpipe.capture: the graphs, some 40 MiB for a
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.plan import Plan
+from gpipe.coordinator.plan import Plan
 from gpipe.files import atomic_write_json
 
 TIMEOUT_S = 180.0  # importing torch and the model's modules, and capturing it, on a loaded machine
@@ -64,7 +64,7 @@ def cache_file() -> Path:
 
 
 def _request(plan: Plan) -> dict[str, Any]:
-    from worker.agent import WORKER_PRELOAD
+    from gpipe.worker.agent import WORKER_PRELOAD
 
     m = plan.spec.model
     return {"preload": list(WORKER_PRELOAD), "import_paths": plan.import_paths, "factory": m.factory,
@@ -96,11 +96,11 @@ def measure(req: dict[str, Any]) -> int:
     """A fresh worker-like process's peak resident bytes (see the module's docstring); 0 where that cannot be
     read (no /proc) or the process fails."""
     from gpipe.proc import child_env
-    from worker.agent import MALLOC_ENV
+    from gpipe.worker.agent import MALLOC_ENV
 
     env = child_env(dict(os.environ, **MALLOC_ENV, OMP_NUM_THREADS="1"))
     try:
-        out = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req), env=env, capture_output=True,
+        out = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(req), env=env, capture_output=True,
                              text=True, timeout=TIMEOUT_S, check=True).stdout
         return int(out.split()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):

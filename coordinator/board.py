@@ -14,7 +14,7 @@ A resumed attempt runs again the steps after its checkpoint, and the
 evaluation due there. Its writer starts with a purge at the step it resumes
 from (SummaryWriter's `purge_step`): TensorBoard's readers then drop what
 earlier attempts wrote from that step on, so a curve neither doubles back nor
-holds a step twice. A fresh start drops the folder (coordinator.outputs).
+holds a step twice. A fresh start drops the folder (gpipe.coordinator.outputs).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from coordinator.metrics import EvalMetrics, StepMetrics
-from coordinator.outputs import TENSORBOARD
 from gpipe.contract import Cause
+from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
+from gpipe.coordinator.outputs import TENSORBOARD
 from gpipe.errors import JobFailed, describe_os_error
 
 # metrics.jsonl's fields that TensorBoard shows, under the same names.

@@ -20,7 +20,7 @@ tensor and without holding the GIL for the write, so training goes on while
 a checkpoint is written. They are read with the safetensors library.
 
 A stage's file may also come as a stream (StageStream: the header first, then
-the data's pieces as the stage hands them over, coordinator.streaming), written
+the data's pieces as the stage hands them over, gpipe.coordinator.streaming), written
 and hashed a piece at a time; and a loaded checkpoint keeps its tensors on disk
 (Shard) until they are read a piece at a time, so neither saving nor resuming
 holds a whole stage's state in this process.

@@ -37,13 +37,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
-from coordinator import corpus
+from gpipe.coordinator import corpus
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 
 if TYPE_CHECKING:
-    from coordinator.plan import Plan
-    from coordinator.pool import Limits
-    from coordinator.spec import JobSpec
+    from gpipe.coordinator.plan import Plan
+    from gpipe.coordinator.pool import Limits
+    from gpipe.coordinator.spec import JobSpec
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _knobs(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--set and --name: the job file's fields overridden (coordinator.overrides)."""
+    """--set and --name: the job file's fields overridden (gpipe.coordinator.overrides)."""
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="override a field of the job file before it is checked: a dotted path, a YAML value "
                         "(--set chunks=8 --set optimizer.lr=3e-4 --set 'data.args={n: 64}'); repeatable")
@@ -269,8 +269,8 @@ def _validate_gpus(spec: JobSpec) -> str:
     what was checked (or why not: no GPU here, where the job may well not run). '' on a CPU."""
     if spec.device != "cuda":
         return ""
-    from coordinator.run import too_few_gpus
-    from worker.device import probe
+    from gpipe.coordinator.run import too_few_gpus
+    from gpipe.worker.device import probe
 
     seen = probe()
     if not seen.gpus:
@@ -287,7 +287,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 def _pool_limits(args: argparse.Namespace) -> Limits:
     """serve's --max-workers and --starve-after-s (or their env), checked: SpecError names the one out of range."""
-    from coordinator import pool
+    from gpipe.coordinator import pool
 
     n = args.max_workers  # argparse has made an int of the flag or the env's text
     if n is not None and not 1 <= n <= pool.MAX_WORKERS:
@@ -300,10 +300,10 @@ def _pool_limits(args: argparse.Namespace) -> Limits:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
-    from coordinator.server import serve
-    from coordinator.submissions import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB
     from gpipe import grpcutil, net, proc
+    from gpipe.coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+    from gpipe.coordinator.server import serve
+    from gpipe.coordinator.submissions import MAX_VALIDATE_MEMORY_MIB, MIN_VALIDATE_MEMORY_MIB
 
     token = grpcutil.read_token(args.auth_token_file)
     worker_token = grpcutil.read_token(args.worker_token_file, "--worker-token-file", grpcutil.WORKER_TOKEN_ENV)
@@ -358,8 +358,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _client(args: argparse.Namespace) -> int:
-    from coordinator.client import Client
     from gpipe import grpcutil
+    from gpipe.coordinator.client import Client
     from gpipe.serde import MAX_PAGE_SIZE
 
     c = Client(args.coordinator, grpcutil.read_token(args.auth_token_file), args.tls_ca)
@@ -394,8 +394,8 @@ def _delete(args: argparse.Namespace) -> int:
                         "add --yes")
     if args.state_dir is None:
         return asyncio.run(_client(args))
-    from coordinator.outputs import delete_run_output
-    from coordinator.spec import NAME_RE
+    from gpipe.coordinator.outputs import delete_run_output
+    from gpipe.coordinator.spec import NAME_RE
 
     if not NAME_RE.fullmatch(args.name):
         raise SpecError(f"name: {args.name!r} is not a job name")
@@ -408,7 +408,7 @@ def _eval(spec: JobSpec, text: str | None, args: argparse.Namespace) -> int:
     """The eval verb: the loss of a weights file on the spec's eval data; bad input is SpecError (exit 2)."""
     import json
 
-    from coordinator.run import eval_local
+    from gpipe.coordinator.run import eval_local
 
     if spec.eval is None:
         raise SpecError(f"{args.job}: eval: the job has no eval section to evaluate on")
@@ -430,8 +430,8 @@ def _eval(spec: JobSpec, text: str | None, args: argparse.Namespace) -> int:
 
 
 def _predicted_lines(plan: Plan) -> list[str]:
-    """Each worker's predicted peak memory (coordinator.prediction; docs/memory.md), a line a rank."""
-    from coordinator import baseline, prediction
+    """Each worker's predicted peak memory (gpipe.coordinator.prediction; docs/memory.md), a line a rank."""
+    from gpipe.coordinator import baseline, prediction
 
     top = plan.spec.topology
     predicted = prediction.predictions(plan, [plan.spec.device] * top.world,
@@ -455,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Imported here so that `--help` and flag errors answer at once.
-    from coordinator.overrides import apply
-    from coordinator.run import run_local
-    from coordinator.spec import parse_spec, read_spec_text
+    from gpipe.coordinator.overrides import apply
+    from gpipe.coordinator.run import run_local
+    from gpipe.coordinator.spec import parse_spec, read_spec_text
 
     try:
         if args.command == "serve":
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tokenize":
             return corpus.main(args)
         if args.command == "timeline":
-            from coordinator import timeline
+            from gpipe.coordinator import timeline
 
             trace, png = timeline.write(Path(args.job_dir), args.step)
             print(f"{trace}\n{png}")
@@ -482,11 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _eval(spec, text, args)
         if args.command == "plan":
-            from coordinator import planner
+            from gpipe.coordinator import planner
 
             return planner.main(args, spec, overridden, job_dir)
         if args.command == "validate":
-            from coordinator.plan import make_plan
+            from gpipe.coordinator.plan import make_plan
             from gpipe.factory import enter_job_folder
 
             gpus = "" if args.skip_gpu_check else _validate_gpus(spec)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from coordinator.progress import Follower, Progress
 from gpipe import grpcutil, serde
+from gpipe.coordinator.progress import Follower, Progress
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
 from gpipe.job_records import JobState
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
@@ -23,7 +23,7 @@ from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
-    from coordinator.spec import JobSpec
+    from gpipe.coordinator.spec import JobSpec
 
 EXIT_STOPPED = 3
 EXIT_BY_STATE = {JobState.SUCCEEDED: EXIT_OK, JobState.FAILED: EXIT_FAILED, JobState.STOPPED: EXIT_STOPPED}
@@ -62,10 +62,10 @@ class Client:
                      attach: bool = False, overrides: tuple[list[str], str | None] = ([], None)) -> int:
         """Send the job with its code: the folder of its job file (or its working_dir), packed (gpipe.code_archive).
         With `attach`, a job of that name with this very spec and code is followed, not refused. `overrides`: the
-        --set items and --name, applied to the job file's text (coordinator.overrides): the spec sent."""
-        from coordinator.overrides import apply
-        from coordinator.spec import parse_spec, read_spec_text
+        --set items and --name, applied to the job file's text (gpipe.coordinator.overrides): the spec sent."""
         from gpipe import code_archive
+        from gpipe.coordinator.overrides import apply
+        from gpipe.coordinator.spec import parse_spec, read_spec_text
 
         text = apply(read_spec_text(path), *overrides, path)  # SpecError: unreadable, not UTF-8, too big, bad --set
         spec = parse_spec(text, source=path)  # what to pack; serve checks the spec again
@@ -220,9 +220,9 @@ class Client:
         return EXIT_OK
 
     async def logs(self, name: str, follow: bool, as_json: bool = False) -> int:
-        """The job's log so far (coordinator.logview), on stdout; with `follow`, live until the job ends,
+        """The job's log so far (gpipe.coordinator.logview), on stdout; with `follow`, live until the job ends,
         and the exit code follows its final state."""
-        from coordinator import logview
+        from gpipe.coordinator import logview
 
         job = serde.job_from_pb(await self.call("GetJob", jobs_pb2.GetJobRequest(name=name)))
         # serve ends the stream once the job has ended; a running job's, only with --follow.
@@ -258,7 +258,7 @@ class Client:
 
 
 def _spec(spec_yaml: str) -> JobSpec | None:
-    from coordinator.spec import parse_spec
+    from gpipe.coordinator.spec import parse_spec
 
     try:
         return parse_spec(spec_yaml)

@@ -7,8 +7,8 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from coordinator.plan import Plan
 from gpipe.contract import StageConfig
+from gpipe.coordinator.plan import Plan
 
 # Every JobSpec field is one of three kinds (stage_config checks, so that a new one cannot be forgotten):
 # copied to the StageConfig field of the same name,
@@ -35,7 +35,7 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
     spec = plan.spec
     unknown = set(type(spec).model_fields) - {*SAME_AS_SPEC, *DERIVED_FROM_SPEC, *COORDINATOR_ONLY}
     if unknown:
-        raise TypeError(f"JobSpec.{sorted(unknown)[0]}: say in coordinator.configs whether a stage needs it")
+        raise TypeError(f"JobSpec.{sorted(unknown)[0]}: say in gpipe.coordinator.configs whether a stage needs it")
     start, end = plan.bounds[model_chunk]
     evals = plan.eval_schedule()
     first = replica == 0  # replica 0 alone evaluates: the other replicas' stages queue no eval batches

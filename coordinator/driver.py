@@ -1,15 +1,15 @@
 """The driver of one job attempt (a Run): its stages' handles, from building to the last step.
 
-Per step it sends one call through each stage's handle (coordinator.handle:
+Per step it sends one call through each stage's handle (gpipe.coordinator.handle:
 to each replica's first stage the inputs of its shard, to its last stage the
 targets, the LR to all) and gets one answer back from each, so control costs
 O(workers) messages per step, and activations never pass through here. Steps
 s+1 ... s+read_ahead-1 (the spec's data.read_ahead, 2 by default) are read and
 sent while step s runs, so the first stage never waits for its inputs.
-The handles reach the stages over torch RPC (coordinator.rpcworld: the service
+The handles reach the stages over torch RPC (gpipe.coordinator.rpcworld: the service
 and `run`) or in this process (LocalStage: tests).
 
-Every wait has a deadline and names what it waited for (coordinator.watch).
+Every wait has a deadline and names what it waited for (gpipe.coordinator.watch).
 Watching the worker processes is the supervisor's part: it kills this attempt
 when one dies.
 """
@@ -28,17 +28,17 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import save_file
 
-from coordinator import checkpoint, streaming, timeline
-from coordinator.data import DataStream
-from coordinator.handle import Future, StageHandle
-from coordinator.lr import lr_at
-from coordinator.metrics import EvalMetrics, OnEval, StepMetrics, step_metrics, step_span
-from coordinator.plan import Plan
-from coordinator.resume import checkpoint_meta, resume_parts, weight_parts
-from coordinator.rpcworld import RpcWorld
-from coordinator.watch import Watch
 from gpipe import stream
 from gpipe.contract import Cause, EvalResult, StageError, StepResult, blamed
+from gpipe.coordinator import checkpoint, streaming, timeline
+from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.handle import Future, StageHandle
+from gpipe.coordinator.lr import lr_at
+from gpipe.coordinator.metrics import EvalMetrics, OnEval, StepMetrics, step_metrics, step_span
+from gpipe.coordinator.plan import Plan
+from gpipe.coordinator.resume import checkpoint_meta, resume_parts, weight_parts
+from gpipe.coordinator.rpcworld import RpcWorld
+from gpipe.coordinator.watch import Watch
 from gpipe.errors import JobFailed, SpecError, describe_os_error
 from gpipe.files import atomic_write
 from gpipe.show import first_line
@@ -129,7 +129,7 @@ class Run:
 
     def build(self, stages: list[StageHandle], resume: checkpoint.Loaded | None = None) -> dict[int, dict[str, Any]]:
         """Send each created stage (by rank) its weights (init exact) or, resuming, its slice of the checkpoint,
-        in pieces (coordinator.streaming), and start them all.
+        in pieces (gpipe.coordinator.streaming), and start them all.
 
         Every replica's copy of stage k starts from the same state. Returns each worker's figures (parameters,
         pid, threads), by rank, once all are built.

@@ -14,7 +14,7 @@ taking the first that fits (replicas x stages workers)::
 
 Every shape trains on the same micro-batches as the spec's: replicas x chunks
 is kept (a replica that goes takes its micro-batches to the others, in the
-same order: coordinator.data), and a shape whose cut of the batch would
+same order: gpipe.coordinator.data), and a shape whose cut of the batch would
 differ (a batch that does not split evenly) is passed over. So the weights
 are those of one uninterrupted run.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TypeVar
 
-from coordinator.spec import MAX_CHUNKS, JobSpec
+from gpipe.coordinator.spec import MAX_CHUNKS, JobSpec
 from gpipe.topology import Topology
 
 W = TypeVar("W")
@@ -42,7 +42,7 @@ def _split(n: int, parts: int) -> list[int]:
 
 
 def micro_batch_sizes(batch: int, replicas: int, chunks: int) -> list[int]:
-    """The sizes of a step's replicas x chunks micro-batches, in order (coordinator.data's cut)."""
+    """The sizes of a step's replicas x chunks micro-batches, in order (gpipe.coordinator.data's cut)."""
     return [m for shard in _split(batch, replicas) for m in _split(shard, chunks)]
 
 

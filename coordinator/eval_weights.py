@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from coordinator.driver import save_weights
-from coordinator.metrics import EvalMetrics
-from coordinator.resume import check_fits
+from gpipe.coordinator.driver import save_weights
+from gpipe.coordinator.metrics import EvalMetrics
+from gpipe.coordinator.resume import check_fits
 from gpipe.errors import SpecError
 from gpipe.files import atomic_write_json
 

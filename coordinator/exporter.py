@@ -37,8 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.records import Entry
-from coordinator.supervisor import Supervisor
+from gpipe.coordinator.records import Entry
+from gpipe.coordinator.supervisor import Supervisor
 from gpipe.errors import SpecError
 from gpipe.job_records import JobState
 
@@ -90,7 +90,7 @@ class JobsCollector(Collector):
         yield from self._workers()
 
     def _queue(self) -> Iterator[Metric]:
-        """The pool's queue (coordinator.pool): jobs waiting for workers by priority, and how long each has."""
+        """The pool's queue (gpipe.coordinator.pool): jobs waiting for workers by priority, and how long each has."""
         waiting = [e for e in self.sup.jobs.values() if e.record.state in QUEUED and e.spec is not None
                    and e.record.name not in self.sup.attempts]
         by_priority = GaugeMetricFamily("gpipe_queue_jobs", "Jobs waiting for workers (pending, restarting, "
@@ -177,7 +177,7 @@ def _last_metrics(e: Entry) -> dict[str, Any] | None:
 def _committed_at(out: Path, step: int) -> float | None:
     """When the checkpoint after `step` steps of the job whose outputs are in `out` was committed (its
     manifest's mtime); None if it is gone."""
-    from coordinator import checkpoint  # torch: serve has it already
+    from gpipe.coordinator import checkpoint  # torch: serve has it already
 
     with contextlib.suppress(OSError):
         return (checkpoint.step_dir(checkpoint.folder(out), step) / checkpoint.MANIFEST).stat().st_mtime

@@ -1,9 +1,9 @@
 """The driver's end of a stage (a handle): build it, step it, evaluate, pull its snapshot, ask what it does.
 
 Every call answers with a torch future, completed with what the stage's
-server (worker.stage_server.StageServer) returned: its figures, a StepResult,
+server (gpipe.worker.stage_server.StageServer) returned: its figures, a StepResult,
 an EvalResult, a piece of its state, or the StageError it failed with. The
-driver (coordinator.driver) waits on them under its own deadlines, whatever
+driver (gpipe.coordinator.driver) waits on them under its own deadlines, whatever
 runs the stage:
 
 - `RRefStage`: a StageServer on a worker, through its RRef (torch RPC): the
@@ -26,8 +26,8 @@ from gpipe.stream import Piece
 if TYPE_CHECKING:
     import torch.distributed.rpc as rpc
 
-    from coordinator.plan import Plan
-    from worker.stage_server import StageServer
+    from gpipe.coordinator.plan import Plan
+    from gpipe.worker.stage_server import StageServer
 
 Future = torch.futures.Future[Any]
 
@@ -143,11 +143,11 @@ def local_stages(plan: Plan, first_step: int = 0, device: str = "cpu") -> list[S
     What `run` and the service run in worker processes over torch RPC and c10d, without them: the same
     stage servers, the same driver (tests; close them with StageServer.close_all()).
     """
-    from coordinator.configs import stage_config
+    from gpipe.coordinator.configs import stage_config
     from gpipe.rng import SharedGenerators
     from gpipe.transport import Hub
     from gpipe.turns import Turns
-    from worker.stage_server import StageServer
+    from gpipe.worker.stage_server import StageServer
 
     spec, workers = plan.spec, plan.spec.topology
     slots = workers.model_chunks()  # a stage per model chunk; with virtual stages, a worker's take turns

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.outputs import delete_output
-from coordinator.spec import NAME_RE
-from coordinator.submissions import (
+from gpipe import code_archive, serde
+from gpipe.coordinator.outputs import delete_output
+from gpipe.coordinator.spec import NAME_RE
+from gpipe.coordinator.submissions import (
     Busy,
     Coordinator,
     DiskError,
@@ -20,7 +21,6 @@ from coordinator.submissions import (
     Stopping,
     until_stopping,
 )
-from gpipe import code_archive, serde
 from gpipe.errors import SpecError, describe_os_error
 from gpipe.grpcutil import Context
 from gpipe.job_records import JobRecord

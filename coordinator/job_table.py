@@ -8,10 +8,10 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from coordinator.records import EVENT_WINDOW
-from coordinator.spec import NAME_RE, parse_spec
-from coordinator.supervisor import Supervisor
 from gpipe import code_archive, job_records
+from gpipe.coordinator.records import EVENT_WINDOW
+from gpipe.coordinator.spec import NAME_RE, parse_spec
+from gpipe.coordinator.supervisor import Supervisor
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
 from gpipe.files import atomic_write_json
 from gpipe.job_records import JobRecord, JobState, StateChange

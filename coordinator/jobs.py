@@ -7,11 +7,11 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
-from coordinator import pool, report
-from coordinator.records import Attempt, Clock, Entry, Launcher, Store, Worker
-from coordinator.spec import JobSpec
 from gpipe import job_records
 from gpipe.contract import Cause
+from gpipe.coordinator import pool, report
+from gpipe.coordinator.records import Attempt, Clock, Entry, Launcher, Store, Worker
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import EXIT_FAILED, describe_os_error
 from gpipe.job_records import JobRecord, JobState, StateChange
 
@@ -24,7 +24,7 @@ def newest_committed(out: Path) -> int:
     """The newest step of the job whose outputs are in `out` with a checkpoint manifest in place (0: none);
     the attempt verifies it."""
     # Imported here: it brings torch, which only a restarted serve's first look needs.
-    from coordinator import checkpoint
+    from gpipe.coordinator import checkpoint
 
     with contextlib.suppress(OSError):
         return max(checkpoint.committed(checkpoint.folder(out)), default=0)

@@ -1,4 +1,4 @@
-"""Attempt processes: `python -m coordinator.attempt`, one per attempt, read through typed reports.
+"""Attempt processes: `python -m gpipe.coordinator.attempt`, one per attempt, read through typed reports.
 
 Each attempt gets a fresh process, so a fresh RPC world and rendezvous: one
 that saw a failure is never reused. It dies with its parent (gpipe.proc), and
@@ -17,15 +17,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from coordinator import report
-from coordinator.records import Launch
+from gpipe.coordinator import report
+from gpipe.coordinator.records import Launch
 from gpipe.proc import child_env, last_error_line
 from gpipe.zygote import Child, Template
 
 # What the coordinator's attempt processes import (gpipe.zygote's template imports it once): no optimizer, so
 # not torch._dynamo (the workers' half of a template's start).
-COORDINATOR_PRELOAD = ("torch.distributed.rpc", "coordinator.attempt", "coordinator.driver",
-                       "coordinator.board")
+COORDINATOR_PRELOAD = ("torch.distributed.rpc", "gpipe.coordinator.attempt", "gpipe.coordinator.driver",
+                       "gpipe.coordinator.board")
 REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
 
 
@@ -49,7 +49,7 @@ class AttemptProcess:
         return self.proc.returncode is not None and (self.proc.stdout is None or self.proc.stdout.at_eof())
 
     def preempt(self) -> None:
-        """SIGUSR1: stop at the next step boundary, with a checkpoint (coordinator.attempt)."""
+        """SIGUSR1: stop at the next step boundary, with a checkpoint (gpipe.coordinator.attempt)."""
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGUSR1)
@@ -98,11 +98,11 @@ class ProcessLauncher:
             args += ["--stages", str(launch.topology.stages), "--replicas", str(launch.topology.replicas)]
         proc: Child
         if self.template is not None:
-            proc = await self.template.spawn("coordinator.attempt", args, child_env(dict(os.environ)),
+            proc = await self.template.spawn("gpipe.coordinator.attempt", args, child_env(dict(os.environ)),
                                              stdout=True, limit=REPORT_LINE_LIMIT)
         else:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "coordinator.attempt", *args, stdin=asyncio.subprocess.DEVNULL,
+                sys.executable, "-P", "-m", "gpipe.coordinator.attempt", *args, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, start_new_session=True, env=child_env(dict(os.environ)),
                 limit=REPORT_LINE_LIMIT)
         self.started = [a for a in self.started if not a.reaped()]

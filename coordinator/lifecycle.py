@@ -7,9 +7,9 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator import elastic, policy, report
-from coordinator.records import Attempt, Entry, Launch, Placement, describe_exit, final_loss
-from coordinator.reshape import Reshape, shape_change
+from gpipe.coordinator import elastic, policy, report
+from gpipe.coordinator.records import Attempt, Entry, Launch, Placement, describe_exit, final_loss
+from gpipe.coordinator.reshape import Reshape, shape_change
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from gpipe.job_records import Abort, JobState, Join
 
@@ -131,7 +131,7 @@ class Lifecycle(Reshape):
             self._failed(e, attempt, end.reported, end.code)
 
     def _failed(self, e: Entry, attempt: Attempt, reported: report.Failed | None, code: int) -> None:
-        """Restart the job, or fail it, as coordinator.policy decides from the failure's fields."""
+        """Restart the job, or fail it, as gpipe.coordinator.policy decides from the failure's fields."""
         job, spec = e.record, e.job_spec
         bad_input = policy.bad_input(reported, code)
         if attempt.failure is not None and not bad_input:

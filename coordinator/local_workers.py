@@ -14,12 +14,12 @@ import contextlib
 import socket
 from pathlib import Path
 
-from coordinator.registry import HEARTBEAT_INTERVAL_S
-from coordinator.supervisor import Supervisor
+from gpipe.coordinator.registry import HEARTBEAT_INTERVAL_S
+from gpipe.coordinator.supervisor import Supervisor
 from gpipe.job_records import Join
+from gpipe.worker.agent import Agent
+from gpipe.worker.device import Gpu
 from gpipe.zygote import Template
-from worker.agent import Agent
-from worker.device import Gpu
 
 
 class LocalWorker:
@@ -28,7 +28,7 @@ class LocalWorker:
                  env: dict[str, str] | None = None):
         """A worker for `rank`, pinned to `cores`, its attempts' output going to `log`, their processes forked
         from `template` if given. On a GPU: `device` cuda:0, the one GPU `env`'s CUDA_VISIBLE_DEVICES leaves its
-        attempt processes, `gpu` (coordinator.run.gpu_envs)."""
+        attempt processes, `gpu` (gpipe.coordinator.run.gpu_envs)."""
         self.sup, self.rank, self.host, self.device, self.log, self.gpu = sup, rank, host, device, log, gpu
         self.agent = Agent(host, cores, threads, on_change=self.beat, template=template, env=env)
         self.worker_id = ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from coordinator.spec import CosineLR, JobSpec, LinearLR, StepLR, WsdLR
+from gpipe.coordinator.spec import CosineLR, JobSpec, LinearLR, StepLR, WsdLR
 
 # The wsd decay's curves: progress through the decay (0, 1] to the share of (lr - floor) left.
 DECAY_SHAPES: dict[str, Callable[[float], float]] = {

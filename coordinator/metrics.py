@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from coordinator.lr import lr_at
-from coordinator.plan import Plan
-from coordinator.spec import JobSpec
 from gpipe import schedule
 from gpipe.contract import Cause, StepResult
+from gpipe.coordinator.lr import lr_at
+from gpipe.coordinator.plan import Plan
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import JobFailed, describe_os_error
 from gpipe.files import atomic_write_json
 from gpipe.memory_model import Prediction
@@ -159,7 +159,7 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
                predicted: Sequence[Prediction] | None = None, missing: str = "") -> None:
     """plan.json: the balance, what it was chosen by, where each stage (model chunk) runs (replica 0's copy),
     and every worker by rank: its replica, stage, model chunks, placement (`placement`, by rank) and predicted
-    peak memory (`predicted`, by rank: coordinator.prediction; without it, why: `missing`, else the plan's)."""
+    peak memory (`predicted`, by rank: gpipe.coordinator.prediction; without it, why: `missing`, else the plan's)."""
     spec, top = plan.spec, plan.spec.topology
     slots = top.model_chunks()
     held: dict[int, list[int]] = {}  # rank -> the model chunks it holds

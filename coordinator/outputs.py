@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpipe.errors import SpecError
 
-TENSORBOARD = "tensorboard"  # a job's TensorBoard scalars (coordinator.board), in its output folder
+TENSORBOARD = "tensorboard"  # a job's TensorBoard scalars (gpipe.coordinator.board), in its output folder
 
 
 def prepare_output(spec_name: str, state_dir: Path, fresh: bool) -> Path:

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from coordinator import boundedyaml
-from coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES
+from gpipe.coordinator import boundedyaml
+from gpipe.coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES
 from gpipe.errors import SpecError
 
 # A number YAML 1.1 reads as text (3e-4: no dot before the exponent), which YAML 1.2 and the command line mean

@@ -16,9 +16,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from coordinator.data import DataStream, EvalStream
-from coordinator.pretrained import Pretrained, match, open_weights
-from coordinator.spec import JobSpec
 from gpipe import (
     balance,
     batchnorm,
@@ -31,6 +28,9 @@ from gpipe import (
     skeleton,
     weight_init,
 )
+from gpipe.coordinator.data import DataStream, EvalStream
+from gpipe.coordinator.pretrained import Pretrained, match, open_weights
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
@@ -58,8 +58,8 @@ class Plan:
     captured: capture.Captured | None = None  # a model that is not an nn.Sequential: its pieces are `model`
     sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
     original: nn.Module | None = None  # then: the model as the factory returned it
-    auto: dict[str, Any] | None = None  # the spec's auto values as chosen (coordinator.planner.resolve): plan.json
-    predicted_step_s: float | None = None  # the step time predicted (coordinator.planner.predict_step)
+    auto: dict[str, Any] | None = None  # the spec's auto values as chosen (gpipe.coordinator.planner.resolve): plan.json
+    predicted_step_s: float | None = None  # the step time predicted (gpipe.coordinator.planner.predict_step)
     predicted_step_missing: str = ""  # why not, when it is None
     weights: Pretrained | None = None  # model.weights: the pretrained checkpoint the stages start from
     weights_at: dict[str, tuple[int, str]] = field(default_factory=dict)  # model name -> (its file, name there)
@@ -68,7 +68,7 @@ class Plan:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     on_meta: bool = False  # whether `model` was built on the meta device (it then holds no weights)
     # What each layer keeps for its backward, measured on the first micro-batch (gpipe.footprint): the memory
-    # balance and each worker's predicted peak (coordinator.prediction) read it. None without, and why.
+    # balance and each worker's predicted peak (gpipe.coordinator.prediction) read it. None without, and why.
     footprint: footprint.Footprint | None = None
     footprint_missing: str = ""
     state_slots: int = 0  # the optimizer's state tensors per parameter (gpipe.optim_check measures one by import path)
@@ -126,7 +126,7 @@ class Plan:
         return [(keys, cuts.holders(keys, self.balance)) for keys in self.captured.tied]
 
     def eval_stream(self) -> EvalStream:
-        """The job's evaluation data (coordinator.data); only for a job with an eval section."""
+        """The job's evaluation data (gpipe.coordinator.data); only for a job with an eval section."""
         e = self.spec.eval
         assert e is not None and self.eval_dataset is not None
         return EvalStream(self.eval_dataset, e.data.batch_size, self.spec.chunks, e.batches, self.eval_collate)
@@ -141,7 +141,7 @@ class Plan:
         return EvalSchedule(e.every, self.eval_stream().batches, self.spec.steps)
 
     def stream(self) -> DataStream:
-        """The job's data stream (coordinator.data)."""
+        """The job's data stream (gpipe.coordinator.data)."""
         d = self.spec.data
         return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate,
                           self.spec.replicas)

@@ -2,7 +2,7 @@
 
 One measurement, then a search over arithmetic:
 
-1. The job's plan (coordinator.plan.make_plan: the model, captured and cut at
+1. The job's plan (gpipe.coordinator.plan.make_plan: the model, captured and cut at
    its blocks when it is no nn.Sequential, its data, the probe's footprint of
    what each layer keeps) and each layer's costs (gpipe.costs: forward, a
    split backward's B and W, a plain backward, as lines in the micro-batch
@@ -23,7 +23,7 @@ One measurement, then a search over arithmetic:
    bandwidth) on the sender, plus at each worker's step end its layers'
    optimizer step and, with replicas, the gradients' all-reduce (`all_reduce`)
    and the sharded optimizer's gather (`gather`). Its peak per worker:
-   coordinator.prediction (gpipe.memory_model).
+   gpipe.coordinator.prediction (gpipe.memory_model).
 4. Those whose every worker fits the budget, fastest first.
 
 Transfers between stages and the per-action overhead are constants per
@@ -46,12 +46,12 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from coordinator import baseline, prediction
-from coordinator.metrics import step_waits
-from coordinator.plan import Plan, make_plan, optimizer_slots
-from coordinator.spec import JobSpec
 from gpipe import balance as balancing
 from gpipe import costs, costs_together, cuts, optim, schedule
+from gpipe.coordinator import baseline, prediction
+from gpipe.coordinator.metrics import step_waits
+from gpipe.coordinator.plan import Plan, make_plan, optimizer_slots
+from gpipe.coordinator.spec import JobSpec
 from gpipe.costs import LayerCosts
 from gpipe.costs_together import Collectives
 from gpipe.errors import SpecError
@@ -191,7 +191,7 @@ def _spec_of(base: JobSpec, c: Config) -> JobSpec | None:
 
 
 def _sizes(batch: int, replicas: int, chunks: int) -> list[int]:
-    """A replica's micro-batch sizes (coordinator.data cuts a batch so, the first ones one larger)."""
+    """A replica's micro-batch sizes (gpipe.coordinator.data cuts a batch so, the first ones one larger)."""
     per = batch // replicas
     return [per // chunks + (1 if i < per % chunks else 0) for i in range(chunks)]
 
@@ -273,7 +273,7 @@ def _ring(replicas: int) -> float:
 
 
 def all_reduce(link: Link, device: str, nbytes: int, replicas: int, measured: Collectives | None = None) -> float:
-    """Seconds the replicas' sum of `nbytes` of gradients adds to a worker's step (worker.reducer: buckets of
+    """Seconds the replicas' sum of `nbytes` of gradients adds to a worker's step (gpipe.worker.reducer: buckets of
     BUCKET_BYTES, each flattened and all-reduced during the step's last backward once its gradients are final).
     On the CPU gloo sums on the worker's own cores: as `measured` (gpipe.costs_together, scaled to `replicas`
     ranks), each bucket but the last at what it adds beside computation, the last whole; else all of it by the
@@ -300,7 +300,7 @@ def gather(link: Link, nbytes: int, replicas: int, measured: Collectives | None 
 
 
 def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
-    """Each worker's predicted peak bytes under `c` (coordinator.prediction); None without a footprint."""
+    """Each worker's predicted peak bytes under `c` (gpipe.coordinator.prediction); None without a footprint."""
     plan = dataclasses.replace(m.plan, spec=spec, balance=list(c.balance))
     device = "cuda:0" if m.device == "cuda" else "cpu"
     got = prediction.predictions(plan, [device] * spec.topology.world, lambda _d: m.baseline_bytes)
@@ -441,7 +441,7 @@ def _measure_cpu(plan: Plan, sample: Any, workers: int, threads: int | None, siz
     to a worker's cores (gpipe.costs_together; one worker's cores at most once), and the collectives among them.
     Where those processes cannot run (the job's code not importable in a fresh interpreter), the layers
     measured here alone, and said so."""
-    from worker.cores import split_cores, threads_for
+    from gpipe.worker.cores import split_cores, threads_for
 
     sets = list({tuple(c): None for c in split_cores(workers)})  # workers that share a core: that core once
     counts = [threads or threads_for(list(c)) for c in sets]
@@ -528,8 +528,8 @@ def refusal(over: Sequence[Candidate], budget: int, field: str = "--memory-gib")
 
 
 def written(text: str, source: str, c: Config) -> str:
-    """The job file's text with configuration `c` filled in (coordinator.overrides: the rest as it was)."""
-    from coordinator.overrides import apply
+    """The job file's text with configuration `c` filled in (gpipe.coordinator.overrides: the rest as it was)."""
+    from gpipe.coordinator.overrides import apply
 
     sets = [f"{k}={json.dumps(v)}" for k, v in c.overrides().items()]
     if "split_points" in text:
@@ -539,7 +539,7 @@ def written(text: str, source: str, c: Config) -> str:
 
 def main(args: Any, spec: JobSpec, text: str, job_dir: Path) -> int:
     """`gpipe-coordinator plan`: the table (or --json's list as the last line), and --write's file."""
-    from coordinator.spec import parse_spec
+    from gpipe.coordinator.spec import parse_spec
     from gpipe.factory import enter_job_folder
 
     if not 1 <= args.workers <= MAX_WORKERS:

@@ -1,8 +1,8 @@
 """Whether a failed or waiting job restarts, fails or shrinks: the one place that decides, from typed causes.
 
-The supervisor (coordinator.supervisor) asks here after every failed attempt,
+The supervisor (gpipe.coordinator.supervisor) asks here after every failed attempt,
 and for every job whose workers stay away; the attempt process asks here
-whether an OSError is the disk's (coordinator.attempt). Every decision reads
+whether an OSError is the disk's (gpipe.coordinator.attempt). Every decision reads
 the failure's fields (report.Failed: its cause, exit code, rank and step),
 never its message:
 
@@ -29,9 +29,9 @@ import errno
 from dataclasses import dataclass
 from enum import StrEnum
 
-from coordinator import report
-from coordinator.spec import JobSpec
 from gpipe.contract import Cause, StageError
+from gpipe.coordinator import report
+from gpipe.coordinator.spec import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
@@ -95,7 +95,7 @@ def after_failure(failure: report.Failed, bad: bool, last: StageError | None, re
 def when_away(spec: JobSpec, preempted: bool, waited: float, yielded: bool = False) -> tuple[Action, ...]:
     """What to try, in order, for a job that has waited `waited` s for its workers: nothing yet; SHRINK (elastic),
     where it fits; FAIL, for a restarting job whose ranks stayed away past restart_timeout_s. `yielded`: it was
-    preempted for a job of higher priority (coordinator.pool), which holds its workers: an elastic one shrinks
+    preempted for a job of higher priority (gpipe.coordinator.pool), which holds its workers: an elastic one shrinks
     at once."""
     if yielded and preempted and spec.elastic is not None:
         return (Action.SHRINK,)

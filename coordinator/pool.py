@@ -1,5 +1,5 @@
 """The shared pool's policy: which waiting jobs start, on which workers, and which running jobs a waiting one
-preempts. The one place that decides; the supervisor (coordinator.supervisor) carries it out.
+preempts. The one place that decides; the supervisor (gpipe.coordinator.supervisor) carries it out.
 
 - **Gang placement.** A job starts when the pool has an idle worker for every one of its slots (stages x
   replicas) at once, never a part of them; two jobs never share a worker. It takes the workers it ran on
@@ -15,7 +15,7 @@ preempts. The one place that decides; the supervisor (coordinator.supervisor) ca
   newest. They checkpoint at their next step boundary, as on SIGTERM, wait PREEMPTED (no restart counted)
   and start again, by the same rules, once workers are free. Workers being freed that way are counted for
   the job they were freed for: it preempts no more than it needs, and nothing after it takes them. An elastic
-  victim resumes at once on the idle workers left, on fewer stages (coordinator.policy.when_away).
+  victim resumes at once on the idle workers left, on fewer stages (gpipe.coordinator.policy.when_away).
 - **A job that can never fit.** With the pool's size known (`serve --max-workers N`: its workers are ranks
   0 .. N-1), a job needing more workers than that is refused at submit (`never_fits`). Without it the pool may
   grow (workers join at any time), so such a job waits, saying how many workers it needs and how many are

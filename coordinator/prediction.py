@@ -13,16 +13,16 @@ from typing import Any
 
 from torch import nn
 
-from coordinator import baseline
-from coordinator.plan import Plan
 from gpipe import grad_in_place, schedule, structure
+from gpipe.coordinator import baseline
+from gpipe.coordinator.plan import Plan
 from gpipe.footprint import Footprint, Line
 from gpipe.memory_model import ChunkMemory, Prediction, Setting, checkpointing, predict
 from gpipe.topology import model_chunk
-from worker.agent import MALLOC_ENV
+from gpipe.worker.agent import MALLOC_ENV
 
 # On the CPU a worker's peak is its process's resident peak, and glibc's heaps keep what a step frees (a worker
-# never trims them: worker.agent's MALLOC_TRIM_THRESHOLD_); each micro-batch's backward makes its weights'
+# never trims them: gpipe.worker.agent's MALLOC_TRIM_THRESHOLD_); each micro-batch's backward makes its weights'
 # gradients before adding them into .grad, and those blocks, freed between the activations' smaller ones, leave
 # the heap larger than what is alive. bench/memory_model.py measured it at 2 to 4 times the gradients' bytes
 # on the one thread that runs a worker's actions (gpipe.turns; the same in a plain torch loop); this is the middle.
@@ -60,7 +60,7 @@ def _bytes(value: Any) -> int:
 
 def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int]) -> list[Prediction] | None:
     """Per rank, its predicted peak (gpipe.memory_model); None without a footprint (probe: false).
-    `devices`: each rank's device; `runtime(device)`: the runtime's own bytes there (coordinator.baseline)."""
+    `devices`: each rank's device; `runtime(device)`: the runtime's own bytes there (gpipe.coordinator.baseline)."""
     fp = plan.footprint
     if fp is None:
         return None
@@ -92,7 +92,7 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
 
 class Announced:
     """An attempt's predictions, written (`write`: plan.json's workers, with why none when none) and logged
-    (`log`): at once where this host's baseline is known (coordinator.baseline's cache), else once a thread has
+    (`log`): at once where this host's baseline is known (gpipe.coordinator.baseline's cache), else once a thread has
     measured it, a few seconds on, the job running meanwhile. `finish` waits for that thread."""
 
     def __init__(self, plan: Plan, devices: Sequence[str],
@@ -109,7 +109,7 @@ class Announced:
         if self.predicted is None or not unknown:
             self._announce()
             return
-        write(None, "measuring this host's baseline (coordinator.baseline)")
+        write(None, "measuring this host's baseline (gpipe.coordinator.baseline)")
         self._thread = threading.Thread(target=self._measure, args=(unknown,), name="baseline", daemon=True)
         self._thread.start()
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator import report
-from coordinator.records import Attempt, Entry
-from coordinator.registry import Registry
+from gpipe.coordinator import report
+from gpipe.coordinator.records import Attempt, Entry
+from gpipe.coordinator.registry import Registry
 from gpipe.job_records import JobState
 
 

@@ -3,7 +3,7 @@ model.safetensors.index.json, as Hugging Face's save_pretrained and our own mode
 
 Only the files' headers are read here (each file is also opened once with safetensors' safe_open, which checks
 its header against its size); a tensor's bytes are read when a stage is sent them, a piece at a time
-(coordinator.streaming), so neither this process nor a stage holds more than its own tensors. Names are the
+(gpipe.coordinator.streaming), so neither this process nor a stage holds more than its own tensors. Names are the
 model's own: a captured model's (gpipe.capture: what `model.safetensors` holds, an HF checkpoint's) or an
 nn.Sequential's state_dict names. A tied weight (one parameter under several names) is read once, under
 whichever of its names the file has (HF omits lm_head.weight), and fills every holder.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from coordinator.checkpoint import Shard
 from gpipe import stream
+from gpipe.coordinator.checkpoint import Shard
 from gpipe.errors import SpecError
 
 SINGLE = "model.safetensors"

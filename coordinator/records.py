@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from coordinator import report
-from coordinator.spec import JobSpec
 from gpipe import job_records
 from gpipe.contract import StageError
+from gpipe.coordinator import report
+from gpipe.coordinator.spec import JobSpec
 from gpipe.job_records import Abort, JobRecord, Join
 from gpipe.topology import Topology
-from worker.device import Gpu
+from gpipe.worker.device import Gpu
 
 COMMIT_GRACE_S = 60.0  # a failed attempt's time to commit the checkpoints it holds before it is killed
 EVENT_WINDOW = 2000  # events of a job kept in memory (older metrics are read from disk)
@@ -108,7 +108,7 @@ class Worker:
     attempt_id: str | None = None
     registered: float = 0.0  # monotonic time of its registration
     leaving: bool = False  # preempted (Leave): given no attempt again
-    gpu: Gpu | None = None  # the GPU its device names, as the worker's probe saw it (worker.device)
+    gpu: Gpu | None = None  # the GPU its device names, as the worker's probe saw it (gpipe.worker.device)
 
     def gpu_key(self) -> tuple[str, ...] | None:
         """What tells its GPU apart from every other: the GPU's UUID, else its host and device; None on a CPU."""
@@ -135,7 +135,7 @@ class Entry:
     watchers: set[asyncio.Queue[job_records.Event]] = field(default_factory=set)
     shape: Topology | None = None  # re-planned onto fewer workers (elastic); None: the spec's
     last_ranks: list[int] = field(default_factory=list)  # the workers of its last attempt, by slot
-    waiting: str = ""  # why it waits, when it needs more workers than are registered (coordinator.pool.short_of)
+    waiting: str = ""  # why it waits, when it needs more workers than are registered (gpipe.coordinator.pool.short_of)
     yielded_to: str = ""  # the job of higher priority it was preempted for, until it runs again
 
     @property

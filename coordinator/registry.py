@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import uuid
 
-from coordinator import report
-from coordinator.jobs import Jobs
-from coordinator.records import COMMIT_GRACE_S, Entry, Worker, describe_exit
 from gpipe.contract import Cause
+from gpipe.coordinator import report
+from gpipe.coordinator.jobs import Jobs
+from gpipe.coordinator.records import COMMIT_GRACE_S, Entry, Worker, describe_exit
 from gpipe.errors import EXIT_FAILED
-from worker.device import Gpu
+from gpipe.worker.device import Gpu
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is dropped, and its attempt fails

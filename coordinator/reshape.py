@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator import elastic
-from coordinator.preemption import Preemption
-from coordinator.records import COMMIT_GRACE_S, Attempt, Entry
+from gpipe.coordinator import elastic
+from gpipe.coordinator.preemption import Preemption
+from gpipe.coordinator.records import COMMIT_GRACE_S, Attempt, Entry
 from gpipe.job_records import JobState
 from gpipe.topology import Topology
 

@@ -1,7 +1,7 @@
 """Resuming: what a checkpoint records of the job, and each stage's slice of it under the plan's balance.
 
-The checkpoint's layout on disk is coordinator.checkpoint's; this cuts what it
-holds into what each stage of the resuming attempt is sent (coordinator.streaming).
+The checkpoint's layout on disk is gpipe.coordinator.checkpoint's; this cuts what it
+holds into what each stage of the resuming attempt is sent (gpipe.coordinator.streaming).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from coordinator import checkpoint, streaming
-from coordinator.lr import lr_at
-from coordinator.plan import Plan
 from gpipe import stream
+from gpipe.coordinator import checkpoint, streaming
+from gpipe.coordinator.lr import lr_at
+from gpipe.coordinator.plan import Plan
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler
 from gpipe.state import LOSS_SCALE, OPTIM, RNG, model_key, optim_key

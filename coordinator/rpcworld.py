@@ -2,8 +2,8 @@
 
 The coordinator is RPC rank 0; worker rank N (stage N mod P of replica N div
 P: gpipe.topology) is RPC rank N+1. It creates each stage on its worker
-(rpc.remote of worker.stage_server.StageServer) and drives it through a
-handle on its RRef (coordinator.handle.RRefStage). One store serves the RPC
+(rpc.remote of gpipe.worker.stage_server.StageServer) and drives it through a
+handle on its RRef (gpipe.coordinator.handle.RRefStage). One store serves the RPC
 rendezvous and the stages' data-plane process group.
 """
 
@@ -16,13 +16,13 @@ from dataclasses import asdict
 
 import torch.distributed.rpc as rpc
 
-from coordinator.configs import stage_config
-from coordinator.handle import RRefStage, StageHandle
-from coordinator.plan import Plan
 from gpipe import net
 from gpipe.contract import Cause
+from gpipe.coordinator.configs import stage_config
+from gpipe.coordinator.handle import RRefStage, StageHandle
+from gpipe.coordinator.plan import Plan
 from gpipe.errors import JobFailed
-from worker.stage_server import StageServer
+from gpipe.worker.stage_server import StageServer
 
 
 class RpcWorld:

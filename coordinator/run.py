@@ -1,8 +1,8 @@
 """`gpipe-coordinator run job.yaml`: the whole job on this machine, nothing else to start.
 
-The same supervisor as `serve` (coordinator.supervisor) runs the job,
+The same supervisor as `serve` (gpipe.coordinator.supervisor) runs the job,
 with one local worker per rank (replicas x stages: gpipe.topology;
-coordinator.local_workers) on its share of this machine's cores, all on
+gpipe.coordinator.local_workers) on its share of this machine's cores, all on
 loopback. On a CPU, more workers than cores share the cores round-robin, with
 one warning line (none with `oversubscribe`). On a GPU each worker has one of
 its own: worker k's attempt processes run with CUDA_VISIBLE_DEVICES naming GPU
@@ -34,20 +34,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from coordinator import pool
-from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
-from coordinator.local_workers import LocalWorker
-from coordinator.outputs import recorded_spec, running
-from coordinator.progress import Follower, Progress
-from coordinator.records import final_loss
-from coordinator.spec import JobSpec
-from coordinator.supervisor import Supervisor
 from gpipe import grpcutil
+from gpipe.coordinator import pool
+from gpipe.coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
+from gpipe.coordinator.local_workers import LocalWorker
+from gpipe.coordinator.outputs import recorded_spec, running
+from gpipe.coordinator.progress import Follower, Progress
+from gpipe.coordinator.records import final_loss
+from gpipe.coordinator.spec import JobSpec
+from gpipe.coordinator.supervisor import Supervisor
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.job_records import JobRecord, JobState
-from worker.agent import WORKER_PRELOAD, worker_template
-from worker.cores import split_cores, threads_for
-from worker.device import VISIBLE_ENV, Gpu, Gpus, probe
+from gpipe.worker.agent import WORKER_PRELOAD, worker_template
+from gpipe.worker.cores import split_cores, threads_for
+from gpipe.worker.device import VISIBLE_ENV, Gpu, Gpus, probe
 
 HOST = "127.0.0.1"  # local workers talk over loopback only
 
@@ -102,7 +102,7 @@ def gpu_envs(workers: int, visible: str | None) -> list[dict[str, str]]:
 def worker_gpus(spec: JobSpec) -> list[tuple[Gpu | None, dict[str, str]]]:
     """Each local worker's GPU and what its attempt processes' environment adds, by rank (none on a CPU).
     SpecError when the machine has fewer GPUs than the job has workers. The GPUs are counted by a probe
-    process (worker.device): this process never touches CUDA."""
+    process (gpipe.worker.device): this process never touches CUDA."""
     if spec.device != "cuda":
         return [(None, {})] * spec.topology.world
     seen = probe()
@@ -120,7 +120,7 @@ async def _run(spec: JobSpec, spec_path: Path, state_dir: Path, progress: bool, 
                spec_text: str | None = None) -> tuple[JobRecord, list[dict[str, Any]]]:
     """The job's record once it ended, and its evaluations; with `evaluate`, its attempts evaluate that
     weights file instead of training (logging to logs/eval/). `core_sets`: each worker's cores, by rank.
-    `spec_text`: the job file's text with fields overridden (coordinator.overrides), what the attempts read
+    `spec_text`: the job file's text with fields overridden (gpipe.coordinator.overrides), what the attempts read
     (outputs.recorded_spec); the job's code stays by `spec_path`."""
     gpus = worker_gpus(spec)  # before anything starts: a job short of GPUs changes nothing
     with contextlib.ExitStack() as held:

@@ -1,12 +1,12 @@
 """`gpipe-coordinator serve`: the gRPC server, its health and its stop, around the job and worker APIs.
 
-Jobs, workers and attempts are the supervisor's (coordinator.supervisor,
+Jobs, workers and attempts are the supervisor's (gpipe.coordinator.supervisor,
 the same one `run` uses); the services turn gRPC calls into its calls
-(coordinator.job_service for clients, coordinator.worker_service for
-workers), behind coordinator.interceptors (a token per service, strict
+(gpipe.coordinator.job_service for clients, gpipe.coordinator.worker_service for
+workers), behind gpipe.coordinator.interceptors (a token per service, strict
 decoding). A submitted spec is validated in a throwaway process (its model
-and data are user code: coordinator.submissions), then queued. Every state
-change is written to <state-dir>/<name>/job.json (coordinator.job_table),
+and data are user code: gpipe.coordinator.submissions), then queued. Every state
+change is written to <state-dir>/<name>/job.json (gpipe.coordinator.job_table),
 so a restarted coordinator lists past jobs, and resumes running ones once
 their workers have reconnected.
 
@@ -30,14 +30,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from coordinator.interceptors import StrictDecoding, TokenAuth
-from coordinator.job_service import JobService
-from coordinator.pool import Limits
-from coordinator.registry import HEARTBEAT_TIMEOUT_S
-from coordinator.submissions import Coordinator
-from coordinator.supervisor import Supervisor
-from coordinator.worker_service import WorkerDirectory, WorkerService
 from gpipe import code_archive, grpcutil
+from gpipe.coordinator.interceptors import StrictDecoding, TokenAuth
+from gpipe.coordinator.job_service import JobService
+from gpipe.coordinator.pool import Limits
+from gpipe.coordinator.registry import HEARTBEAT_TIMEOUT_S
+from gpipe.coordinator.submissions import Coordinator
+from gpipe.coordinator.supervisor import Supervisor
+from gpipe.coordinator.worker_service import WorkerDirectory, WorkerService
 from gpipe.v1 import jobs_pb2_grpc, workers_pb2_grpc
 
 MAX_MESSAGE_BYTES = 2 << 20  # gRPC itself refuses a bigger request (RESOURCE_EXHAUSTED)
@@ -75,11 +75,11 @@ async def serve(host: str | None, port: int, state_dir: Path, token: str | None 
     On SIGTERM every running job checkpoints at its next step boundary and is left PREEMPTED (a restarted
     serve resumes it), for at most `grace_s`; then serve stops within a second. SIGINT stops it at once.
 
-    `metrics`: (host, port) for Prometheus' /metrics (coordinator.exporter); host None: the API's. `limits`: the
-    pool's size, when known, and its starvation bound (coordinator.pool).
+    `metrics`: (host, port) for Prometheus' /metrics (gpipe.coordinator.exporter); host None: the API's. `limits`: the
+    pool's size, when known, and its starvation bound (gpipe.coordinator.pool).
     """
-    from coordinator.exporter import Exporter, listen
     from gpipe import net
+    from gpipe.coordinator.exporter import Exporter, listen
 
     options = [grpcutil.NO_SHARED_PORT, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                *grpcutil.SERVER_KEEPALIVE]

@@ -6,7 +6,7 @@ Every number has a range that fits the wire format (int64 steps) and the
 machine, and floats are finite; an integer field takes integers only (not
 `true`, not `2.0`). The text itself is bounded before it is parsed: see
 `parse_spec`. Checks that need the model or the data set (balance against the
-layer count, say) live in `coordinator.plan`, and run before any worker is
+layer count, say) live in `gpipe.coordinator.plan`, and run before any worker is
 started.
 """
 
@@ -36,8 +36,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
-from coordinator import boundedyaml
 from gpipe import schedule as schedules
+from gpipe.coordinator import boundedyaml
 from gpipe.errors import SpecError
 from gpipe.optim import NAMES, is_import_path
 from gpipe.options import Checkpoint, violation
@@ -307,7 +307,7 @@ class OptimizerSpec(_Spec):
 
     @property
     def by_path(self) -> bool:
-        """Named by import path (gpipe.optim checks it where the job's code is: coordinator.plan)."""
+        """Named by import path (gpipe.optim checks it where the job's code is: gpipe.coordinator.plan)."""
         return is_import_path(self.name)
 
     def torch_kwargs(self) -> dict[str, Any]:
@@ -684,7 +684,7 @@ class JobSpec(_Spec):
     @classmethod
     def _auto_values(cls, data: Any) -> Any:
         """`schedule: auto`, `chunks: auto`, `activation_checkpoint: auto`: listed in `auto`, and a value that
-        validates meanwhile (the job's plan replaces it before anything starts: coordinator.planner.resolve)."""
+        validates meanwhile (the job's plan replaces it before anything starts: gpipe.coordinator.planner.resolve)."""
         if not isinstance(data, dict):
             return data
         autos = [k for k in AUTO_FIELDS if data.get(k) == "auto"]
@@ -813,7 +813,7 @@ class JobSpec(_Spec):
         return self.stages * self.virtual_stages
 
     def reshaped(self, stages: int, replicas: int) -> JobSpec:
-        """This job on `replicas` x `stages` workers with the same micro-batches (coordinator.elastic):
+        """This job on `replicas` x `stages` workers with the same micro-batches (gpipe.coordinator.elastic):
         chunks grow as replicas shrink; an explicit balance that no longer fits becomes by_params."""
         if (stages, replicas) == (self.stages, self.replicas):
             return self
@@ -900,7 +900,7 @@ def parse_spec(text: str, source: str = "job spec") -> JobSpec:
     YAML alias is expanded. So a "billion laughs" of nested aliases is refused
     while it is parsed, and whatever walks a spec (a JSON dump of it, say) meets
     at most MAX_NODES values. Parsing uses libyaml when PyYAML has it; see
-    `coordinator.boundedyaml`.
+    `gpipe.coordinator.boundedyaml`.
     """
     raw = boundedyaml.load(
         text, source=source, max_bytes=MAX_SPEC_BYTES, max_depth=MAX_DEPTH, max_nodes=MAX_NODES
@@ -935,11 +935,11 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(read_spec_text(path), source=str(path))
 
 
-if __name__ == "__main__":  # python -m coordinator.spec --markdown > docs/spec.md
+if __name__ == "__main__":  # python -m gpipe.coordinator.spec --markdown > docs/spec.md
     import sys
 
     if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m coordinator.spec --markdown > docs/spec.md")
-    from coordinator.specdoc import markdown
+        sys.exit("usage: python -m gpipe.coordinator.spec --markdown > docs/spec.md")
+    from gpipe.coordinator.specdoc import markdown
 
     sys.stdout.write(markdown())

@@ -1,6 +1,6 @@
 """docs/spec.md: the job spec reference, written from the pydantic schema (a test fails when it is stale).
 
-    python -m coordinator.spec --markdown > docs/spec.md
+    python -m gpipe.coordinator.spec --markdown > docs/spec.md
 """
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from coordinator.spec import JobSpec
+from gpipe.coordinator.spec import JobSpec
 
 HEAD = """# The job spec reference
 
 Every field of `job.yaml`, with its default, its range and what it does. This
 page is generated from the schema in `coordinator/spec.py`
-(`python -m coordinator.spec --markdown > docs/spec.md`; a test fails
+(`python -m gpipe.coordinator.spec --markdown > docs/spec.md`; a test fails
 when it is stale). What the fields mean together, and the limits on a spec's
 text, are in [the job spec, explained](job-spec.md).
 

@@ -4,7 +4,7 @@ Each direction keeps at most IN_FLIGHT messages of at most PIECE_BYTES
 (gpipe.stream) per stage, so this process's memory does not grow with the
 model: a stage's weights go from the plan (init exact) or from the checkpoint
 on disk (resume) straight to the stage; a checkpoint comes from the stage
-straight to the file it is written and hashed in (coordinator.checkpoint).
+straight to the file it is written and hashed in (gpipe.coordinator.checkpoint).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from coordinator import checkpoint
-from coordinator.handle import StageHandle
 from gpipe import stream
+from gpipe.coordinator import checkpoint
+from gpipe.coordinator.handle import StageHandle
 
 IN_FLIGHT = 2  # messages of state on the way to or from one stage
 

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import TypeVar
 
-from coordinator.job_table import JobTable
-from coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
-from coordinator.outputs import prepare_output
-from coordinator.pool import MAX_QUEUED, Limits, never_fits
-from coordinator.registry import HEARTBEAT_TIMEOUT_S
-from coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
-from coordinator.supervisor import Supervisor
 from gpipe import code_archive, grpcutil
+from gpipe.coordinator.job_table import JobTable
+from gpipe.coordinator.launcher import COORDINATOR_PRELOAD, ProcessLauncher
+from gpipe.coordinator.outputs import prepare_output
+from gpipe.coordinator.pool import MAX_QUEUED, Limits, never_fits
+from gpipe.coordinator.registry import HEARTBEAT_TIMEOUT_S
+from gpipe.coordinator.spec import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
+from gpipe.coordinator.supervisor import Supervisor
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.files import naming
 from gpipe.job_records import SHA256_RE, JobRecord, JobState
@@ -152,7 +152,7 @@ class Coordinator:
         return job
 
     def _room(self) -> None:
-        """Busy past the queue's bound: MAX_QUEUED jobs waiting for workers (coordinator.pool)."""
+        """Busy past the queue's bound: MAX_QUEUED jobs waiting for workers (gpipe.coordinator.pool)."""
         queued = sum(e.record.state in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED)
                      for e in self.sup.jobs.values())
         if queued >= MAX_QUEUED:
@@ -179,7 +179,7 @@ class Coordinator:
             path.write_text(spec_yaml)
             with err_path.open("wb") as err:
                 proc = await self.template.spawn(
-                    "coordinator.cli",
+                    "gpipe.coordinator.cli",
                     ["validate", str(path), "--memory-mib", str(self.validate_memory_mib), "--skip-gpu-check",
                      *(["--code-dir", str(code_dir)] if code_dir else [])],
                     env, stderr=err.fileno())

@@ -1,11 +1,11 @@
 """The supervisor: jobs, workers and attempts, for `run` and `serve` alike; here, its loops and its layers joined.
 
-Whether a failure restarts the job, fails it or shrinks it is coordinator.policy's
+Whether a failure restarts the job, fails it or shrinks it is gpipe.coordinator.policy's
 decision; the supervisor carries it out:
 
 - A job waits PENDING (or RESTARTING) until a worker is registered, idle and
   heard from since the job's last failure, for each of its ranks.
-- Then an attempt starts: an attempt process (coordinator.attempt) plans
+- Then an attempt starts: an attempt process (gpipe.coordinator.attempt) plans
   the job, resumes from its newest good checkpoint, and reports `Master`; each
   rank's worker is told to join; the attempt drives the stages to the end.
 - A worker is lost when its attempt process dies (its next heartbeat says so),
@@ -16,11 +16,11 @@ decision; the supervisor carries it out:
   times, backing off (0 s, then 1, 2, 4 ... up to `BACKOFF_CAP_S`), once all
   its ranks are back (within `restart_timeout_s`). A worker's rank is its
   preferred slot: a restart places a spare idle worker in a lost rank's slot
-  (coordinator.elastic). With `elastic`, a rank still lost past
+  (gpipe.coordinator.elastic). With `elastic`, a rank still lost past
   `restart_timeout_s` re-plans the job onto fewer workers (fewer replicas,
   then fewer stages) instead of failing it, and the job grows back to its
   spec's shape at the first checkpoint after enough workers are back. What a
-  restart cannot fix fails the job at once (coordinator.policy). Past that
+  restart cannot fix fails the job at once (gpipe.coordinator.policy). Past that
   the job is FAILED, naming the first failure.
 - Preemption (a worker's SIGTERM: `preempt_worker`; serve's or run's:
   `preempt_all`) is no failure: the attempt is asked to stop at its next
@@ -51,11 +51,20 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
-from coordinator import policy, pool, report
-from coordinator.lifecycle import Lifecycle
-from coordinator.records import Attempt, Clock, Entry, Launcher, NoStore, Store, SystemClock, Worker
-from coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, shared_gpu
 from gpipe.contract import Cause
+from gpipe.coordinator import policy, pool, report
+from gpipe.coordinator.lifecycle import Lifecycle
+from gpipe.coordinator.records import (
+    Attempt,
+    Clock,
+    Entry,
+    Launcher,
+    NoStore,
+    Store,
+    SystemClock,
+    Worker,
+)
+from gpipe.coordinator.registry import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, shared_gpu
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from gpipe.job_records import JobState
 
@@ -65,9 +74,9 @@ WORKER_REPORT_GRACE_S = 0.5  # after a failed attempt, how long a dying worker h
 class Supervisor(Lifecycle):
     """Jobs, workers and attempts, and the loops that move them (`tick`, `schedule`).
 
-    Built in layers, a module each: coordinator.jobs (the job records: states, events, stop, resume, watch),
-    coordinator.registry (the workers), coordinator.preemption, coordinator.reshape (elastic shrink and
-    growth) and coordinator.lifecycle (an attempt from launch to the job's next state); this one schedules.
+    Built in layers, a module each: gpipe.coordinator.jobs (the job records: states, events, stop, resume, watch),
+    gpipe.coordinator.registry (the workers), gpipe.coordinator.preemption, gpipe.coordinator.reshape (elastic shrink and
+    growth) and gpipe.coordinator.lifecycle (an attempt from launch to the job's next state); this one schedules.
     """
 
     def __init__(self, launcher: Launcher, store: Store | None = None, clock: Clock | None = None,
@@ -142,7 +151,7 @@ class Supervisor(Lifecycle):
 
     def schedule(self) -> None:
         """Start the waiting jobs that the pool's policy places, and preempt the running ones it asks to stop
-        (coordinator.pool: gang placement on idle workers, priorities, backfill)."""
+        (gpipe.coordinator.pool: gang placement on idle workers, priorities, backfill)."""
         now = self.clock.monotonic()
         if self.draining:
             return
@@ -191,7 +200,7 @@ class Supervisor(Lifecycle):
     def _note_waits(self, waiting: dict[str, Entry]) -> None:
         """Fail (and drop from `waiting`) a job that can never fit this pool's known size (a serve restarted
         with a smaller --max-workers); note, and log once, why a job waits that needs more workers than are
-        registered of its device (coordinator.pool.short_of: the pool may grow)."""
+        registered of its device (gpipe.coordinator.pool.short_of: the pool may grow)."""
         cuda = sum(w.device.startswith("cuda") for w in self.workers.values())
         for name, e in list(waiting.items()):
             with self._own_trouble(e):
@@ -214,7 +223,7 @@ class Supervisor(Lifecycle):
 
     def _start(self, e: Entry, placed: list[Worker], idle: Mapping[int, Worker]) -> None:
         """An attempt of `e` on `placed` (by slot); a re-planned job grows back to its spec's shape where the
-        idle workers allow it (coordinator.elastic)."""
+        idle workers allow it (gpipe.coordinator.elastic)."""
         job = e.record
         top = e.topology
         spec_top = e.job_spec.topology

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from coordinator.handle import Future, StageHandle
 from gpipe.contract import Cause
+from gpipe.coordinator.handle import Future, StageHandle
 from gpipe.errors import JobFailed
 from gpipe.topology import Slots
 

@@ -7,16 +7,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from coordinator.records import Worker
-from coordinator.registry import HEARTBEAT_INTERVAL_S, RankTaken
-from coordinator.submissions import Coordinator, Stopping, until_stopping
 from gpipe import code_archive, grpcutil, serde
+from gpipe.coordinator.records import Worker
+from gpipe.coordinator.registry import HEARTBEAT_INTERVAL_S, RankTaken
+from gpipe.coordinator.submissions import Coordinator, Stopping, until_stopping
 from gpipe.errors import SpecError
 from gpipe.grpcutil import Context
 from gpipe.job_records import SHA256_RE, Abort, Join
 from gpipe.text import printable
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
-from worker.device import DEVICE_RE, Gpu
+from gpipe.worker.device import DEVICE_RE, Gpu
 
 # Bounds on worker requests: a field out of range is INVALID_ARGUMENT naming it.
 MAX_HOSTNAME, MAX_HOST, MAX_DEVICE, MAX_ID = 253, 255, 64, 64

@@ -1,6 +1,6 @@
 """What crosses between the driver and a stage, typed once: the stage's config, a step's result, a stage's error.
 
-The driver (coordinator.driver) and a stage (gpipe.stage) meet through a
+The driver (gpipe.coordinator.driver) and a stage (gpipe.stage) meet through a
 handle (gpipe.handle): over torch RPC for the service and `run`, by a direct
 call for `gpipe.Pipeline`. Whatever the handle, these are the types that cross
 it; the supervisor's decisions read their fields, never their prose.
@@ -125,7 +125,7 @@ class StepResult:
     reduce_s: float | None = None  # with replicas: the wait for the gradient sums after the backward
     loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
     skipped: bool | None = None  # fp16: an inf or nan skipped the optimizer step
-    snapshot: dict[str, Any] | None = None  # a checkpoint copy to pull in pieces (worker.streaming)
+    snapshot: dict[str, Any] | None = None  # a checkpoint copy to pull in pieces (gpipe.worker.streaming)
     snapshot_s: float | None = None  # the copy-out's pause, between this step and the next
     snapshot_wait_s: float | None = None  # the wait for the previous copy to be pulled
 
@@ -193,7 +193,7 @@ def classify(e: BaseException) -> Cause:
 def blamed(cause: Cause) -> bool:
     """Whether a failure of this cause is one of its own, the one to name: a model chunk that gave up because
     another chunk of its worker failed (ABORTED) only echoes that chunk's error. The restart-or-fail decision
-    that follows is the service's (coordinator.policy)."""
+    that follows is the service's (gpipe.coordinator.policy)."""
     return cause is not Cause.ABORTED
 
 

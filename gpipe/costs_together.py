@@ -2,7 +2,7 @@
 
 gpipe.costs times a layer in one process alone. In a run, the workers of one
 host compute at the same time, each pinned to its share of the cores
-(worker.cores.split_cores, applied by gpipe.proc), and share what the cores
+(gpipe.worker.cores.split_cores, applied by gpipe.proc), and share what the cores
 share: the last-level cache, the memory bandwidth, and whatever else runs on
 the host. A pinned worker cannot move off a busy core; a process measuring
 alone, unpinned, can. So the costs a run sees are measured under the same
@@ -14,7 +14,7 @@ mean over the processes.
 
 Then, together, the collectives the replicas run (`Collectives`): the
 processes join a gloo group and time, at two sizes, a gradient bucket's
-all-reduce as worker.reducer runs it (its gradients flattened into one
+all-reduce as gpipe.worker.reducer runs it (its gradients flattened into one
 tensor, then summed) and the sharded optimizer's all-gather (gpipe.zero);
 and a bucket's all-reduce launched beside computation, as the reducer
 launches all buckets but the last during the last backward: what it adds
@@ -65,7 +65,7 @@ class Collectives:
     ranks: int
     all_reduce: Cost  # a bucket of that many bytes: flattened (torch.cat), then all-reduced
     all_gather: Cost  # each rank contributing that many bytes
-    # what a bucket of BUCKET_BYTES adds when its all-reduce runs beside computation, as worker.reducer launches
+    # what a bucket of BUCKET_BYTES adds when its all-reduce runs beside computation, as gpipe.worker.reducer launches
     # the buckets but the last during the last backward (gloo waits on the other ranks without the core)
     overlapped: float = 0.0
 

@@ -1,6 +1,6 @@
 """Where the cuts fall: each stage's layer range from a balance, the stage of a layer, and what crosses a cut.
 
-The coordinator's plan (coordinator.plan) and gpipe.Pipeline both cut a model
+The coordinator's plan (gpipe.coordinator.plan) and gpipe.Pipeline both cut a model
 (an nn.Sequential's layers, or a captured model's pieces) by a balance, the
 layer count of each stage (each model chunk, with virtual stages), and ask
 here where each layer lands: the skip connections that leave their stage, and

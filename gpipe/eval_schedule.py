@@ -1,7 +1,7 @@
 """When evaluation runs, and how its messages differ from training's: what the coordinator and the stages share.
 
 Evaluation after step s runs on the stages between step s and step s+1, in
-each stage's one queue of work (worker.stage_server): at position p (p steps
+each stage's one queue of work (gpipe.worker.stage_server): at position p (p steps
 done) come first the eval batches due at p, then step p. Both ends compute
 the same `EvalSchedule`, so a stage never runs step p before the eval batches
 due at p, whatever order their RPCs arrive in.

@@ -33,7 +33,7 @@ def enter_job_folder(folder: str | Path) -> None:
     """Make `folder`, the job's folder, this process's working directory, so that the job's factories find
     a relative path (data/train.bin) in the job's folder wherever they run: under `run`, the job file's
     folder (or its working_dir); under serve, the job's code unpacked, on the coordinator and every worker.
-    `model.weights` resolves against the same folder (coordinator.plan).
+    `model.weights` resolves against the same folder (gpipe.coordinator.plan).
 
     Once per process, and only in a process of the job's own (an attempt's coordinator or worker process,
     validate): never in serve's, which runs many jobs. Paths the process was given relative to where it

@@ -234,7 +234,7 @@ def map_apart(threshold: int = 1 << 20) -> None:
 
 def give_back() -> None:
     """Hand the free memory of every malloc arena back to the system (glibc's malloc_trim): the stages' heaps
-    are never trimmed on their own (worker.agent's MALLOC_TRIM_THRESHOLD_). No effect elsewhere than glibc."""
+    are never trimmed on their own (gpipe.worker.agent's MALLOC_TRIM_THRESHOLD_). No effect elsewhere than glibc."""
     import ctypes
 
     try:

@@ -15,7 +15,7 @@
                  made anew each micro-batch there, ChunkMemory.heaped; 0 on CUDA, whose max_memory_allocated
                  counts the tensors alive)
     baseline     the process before any of it: torch, the runtime and the model's own modules (measured on the
-                 host: coordinator.baseline); 0 on CUDA, whose allocator counts tensors only
+                 host: gpipe.coordinator.baseline); 0 on CUDA, whose allocator counts tensors only
 
 The moment is found by walking the worker's actions of a step, in its
 schedule's order (gpipe.schedule), after the first step (the optimizer's state
@@ -74,10 +74,10 @@ class Setting:
     replicas: int = 1
     shard: bool = False  # optimizer.shard: each replica keeps 1/replicas of the state
     foreach: bool = False  # the optimizer steps all parameters at once (on CUDA): its temporaries are a full set
-    bucket: int = 25 << 20  # the replicas' gradient bucket and the sharded gather's (worker.reducer, gpipe.zero)
+    bucket: int = 25 << 20  # the replicas' gradient bucket and the sharded gather's (gpipe.worker.reducer, gpipe.zero)
     data: int = 0  # bytes of one step's inputs (on the first stage) and targets (on the last) it holds
     steps_ahead: int = 2  # steps whose data a stage holds (the job's data.read_ahead)
-    baseline: int = 0  # the process's own bytes before the job (coordinator.baseline)
+    baseline: int = 0  # the process's own bytes before the job (gpipe.coordinator.baseline)
     # Bytes the heap keeps beyond those alive, per byte of gradient, counted once per model chunk of the worker
     # (measured when each chunk's thread could run a step; gpipe.turns now runs a worker's step on one thread,
     # and bench/README.md (w)'s last addendum still measured two-chunk workers at 0.87-1.00 of the prediction).

@@ -41,7 +41,7 @@ def job_from_pb(m: jpb.Job) -> JobRecord:
 
 
 _METRIC_FIELDS = ("step", "loss", "lr", "step_time_s", "samples_per_s", "bubble_fraction", "attempt")
-# A step's fields in metrics.jsonl's order (coordinator.metrics.StepMetrics): `logs --json` prints its lines as they are.
+# A step's fields in metrics.jsonl's order (gpipe.coordinator.metrics.StepMetrics): `logs --json` prints its lines as they are.
 _METRIC_ORDER = ("step", "loss", "lr", "step_time_s", "samples_per_s", "grad_norm", "bubble_fraction", "attempt",
                  "loss_scale", "skipped", "stages", "replicas")
 _EVAL_FIELDS = ("eval_loss", "eval_samples", "eval_time_s", "attempt")

@@ -95,7 +95,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     that are no parameters or buffers) is built on the CPU instead. With no
     `state`, the layers are initialised here (init per_layer: a layer at a time,
     or a captured model's a module at a time, gpipe.weight_init), or left empty for
-    weights sent in pieces (worker.streaming).
+    weights sent in pieces (gpipe.worker.streaming).
     """
     add_import_paths(cfg.import_paths)  # the job's folder: its model's module lives there
     factory = resolve(cfg.model_factory)
@@ -242,7 +242,7 @@ class Stage:
         # gpipe.Pipeline gives each stage of a GPU its own stream (set after building), as torchgpipe does.
         self.stream: torch.cuda.Stream | None = None
         self.first, self.last = cfg.model_chunk == 0, cfg.model_chunk == cfg.model_chunks - 1
-        # The layers built already (their weights sent in pieces: worker.streaming), or built from `state`.
+        # The layers built already (their weights sent in pieces: gpipe.worker.streaming), or built from `state`.
         self.layers = state if isinstance(state, nn.Sequential) else build_layers(cfg, state, self.device)
         if cfg.deferred_batch_norm:
             batchnorm.convert_deferred_batch_norm(self.layers)
@@ -816,7 +816,7 @@ class Stage:
         and the generator states on the CPU; the optimizer's
         hyper-parameters and non-tensor state as JSON. With `copy` false, the
         weights and optimizer tensors are the live ones, where they live (to be
-        written out before the next step changes them: worker.streaming).
+        written out before the next step changes them: gpipe.worker.streaming).
         """
         def out(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", copy=True) if copy else t.detach()

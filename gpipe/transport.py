@@ -9,7 +9,7 @@ A stage never calls torch.distributed itself. It asks its transport for
   (deferred BatchNorm's statistics);
 - a gradient reducer for its copies (the replicas' gradient sum).
 
-Two implementations: c10d between processes (worker.c10d: gloo on CPU,
+Two implementations: c10d between processes (gpipe.worker.c10d: gloo on CPU,
 NCCL on CUDA), and `Hub` here, between threads of one process (gpipe.Pipeline
 and the fast tests). The same stage code runs over either.
 """
@@ -64,7 +64,7 @@ class Inbound(Protocol):
 
 
 class GradSum(Protocol):
-    """Sums a stage's gradients with its copies in the other replicas (worker.reducer for c10d)."""
+    """Sums a stage's gradients with its copies in the other replicas (gpipe.worker.reducer for c10d)."""
 
     def arm(self) -> None:
         """The step's last backward is next."""

@@ -1,7 +1,7 @@
 """The optimizer state sharded across a stage's replicas (ZeRO stage 1: `optimizer.shard`).
 
 With R replicas, every copy of a stage holds the same weights and, once the
-replicas have summed them (worker.reducer), the same whole gradients. Unsharded,
+replicas have summed them (gpipe.worker.reducer), the same whole gradients. Unsharded,
 each copy then runs the same optimizer step on all of them, and keeps all of the
 optimizer's state (adam's two moments: 8 bytes a parameter). Sharded, copy r
 keeps the state of, and updates, 1/R of the stage's elements only; then the
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb: the gradient reducer's too (worker.reducer)
+BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb: the gradient reducer's too (gpipe.worker.reducer)
 GATHER_BYTES = 4 << 20  # the most a gather receives at once on a CPU (what glibc's arenas keep)
 GATHER_BYTES_CUDA = 64 << 20  # on a GPU (the caching allocator reuses it; NCCL's rounds are latency-bound)
 

@@ -13,10 +13,11 @@ handles a fork itself) and never touches CUDA, so a fork of it is as clean as
 a fresh interpreter that imported the same modules. A forked process:
 - starts a session of its own (it is killed by process group, as before) and
   dies with the template, which dies with its owner (gpipe.proc);
-- gets what `python -m MODULE ARGS` would have had: stdin, stdout and stderr,
-  the environment (os.environ; /proc/PID/environ stays the template's, which
-  holds none of the owner's secrets), the working directory and sys.path
-  (PYTHONPATH included), sys.argv;
+- gets what `python -P -m MODULE ARGS` would have had: stdin, stdout and
+  stderr, the environment (os.environ; /proc/PID/environ stays the
+  template's, which holds none of the owner's secrets), the working
+  directory, sys.path (PYTHONPATH included; never the working directory, so
+  a job's folder cannot shadow the product's modules), sys.argv;
 - applies first what the environment says at start-up: its cores
   (gpipe.proc.CORES_ENV), torch's threads (OMP_NUM_THREADS, else the
   template's default) and glibc's malloc thresholds (MALLOC_*_);
@@ -156,7 +157,7 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpipe.zygote", str(theirs.fileno()), *self.preload,
+                sys.executable, "-P", "-m", "gpipe.zygote", str(theirs.fileno()), *self.preload,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
                 pass_fds=(theirs.fileno(),), env=child_env(dict(self.env, PYTHONUNBUFFERED="1")))
         except OSError:
@@ -251,7 +252,7 @@ class Template:
                 self.not_before = time.monotonic() + COOL_OFF_S
         pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
+            sys.executable, "-P", "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
             stderr=None if stderr == 2 else stderr, start_new_session=True, env=dict(env), limit=limit)
 
     async def _fork(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool, stdout: bool,
@@ -482,7 +483,9 @@ def _become(request: dict[str, Any], fds: list[int], template: int, template_env
     os.chdir(request["cwd"])
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     known = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    sys.path[:1] = [request["cwd"], *(p for p in paths if p not in known)]
+    # As `python -P -m`: the working directory is not put on sys.path (the job's folder goes after the
+    # product's own modules, gpipe.factory), the child's own PYTHONPATH entries ahead of the installed packages.
+    sys.path[:0] = [p for p in paths if p not in known and p not in sys.path]
     os.environ.clear()
     os.environ.update(env)
     if cores:

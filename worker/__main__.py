@@ -1,6 +1,6 @@
-"""`python -m worker`: a job attempt's worker process (see worker.attempt).
+"""`python -m worker`: a job attempt's worker process (see gpipe.worker.attempt).
 
-Started ahead of its attempt by its agent (worker.agent), it imports
+Started ahead of its attempt by its agent (gpipe.worker.agent), it imports
 torch and what building a stage needs, then waits for one line of JSON on
 stdin saying which attempt to join: {"rank", "world", "master", "host",
 "start_timeout_s", "log", "secret", "code_dir"} (code_dir: the job's folder, under serve this
@@ -19,7 +19,7 @@ proc.adopt()  # first, before the seconds torch takes to import: die with the pa
 
 import torch._dynamo  # noqa: E402, F401 - building an optimizer imports it (1.5 s on a CPU build)
 
-from worker.attempt import main  # noqa: E402
+from gpipe.worker.attempt import main  # noqa: E402
 
 if len(sys.argv) > 1:
     proc.exit_now(main())

@@ -1,4 +1,4 @@
-/* worker._ring: the sending end of a same-host lane's ring of shared memory (worker/unix_lane.py's Ring), in C.
+/* gpipe.worker._ring: the sending end of a same-host lane's ring of shared memory (worker/unix_lane.py's Ring), in C.
 
    The same bookkeeping as unix_lane._Writer, the Python it stands in for (the package works without this
    module: a host with no C compiler at install time keeps the Python): where the next message goes, its slot's
@@ -270,10 +270,10 @@ static PyMethodDef writer_methods[] = {
 
 static PyTypeObject WriterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "worker._ring.Writer",
+    .tp_name = "gpipe.worker._ring.Writer",
     .tp_basicsize = sizeof(Writer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The sending end of a lane's ring (worker.unix_lane._Writer's methods).",
+    .tp_doc = "The sending end of a lane's ring (gpipe.worker.unix_lane._Writer's methods).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)writer_init,
     .tp_dealloc = (destructor)writer_dealloc,
@@ -281,7 +281,7 @@ static PyTypeObject WriterType = {
 };
 
 static struct PyModuleDef ring_module = {
-    PyModuleDef_HEAD_INIT, "worker._ring", "The sending end of a same-host lane's ring, in C.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "gpipe.worker._ring", "The sending end of a same-host lane's ring, in C.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__ring(void) {

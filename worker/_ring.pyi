@@ -1,4 +1,4 @@
-# worker/_ring.c: the sending end of a lane's ring in C (worker.unix_lane._Writer's methods).
+# worker/_ring.c: the sending end of a lane's ring in C (gpipe.worker.unix_lane._Writer's methods).
 import mmap
 
 class Writer:

@@ -44,7 +44,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_":
 
 # What a worker's attempt processes import (gpipe.zygote's template imports it once). Its optimizer imports
 # torch._dynamo: half the template's start, 1.2 of 2.5 CPU-s.
-WORKER_PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "worker.attempt")
+WORKER_PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attempt")
 
 
 def worker_template(env: dict[str, str], threads: int, hidden: tuple[str, ...] = (),
@@ -83,10 +83,10 @@ class Agent:
         """Have a spare attempt process importing torch, ready for the next join."""
         if self.spare is None or self.spare.returncode is not None:
             if self.template is not None:
-                self.spare = await self.template.spawn("worker", [], self._env(), stdin=True)
+                self.spare = await self.template.spawn("gpipe.worker", [], self._env(), stdin=True)
             else:
                 self.spare = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "worker", stdin=asyncio.subprocess.PIPE,
+                    sys.executable, "-P", "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
 
     async def join(self, j: Join, log: Path, code_dir: Path | None = None) -> None:

@@ -1,6 +1,6 @@
 """A job attempt's worker process: joins the RPC world, serves its stage, leaves.
 
-The coordinator creates the stage here remotely (worker.stage_server.StageServer,
+The coordinator creates the stage here remotely (gpipe.worker.stage_server.StageServer,
 through rpc.remote) and drives it through its RRef, one call per step; tensors
 between stages go over the stage's own channels. The process lives for one
 attempt only: a failed attempt's processes are killed, never reused, since an
@@ -30,8 +30,8 @@ import torch.distributed.rpc as rpc
 
 from gpipe import net
 from gpipe.topology import rpc_name
-from worker.c10d import World
-from worker.stage_server import StageServer
+from gpipe.worker.c10d import World
+from gpipe.worker.stage_server import StageServer
 
 SECRET_ENV = "GPIPE_ATTEMPT_SECRET"
 

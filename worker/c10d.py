@@ -25,7 +25,7 @@ At the attempt's end `World.leave` destroys the groups and their communicators.
 
 A lane between two workers of one host (one network namespace: `run`'s local
 workers, workers of one pod) goes over a Unix socket of its own instead of
-gloo (worker.unix_lane: a fraction of gloo's CPU a message, and no thread
+gloo (gpipe.worker.unix_lane: a fraction of gloo's CPU a message, and no thread
 on the path of a message the socket takes at once; bench/README.md (z)), with
 a ring of shared memory beside it for messages of up to 4 MiB (no socket call
 but an eventfd's; bench/README.md (ad)), formed with the groups
@@ -56,10 +56,10 @@ from gpipe.topology import Topology
 from gpipe.transport import Among, GradSum, Hub, Inbound, Lane, Op, Outbound
 from gpipe.turns import Turns
 from gpipe.wire import backend_of
-from worker import unix_lane
-from worker.channel import Receiver, Sender, backstop_s
-from worker.reducer import GradReducer
-from worker.unix_lane import (
+from gpipe.worker import unix_lane
+from gpipe.worker.channel import Receiver, Sender, backstop_s
+from gpipe.worker.reducer import GradReducer
+from gpipe.worker.unix_lane import (
     Listener,
     Ring,
     UnixReceiver,
@@ -71,7 +71,7 @@ from worker.unix_lane import (
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 JOINED_KEY = "joined/"  # + rank, in the data plane's store: that worker reached it, from this address
-LANE_KEY = "lane/"  # + replica/kind/a/b, in the data plane's store: a lane's socket on this host (worker.unix_lane)
+LANE_KEY = "lane/"  # + replica/kind/a/b, in the data plane's store: a lane's socket on this host (gpipe.worker.unix_lane)
 
 
 class World:
@@ -109,7 +109,7 @@ class World:
         self._steady: list[tuple[dist.ProcessGroup | None, timedelta]] = []
         self._peer: int | None = None  # the rank the warm-up waits for now
         self._forming = self.backend  # which lanes: "unix" while this host's form (_same_host)
-        # Lanes to workers of this host (worker.unix_lane), by the key of `lanes`; the others go over c10d.
+        # Lanes to workers of this host (gpipe.worker.unix_lane), by the key of `lanes`; the others go over c10d.
         self.sockets: dict[tuple[str, int, int], socket.socket] = {}
         self.rings: dict[tuple[str, int, int], Ring] = {}  # a lane's shared memory, where the host allows it
         store = dist.PrefixStore("data", client_store(cfg.store_host, cfg.store_port, cfg.start_timeout_s))
@@ -245,7 +245,7 @@ class World:
         self._warm(deadline)
 
     def _same_host(self, store: dist.Store, deadline: float) -> None:
-        """The lanes to workers of this host as Unix sockets (worker.unix_lane), in three rounds no rank waits
+        """The lanes to workers of this host as Unix sockets (gpipe.worker.unix_lane), in three rounds no rank waits
         across: the worker of each lane's lower model chunk listens and says where; its peer connects, or finds no
         such socket here, and says which (under the listener's name: an answer to an earlier try's offer is not
         this one's); the first accepts. Lanes of other hosts, and every lane on CUDA or with

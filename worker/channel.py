@@ -1,6 +1,6 @@
 """Point-to-point channels between stages (gloo on CPU, NCCL on CUDA): the data plane's lanes between hosts.
 
-(Between two workers of one host, a CPU lane is a Unix socket: worker.unix_lane.)
+(Between two workers of one host, a CPU lane is a Unix socket: gpipe.worker.unix_lane.)
 
 A message is written in the wire format of gpipe.wire (a header, a structure's
 JSON description, each tensor's bytes).

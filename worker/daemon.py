@@ -39,10 +39,10 @@ from gpipe import code_archive, grpcutil, job_records, proc, serde
 from gpipe.code_archive import CodeError
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
 from gpipe.v1 import workers_pb2, workers_pb2_grpc
-from worker import unix_lane
-from worker.agent import WORKER_PRELOAD, Agent, worker_template
-from worker.cores import parse_cores, threads_for
-from worker.device import check as check_device
+from gpipe.worker import unix_lane
+from gpipe.worker.agent import WORKER_PRELOAD, Agent, worker_template
+from gpipe.worker.cores import parse_cores, threads_for
+from gpipe.worker.device import check as check_device
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
 STOP_GRACE_S = 0.2  # on SIGTERM, for health probes in flight

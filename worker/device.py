@@ -4,7 +4,7 @@ Why a child: a process that initialised CUDA cannot hand CUDA on to the
 processes forked from it, and a worker's attempt processes are forked from a
 template (gpipe.zygote), which is itself started by the daemon (or by `run`).
 So neither the `gpipe-worker` daemon nor any coordinator process imports CUDA
-to learn what GPUs there are: they run `python -m worker.device`, bounded
+to learn what GPUs there are: they run `python -m gpipe.worker.device`, bounded
 by PROBE_TIMEOUT_S, which prints one line of JSON and exits:
 
     {"gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85045379072, "uuid": "GPU-..."}, ...],
@@ -84,9 +84,9 @@ def index_of(device: str) -> int | None:
 def probe(env: dict[str, str] | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> Gpus:
     """The GPUs torch sees with `env` (default: this process's), asked of a child process: this one never
     touches CUDA. A probe that fails or hangs is a GpipeError saying so."""
-    what = f"{sys.executable} -m worker.device"
+    what = f"{sys.executable} -P -m gpipe.worker.device"
     try:
-        r = subprocess.run([sys.executable, "-m", "worker.device"], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-P", "-m", "gpipe.worker.device"], capture_output=True, text=True,
                            timeout=timeout_s, env=dict(os.environ if env is None else env), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise GpipeError(f"the GPU probe ({what}) did not answer within {timeout_s:.0f} s") from None

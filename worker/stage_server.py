@@ -38,8 +38,8 @@ from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.transport import Transport
 from gpipe.turns import TurnAborted, Turns
-from worker.c10d import C10dTransport
-from worker.streaming import Incoming, Outbox, Outgoing
+from gpipe.worker.c10d import C10dTransport
+from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
 Answer = torch.futures.Future[StepResult | EvalResult | StageError]
@@ -121,7 +121,7 @@ class StageServer:
         a checkpoint's state come in pieces (expect, receive), and start() builds
         the rest. A failure is kept for built() or start(). `transport`, `shared_rng` and `turns` (a model chunk's
         worker's, with virtual stages): a stage linked in memory to stages that are threads of this process
-        (coordinator.handle.LocalStage); c10d by default.
+        (gpipe.coordinator.handle.LocalStage); c10d by default.
         """
         self.stage: Stage | None = None
         self.error: StageError | None = None
@@ -176,7 +176,7 @@ class StageServer:
         """The build's own failure, or else `why` (a call out of order: the coordinator's bug)."""
         return self.error or StageError.of(RuntimeError(why), self._cfg)
 
-    # -- state in pieces (worker.streaming) ------------------------------------
+    # -- state in pieces (gpipe.worker.streaming) ------------------------------------
 
     def expect(self, entries: dict[str, tuple[str, list[int]]]) -> StageError | None:
         """Make room for a checkpoint's tensors that are not weights (name -> (dtype, shape))."""

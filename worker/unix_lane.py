@@ -27,7 +27,7 @@ elsewhere): the send of an activation went from 0.07 to 0.03 ms of its action
 carries what the ring has no room for, in the lane's order (`Ring`), and says
 when the peer's process has ended.
 
-The wire format is gpipe.wire's, checked as worker.channel checks it: a
+The wire format is gpipe.wire's, checked as gpipe.worker.channel checks it: a
 header that asks for more than this host's memory, a bad dtype code or a bad
 description fails the receive in our words before anything is allocated.
 
@@ -43,7 +43,7 @@ Every wait has a deadline and names what it waited for. A peer whose process
 ends closes its end: the read sees end of file at once and says so, rather
 than waiting out a timeout.
 
-Forming a lane (`World._same_host` in worker.c10d): the worker holding the lane's
+Forming a lane (`World._same_host` in gpipe.worker.c10d): the worker holding the lane's
 lower model chunk listens on an abstract socket of a random name and writes the
 name and a random token to the data plane's store; its peer connects and sends
 the token, or answers that it reached no such socket, and the lane goes over
@@ -97,11 +97,11 @@ from gpipe.wire import (
 )
 
 if TYPE_CHECKING:
-    from worker._ring import Writer as _CWriterType  # (worker/_ring.pyi)
+    from gpipe.worker._ring import Writer as _CWriterType  # (worker/_ring.pyi)
 
 _CWriter: type[_CWriterType] | None
 try:  # the C writer of a lane's ring (worker/_ring.c), where the install could build it
-    from worker._ring import Writer as _CWriter
+    from gpipe.worker._ring import Writer as _CWriter
 except ImportError:  # (no C compiler where gpipe was installed: the Python writer, the same bookkeeping)
     _CWriter = None
 
@@ -470,7 +470,7 @@ def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
 
 
 class UnixSender:
-    """Sends (micro-batch, value) pairs to one stage over a lane of this module (worker.channel.Sender's
+    """Sends (micro-batch, value) pairs to one stage over a lane of this module (gpipe.worker.channel.Sender's
     contract)."""
 
     def __init__(self, sock: socket.socket, name: str, ring: Ring | None = None):
@@ -663,7 +663,7 @@ class UnixSender:
 
 class UnixReceiver:
     """Receives (micro-batch, value) pairs from one stage over a lane of this module, on the thread that asks
-    (worker.channel.Receiver's contract): from the lane's socket, and from its ring when it has one."""
+    (gpipe.worker.channel.Receiver's contract): from the lane's socket, and from its ring when it has one."""
 
     def __init__(self, sock: socket.socket, name: str, ring: Ring | None = None):
         self.name = name
@@ -812,4 +812,4 @@ class UnixReceiver:
         return mb, structure.unflatten(skeleton, [self._tensor(*m, fill) for m in metas])
 
     def close(self) -> None:
-        pass  # the socket and the ring are the world's: they close with the attempt (worker.c10d.World.leave)
+        pass  # the socket and the ring are the world's: they close with the attempt (gpipe.worker.c10d.World.leave)

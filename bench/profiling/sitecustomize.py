@@ -31,7 +31,7 @@ def _install() -> None:  # noqa: C901
     import gpipe.memory as memory
     import gpipe.split_backward as split_backward
     import gpipe.stage as stage_mod
-    import worker.channel as channel
+    import gpipe.worker.channel as channel
 
     records: list[list[object]] = []  # [model chunk, kind, wall, cpu, {part: [wall, cpu]}]
     steps: list[list[float]] = []  # [model chunk, wall, cpu, actions' wall, actions' cpu] per step

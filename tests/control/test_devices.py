@@ -1,6 +1,6 @@
 """The worker owns its device: it checks it before registering, the coordinator never asks CUDA, and no two
 workers share a GPU (NCCL refuses that). None of these needs a GPU: CUDA_VISIBLE_DEVICES='' hides any, and
-GPIPE_FAKE_GPUS (worker.device's test hook) makes the probe report some.
+GPIPE_FAKE_GPUS (gpipe.worker.device's test hook) makes the probe report some.
 
 In process; the runs through real processes are in tests/service/test_devices.py.
 """
@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
+from gpipe.worker.device import FAKE_GPUS_ENV, VISIBLE_ENV
 from tests.support.cli import one_error_line
 from tests.support.spec import CUDA, job_yaml
-from worker.device import FAKE_GPUS_ENV, VISIBLE_ENV
 
 
 @pytest.mark.parametrize("device, env, names", [
@@ -31,7 +31,7 @@ def test_a_worker_refuses_a_device_it_does_not_have_before_it_registers(tmp_path
         coordinator.bind(("127.0.0.1", 0))
         coordinator.listen()
         coordinator.setblocking(False)
-        r = subprocess.run([sys.executable, "-m", "worker.daemon", "--rank", "0", "--device", device,
+        r = subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", "--rank", "0", "--device", device,
                             "--coordinator", f"127.0.0.1:{coordinator.getsockname()[1]}", "--log-dir", str(tmp_path)],
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
         with pytest.raises(BlockingIOError):
@@ -44,9 +44,9 @@ def test_a_worker_refuses_a_device_it_does_not_have_before_it_registers(tmp_path
 def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cuda(monkeypatch):
     import torch
 
-    from coordinator.attempt import device_for
-    from coordinator.run import worker_gpus
-    from coordinator.spec import parse_spec
+    from gpipe.coordinator.attempt import device_for
+    from gpipe.coordinator.run import worker_gpus
+    from gpipe.coordinator.spec import parse_spec
 
     def poisoned(*args, **kwargs):
         raise AssertionError("the coordinator asked CUDA")
@@ -68,7 +68,7 @@ def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cud
 
 
 def test_each_local_worker_gets_its_own_gpu_from_the_visible_list():
-    from coordinator.run import gpu_envs
+    from gpipe.coordinator.run import gpu_envs
 
     assert gpu_envs(3, None) == [{VISIBLE_ENV: "0"}, {VISIBLE_ENV: "1"}, {VISIBLE_ENV: "2"}]
     assert gpu_envs(2, "5, 7,3") == [{VISIBLE_ENV: "5"}, {VISIBLE_ENV: "7"}]

@@ -1,4 +1,4 @@
-"""The driver over stage handles in this process (coordinator.handle.local_stages): its loop, in seconds.
+"""The driver over stage handles in this process (gpipe.coordinator.handle.local_stages): its loop, in seconds.
 
 The same Run that drives worker processes over torch RPC drives stage servers
 on threads of this process, linked in memory: the steps sent ahead, the
@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator import checkpoint
-from coordinator.driver import Run
-from coordinator.handle import local_stages
-from coordinator.metrics import EvalMetrics, StepMetrics
 from gpipe.contract import Cause
+from gpipe.coordinator import checkpoint
+from gpipe.coordinator.driver import Run
+from gpipe.coordinator.handle import local_stages
+from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
 from gpipe.errors import JobFailed
+from gpipe.worker.stage_server import StageServer
 from tests.support import reference
 from tests.support.local import close_stages, drive, live_copies, plan_of, worst  # noqa: F401  # close_stages: autouse
 from tests.support.spec import THREE_STAGES, job
-from worker.stage_server import StageServer
 
 REGRESSION = {"factory": "random_regression", "args": {"n": 40, "in_features": 16, "out_features": 16}}
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import yaml
 
-from coordinator import elastic, report
-from coordinator.spec import parse_spec
+from gpipe.coordinator import elastic, report
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.job_records import JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology

@@ -16,9 +16,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator import boundedyaml
-from coordinator.spec import JobSpec, parse_spec
 from gpipe import serde
+from gpipe.coordinator import boundedyaml
+from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.job_records import INT32, INT64, JobRecord
 from tests.support.records import on_disk

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
 from gpipe import optim_check
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from tests.support.spec import job_yaml
 

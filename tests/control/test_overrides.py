@@ -1,12 +1,12 @@
-"""--set PATH=VALUE and --name applied to a job file's text (coordinator.overrides)."""
+"""--set PATH=VALUE and --name applied to a job file's text (gpipe.coordinator.overrides)."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from coordinator.overrides import apply
-from coordinator.spec import parse_spec
+from gpipe.coordinator.overrides import apply
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from tests.support.spec import GOOD, job
 

@@ -1,4 +1,4 @@
-"""coordinator.planner in process, on a real plan with fake costs: the search, the step-time model, the balance it
+"""gpipe.coordinator.planner in process, on a real plan with fake costs: the search, the step-time model, the balance it
 picks, the memory filter and the refusal; and gpipe.costs' lines."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from coordinator import planner
-from coordinator.plan import make_plan
-from coordinator.planner import Config, Link, Measured
-from coordinator.spec import parse_spec
+from gpipe.coordinator import planner
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.planner import Config, Link, Measured
+from gpipe.coordinator.spec import parse_spec
 from gpipe.costs import Cost, LayerCosts
 from gpipe.costs_together import Collectives
 from gpipe.errors import SpecError

@@ -1,4 +1,4 @@
-"""The restart-or-fail policy (coordinator.policy): decided from a failure's fields, never its message."""
+"""The restart-or-fail policy (gpipe.coordinator.policy): decided from a failure's fields, never its message."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import report
-from coordinator.policy import Action, after_failure, backoff_s, disk_error, hopeless, when_away
 from gpipe.contract import Cause, StageError
+from gpipe.coordinator import report
+from gpipe.coordinator.policy import (
+    Action,
+    after_failure,
+    backoff_s,
+    disk_error,
+    hopeless,
+    when_away,
+)
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 

@@ -1,12 +1,12 @@
-"""The shared pool, in process: coordinator.pool's policy on its own (placement, order, backfill, starvation,
+"""The shared pool, in process: gpipe.coordinator.pool's policy on its own (placement, order, backfill, starvation,
 victims), then the supervisor carrying it out on a fake clock (tests.support.harness): two jobs at once on four
 workers, backfill, a priority job preempting a running one, and the preempted job resuming without a restart
 counted (an elastic one at once, on fewer stages); a job larger than the pool, refused or waiting. Through real serve and worker processes: tests/service/test_pool.py."""
 
 from __future__ import annotations
 
-from coordinator import pool, report
-from coordinator.pool import Running, Waiting
+from gpipe.coordinator import pool, report
+from gpipe.coordinator.pool import Running, Waiting
 from gpipe.job_records import JobState
 
 
@@ -101,7 +101,7 @@ async def test_a_priority_job_preempts_a_running_one_which_resumes_after_without
 
 
 async def test_prometheus_shows_the_queue_by_priority_and_each_job_s_wait(h):
-    from coordinator.exporter import JobsCollector
+    from gpipe.coordinator.exporter import JobsCollector
 
     h.submit("a", priority=2)
     h.submit("b")
@@ -121,7 +121,7 @@ async def test_prometheus_shows_the_queue_by_priority_and_each_job_s_wait(h):
 async def test_the_queue_is_bounded_submit_says_busy_past_it(h, monkeypatch):
     import types
 
-    from coordinator import submissions
+    from gpipe.coordinator import submissions
 
     monkeypatch.setattr(submissions, "MAX_QUEUED", 2)
     h.submit("a")

@@ -15,7 +15,7 @@ import pytest
 
 @pytest.mark.parametrize("token", ["kept", "a2VwdA==", "a2VwdA\n", "é", "\x00", "=" * 3, "a" * 200, "_-_-"])
 def test_a_page_token_is_opaque_and_any_string_not_ours_is_refused_as_a_value_error(token):
-    from coordinator.job_service import _page_token, _token_name
+    from gpipe.coordinator.job_service import _page_token, _token_name
 
     assert _token_name(_page_token("kept")) == "kept" and _page_token("kept") == "a2VwdA"
     with pytest.raises(ValueError):
@@ -29,7 +29,7 @@ def test_a_sigterm_whose_leave_call_is_cancelled_under_it_leaves_without_a_trace
     import argparse
     import asyncio
 
-    from worker.daemon import Daemon
+    from gpipe.worker.daemon import Daemon
 
     class Stub:
         async def Leave(self, request, timeout):  # noqa: N802 (gRPC's name)

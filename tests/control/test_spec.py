@@ -10,10 +10,10 @@ import copy
 import pytest
 import yaml
 
-from coordinator import boundedyaml
-from coordinator.plan import make_plan
-from coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec, parse_spec
 from gpipe import job_records, serde
+from gpipe.coordinator import boundedyaml
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec, parse_spec
 from gpipe.errors import SpecError
 from tests.support.spec import DELETE, GOOD, job_yaml
 
@@ -130,7 +130,7 @@ def test_per_layer_turns_the_probe_off_unless_told_and_probe_true_is_refused():
 
 
 def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
-    from coordinator import run
+    from gpipe.coordinator import run
 
     monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1})
     three = parse_spec(job_yaml(stages=3, chunks=2, balance=[2, 1, 1]))

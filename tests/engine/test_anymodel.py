@@ -209,7 +209,7 @@ def test_the_output_named_by_output_is_what_the_loss_takes():
 
 
 def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(tmp_path):
-    from coordinator.metrics import write_plan
+    from gpipe.coordinator.metrics import write_plan
     from tests.support.local import plan_of
     plan = plan_of(job(GPT2, model={"factory": "tests.support.models:llama", "split_points": ["model.layers.2"]},
                         data__factory="tests.support.models:masked_pairs", data__args={}))
@@ -225,9 +225,9 @@ def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(t
 
 
 def test_a_resume_with_another_split_and_stage_count_gives_the_one_device_weights(tmp_path):
-    from coordinator import checkpoint
+    from gpipe.coordinator import checkpoint
+    from gpipe.worker.stage_server import StageServer
     from tests.support.local import drive, plan_of, worst
-    from worker.stage_server import StageServer
 
     first = job(GPT2, checkpoint_every=2)
     try:

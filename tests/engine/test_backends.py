@@ -22,10 +22,10 @@ import yaml
 
 from gpipe import structure
 from gpipe.wire import CARRIES, DTYPES, backend_of, encode, on_wire, travels
+from gpipe.worker.channel import Receiver, Sender
 from tests.support.ports import free_port
 from tests.support.spec import TWO_STAGES, job
 from tests.support.wire import INT16, _bits
-from worker.channel import Receiver, Sender
 
 # -- the table -------------------------------------------------------------------------------------
 
@@ -83,8 +83,8 @@ def test_the_probe_checks_the_cuts_against_the_jobs_backend():
 
 
 def test_validate_refuses_a_captured_model_whose_cut_would_carry_complex64():
-    from coordinator.plan import make_plan
-    from coordinator.spec import parse_spec
+    from gpipe.coordinator.plan import make_plan
+    from gpipe.coordinator.spec import parse_spec
     from gpipe.errors import SpecError
 
     spec = job(TWO_STAGES, model={"factory": "tests.support.models:ComplexCrossing", "split_points": ["b"]},

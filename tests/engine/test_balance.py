@@ -10,11 +10,11 @@ import torch
 import yaml
 from torch import nn
 
-from coordinator.metrics import write_plan
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
 from gpipe import balance, footprint
 from gpipe.builtins import mlp
+from gpipe.coordinator.metrics import write_plan
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.optim import state_slots
 from gpipe.schedule import simulate
 from tests.support.models import Slow

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from worker.stage_server import StepQueue
+from gpipe.worker.stage_server import StepQueue
 
 
 def test_steps_run_in_step_order_whatever_order_their_rpcs_arrive():

@@ -11,8 +11,8 @@ import torch
 import yaml
 
 import gpipe.hf_dataset
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.factory import resolve
 from gpipe.hf_dataset import hf_dataset

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator import checkpoint
 from gpipe import capture, skeleton, weight_init
+from gpipe.coordinator import checkpoint
 from gpipe.errors import SpecError
 from tests.support import models
 from tests.support.lm import one_device_job

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from coordinator.spec import parse_spec
 from gpipe import serde
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler, Precision
 from tests.support.spec import PRECISION, TWO_STAGES, job

@@ -20,21 +20,21 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from coordinator import checkpoint
-from coordinator.configs import stage_config
-from coordinator.plan import make_plan
-from coordinator.spec import JobSpec, parse_spec
 from gpipe import stream
+from gpipe.coordinator import checkpoint
+from gpipe.coordinator.configs import stage_config
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.stage import build_layers
 from gpipe.state import StageState
 from gpipe.weight_init import per_layer
+from gpipe.worker import streaming
+from gpipe.worker.agent import MALLOC_ENV
+from gpipe.worker.streaming import Incoming, Outbox, Outgoing
 from tests.support import reference
 from tests.support.models import mlp_norm
 from tests.support.spec import SCALE, job
-from worker import streaming
-from worker.agent import MALLOC_ENV
-from worker.streaming import Incoming, Outbox, Outgoing
 
 
 def stage_weights(spec: dict, tmp: Path) -> dict[str, torch.Tensor]:

@@ -192,7 +192,7 @@ def test_b_lets_go_of_what_w_does_not_use(fused):
 @pytest.mark.parametrize(("name", "make"), [("a-weight-used-twice", Twice), ("mixed", Mixed), ("mlp", mlp)])
 def test_each_weights_hooks_fire_once_after_all_of_w_with_its_final_gradient(fused, name, make):
     """Regression: fused, W added a weight used twice in two parts and fired its post-accumulate hooks after each;
-    the replicas' reducer (worker.reducer) takes the first as final and all-reduces a half-made gradient while
+    the replicas' reducer (gpipe.worker.reducer) takes the first as final and all-reduces a half-made gradient while
     the second part is added into its bucket. Each weight's hooks fire once, seeing the gradient a plain
     backward gives."""
     torch.manual_seed(0)

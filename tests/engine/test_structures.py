@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
 from gpipe import structure
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.wire import MAX_JSON_BYTES, decode, encode
 from tests.support.spec import TWO_STAGES, job

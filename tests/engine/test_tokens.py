@@ -11,9 +11,9 @@ import torch
 import yaml
 
 import gpipe.tokens
-from coordinator.data import DataStream
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
+from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.factory import resolve
 from gpipe.tokens import tokens
@@ -105,7 +105,7 @@ def _lm_job(path: str, **more) -> dict:
     ("shards/*.bin", {}, "no files match 'shards/*.bin'"),
 ])
 def test_the_plan_refuses_bad_token_files_in_one_line(tmp_path, monkeypatch, path, more, says):
-    # Where validate and run check the data (coordinator.plan): SpecError, exit 2, before anything starts.
+    # Where validate and run check the data (gpipe.coordinator.plan): SpecError, exit 2, before anything starts.
     monkeypatch.chdir(tmp_path)
     _write(tmp_path / "t.bin", np.arange(50) % 32)
     (tmp_path / "odd.bin").write_bytes(b"\0" * 1001)

@@ -42,12 +42,12 @@ def offending(folder: str, banned: tuple[str, ...], only: set[str] | None = None
 
 
 def test_the_engine_imports_nothing_of_the_worker_or_the_coordinator():
-    assert offending("gpipe", ("coordinator", "worker")) == {}
+    assert offending("gpipe", ("gpipe.coordinator", "gpipe.worker")) == {}
 
 
 def test_the_worker_imports_nothing_of_the_coordinator_and_the_data_plane_nothing_of_the_daemon():
-    assert offending("worker", ("coordinator",)) == {}
-    daemon = tuple(f"worker.{p.stem}" for p in (ROOT / "worker").glob("*.py")
+    assert offending("worker", ("gpipe.coordinator",)) == {}
+    daemon = tuple(f"gpipe.worker.{p.stem}" for p in (ROOT / "worker").glob("*.py")
                    if p.stem not in DATA_PLANE | {"__init__"})
     assert offending("worker", daemon, only=DATA_PLANE) == {}
 
@@ -63,7 +63,7 @@ print("\\n".join(sorted(sys.modules)))
 def test_gpipe_pipeline_loads_the_engine_alone():
     r = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    service = ("grpc", "google.protobuf", "gpipe.v1", "coordinator", "worker", "gpipe.serde", "gpipe.job_records",
+    service = ("grpc", "google.protobuf", "gpipe.v1", "gpipe.coordinator", "gpipe.worker", "gpipe.serde", "gpipe.job_records",
                "gpipe.grpcutil", "gpipe.zygote", "gpipe.net", "gpipe.code_archive")
     loaded = [m for m in r.stdout.split() if m == "gpipe.stage" or m.startswith(service)]
     assert loaded == ["gpipe.stage"], loaded

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from gpipe import net, structure
 from gpipe.contract import StageConfig
+from gpipe.worker import unix_lane
+from gpipe.worker.channel import Receiver, Sender
 from tests.support.ports import free_port
 from tests.support.spec import TWO_STAGES, job
 from tests.support.wire import INT16, _bits
-from worker import unix_lane
-from worker.channel import Receiver, Sender
 
 # -- the channel, over gloo, in two processes ---------------------------------------------------------
 
@@ -130,7 +130,7 @@ def _world_end(rank: int, port: int, secret: str, start_s: float, mode: str, out
     first exchange (every lane on gloo); 'stall-unix': never connects to this host's lanes; 'ok': both form it,
     pass a tensor over a lane, and leave."""
     torch.set_num_threads(1)
-    from worker import c10d
+    from gpipe.worker import c10d
 
     try:
         net.use_secret(secret)

@@ -133,8 +133,8 @@ async def test_health_goes_not_serving_if_the_scheduler_dies(tmp_path, monkeypat
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from coordinator import server, supervisor
     from gpipe import net
+    from gpipe.coordinator import server, supervisor
     from tests.support.ports import free_port
     async def broken(self):
         await asyncio.sleep(0.2)

@@ -14,15 +14,15 @@ import time
 import pytest
 
 from gpipe.errors import EXIT_BAD_INPUT
+from gpipe.worker.device import FAKE_GPUS_ENV, VISIBLE_ENV
 from tests.support.cli import one_error_line
 from tests.support.ports import free_port
 from tests.support.spec import CUDA, job_yaml
-from worker.device import FAKE_GPUS_ENV, VISIBLE_ENV
 
 
 def run_cli(tmp_path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("GPIPE_OVERSUBSCRIBE", FAKE_GPUS_ENV, VISIBLE_ENV)}
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=tmp_path,
                           env={**base, **env}, capture_output=True, text=True, timeout=180)
 
 
@@ -78,10 +78,10 @@ def test_serve_fails_a_cuda_job_whose_workers_share_one_gpu_and_status_shows_eac
                                           stderr=log, start_new_session=True))
 
     try:
-        start("serve", "coordinator.cli", "serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
+        start("serve", "gpipe.coordinator.cli", "serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
         wait_for(lambda: "coordinator serving on" in logs[0].read_text(), "serve", logs)
         for rank in (0, 1):  # both on GPU 0 of this host (the fake GPU-fake-0)
-            start(f"worker{rank}", "worker.daemon", "--rank", str(rank), "--device", "cuda:0",
+            start(f"worker{rank}", "gpipe.worker.daemon", "--rank", str(rank), "--device", "cuda:0",
                   "--coordinator", address, "--log-dir", str(tmp_path / f"w{rank}"))
         wait_for(lambda: logs[0].read_text().count("registered from") == 2, "both workers", logs)
         assert "(cuda:0: fake GPU 0, 0.0 GiB)" in logs[0].read_text()

@@ -19,20 +19,20 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from coordinator.eval_weights import Best
-from coordinator.metrics import EvalMetrics
-from coordinator.plan import make_plan
-from coordinator.spec import parse_spec
 from gpipe import job_records, serde
+from gpipe.coordinator.eval_weights import Best
+from gpipe.coordinator.metrics import EvalMetrics
+from gpipe.coordinator.plan import make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
+from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests.support import reference
 from tests.support.cli import Cli, end_leftovers, torch_threads
 from tests.support.local import attempt_secret, built, plan_of  # noqa: F401  # attempt_secret: a fixture
 from tests.support.runs import assert_one_device, lines
 from tests.support.service import Service
 from tests.support.spec import EVAL, ONE_STAGE, SERVICE, job
-from worker.stage_server import EvalArgs, StepQueue
 
 # BatchNorm1d/2d, dropout, a call counter; the training data, the held-out data and the steps of EVAL
 BN, TRAIN, HELD_OUT, STEPS = EVAL["model"], EVAL["data"], EVAL["eval"]["data"], EVAL["steps"]
@@ -398,7 +398,7 @@ def test_eval_lines_cross_the_wire_and_the_job_record():
 @pytest.mark.multiprocess
 def test_the_progress_line_shows_the_latest_eval_loss():
     code = (
-        "from coordinator.progress import Follower, Progress\n"
+        "from gpipe.coordinator.progress import Follower, Progress\n"
         "f = Follower('e', Progress(5))\n"
         "f.show('eval', {'step': 1, 'eval_loss': 0.123456, 'eval_samples': 30})\n"
         "f.show('metrics', {'step': 4, 'loss': 0.5, 'samples_per_s': 10.0})\n"

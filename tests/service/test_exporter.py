@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import report
-from coordinator.exporter import MAX_ENDED_JOBS, Exporter
+from gpipe.coordinator import report
+from gpipe.coordinator.exporter import MAX_ENDED_JOBS, Exporter
 from gpipe.job_records import JobState
 from tests.support.harness import Harness
 from tests.support.ports import free_port, free_port_in

@@ -171,7 +171,7 @@ def test_a_job_larger_than_the_pool_s_known_size_is_refused_at_submit_and_nothin
         assert r.returncode == 2 and "'huge'" in line and "needs 4" in line and "at most 2" in line, r.stderr
         assert "huge" not in s.client("list").stdout and not (s.state / "huge").exists()
         # The pool's size holds: a worker of a rank past it is refused, in one line, and exits 2.
-        p = s._spawn("worker2", ["-m", "worker.daemon", "--rank", "2", "--coordinator", s.address])
+        p = s._spawn("worker2", ["-m", "gpipe.worker.daemon", "--rank", "2", "--coordinator", s.address])
         assert p.wait(timeout=60) == 2 and "ranks 0-1" in s.log("worker2") and "Traceback" not in s.log("worker2")
         assert s.client("list", "--workers").stdout.count("free") == 2
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from coordinator import checkpoint
+from gpipe.coordinator import checkpoint
 from tests.support import reference
 from tests.support.cli import process_kind, tagged_pids, wait_for
 from tests.support.runs import Lines, metrics
@@ -257,7 +257,7 @@ def test_job_code_the_workers_cannot_import_is_not_restarted(cli):
     # The plan imports the model on the coordinator's side; the stages import it again where they run.
     (cli.tmp / "vanishing.py").write_text(
         "import sys\nfrom tests.support.models import mlp_dropout\n"
-        "if getattr(sys.modules['__main__'].__spec__, 'name', '').startswith('worker'):\n"
+        "if getattr(sys.modules['__main__'].__spec__, 'name', '').startswith('gpipe.worker'):\n"
         "    raise ImportError('not on this host')\n"
         "def model():\n    return mlp_dropout(width=16, depth=4, p=0.0)\n")
     s = job(RESUMED, model={"factory": "vanishing:model"}, balance="by_params", max_restarts=3, steps=4)

@@ -21,9 +21,10 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from coordinator.records import COMMIT_GRACE_S
 from gpipe import serde
+from gpipe.coordinator.records import COMMIT_GRACE_S
 from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from tests.service.test_namespace import SHADOWS
 from tests.support import reference
 from tests.support.cli import ROOT, Cli, end_leftovers
 from tests.support.ports import free_port
@@ -65,6 +66,9 @@ def job_elsewhere(s: Service, name: str, **kw) -> tuple[Path, dict, str]:
     (folder / ".git" / "objects").write_bytes(b"not code")
     module = f"own_model_{name}_{os.getpid()}"
     (folder / f"{module}.py").write_text(ELSEWHERE)
+    for file, text in SHADOWS.items():  # named like the product's parts: never imported in place of ours
+        (folder / file).parent.mkdir(parents=True, exist_ok=True)
+        (folder / file).write_text(text)
     model = {"width": 16, "seconds": 0.02}
     spec = job(SERVICE, name=name, model={"factory": f"{module}:build", "args": model}, **kw)
     (folder / "job.yaml").write_text(yaml.safe_dump(spec))
@@ -204,7 +208,8 @@ def test_a_job_s_code_travels_with_it_to_the_validation_and_every_worker(shared)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
     # Kept by serve under its hash, without what is not code; each worker imported from its own copy.
     sha = json.loads((shared.state / "travel" / "job.json").read_text())["code_sha256"]
-    assert sorted(zipfile.ZipFile(shared.state / ".code" / f"{sha}.zip").namelist()) == ["job.yaml", f"{module}.py"]
+    assert sorted(zipfile.ZipFile(shared.state / ".code" / f"{sha}.zip").namelist()) == sorted(
+        ["job.yaml", f"{module}.py", *SHADOWS])
     for rank in (0, 1):
         assert (shared.tmp / f"worker{rank}-attempts" / "code" / sha / f"{module}.py").exists()
     # A spec that names a code archive serve does not hold is refused, naming the field.
@@ -322,7 +327,7 @@ def test_a_killed_worker_fails_the_running_job_naming_its_rank(shared):
 
 def run_worker(cli, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """A gpipe-worker that should end by itself (refused, or bad flags)."""
-    return subprocess.run([sys.executable, "-m", "worker.daemon", *args], env=cli.env, cwd=cli.tmp,
+    return subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *args], env=cli.env, cwd=cli.tmp,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -435,7 +440,7 @@ def test_an_unreachable_coordinator_is_one_clear_line(cli):
 @pytest.mark.multiprocess
 def test_worker_flags(cli):
     env = {k: v for k, v in cli.env.items() if k not in ("RANK", "GPIPE_COORDINATOR")}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gpipe.worker.daemon", *a], env=env, cwd=ROOT,  # noqa: E731
                                     capture_output=True, text=True, timeout=60)
     r = run("--coordinator", "127.0.0.1:1")
     assert r.returncode == 2 and "--rank is required (or env RANK)" in r.stderr
@@ -756,7 +761,7 @@ def test_sigterm_ends_serve_and_workers_at_once_without_a_traceback(service):
 def test_a_rogue_registration_for_a_live_rank_is_refused_and_the_job_runs_on(shared):
     out = submit_running(shared, "guarded", 3, steps=30)
     # A second daemon for rank 0, on this very host: refused, and it keeps trying.
-    shared._spawn("rogue", ["-m", "worker.daemon", "--rank", "0", "--coordinator", shared.address,
+    shared._spawn("rogue", ["-m", "gpipe.worker.daemon", "--rank", "0", "--coordinator", shared.address,
                              "--log-dir", str(shared.tmp / "rogue-attempts")])
     shared.wait_for(lambda: shared.log("rogue").count("registration refused: rank 0 is held by a live worker") >= 2,
                     "the rogue to be refused twice")

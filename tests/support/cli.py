@@ -51,9 +51,9 @@ def shared_template() -> str | None:
     if os.environ.get("GPIPE_TEST_SHARED_TEMPLATE", "0") != "1":
         return None
     if _shared is None or _shared[0].poll() is not None:
-        from coordinator.launcher import COORDINATOR_PRELOAD
+        from gpipe.coordinator.launcher import COORDINATOR_PRELOAD
         from gpipe.proc import child_env
-        from worker.agent import WORKER_PRELOAD
+        from gpipe.worker.agent import WORKER_PRELOAD
 
         preload = dict.fromkeys(WORKER_PRELOAD + COORDINATOR_PRELOAD)  # what `run`'s template imports
 
@@ -87,7 +87,7 @@ def process_kind(pid: int) -> str | None:
         return None
     if comm.startswith("gpipe:"):
         return {"gpipe:attempt": "coordinator", "gpipe:worker": "worker"}.get(comm)
-    return {b"coordinator.attempt": "coordinator", b"worker": "worker"}.get(argv[2]) \
+    return {b"gpipe.coordinator.attempt": "coordinator", b"gpipe.worker": "worker"}.get(argv[2]) \
         if argv[1] == b"-m" else None
 
 
@@ -135,7 +135,7 @@ class Cli:
         """The CLI with `args`; with `cores` ('0'), on those cores only, as on a machine that has no others."""
         pin = ["taskset", "-c", cores] if cores is not None else []
         return subprocess.Popen(
-            [*pin, sys.executable, "-m", "coordinator.cli", *args], cwd=self.tmp, env=self.env,
+            [*pin, sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=self.tmp, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
 

@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from coordinator import report
-from coordinator.records import Launch, Worker
-from coordinator.spec import parse_spec
-from coordinator.supervisor import Supervisor
+from gpipe.coordinator import report
+from gpipe.coordinator.records import Launch, Worker
+from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.supervisor import Supervisor
 from gpipe.job_records import Abort, JobRecord, Join
 
 

@@ -12,20 +12,20 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from coordinator import checkpoint
-from coordinator.configs import stage_config
-from coordinator.data import DataStream
-from coordinator.driver import Run
-from coordinator.handle import local_stages
-from coordinator.metrics import EvalMetrics, StepMetrics
-from coordinator.plan import Plan, make_plan
-from coordinator.spec import parse_spec
 from gpipe import net
+from gpipe.coordinator import checkpoint
+from gpipe.coordinator.configs import stage_config
+from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.driver import Run
+from gpipe.coordinator.handle import local_stages
+from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
+from gpipe.coordinator.plan import Plan, make_plan
+from gpipe.coordinator.spec import parse_spec
 from gpipe.stage import Stage
 from gpipe.state import StageState
+from gpipe.worker.c10d import C10dTransport
+from gpipe.worker.stage_server import StageServer
 from tests.support.cli import ROOT
-from worker.c10d import C10dTransport
-from worker.stage_server import StageServer
 
 
 @pytest.fixture(autouse=True)

@@ -55,14 +55,14 @@ class Service:
 
     def start_serve(self, *extra: str) -> None:
         before = self.log("serve").count("coordinator serving on")
-        self._spawn("serve", ["-m", "coordinator.cli", "serve", "--port", str(self.port),
+        self._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(self.port),
                               "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 
     def start_worker(self, rank: int, *extra: str) -> None:
         before = self.log("serve").count(f"worker for rank {rank} registered")
         cores = sorted(os.sched_getaffinity(0))
-        self._spawn(f"worker{rank}", ["-m", "worker.daemon", "--rank", str(rank), "--coordinator", self.address,
+        self._spawn(f"worker{rank}", ["-m", "gpipe.worker.daemon", "--rank", str(rank), "--coordinator", self.address,
                                       "--cores", str(cores[rank % len(cores)]),
                                       "--log-dir", str(self.tmp / f"worker{rank}-attempts"), *self.worker_auth(),
                                       *extra])
