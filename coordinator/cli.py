@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, TypeVar
 
 from gpipe.coordinator import corpus
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, GpipeError, SpecError
@@ -441,6 +441,112 @@ def _predicted_lines(plan: Plan) -> list[str]:
     return [f"rank {n} ({top.name(n)}): predicted peak {prediction.describe(p)}" for n, p in enumerate(predicted)]
 
 
+def _timeline(args: argparse.Namespace) -> int:
+    from gpipe.coordinator import timeline
+
+    trace, png = timeline.write(Path(args.job_dir), args.step)
+    print(f"{trace}\n{png}")
+    return 0
+
+
+def _client_verb(args: argparse.Namespace) -> int:
+    return asyncio.run(_client(args))
+
+
+class JobFile(NamedTuple):
+    """A job file as a verb gets it: parsed, with its --set and --name applied."""
+
+    spec: JobSpec
+    text: str  # the file's text with the overrides applied
+    changed: bool  # whether the overrides changed it (then run records `text`, and its attempts read that)
+    folder: Path  # the job's folder: its code, and where its relative paths resolve
+
+    @property
+    def recorded(self) -> str | None:
+        return self.text if self.changed else None
+
+
+def _validate(job: JobFile, args: argparse.Namespace) -> int:
+    spec, job_dir = job.spec, job.folder
+    from gpipe.coordinator.plan import make_plan
+    from gpipe.factory import enter_job_folder
+
+    gpus = "" if args.skip_gpu_check else _validate_gpus(spec)
+    enter_job_folder(job_dir)  # a process of this job's own: its factories run in its folder
+    plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
+    print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
+    if spec.auto:
+        print(f"  auto: {', '.join(spec.auto)}: chosen when the job starts, for its workers and their "
+              "memory (`gpipe-coordinator plan` shows the choice); the figures below are the meanwhile "
+              "values")
+    if gpus:
+        print(f"  {gpus}")
+    for k in range(len(plan.balance)):
+        # with virtual stages, a model chunk, on the worker that holds it
+        on = f" (rank {spec.topology.worker_of(k)})" if spec.virtual_stages > 1 else ""
+        print(f"  stage {k}{on}: {plan.stage_parameters(k):,} parameters: {', '.join(plan.stage_modules(k))}")
+    for line in plan.cut_lines():
+        print(f"  {line}")
+    for line in _predicted_lines(plan):
+        print(f"  {line}")
+    return 0
+
+
+def _plan(job: JobFile, args: argparse.Namespace) -> int:
+    from gpipe.coordinator import planner
+
+    return planner.main(args, job.spec, job.text, job.folder)
+
+
+def _run(job: JobFile, args: argparse.Namespace) -> int:
+    from gpipe.coordinator.run import run_local
+    from gpipe.grpcutil import check_grace
+
+    check_grace(args.grace_s)
+    run_local(job.spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume,
+              oversubscribe=args.oversubscribe, grace_s=args.grace_s, spec_text=job.recorded)
+    return 0
+
+
+def _eval_verb(job: JobFile, args: argparse.Namespace) -> int:
+    return _eval(job.spec, job.recorded, args)
+
+
+def _with_spec(verb: Callable[[JobFile, argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A verb of a job file: the file read, its --set and --name applied and parsed, then `verb` called."""
+
+    def call(args: argparse.Namespace) -> int:
+        from gpipe.coordinator.overrides import apply
+        from gpipe.coordinator.spec import parse_spec, read_spec_text
+
+        original = read_spec_text(args.job)
+        overridden = apply(original, args.set, args.name, args.job)
+        spec = parse_spec(overridden, source=args.job)
+        folder = Path(args.code_dir).resolve() if getattr(args, "code_dir", None) else spec.code_dir(args.job)
+        return verb(JobFile(spec, overridden, overridden is not original, folder), args)
+
+    return call
+
+
+# One function per verb. Each imports what it needs when called: `--help`, a flag's error and the client verbs
+# (submit, status, list, logs, stop) import no torch.
+VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _with_spec(_run),
+    "validate": _with_spec(_validate),
+    "plan": _with_spec(_plan),
+    "eval": _with_spec(_eval_verb),
+    "serve": _serve,
+    "submit": _client_verb,
+    "status": _client_verb,
+    "list": _client_verb,
+    "logs": _client_verb,
+    "stop": _client_verb,
+    "delete": _delete,
+    "timeline": _timeline,
+    "tokenize": corpus.main,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -454,66 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(EXIT_BAD_INPUT, "gpipe-coordinator submit: error: --attach goes with a job spec, not --resume\n")
     warnings.filterwarnings("ignore", message="You are using a Backend")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    # Imported here so that `--help` and flag errors answer at once.
-    from gpipe.coordinator.overrides import apply
-    from gpipe.coordinator.run import run_local
-    from gpipe.coordinator.spec import parse_spec, read_spec_text
-
     try:
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "delete":
-            return _delete(args)
-        if args.command in ("submit", "status", "list", "logs", "stop"):
-            return asyncio.run(_client(args))
-        if args.command == "tokenize":
-            return corpus.main(args)
-        if args.command == "timeline":
-            from gpipe.coordinator import timeline
-
-            trace, png = timeline.write(Path(args.job_dir), args.step)
-            print(f"{trace}\n{png}")
-            return 0
-        original = read_spec_text(args.job)
-        overridden = apply(original, args.set, args.name, args.job)
-        spec = parse_spec(overridden, source=args.job)
-        text = overridden if overridden is not original else None  # what run records and its attempts read
-        job_dir = Path(args.code_dir).resolve() if getattr(args, "code_dir", None) else spec.code_dir(args.job)
-        if args.command == "eval":
-            return _eval(spec, text, args)
-        if args.command == "plan":
-            from gpipe.coordinator import planner
-
-            return planner.main(args, spec, overridden, job_dir)
-        if args.command == "validate":
-            from gpipe.coordinator.plan import make_plan
-            from gpipe.factory import enter_job_folder
-
-            gpus = "" if args.skip_gpu_check else _validate_gpus(spec)
-            enter_job_folder(job_dir)  # a process of this job's own: its factories run in its folder
-            plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
-            print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
-            if spec.auto:
-                print(f"  auto: {', '.join(spec.auto)}: chosen when the job starts, for its workers and their "
-                      "memory (`gpipe-coordinator plan` shows the choice); the figures below are the meanwhile "
-                      "values")
-            if gpus:
-                print(f"  {gpus}")
-            for k in range(len(plan.balance)):
-                # with virtual stages, a model chunk, on the worker that holds it
-                on = f" (rank {spec.topology.worker_of(k)})" if spec.virtual_stages > 1 else ""
-                print(f"  stage {k}{on}: {plan.stage_parameters(k):,} parameters: {', '.join(plan.stage_modules(k))}")
-            for line in plan.cut_lines():
-                print(f"  {line}")
-            for line in _predicted_lines(plan):
-                print(f"  {line}")
-            return 0
-        from gpipe.grpcutil import check_grace
-
-        check_grace(args.grace_s)
-        run_local(spec, Path(args.job), Path(args.state_dir), progress=not args.no_progress, resume=args.resume,
-                  oversubscribe=args.oversubscribe, grace_s=args.grace_s, spec_text=text)
-        return 0
+        return VERBS[args.command](args)
     except GpipeError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.errors import SpecError, describe_os_error
-from gpipe.tokens import dtype_for
 
 KINDS = (".txt", ".jsonl", ".parquet")
 PIECE_CHARS = 1 << 20  # text a worker tokenizes at a time
@@ -65,6 +64,9 @@ def main(args: argparse.Namespace) -> int:
     tok_json = _tokenizer_json(Path(args.tokenizer))
     tokenizer = _load(tok_json)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    # torch's import, paid by this verb alone: the CLI's other verbs import none.
+    from gpipe.tokens import dtype_for
+
     dtype = dtype_for(vocab)
     eos = None
     if args.eos is not None and (eos := tokenizer.token_to_id(args.eos)) is None:

@@ -1,8 +1,14 @@
-"""The errors a user sees, and the exit codes they map to."""
+"""The errors a user sees, and the exit codes they map to.
+
+A leaf: it imports nothing of ours at run time (nor torch), so that a client verb (`--help`, `status`,
+`submit`) starts at once, and any module may raise these without an import circle."""
 
 from __future__ import annotations
 
-from gpipe.contract import Cause, StageError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpipe.contract import Cause, StageError
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the job ran and failed: a stage raised, a worker died, a wait timed out

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpipe.errors import SpecError, describe_os_error
+
 # Short names for the factories that ship with gpipe.
 REGISTRY: dict[str, str] = {
     "mlp": "gpipe.builtins:mlp",
@@ -38,9 +40,6 @@ def enter_job_folder(folder: str | Path) -> None:
     Once per process, and only in a process of the job's own (an attempt's coordinator or worker process,
     validate): never in serve's, which runs many jobs. Paths the process was given relative to where it
     started must be made absolute first. A folder that is not there is SpecError."""
-    # Imported here: gpipe.errors imports this module's FactoryError (through gpipe.contract).
-    from gpipe.errors import SpecError, describe_os_error
-
     try:
         os.chdir(folder)
     except OSError as e:

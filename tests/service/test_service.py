@@ -776,3 +776,18 @@ def test_a_rogue_registration_for_a_live_rank_is_refused_and_the_job_runs_on(sha
     shared.kill("worker0")
     shared.start_worker(0)
     assert shared.log("worker0").count("registration refused") == refused
+
+
+@pytest.mark.multiprocess
+def test_the_client_verbs_import_no_torch_against_a_real_serve(shared):
+    """submit --follow, status, list and logs against serve: answered, and no torch (nor numpy) imported."""
+    spec = job(SERVICE, name="light", steps=2)
+    path = shared.cli.write(spec, "light.yaml")
+    for args in (["submit", str(path), "--follow", "--no-progress"], ["status", "light"], ["list"],
+                 ["logs", "light"]):
+        r, modules = shared.cli.modules_of(*args, "--coordinator", shared.address, *shared.auth())
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        assert "gpipe.coordinator.client" in modules
+        loaded = sorted(m for m in modules if m.split(".")[0] in ("torch", "numpy"))
+        assert loaded == [], f"{args[0]} imported {loaded[:5]}"
+    assert "SUCCEEDED" in shared.client("status", "light").stdout

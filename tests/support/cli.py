@@ -160,6 +160,18 @@ class Cli:
             pytest.fail(f"gpipe-coordinator {' '.join(args)} did not finish in {timeout}s:\n{err[-3000:]}")
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
+    def modules_of(self, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, set[str]]:
+        """The CLI run with `args` as `run` does, and every module its process had imported when it exited."""
+        out = self.tmp / f"modules-{uuid.uuid4().hex}.txt"
+        probe = ("import atexit, sys\n"
+                 f"atexit.register(lambda: open({str(out)!r}, 'w').write('\\n'.join(sorted(sys.modules))))\n"
+                 "from gpipe.coordinator.cli import main\n"
+                 "sys.argv[0] = 'gpipe-coordinator'\n"
+                 "sys.exit(main())\n")
+        p = subprocess.run([sys.executable, "-c", probe, *args], cwd=self.tmp, env=self.env, capture_output=True,
+                           text=True, timeout=timeout)
+        return p, set(out.read_text().split()) if out.exists() else set()
+
     def leftovers(self) -> list[int]:
         return tagged_pids(self.tag)
 
