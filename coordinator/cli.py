@@ -25,7 +25,6 @@ nothing was started), 3 the followed job was stopped, 130 interrupted, 143
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import resource
@@ -348,6 +347,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gpipe.code_archive import limit_bytes
 
     max_code_mib = limit_bytes(args.max_code_mib, "--max-code-mib") >> 20
+    import asyncio  # here: `--help` and the parser's errors answer without it
     asyncio.run(serve(args.host, args.port, Path(args.state_dir), token, worker_token, tls, note=note,
                       validate_memory_mib=mib, heartbeat_timeout=heartbeat_timeout, max_code_mib=max_code_mib,
                       metrics=metrics, grace_s=args.grace_s, limits=limits))
@@ -393,6 +393,7 @@ def _delete(args: argparse.Namespace) -> int:
         raise SpecError(f"delete: removes job {args.name!r}'s record and outputs (weights, checkpoints, logs): "
                         "add --yes")
     if args.state_dir is None:
+        import asyncio  # here: `--help` and the parser's errors answer without it
         return asyncio.run(_client(args))
     from gpipe.coordinator.outputs import delete_run_output
     from gpipe.coordinator.spec import NAME_RE
@@ -450,6 +451,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _client_verb(args: argparse.Namespace) -> int:
+    import asyncio  # here: `--help` and the parser's errors answer without it
     return asyncio.run(_client(args))
 
 
