@@ -12,12 +12,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test test-all test-fast lint typecheck protos clean gpu-check gpu-wheels
 
-# worker/_ring.c: the install builds it (an editable install does not rebuild it by itself).
-$(STAMP): pyproject.toml worker/_ring.c
+# worker/dataplane/_ring.c: the install builds it (an editable install does not rebuild it by itself).
+$(STAMP): pyproject.toml worker/dataplane/_ring.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 is this machine's CPU wheel; never let pip reach for a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0 -e '.[test,data]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[service,test,data]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -63,9 +63,9 @@ gpu-check:
 gpu-wheels:
 	bash bench/gpu-check.sh --prepare
 
-# Regenerate gpipe/v1 from protos/ (tests/project/test_protos.py fails when it is stale).
+# Regenerate gpipe/service/v1 from protos/ (tests/project/test_protos.py fails when it is stale).
 protos: setup
-	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/v1/*.proto
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/gpipe/service/v1/*.proto
 
 clean:
 	rm -rf $(VENV) gpipe-state gpipe-service gpipe-worker-logs .pytest_cache .ruff_cache .mypy_cache

@@ -2,7 +2,7 @@
 
     python bench/checkpoint.py --rounds 3
 
-(a) Save throughput against size: the coordinator's writer (coordinator/checkpoint.py:
+(a) Save throughput against size: the coordinator's writer (coordinator/outputs/checkpoint.py:
     stream each tensor to disk and hash it in one pass, fsync, manifest) against
     safetensors.torch.save_file plus an fsync (no hash, no manifest), on the same
     tensors, interleaved, the median of --rounds.
@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpipe.coordinator import checkpoint  # noqa: E402
+from gpipe.coordinator.outputs import checkpoint  # noqa: E402
 from gpipe.state import StageState  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def run_job(tmp: Path, name: str, width: int, every: int | None, steps: int) -> 
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp)],
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp)],
                        env=env, capture_output=True, text=True, timeout=600)
     if r.returncode:
         raise SystemExit(r.stderr)

@@ -35,7 +35,7 @@ steps: 2
 
 
 def contenders(folder: Path) -> dict[str, list[str]]:
-    cli = [sys.executable, "-m", "gpipe.coordinator.cli"]
+    cli = [sys.executable, "-m", "gpipe.coordinator.cli.main"]
     return {
         "python -c pass": [sys.executable, "-c", "pass"],
         'python -c "import torch"': [sys.executable, "-c", "import torch"],

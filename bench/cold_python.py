@@ -11,12 +11,12 @@ call ("warm"), medians over calls, then over rounds:
 - gpipe.wire.encode of a 32 x width activation (a message's header);
 - seeding a stage's 4 layers as gpipe.rng.seeded_forward does per forward
   (the micro-batch's key, then per layer a splitmix round and manual_seed);
-- gpipe.worker.unix_lane.UnixSender.send of that activation to the reader;
+- gpipe.worker.dataplane.unix_lane.UnixSender.send of that activation to the reader;
 - the socket's sendmsg of the same bytes alone (no Python of ours around it);
-- UnixSender.send of it into the lane's ring of shared memory (gpipe.worker.unix_lane.Ring), the reader taking it
+- UnixSender.send of it into the lane's ring of shared memory (gpipe.worker.dataplane.unix_lane.Ring), the reader taking it
   out as a UnixReceiver does (--no-ring leaves these two rows out);
 - the ring's part alone: the copy into the ring and the eventfd's write;
-- the ring's writer alone (nobody waiting): worker/_ring.c's Writer, and gpipe.worker.unix_lane._Writer (the Python
+- the ring's writer alone (nobody waiting): worker/dataplane/_ring.c's Writer, and gpipe.worker.dataplane.unix_lane._Writer (the Python
   it stands in for), each writing the activation's message, then the eventfd write a reader would make to give
   its room back (in the call: some 1-4 us, the same for both);
 - UnixSender.send into a ring written by the Python writer (a third lane and reader).
@@ -43,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpipe.rng import _micro_batch_key, _mix, generators  # noqa: E402
 from gpipe.wire import HEADER_BYTES, encode  # noqa: E402
-from gpipe.worker import unix_lane  # noqa: E402
-from gpipe.worker.unix_lane import Ring, UnixReceiver, UnixSender, _view  # noqa: E402
+from gpipe.worker.dataplane import unix_lane  # noqa: E402
+from gpipe.worker.dataplane.unix_lane import Ring, UnixReceiver, UnixSender, _view  # noqa: E402
 
 BLOCKS, MICRO_BATCH = 4, 32
 
@@ -146,7 +146,7 @@ def main() -> None:
             return send
 
         if c_writer is not None:
-            calls["the ring's writer alone: worker/_ring.c's"] = writer_alone(c_bare)
+            calls["the ring's writer alone: worker/dataplane/_ring.c's"] = writer_alone(c_bare)
         calls["the ring's writer alone: the Python one"] = writer_alone(py_bare)
         py_mb = iter(range(1 << 40))
         into_py = UnixSender(mine_p, "activation to the reader's ring (Python writer)", ring_py)

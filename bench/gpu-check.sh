@@ -90,7 +90,7 @@ check() {
 }
 
 check env 60 "$PY" -c '
-import torch, gpipe, gpipe.coordinator.cli, gpipe.stage, gpipe.worker.stage_server, gpipe.v1.jobs_pb2
+import torch, gpipe, gpipe.coordinator.cli.main, gpipe.stage, gpipe.worker.stage_server, gpipe.service.v1.jobs_pb2
 cuda = torch.cuda.is_available()
 name = torch.cuda.get_device_name() if cuda else "no GPU"
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-"

@@ -170,7 +170,7 @@ def run(steps: int) -> None:
         job.write_text(yaml.safe_dump(spec))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]))
         t = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir",
+        p = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir",
                             str(Path(tmp) / "state"), "--no-progress"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=ROOT / "examples")
         took = time.monotonic() - t

@@ -34,7 +34,7 @@ def peaks(schedule: str, ckpt: str, tmp: Path) -> list[int]:
     job = tmp / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]))
-    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp),
                     "--no-progress"], env=env, check=True, capture_output=True, timeout=600)
     last = json.loads((tmp / spec["name"] / "metrics.jsonl").read_text().splitlines()[-1])
     by_rank = {s["rank"]: s["activation_peak_bytes"] for s in last["stages"]}  # a worker's chunks: one figure

@@ -4,7 +4,7 @@
     python bench/memory_model.py --models mlp --schedules gpipe 1f1b --checkpoint never
 
 Each job runs through `run` for a few steps on this host; per worker: the prediction (plan.json's
-`predicted_peak_bytes`, gpipe.coordinator.prediction) and the peak measured (each step's `peak_memory_bytes`, the
+`predicted_peak_bytes`, gpipe.coordinator.plan.prediction) and the peak measured (each step's `peak_memory_bytes`, the
 largest of the steps: the process's resident peak on the CPU, torch.cuda.max_memory_allocated on CUDA), their
 ratio, the baseline and the allocator's part of the prediction, and the prediction and the peak above the
 baseline (what the job adds, predicted / measured). The models: the examples charlm, gpt2 and llama
@@ -81,7 +81,7 @@ def run(spec: dict[str, Any], tmp: Path) -> tuple[list[int], list[int], list[dic
     job = tmp / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]))
-    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp),
                         "--no-progress"], env=env, capture_output=True, text=True, timeout=900)
     if r.returncode:
         raise RuntimeError(f"{spec['name']}: {r.stderr.strip().splitlines()[-1:]}")

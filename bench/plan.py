@@ -8,7 +8,7 @@ config, examples/gpt2.yaml, captured and cut at its blocks) it runs `plan --work
 --json --top 1000` and takes its pick and --others more of the configurations that fit: the fastest with
 another stages x replicas, the fastest with other activation checkpointing, then the fastest of each schedule
 not yet taken. Each runs through `gpipe-coordinator run` with the job file `plan --write` would write
-(gpipe.coordinator.planner.written) for --steps steps; its step time is the median of `step_time_s` after the first
+(gpipe.coordinator.plan.search.written) for --steps steps; its step time is the median of `step_time_s` after the first
 2 steps, its peak the largest `peak_memory_bytes` of any worker and step. Beside them, the time a worker spends in
 its actions a step (`busy_s`, the workers' mean) against the plan's (its step time less its bubble): whether the
 actions themselves took longer than their measured costs, or the time between them; and "at cost", the step the
@@ -97,7 +97,7 @@ def describe(c: dict[str, Any]) -> str:
 
 
 def plan(job: Path, workers: int, budget: float) -> list[dict[str, Any]]:
-    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "plan", str(job), "--workers", str(workers),
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "plan", str(job), "--workers", str(workers),
                         "--memory-gib", str(budget), "--json", "--top", "1000"], env=env(), capture_output=True,
                        text=True, timeout=600)
     if r.returncode:
@@ -131,13 +131,13 @@ def choose(fits: list[dict[str, Any]], others: int) -> list[dict[str, Any]]:
 def run(job_text: str, c: dict[str, Any], name: str, steps: int, tmp: Path) -> dict[str, float]:
     """The configuration `c` of the job run for `steps` steps: its step time (median), peak (the largest) and each
 worker's time in actions a step (the workers' mean; median)."""
-    from gpipe.coordinator.planner import Config, written
+    from gpipe.coordinator.plan.search import Config, written
 
     config = Config(c["stages"], c["replicas"], c["schedule"], c["virtual_stages"], c["chunks"],
                     c["activation_checkpoint"], c["shard"], tuple(c["balance"]))
     job = tmp / f"{name}.yaml"
     job.write_text(written(job_text, str(job), config))
-    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp),
                         "--no-progress", "--oversubscribe", "--name", name, "--set", f"steps={steps}",
                         "--set", "log_every=1"], env=env(), capture_output=True, text=True, timeout=600)
     if r.returncode:
@@ -165,8 +165,8 @@ def at_cost(c: dict[str, Any], steps: list[dict[str, Any]], job_text: str) -> fl
     between them: no transfer, per-action overhead, all-reduce or optimizer step; the workers that end a step
     waiting for one another as the plan has them (clipping: every worker)."""
     from gpipe import schedule
-    from gpipe.coordinator.metrics import step_waits
-    from gpipe.coordinator.spec import parse_spec
+    from gpipe.coordinator.attempt.metrics import step_waits
+    from gpipe.coordinator.spec.job import parse_spec
     from gpipe.topology import model_chunk
 
     took: dict[tuple[int, str, int], list[float]] = {}

@@ -60,8 +60,9 @@ def write_weights(path: Path, args: dict[str, int]) -> int:
     sys.path.insert(0, str(path.parent))
     from bench_gpt2 import gpt2  # type: ignore[import-not-found]  # written beside the job
 
-    from gpipe import skeleton, stream
-    from gpipe.coordinator.checkpoint import StageStream, write_stream
+    from gpipe import stream
+    from gpipe.capture import skeleton
+    from gpipe.coordinator.outputs.checkpoint import StageStream, write_stream
 
     model, _ = skeleton.skeleton(lambda: gpt2(**args))
     shapes = dict(model.named_parameters())  # the tied weight once, under its first name

@@ -74,7 +74,7 @@ def profile(schedule: str, steps: int, tmp: Path, checkout: Path = ROOT) -> dict
     e["PYTHONPATH"] = f"{Path(__file__).resolve().parent / 'profiling'}{os.pathsep}{checkout}"
     e["GPIPE_BENCH_PROFILE"] = str(prefix)
     python = sys.executable if checkout == ROOT else str(checkout / ".venv/bin/python")
-    p = subprocess.Popen([python, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    p = subprocess.Popen([python, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp),
                           "--no-progress"], env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = tmp / name / "metrics.jsonl"
 

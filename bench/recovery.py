@@ -58,7 +58,7 @@ def one_round(tmp: Path, r: int, kill_at: int) -> tuple[float, float, int]:
     job.write_text(yaml.safe_dump(spec))
     tag = f"{os.getpid()}-{r}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_BENCH_TAG=tag)
-    p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp),
                           "--no-progress"], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), x)) for x in p.stderr], daemon=True)

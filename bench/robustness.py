@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 import yaml
 
-from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from gpipe.service.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = {"factory": "tests.support.models:slow_mlp", "args": {"width": 16, "seconds": 0.02}}
@@ -72,7 +72,7 @@ class Cluster:
         self.wait(lambda: self.log(key).count(ready) > before, f"{key}: {ready}")
 
     def serve(self) -> None:
-        self.start("serve", ["gpipe.coordinator.cli", "serve", "--port", str(self.port), "--state-dir",
+        self.start("serve", ["gpipe.coordinator.cli.main", "serve", "--port", str(self.port), "--state-dir",
                              str(self.tmp / "state")], "coordinator serving on")
 
     def worker(self, rank: int) -> None:
@@ -158,7 +158,7 @@ def sigterm_round(c: Cluster, r: int) -> tuple[float, float, float, float]:
     c.worker(1)
     name = f"term{r}"
     (c.tmp / f"{name}.yaml").write_text(yaml.safe_dump(spec(name, model=SLOW, steps=10_000, checkpoint_every=5)))
-    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "submit", f"{name}.yaml", "--coordinator",
+    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "submit", f"{name}.yaml", "--coordinator",
                     c.address], cwd=c.tmp, env=c.env, check=True, capture_output=True, timeout=300)
     c.wait(lambda: c.steps(name) > 3, "the job's step 3")
     serve_running = c.sigterm("serve")

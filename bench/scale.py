@@ -62,8 +62,8 @@ def vm_hwm(pid: str) -> int:
 def role(cmdline: bytes) -> str:
     args = cmdline.split(b"\0")
     text = b" ".join(args).decode(errors="replace")
-    for key, name in (("gpipe.coordinator.attempt", "coordinator attempt"), ("worker", "worker"),
-                      ("gpipe.coordinator.cli", "run (supervisor)")):
+    for key, name in (("gpipe.coordinator.attempt.process", "coordinator attempt"), ("worker", "worker"),
+                      ("gpipe.coordinator.cli.main", "run (supervisor)")):
         if key in text:
             return name
     return text[:60]
@@ -106,7 +106,7 @@ def run(tmp: Path, tag: str, *extra: str) -> tuple[list[tuple[float, str]], dict
     """`run` the job; its stderr lines with their arrival times, and each process's peak VmHWM."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), GPIPE_BENCH_TAG=tag)
     w = Watcher(tag)
-    p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(tmp / "job.yaml"),
+    p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(tmp / "job.yaml"),
                           "--state-dir", str(tmp / "state"), "--no-progress", *extra],
                          env=env, stderr=subprocess.PIPE, text=True, cwd=tmp)
     lines = []

@@ -38,7 +38,7 @@ steps: {steps}
 
 def make_state(root: Path, name: str, mib: int) -> int:
     """A state dir holding one finished job whose metrics.jsonl is about `mib` MiB; returns its line count."""
-    from gpipe.job_records import JobRecord, JobState, StateChange
+    from gpipe.service.job_records import JobRecord, JobState, StateChange
 
     out = root / name
     out.mkdir(parents=True)
@@ -79,7 +79,7 @@ def one(state: Path, name: str) -> tuple[float, float, float]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.monotonic()
     with log.open("w") as f:
-        p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli", "serve", "--port", str(port),
+        p = subprocess.Popen([sys.executable, "-m", "gpipe.coordinator.cli.main", "serve", "--port", str(port),
                               "--state-dir", str(state)], stdout=f, stderr=f, env=env, start_new_session=True)
     try:
         while "coordinator serving on" not in log.read_text():
@@ -89,7 +89,7 @@ def one(state: Path, name: str) -> tuple[float, float, float]:
         started = time.monotonic() - t0
         peak = vm(p.pid, "VmHWM")
         t1 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "logs", name, "--coordinator",
+        r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "logs", name, "--coordinator",
                             f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, timeout=600)
         if r.returncode:

@@ -8,7 +8,7 @@ sharded and unsharded in turn, `rounds` times each (interleaved). Per worker: th
 process (each step's `peak_memory_bytes`, the last step's), the median over rounds; the step time: the median
 of every round's steps after the first two. The target (issue 37): the sharded peak at least 0.6 x (half the
 stage's moments) below the unsharded one, the step at most 5% longer. Beside each measured peak, plan.json's
-prediction for that worker (gpipe.memory_model) and its ratio to the measured peak.
+prediction for that worker (gpipe.memory.model) and its ratio to the measured peak.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def run(spec: dict[str, Any], tmp: Path) -> tuple[list[int], list[float], dict[s
     job = tmp / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(job), "--state-dir", str(tmp),
+    subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(job), "--state-dir", str(tmp),
                     "--no-progress"], env=env, check=True, capture_output=True, timeout=900)
     out = tmp / spec["name"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -82,7 +82,7 @@ def main() -> None:
         part = statistics.median(res[0][rank] for res in results[True])
         stage = rank % 2
         half = params[stage] * 8 / 2 if params[stage] else float("nan")  # adamw: two fp32 moments, 8 B a parameter
-        # plan.json's prediction for the rank (gpipe.memory_model), against the measured peak
+        # plan.json's prediction for the rank (gpipe.memory.model), against the measured peak
         guess = [predicted(results[shard][0][2], rank) for shard in (False, True)]
         print(f"{rank:>4} {stage:>5} {whole / 2**20:>14.1f} {part / 2**20:>12.1f} {(whole - part) / 2**20:>10.1f} "
               f"{half / 2**20:>21.1f} {(whole - part) / half:>13.2f} {guess[0] / 2**20:>15.1f} "

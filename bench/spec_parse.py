@@ -16,7 +16,7 @@ import time
 
 import yaml
 
-from gpipe.coordinator.spec import MAX_SPEC_BYTES, JobSpec, parse_spec
+from gpipe.coordinator.spec.job import MAX_SPEC_BYTES, JobSpec, parse_spec
 
 HEAD = "name: big\nstages: 2\ndata: {factory: random_regression, batch_size: 4}\n" \
        "optimizer: {name: sgd, lr: 0.1}\nsteps: 2\nmodel: {factory: mlp, args: {width: 8, depth: 3, bulk: ["

@@ -20,7 +20,7 @@ import time
 import torch
 
 from gpipe import grad_in_place
-from gpipe.memory import ActivationMeter
+from gpipe.memory.meter import ActivationMeter
 from gpipe.split_backward import backward_input
 
 

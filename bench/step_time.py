@@ -108,7 +108,7 @@ def gpipe_steps(schedule: str, steps: int, tmp: Path, stages: int = STAGES, repl
     }
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec))
-    e, cmd = env(), [sys.executable, "-m", "gpipe.coordinator.cli"]
+    e, cmd = env(), [sys.executable, "-m", "gpipe.coordinator.cli.main"]
     if checkout is not None:
         e.pop("PYTHONPATH", None)  # it imports its own gpipe
         cmd = [str(checkout / ".venv/bin/gpipe-coordinator")]

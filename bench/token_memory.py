@@ -7,8 +7,8 @@ Two uint16 token files of random ids below GPT-2's vocabulary (50257) are writte
 8 M tokens at a time, and deleted at the end: one of `--mb` MB, one of 1 MB. The same job then runs through
 `gpipe-coordinator run` on each: tests.support.models' tiny_lm (an embedding of the 50257 ids, 2 transformer
 layers of width 32, a head) on 2 stages, `data: {factory: tokens, seq_len: 64}`, shuffle on, batches of 16
-windows, `--steps` steps (each step reads 16 windows from anywhere in the file, one read each: gpipe.tokens;
-the shuffle keeps a permutation of every window, 4 bytes each: gpipe.coordinator.data). The data is read by the
+windows, `--steps` steps (each step reads 16 windows from anywhere in the file, one read each: gpipe.data.tokens;
+the shuffle keeps a permutation of every window, 4 bytes each: gpipe.coordinator.plan.data). The data is read by the
 coordinator only: `run`'s supervisor process opens the files to validate the job, its attempt process reads
 every step's windows.
 
@@ -59,7 +59,7 @@ def job(path: Path, steps: int) -> dict[str, object]:
 
 
 def kind(pid: int, name: str) -> str:
-    """The process's part: a fork of the attempt template says it in its comm (gpipe.zygote), not its cmdline."""
+    """The process's part: a fork of the attempt template says it in its comm (gpipe.service.zygote), not its cmdline."""
     try:
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:

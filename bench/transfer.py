@@ -27,7 +27,7 @@ def peer(rank: int, port: int, rounds: int, count: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from gpipe.worker.channel import Receiver, Sender
+    from gpipe.worker.dataplane.channel import Receiver, Sender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -9,7 +9,7 @@ cut into `stages` non-empty parts that minimises the largest part's cost.
   the plan is made on: the CPU of the coordinator (which never touches a GPU),
   so for a `device: cuda` job the CPU's times stand in for the GPU's.
 - by_memory: a layer's bytes at its peak: parameters, gradients and optimizer
-  state, plus the activations it keeps for backward (gpipe.footprint, as the
+  state, plus the activations it keeps for backward (gpipe.memory.footprint, as the
   predicted peaks count them) times the micro-batches in flight at once (chunks
   under gpipe, stages under 1f1b).
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gpipe import skip, structure
-from gpipe.footprint import Footprint, Layers
+from gpipe.memory.footprint import Footprint, Layers
 
 
 def partition(costs: Sequence[float], stages: int) -> list[int]:
@@ -129,7 +129,7 @@ def _saved(i: int, m: Layers) -> int:
 def memory_costs(model: nn.Sequential, fp: Footprint, samples: int, slots: int, in_flight: int) -> list[float]:
     """Bytes per layer: parameters x (weight, gradient, `slots` optimizer state tensors) + activations x
     in_flight, the activations what the layer saves for its backward on a micro-batch of `samples` (`fp`:
-    gpipe.footprint; `slots`: gpipe.optim)."""
+    gpipe.memory.footprint; `slots`: gpipe.optim)."""
     costs = []
     for i, layer in enumerate(model):
         param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)

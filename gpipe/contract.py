@@ -1,7 +1,7 @@
 """What crosses between the driver and a stage, typed once: the stage's config, a step's result, a stage's error.
 
-The driver (gpipe.coordinator.driver) and a stage (gpipe.stage) meet through a
-handle (gpipe.handle): over torch RPC for the service and `run`, by a direct
+The driver (gpipe.coordinator.attempt.driver) and a stage (gpipe.stage) meet through a
+handle (gpipe.coordinator.attempt.handle): over torch RPC for the service and `run`, by a direct
 call for `gpipe.Pipeline`. Whatever the handle, these are the types that cross
 it; the supervisor's decisions read their fields, never their prose.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gpipe.capture import CaptureError
+from gpipe.capture.graph import CaptureError
 from gpipe.factory import FactoryError
 from gpipe.structure import StructureError
 from gpipe.topology import place
@@ -74,19 +74,19 @@ class StageConfig:
     eval_every: int | None = None
     eval_batches: int = 0
     steps: int = 0
-    # Which steps count the activations (gpipe.memory, StepResult.activation_peak_bytes): each attempt's first,
+    # Which steps count the activations (gpipe.memory.meter, StepResult.activation_peak_bytes): each attempt's first,
     # every activation_meter_every-th (None: no others) and last_step; a split backward's, every one.
     activation_meter_every: int | None = 1
     last_step: int = -1
-    # A model that is not an nn.Sequential (gpipe.capture): what the stage captures it with (split_points,
-    # output, and the first micro-batch's skeleton: gpipe.capture.sample_signature); None for an nn.Sequential.
+    # A model that is not an nn.Sequential (gpipe.capture.graph): what the stage captures it with (split_points,
+    # output, and the first micro-batch's skeleton: gpipe.capture.graph.sample_signature); None for an nn.Sequential.
     capture: dict[str, Any] | None = None
-    # Tied weights (gpipe.capture.tied_groups): per group, its parameter keys and the stages that hold a copy.
+    # Tied weights (gpipe.capture.graph.tied_groups): per group, its parameter keys and the stages that hold a copy.
     tied: list[tuple[list[str], list[int]]] = field(default_factory=list)
 
     @property
     def sharded(self) -> bool:
-        """Whether this stage's copies each keep 1/replicas of its optimizer state (gpipe.zero)."""
+        """Whether this stage's copies each keep 1/replicas of its optimizer state (gpipe.memory.zero)."""
         return self.shard_optimizer and self.replicas > 1
 
     @property
@@ -125,7 +125,7 @@ class StepResult:
     reduce_s: float | None = None  # with replicas: the wait for the gradient sums after the backward
     loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
     skipped: bool | None = None  # fp16: an inf or nan skipped the optimizer step
-    snapshot: dict[str, Any] | None = None  # a checkpoint copy to pull in pieces (gpipe.worker.streaming)
+    snapshot: dict[str, Any] | None = None  # a checkpoint copy to pull in pieces (gpipe.worker.state_stream)
     snapshot_s: float | None = None  # the copy-out's pause, between this step and the next
     snapshot_wait_s: float | None = None  # the wait for the previous copy to be pulled
 
@@ -193,7 +193,7 @@ def classify(e: BaseException) -> Cause:
 def blamed(cause: Cause) -> bool:
     """Whether a failure of this cause is one of its own, the one to name: a model chunk that gave up because
     another chunk of its worker failed (ABORTED) only echoes that chunk's error. The restart-or-fail decision
-    that follows is the service's (gpipe.coordinator.policy)."""
+    that follows is the service's (gpipe.coordinator.supervisor.policy)."""
     return cause is not Cause.ABORTED
 
 

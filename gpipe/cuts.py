@@ -1,6 +1,6 @@
 """Where the cuts fall: each stage's layer range from a balance, the stage of a layer, and what crosses a cut.
 
-The coordinator's plan (gpipe.coordinator.plan) and gpipe.Pipeline both cut a model
+The coordinator's plan (gpipe.coordinator.plan.job) and gpipe.Pipeline both cut a model
 (an nn.Sequential's layers, or a captured model's pieces) by a balance, the
 layer count of each stage (each model chunk, with virtual stages), and ask
 here where each layer lands: the skip connections that leave their stage, and
@@ -30,7 +30,7 @@ def stage_of(balance: Sequence[int], layer: int) -> int:
 
 def routes(skips: Mapping[str, tuple[int, int]], balance: Sequence[int]) -> list[Route]:
     """(name, stashing stage, popping stage) of each skip connection that leaves its stage, by name, out of
-    `skips`: name -> (the layer that stashes it, the layer that pops it) (gpipe.probe.Recorder.routes)."""
+    `skips`: name -> (the layer that stashes it, the layer that pops it) (gpipe.memory.probe.Recorder.routes)."""
     out = [(n, stage_of(balance, a), stage_of(balance, b)) for n, (a, b) in sorted(skips.items())]
     return [r for r in out if r[1] != r[2]]
 

@@ -5,6 +5,7 @@ A leaf: it imports nothing of ours at run time (nor torch), so that a client ver
 
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,8 +53,15 @@ class JobFailed(GpipeError):
 
 def describe_os_error(e: OSError, doing: str = "writing") -> str:
     """'writing /path: No space left on device (ENOSPC)': the path and the errno, in one line."""
-    import errno as errno_names
-
-    name = errno_names.errorcode.get(e.errno or 0, str(e.errno))
+    name = errno.errorcode.get(e.errno or 0, str(e.errno))
     where = f" {e.filename}" if e.filename else ""
     return f"{doing}{where}: {e.strerror or e} ({name})"
+
+
+# Errors of the disk the job's outputs are on, not of an attempt: a restart cannot fix them.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
+
+
+def disk_error(e: OSError) -> bool:
+    """An OSError of the job's files or disk (a restart would meet it again), not a bug of the attempt."""
+    return e.filename is not None or e.errno in DISK_ERRNOS

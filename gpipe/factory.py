@@ -15,8 +15,8 @@ from gpipe.errors import SpecError, describe_os_error
 REGISTRY: dict[str, str] = {
     "mlp": "gpipe.builtins:mlp",
     "random_regression": "gpipe.builtins:random_regression",
-    "tokens": "gpipe.tokens:tokens",
-    "hf_dataset": "gpipe.hf_dataset:hf_dataset",
+    "tokens": "gpipe.data.tokens:tokens",
+    "hf_dataset": "gpipe.data.hf_dataset:hf_dataset",
     "cross_entropy": "gpipe.losses:cross_entropy",
     "mse": "gpipe.losses:mse",
 }
@@ -28,14 +28,14 @@ class FactoryError(LookupError):
     (a data set's IndexError, a KeyError) is no FactoryError."""
 
 
-_own_code: list[str] = []  # this process's copy of the job's code (gpipe.code_archive), when the job sent it
+_own_code: list[str] = []  # this process's copy of the job's code (gpipe.service.code_archive), when the job sent it
 
 
 def enter_job_folder(folder: str | Path) -> None:
     """Make `folder`, the job's folder, this process's working directory, so that the job's factories find
     a relative path (data/train.bin) in the job's folder wherever they run: under `run`, the job file's
     folder (or its working_dir); under serve, the job's code unpacked, on the coordinator and every worker.
-    `model.weights` resolves against the same folder (gpipe.coordinator.plan).
+    `model.weights` resolves against the same folder (gpipe.coordinator.plan.job).
 
     Once per process, and only in a process of the job's own (an attempt's coordinator or worker process,
     validate): never in serve's, which runs many jobs. Paths the process was given relative to where it

@@ -1,6 +1,6 @@
 """The option rules `JobSpec` and `gpipe.Pipeline` share: which schedule, virtual stages and micro-batches go together.
 
-Both the service's spec (gpipe.coordinator.spec) and the in-process pipeline ask
+Both the service's spec (gpipe.coordinator.spec.job) and the in-process pipeline ask
 `violation`, so a combination one refuses the other refuses too, with the same
 message naming the field. The names of the schedules are gpipe.schedule's table
 (`schedule.Name`), of the checkpointing modes `Checkpoint`'s.

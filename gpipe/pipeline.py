@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from gpipe import balance as balancing
-from gpipe import batchnorm, capture, cuts, determinism, grad_in_place, options, skip, structure
+from gpipe import batchnorm, cuts, determinism, grad_in_place, options, skip, structure
+from gpipe.capture import graph as capture
 from gpipe.contract import StageConfig, StepResult, blamed, classify
+from gpipe.memory.probe import Recorder
 from gpipe.precision import DTYPES, LossScaler
-from gpipe.probe import Recorder
 from gpipe.rng import SharedGenerators
 from gpipe.stage import Stage  # the service's own stage: one engine
 from gpipe.topology import place
@@ -154,7 +155,7 @@ class Pipeline:
 
     def _capture(self, sample: Any) -> nn.Sequential:
         """A model that is not an nn.Sequential, captured on its first micro-batch and cut into pieces
-        (gpipe.capture); the balance then counts pieces."""
+        (gpipe.capture.graph); the balance then counts pieces."""
         stages = len(self.balance)
         # Traced where the model is (its inputs may be on another device: the stages move them to theirs).
         weight = next(iter([*self.original.parameters(), *self.original.buffers()]), None)

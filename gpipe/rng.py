@@ -65,7 +65,7 @@ class SharedGenerators:
     this lock, so no other stage's seed lands between its seed and its draws;
     a layer that draws none neither seeds nor waits. A layer draws when it is
     (or holds) one of torch's dropout modules, RReLU, a MultiheadAttention with
-    dropout, a captured graph (gpipe.capture) that calls an operation which may
+    dropout, a captured graph (gpipe.capture.graph) that calls an operation which may
     draw (`graph_draws`), or a module with `gpipe_random = True` (set it on a
     layer whose forward calls torch.rand, F.dropout and the like itself).
     """

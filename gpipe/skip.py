@@ -17,7 +17,7 @@ own. A tensor stashed on one stage and popped on another travels straight
 between those two stages, on a channel of their own (never through the stages
 between), and its gradient comes back the same way. The routes, which layer
 stashes and which pops each name, are found by the probe when the job is
-validated (gpipe.probe): a pop with nothing stashed before it, or
+validated (gpipe.memory.probe): a pop with nothing stashed before it, or
 a name stashed twice, is a spec error naming the layers.
 
 Outside gpipe (the same model on one device: `model(x)`) stash and pop use a

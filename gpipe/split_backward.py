@@ -30,7 +30,7 @@ the weights; but a split node keeps every node below it alive, on the input
 path too (attention's saved queries and keys, a ReLU's mask, the loss's
 log-probabilities), with what they saved. So B unpacks the tensors saved by the
 input path's other nodes under `releasing`, which drops what is unpacked (the
-stage's gpipe.memory.ActivationMeter, which packed them): between B and W a
+stage's gpipe.memory.meter.ActivationMeter, which packed them): between B and W a
 micro-batch then holds only its weights' inputs, as the zero-bubble paper counts
 it. (Not in the weight-used-twice case, whose W runs part of the input path.)
 """

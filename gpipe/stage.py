@@ -28,21 +28,22 @@ from torch import nn
 
 from gpipe import (
     batchnorm,
-    capture,
     determinism,
     eval_schedule,
     grad_in_place,
     optim,
     schedule,
-    skeleton,
     skip,
     structure,
     weight_init,
 )
 from gpipe import state as layout
+from gpipe.capture import graph as capture
+from gpipe.capture import skeleton
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
-from gpipe.memory import ActivationMeter, storage_key
+from gpipe.memory.meter import ActivationMeter, storage_key
+from gpipe.memory.zero import ShardedOptimizer
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers
 from gpipe.rng import SharedGenerators, hooked, seeded_forward, seeding
@@ -53,7 +54,6 @@ from gpipe.topology import place
 from gpipe.transport import Inbound, Outbound, Transport
 from gpipe.turns import Turns
 from gpipe.wire import gradient_message, gradients, wants_grad
-from gpipe.zero import ShardedOptimizer
 
 # The wall-clock time of perf_counter's zero, read once per process: every stage of a process dates its steps'
 # timelines on one clock (reading time.time() beside perf_counter() per step would put each stage's on a clock
@@ -91,11 +91,11 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
 
     The factory runs on the meta device, so no full model is materialised here
     (a captured model's buffers keep the values it builds them with:
-    gpipe.skeleton); a model that cannot be built there (or keeps plain tensors
+    gpipe.capture.skeleton); a model that cannot be built there (or keeps plain tensors
     that are no parameters or buffers) is built on the CPU instead. With no
     `state`, the layers are initialised here (init per_layer: a layer at a time,
     or a captured model's a module at a time, gpipe.weight_init), or left empty for
-    weights sent in pieces (gpipe.worker.streaming).
+    weights sent in pieces (gpipe.worker.state_stream).
     """
     add_import_paths(cfg.import_paths)  # the job's folder: its model's module lives there
     factory = resolve(cfg.model_factory)
@@ -110,7 +110,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
 
     layers = None
     try:
-        if cfg.capture is not None:  # its buffers' values kept aside (gpipe.skeleton)
+        if cfg.capture is not None:  # its buffers' values kept aside (gpipe.capture.skeleton)
             model, buffers, pieces = _captured_skeleton(cfg, factory)
             # A copy: a tied weight stays one tensor within it (deepcopy's memo), the cached pieces stay as made.
             layers = copy.deepcopy(nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(cfg.start, cfg.end))))
@@ -195,7 +195,7 @@ class Pass:
     outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's, when there are no targets
     in_flight: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # forwarded, until their backward
     split: bool = False  # the backward is split: B the inputs' gradients, W the weights' (gpipe.split_backward)
-    metered: bool = True  # the forwards' saved tensors are counted (gpipe.memory; always when the backward is split)
+    metered: bool = True  # the forwards' saved tensors are counted (gpipe.memory.meter; always when the backward is split)
     weights: dict[int, WeightGradients] = field(default_factory=dict)  # after B, until W
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     busy: float = 0.0
@@ -242,7 +242,7 @@ class Stage:
         # gpipe.Pipeline gives each stage of a GPU its own stream (set after building), as torchgpipe does.
         self.stream: torch.cuda.Stream | None = None
         self.first, self.last = cfg.model_chunk == 0, cfg.model_chunk == cfg.model_chunks - 1
-        # The layers built already (their weights sent in pieces: gpipe.worker.streaming), or built from `state`.
+        # The layers built already (their weights sent in pieces: gpipe.worker.state_stream), or built from `state`.
         self.layers = state if isinstance(state, nn.Sequential) else build_layers(cfg, state, self.device)
         if cfg.deferred_batch_norm:
             batchnorm.convert_deferred_batch_norm(self.layers)
@@ -547,14 +547,14 @@ class Stage:
             p.in_flight[mb] = (x, held_x, None if ckpt else y, wants, arrived, None if ckpt else ctx.out, skip_wants)
 
     def _saving(self, mb: int, p: Pass) -> contextlib.AbstractContextManager[Any]:
-        """The context micro-batch `mb`'s forward saves tensors for its backward in, counted (gpipe.memory): by
+        """The context micro-batch `mb`'s forward saves tensors for its backward in, counted (gpipe.memory.meter): by
         handle when the backward is split (its B lets go of part of the graph W keeps), else until its B ends."""
         if p.split:
             return self.meter.hooks()
         if not p.metered:
             # A module that updates a buffer in place in its forward (BatchNorm's running statistics) bumps the
             # version of a tensor an earlier micro-batch's graph saved: the meter's hooks exempt the stage's
-            # buffers from autograd's version check, as counting does (gpipe.memory).
+            # buffers from autograd's version check, as counting does (gpipe.memory.meter).
             return self.meter.checking if self.buffers.updated or self.buffers.unseen else _NOTHING
         return self.meter.counting((self.cfg.model_chunk, mb))
 
@@ -762,7 +762,7 @@ class Stage:
 
     def saved_name(self, name: str) -> str | None:
         """The name a parameter or buffer of the stage is saved under: the un-partitioned model's (a captured
-        model's own names, so that a checkpoint fits any split: gpipe.capture.model_name); None for a tied
+        model's own names, so that a checkpoint fits any split: gpipe.capture.graph.model_name); None for a tied
         weight's copy that another stage saves."""
         if self.cfg.capture is None:
             return name
@@ -816,7 +816,7 @@ class Stage:
         and the generator states on the CPU; the optimizer's
         hyper-parameters and non-tensor state as JSON. With `copy` false, the
         weights and optimizer tensors are the live ones, where they live (to be
-        written out before the next step changes them: gpipe.worker.streaming).
+        written out before the next step changes them: gpipe.worker.state_stream).
         """
         def out(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", copy=True) if copy else t.detach()

@@ -1,8 +1,8 @@
 """A stage's state as checkpoints hold it: the one definition of its layout.
 
 The stages write it (gpipe/stage.py: snapshot, restore), the coordinator
-stores it (coordinator/checkpoint.py) and cuts it for another balance
-(coordinator/resume.py). Tensors are named by the un-partitioned model (a
+stores it (coordinator/outputs/checkpoint.py) and cuts it for another balance
+(coordinator/attempt/resume.py). Tensors are named by the un-partitioned model (a
 captured model's by its own names, a tied weight once: gpipe.stage.Stage.saved_name),
 so a checkpoint fits any balance and any split:
 
@@ -53,7 +53,7 @@ class StageState:
     tensors: dict[str, torch.Tensor]
     json_state: dict[str, Any] = field(default_factory=dict)
     # A tensor on the meta device is not here yet: fetch(name) makes it, when its turn to be written comes (in
-    # the names' order; the optimizer's state sharded across replicas: gpipe.zero).
+    # the names' order; the optimizer's state sharded across replicas: gpipe.memory.zero).
     fetch: Callable[[str], torch.Tensor] | None = None
 
     def tensor(self, name: str) -> torch.Tensor:

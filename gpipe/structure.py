@@ -2,7 +2,7 @@
 
 A structure is walked in one fixed order (tuple and list items in order, dict
 items in insertion order), so its tensors, the "leaves", can be named by their
-position: the wire format (gpipe.worker.channel) sends a JSON skeleton and then
+position: the wire format (gpipe.worker.dataplane.channel) sends a JSON skeleton and then
 the leaves' data, and a gradient message lists the gradients of the leaves that
 want one, in that order. Only exact tuple, list and dict containers are taken
 (a namedtuple or an OrderedDict would come out as something else); anything

@@ -9,7 +9,7 @@ A stage never calls torch.distributed itself. It asks its transport for
   (deferred BatchNorm's statistics);
 - a gradient reducer for its copies (the replicas' gradient sum).
 
-Two implementations: c10d between processes (gpipe.worker.c10d: gloo on CPU,
+Two implementations: c10d between processes (gpipe.worker.dataplane.c10d: gloo on CPU,
 NCCL on CUDA), and `Hub` here, between threads of one process (gpipe.Pipeline
 and the fast tests). The same stage code runs over either.
 """
@@ -64,7 +64,7 @@ class Inbound(Protocol):
 
 
 class GradSum(Protocol):
-    """Sums a stage's gradients with its copies in the other replicas (gpipe.worker.reducer for c10d)."""
+    """Sums a stage's gradients with its copies in the other replicas (gpipe.worker.dataplane.reducer for c10d)."""
 
     def arm(self) -> None:
         """The step's last backward is next."""
@@ -94,10 +94,10 @@ class Transport(Protocol):
 
     def gather_copies(self, t: torch.Tensor, everyone: bool) -> list[torch.Tensor] | None:
         """This stage's copies' `t` (of one shape on every copy), in replica order: on every copy with
-        `everyone`, else on replica 0 alone (None on the others). gpipe.zero's gathers."""
+        `everyone`, else on replica 0 alone (None on the others). gpipe.memory.zero's gathers."""
 
     def in_turn(self) -> contextlib.AbstractContextManager[None]:
-        """Around a stage's gathers with its copies (gpipe.zero): the stages of one process take their turns in
+        """Around a stage's gathers with its copies (gpipe.memory.zero): the stages of one process take their turns in
         one order."""
 
     def close(self) -> None: ...

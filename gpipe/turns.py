@@ -20,7 +20,7 @@ the optimizer's state and temporaries in the same arena as the activations):
 with both, that worker's peak is 545 MiB. Then each model chunk's
 end-of-step reductions (which wait on the other stages) run on its own
 thread again, so they cannot deadlock each other. The model chunks also share the
-worker's activation meter (gpipe.memory), so a step's activation peak is the
+worker's activation meter (gpipe.memory.meter), so a step's activation peak is the
 worker's, all its model chunks' together.
 """
 
@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from gpipe.memory import ActivationMeter
+from gpipe.memory.meter import ActivationMeter
 
 Work = Sequence[tuple[int, Callable[[], None]]]  # (place in the worker's order, the action) of one model chunk
 

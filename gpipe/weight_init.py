@@ -7,7 +7,7 @@ layer). So a stage can build its own layers, one at a time, without any
 process building the whole model, and the weights are the same for any stage
 count and balance, and the same as `per_layer(model, seed)` on one device.
 
-A model that is not an nn.Sequential (gpipe.capture) is initialised a module at a time, not a layer: each
+A model that is not an nn.Sequential (gpipe.capture.graph) is initialised a module at a time, not a layer: each
 submodule that owns parameters (under the model's own names: a tied weight's owner is the module
 named_parameters() names it by) gets its own parameters from the generator seeded by `module_seed(seed, its
 name)`, through its reset_parameters() or the hook given (its name, the module), on a copy that holds only
@@ -114,7 +114,7 @@ def own_values(module: nn.Module, name: str, seed: int, hook: ModuleHook | None 
 
 
 def unresettable(model: nn.Module, pieces: nn.Module) -> str | None:
-    """A module of `model` owning parameters of `pieces` (gpipe.capture) with no reset_parameters(), named."""
+    """A module of `model` owning parameters of `pieces` (gpipe.capture.graph) with no reset_parameters(), named."""
     for owner in owners(k.split(".", 1)[1] for k, _ in pieces.named_parameters()):
         m = model.get_submodule(owner)
         if not callable(getattr(m, "reset_parameters", None)):
@@ -123,7 +123,7 @@ def unresettable(model: nn.Module, pieces: nn.Module) -> str | None:
 
 
 def init_pieces(pieces: nn.Module, model: nn.Module, seed: int, hook: ModuleHook | None = None) -> None:
-    """Set the parameters of a stage's pieces (keys "i.name", gpipe.capture) as per_module sets `model`'s; the
+    """Set the parameters of a stage's pieces (keys "i.name", gpipe.capture.graph) as per_module sets `model`'s; the
     modules of `model` (on the meta device) are read, not written."""
     values: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():

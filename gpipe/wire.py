@@ -16,7 +16,7 @@ description that asks for more bytes than the receiving device has
     data    each tensor's bytes, in the skeleton's order (none for an empty tensor)
 
 flags: 1, the tensor wants a gradient back; 2, its data follows the header in
-the same transfer (packed: gpipe.worker.channel).
+the same transfer (packed: gpipe.worker.dataplane.channel).
 
 Which dtypes each backend carries (`CARRIES`) is here too: the plan's probe
 checks a job's cuts against it at validate, the channel when it sends. The

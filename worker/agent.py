@@ -19,9 +19,9 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from gpipe.job_records import Join
 from gpipe.proc import child_env, last_error_line
-from gpipe.zygote import Child, Template
+from gpipe.service.job_records import Join
+from gpipe.service.zygote import Child, Template
 
 # A stage allocates activation-sized buffers every micro-batch (received tensors,
 # outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
@@ -42,14 +42,14 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_":
               "MALLOC_TOP_PAD_": str(64 << 20)}
 
 
-# What a worker's attempt processes import (gpipe.zygote's template imports it once). Its optimizer imports
+# What a worker's attempt processes import (gpipe.service.zygote's template imports it once). Its optimizer imports
 # torch._dynamo: half the template's start, 1.2 of 2.5 CPU-s.
 WORKER_PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attempt")
 
 
 def worker_template(env: dict[str, str], threads: int, hidden: tuple[str, ...] = (),
                     preload: Iterable[str] = WORKER_PRELOAD) -> Template:
-    """The template a worker's attempt processes fork from (gpipe.zygote), started with what they start with:
+    """The template a worker's attempt processes fork from (gpipe.service.zygote), started with what they start with:
     glibc's malloc settings and the worker's threads (numpy's BLAS sizes its pool from them at import).
     `preload`: what its forks import (`run`'s template also forks the coordinator's attempt)."""
     return Template(dict(env, **MALLOC_ENV, OMP_NUM_THREADS=str(threads)), preload=preload, hidden=hidden)
@@ -60,7 +60,7 @@ class Agent:
 
     def __init__(self, host: str, cores: list[int], threads: int, on_change: Callable[[], None] = lambda: None,
                  template: Template | None = None, env: Mapping[str, str] | None = None):
-        """With `template`, attempt processes are forked from it (gpipe.zygote) instead of started anew. `env`:
+        """With `template`, attempt processes are forked from it (gpipe.service.zygote) instead of started anew. `env`:
         what their environment holds beyond this process's (`run`'s worker k: CUDA_VISIBLE_DEVICES, its GPU)."""
         self.host, self.cores, self.threads, self.on_change = host, cores, threads, on_change
         self.template = template

@@ -12,7 +12,7 @@ where N is the worker's rank and W the attempt's workers (replicas x stages:
 which stage of which replica rank N serves is gpipe.topology's, told to the
 stage when the coordinator builds it).
 
-The attempt's secret (every key of its store lives under it: gpipe.net) comes
+The attempt's secret (every key of its store lives under it: gpipe.service.net) comes
 from the agent's join line, or from the environment, never from the command
 line, which any user of the machine can read.
 """
@@ -28,9 +28,9 @@ import warnings
 import torch
 import torch.distributed.rpc as rpc
 
-from gpipe import net
+from gpipe.service import net
 from gpipe.topology import rpc_name
-from gpipe.worker.c10d import World
+from gpipe.worker.dataplane.c10d import World
 from gpipe.worker.stage_server import StageServer
 
 SECRET_ENV = "GPIPE_ATTEMPT_SECRET"

@@ -35,13 +35,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gpipe import code_archive, grpcutil, job_records, proc, serde
-from gpipe.code_archive import CodeError
+from gpipe import proc
 from gpipe.errors import EXIT_BAD_INPUT, GpipeError, SpecError, describe_os_error
-from gpipe.v1 import workers_pb2, workers_pb2_grpc
-from gpipe.worker import unix_lane
+from gpipe.service import code_archive, grpcutil, job_records, serde
+from gpipe.service.code_archive import CodeError
+from gpipe.service.v1 import workers_pb2, workers_pb2_grpc
 from gpipe.worker.agent import WORKER_PRELOAD, Agent, worker_template
 from gpipe.worker.cores import parse_cores, threads_for
+from gpipe.worker.dataplane import unix_lane
 from gpipe.worker.device import check as check_device
 
 BACKOFF_S = (0.5, 1, 2, 4, 8)
@@ -54,7 +55,7 @@ LEAVE_CALL_TIMEOUT_S = 5.0  # telling the coordinator of a SIGTERM
 class Daemon:
     def __init__(self, a: argparse.Namespace, token: str | None):
         self.a, self.token = a, token
-        # Attempt processes fork from a template that imported torch once (gpipe.zygote); it keeps no token.
+        # Attempt processes fork from a template that imported torch once (gpipe.service.zygote); it keeps no token.
         self.template = worker_template(dict(os.environ), a.threads, preload=WORKER_PRELOAD,
                                         hidden=(grpcutil.CLIENT_TOKEN_ENV, grpcutil.WORKER_TOKEN_ENV))
         self.agent = Agent(a.host, a.cores, a.threads, on_change=self._changed, template=self.template)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         a.cores = parse_cores(a.cores) if a.cores else sorted(os.sched_getaffinity(0))
         a.threads = threads_for(a.cores)
         a.gpu = check_device(a.device)  # before registering: a worker without its GPU never joins
-        from gpipe import net
+        from gpipe.service import net
 
         if a.host is None:
             try:

@@ -2,7 +2,7 @@
 
 Why a child: a process that initialised CUDA cannot hand CUDA on to the
 processes forked from it, and a worker's attempt processes are forked from a
-template (gpipe.zygote), which is itself started by the daemon (or by `run`).
+template (gpipe.service.zygote), which is itself started by the daemon (or by `run`).
 So neither the `gpipe-worker` daemon nor any coordinator process imports CUDA
 to learn what GPUs there are: they run `python -m gpipe.worker.device`, bounded
 by PROBE_TIMEOUT_S, which prints one line of JSON and exits:

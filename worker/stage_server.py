@@ -29,17 +29,18 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed.rpc as rpc
 
-from gpipe import determinism, zero
+from gpipe import determinism
 from gpipe.contract import EvalResult, StageConfig, StageError, StepResult
 from gpipe.eval_schedule import EvalSchedule
+from gpipe.memory import zero
 from gpipe.rng import SharedGenerators
 from gpipe.stage import Stage, build_layers
 from gpipe.state import StageState
 from gpipe.stream import Piece
 from gpipe.transport import Transport
 from gpipe.turns import TurnAborted, Turns
-from gpipe.worker.c10d import C10dTransport
-from gpipe.worker.streaming import Incoming, Outbox, Outgoing
+from gpipe.worker.dataplane.c10d import C10dTransport
+from gpipe.worker.state_stream import Incoming, Outbox, Outgoing
 
 StepArgs = tuple[int, float, list[Any] | None, list[Any] | None, list[int], bool]
 Answer = torch.futures.Future[StepResult | EvalResult | StageError]
@@ -121,7 +122,7 @@ class StageServer:
         a checkpoint's state come in pieces (expect, receive), and start() builds
         the rest. A failure is kept for built() or start(). `transport`, `shared_rng` and `turns` (a model chunk's
         worker's, with virtual stages): a stage linked in memory to stages that are threads of this process
-        (gpipe.coordinator.handle.LocalStage); c10d by default.
+        (gpipe.coordinator.attempt.handle.LocalStage); c10d by default.
         """
         self.stage: Stage | None = None
         self.error: StageError | None = None
@@ -176,7 +177,7 @@ class StageServer:
         """The build's own failure, or else `why` (a call out of order: the coordinator's bug)."""
         return self.error or StageError.of(RuntimeError(why), self._cfg)
 
-    # -- state in pieces (gpipe.worker.streaming) ------------------------------------
+    # -- state in pieces (gpipe.worker.state_stream) ------------------------------------
 
     def expect(self, entries: dict[str, tuple[str, list[int]]]) -> StageError | None:
         """Make room for a checkpoint's tensors that are not weights (name -> (dtype, shape))."""

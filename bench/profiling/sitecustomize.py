@@ -8,7 +8,7 @@ The parts are the interpreter's calls, wrapped here (the product's code is left 
 - `autograd`: a backward through the stage's layers (torch.autograd.backward; with the backward split, B's
   inputs' gradients and W's weights');
 - `send`: Outbound.send, the message posted (packed, and on gloo written to the socket when the peer waits);
-- `hooks`: autograd's saved-tensor hooks that count activations (gpipe.memory), timed by call inside the others;
+- `hooks`: autograd's saved-tensor hooks that count activations (gpipe.memory.meter), timed by call inside the others;
 - `rest`: the action's time outside these.
 Each step's CPU outside its actions (`step`: receives posted, the optimizer, the result) is kept too.
 """
@@ -28,10 +28,10 @@ def _install() -> None:  # noqa: C901
 
     import torch
 
-    import gpipe.memory as memory
+    import gpipe.memory.meter as memory
     import gpipe.split_backward as split_backward
     import gpipe.stage as stage_mod
-    import gpipe.worker.channel as channel
+    import gpipe.worker.dataplane.channel as channel
 
     records: list[list[object]] = []  # [model chunk, kind, wall, cpu, {part: [wall, cpu]}]
     steps: list[list[float]] = []  # [model chunk, wall, cpu, actions' wall, actions' cpu] per step

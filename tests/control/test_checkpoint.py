@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.outputs import checkpoint
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
 from gpipe.state import StageState
 
@@ -55,7 +55,7 @@ def snap(step: int, scale: float = 1.0) -> checkpoint.Snapshot:
 
 
 def test_the_layout_has_one_home_and_the_supervisor_reads_it(tmp_path):
-    from gpipe.coordinator.jobs import newest_committed
+    from gpipe.coordinator.supervisor.jobs import newest_committed
 
     root = checkpoint.folder(tmp_path)
     d, _ = checkpoint.write(root, snap(4))

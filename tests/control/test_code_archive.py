@@ -1,4 +1,4 @@
-"""A job's code: what submit packs, and what serve and workers refuse to unpack (gpipe.code_archive).
+"""A job's code: what submit packs, and what serve and workers refuse to unpack (gpipe.service.code_archive).
 
 In process; the runs through real processes are in tests/service/test_code_archive.py.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpipe import code_archive
-from gpipe.code_archive import CodeError, Store, pack, unpack
+from gpipe.service import code_archive
+from gpipe.service.code_archive import CodeError, Store, pack, unpack
 
 
 def folder_with_everything(root: Path) -> Path:

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpipe.capture import CaptureError
+from gpipe.capture.graph import CaptureError
 from gpipe.contract import Cause, StageConfig, StageError, StepResult, classify
-from gpipe.coordinator import configs
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import JobSpec, parse_spec
+from gpipe.coordinator.plan import configs
+from gpipe.coordinator.plan.configs import stage_config
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import JobSpec, parse_spec
 from gpipe.factory import FactoryError
 from gpipe.skip import SkipError
 from gpipe.structure import StructureError
@@ -102,7 +102,7 @@ def test_the_same_failure_is_the_same_cause_type_rank_and_step_whatever_its_mess
 def run_of(stages: int, replicas: int):  # a driver.Run with only what its waits read
     from types import SimpleNamespace
 
-    from gpipe.coordinator.driver import Run
+    from gpipe.coordinator.attempt.driver import Run
     from gpipe.topology import Topology
 
     run = object.__new__(Run)
@@ -148,7 +148,7 @@ def test_a_steps_metrics_line_is_its_fields_in_their_order_as_asdict_gives_them(
     writes the same JSON as dataclasses.asdict, which copied every timeline."""
     from dataclasses import asdict
 
-    from gpipe.coordinator.metrics import StepMetrics
+    from gpipe.coordinator.attempt.metrics import StepMetrics
 
     m = StepMetrics(step=3, loss=0.5, lr=0.1, step_time_s=0.2, samples_per_s=10.0, grad_norm=None,
                     bubble_fraction=0.25, attempt=2, loss_scale=8.0, skipped=False,

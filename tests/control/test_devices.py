@@ -44,9 +44,9 @@ def test_a_worker_refuses_a_device_it_does_not_have_before_it_registers(tmp_path
 def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cuda(monkeypatch):
     import torch
 
-    from gpipe.coordinator.attempt import device_for
-    from gpipe.coordinator.run import worker_gpus
-    from gpipe.coordinator.spec import parse_spec
+    from gpipe.coordinator.attempt.process import device_for
+    from gpipe.coordinator.cli.run import worker_gpus
+    from gpipe.coordinator.spec.job import parse_spec
 
     def poisoned(*args, **kwargs):
         raise AssertionError("the coordinator asked CUDA")
@@ -68,7 +68,7 @@ def test_the_coordinator_takes_each_workers_registered_device_and_never_asks_cud
 
 
 def test_each_local_worker_gets_its_own_gpu_from_the_visible_list():
-    from gpipe.coordinator.run import gpu_envs
+    from gpipe.coordinator.cli.run import gpu_envs
 
     assert gpu_envs(3, None) == [{VISIBLE_ENV: "0"}, {VISIBLE_ENV: "1"}, {VISIBLE_ENV: "2"}]
     assert gpu_envs(2, "5, 7,3") == [{VISIBLE_ENV: "5"}, {VISIBLE_ENV: "7"}]

@@ -1,4 +1,4 @@
-"""The driver over stage handles in this process (gpipe.coordinator.handle.local_stages): its loop, in seconds.
+"""The driver over stage handles in this process (gpipe.coordinator.attempt.handle.local_stages): its loop, in seconds.
 
 The same Run that drives worker processes over torch RPC drives stage servers
 on threads of this process, linked in memory: the steps sent ahead, the
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from gpipe.contract import Cause
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.driver import Run
-from gpipe.coordinator.handle import local_stages
-from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
+from gpipe.coordinator.attempt.driver import Run
+from gpipe.coordinator.attempt.handle import local_stages
+from gpipe.coordinator.attempt.metrics import EvalMetrics, StepMetrics
+from gpipe.coordinator.outputs import checkpoint
 from gpipe.errors import JobFailed
 from gpipe.worker.stage_server import StageServer
 from tests.support import reference

@@ -17,10 +17,11 @@ import pytest
 import torch
 import yaml
 
-from gpipe.coordinator import elastic, report
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.attempt import report
+from gpipe.coordinator.plan import elastic
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
-from gpipe.job_records import JobRecord, JobState, Join, StateChange
+from gpipe.service.job_records import JobRecord, JobState, Join, StateChange
 from gpipe.topology import Topology
 from tests.support import reference
 from tests.support.harness import Harness

@@ -16,11 +16,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpipe import serde
-from gpipe.coordinator import boundedyaml
-from gpipe.coordinator.spec import JobSpec, parse_spec
+from gpipe.coordinator.spec import boundedyaml
+from gpipe.coordinator.spec.job import JobSpec, parse_spec
 from gpipe.errors import SpecError
-from gpipe.job_records import INT32, INT64, JobRecord
+from gpipe.service import serde
+from gpipe.service.job_records import INT32, INT64, JobRecord
 from tests.support.records import on_disk
 from tests.support.spec import DELETE, GOOD, put
 

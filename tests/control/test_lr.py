@@ -1,12 +1,12 @@
-"""The LR schedules: each step's LR from gpipe.coordinator.lr equals a hand computation and torch's LambdaLR."""
+"""The LR schedules: each step's LR from gpipe.coordinator.attempt.lr equals a hand computation and torch's LambdaLR."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpipe.coordinator.lr import lr_at
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.attempt.lr import lr_at
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
 from tests.support.reference import lr_factor
 from tests.support.spec import job, job_yaml

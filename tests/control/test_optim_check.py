@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from gpipe import optim_check
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
 from tests.support.spec import job_yaml
 

@@ -1,12 +1,12 @@
-"""--set PATH=VALUE and --name applied to a job file's text (gpipe.coordinator.overrides)."""
+"""--set PATH=VALUE and --name applied to a job file's text (gpipe.coordinator.spec.overrides)."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from gpipe.coordinator.overrides import apply
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.spec.job import parse_spec
+from gpipe.coordinator.spec.overrides import apply
 from gpipe.errors import SpecError
 from tests.support.spec import GOOD, job
 

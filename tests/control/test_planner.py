@@ -1,5 +1,5 @@
-"""gpipe.coordinator.planner in process, on a real plan with fake costs: the search, the step-time model, the balance it
-picks, the memory filter and the refusal; and gpipe.costs' lines."""
+"""gpipe.coordinator.plan.search in process, on a real plan with fake costs: the search, the step-time model, the balance it
+picks, the memory filter and the refusal; and gpipe.memory.costs' lines."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from gpipe.coordinator import planner
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.planner import Config, Link, Measured
-from gpipe.coordinator.spec import parse_spec
-from gpipe.costs import Cost, LayerCosts
-from gpipe.costs_together import Collectives
+from gpipe.coordinator.plan import search as planner
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.plan.search import Config, Link, Measured
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
+from gpipe.memory.costs import Cost, LayerCosts
+from gpipe.memory.costs_together import Collectives
 from tests.support.spec import job_yaml
 
 FREE = Link(0.0, float("inf"), 0.0)  # transfers and the engine's own time left out
@@ -87,7 +87,7 @@ def test_transfers_and_the_per_action_cost_lengthen_the_step(tmp_path, free, mon
 
 
 def test_a_plain_backward_takes_its_own_cost_and_a_split_one_b_and_w(tmp_path, free):
-    # Fused linears make a plain backward cheaper than B + W of a split one (gpipe.costs measures both).
+    # Fused linears make a plain backward cheaper than B + W of a split one (gpipe.memory.costs measures both).
     m = measured(tmp_path, [1e-3] * 4, b=[1e-3] * 4, w=[1e-3] * 4, bw=[1.5e-3] * 4)
     one = Config(1, 1, "gpipe", 1, 4, "never", False, (4,))
     step, _ = planner.step_time(m, one, m.plan.spec)
@@ -117,7 +117,7 @@ def test_the_step_ends_with_the_measured_optimizer_step_and_the_replicas_all_red
     monkeypatch.setitem(planner.LINKS, "cpu", link)
     reduced, _ = planner.step_time(m, two, planner._spec_of(m.plan.spec, two))
     assert reduced == pytest.approx(replicas + planner.all_reduce(link, "cpu", sum(m.param_bytes), 2))
-    # Measured among the workers' processes (gpipe.costs_together): each bucket at its measured time, the
+    # Measured among the workers' processes (gpipe.memory.costs_together): each bucket at its measured time, the
     # gather in its rounds.
     timed = Collectives(2, Cost(1e-3, 1e-9), Cost(2e-3, 0.0), 5e-3)
     assert planner.all_reduce(link, "cpu", bucket + 10, 2, timed) == pytest.approx(5e-3 + 1e-3 + 10e-9)

@@ -1,4 +1,4 @@
-"""The restart-or-fail policy (gpipe.coordinator.policy): decided from a failure's fields, never its message."""
+"""The restart-or-fail policy (gpipe.coordinator.supervisor.policy): decided from a failure's fields, never its message."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ from types import SimpleNamespace
 import pytest
 
 from gpipe.contract import Cause, StageError
-from gpipe.coordinator import report
-from gpipe.coordinator.policy import (
+from gpipe.coordinator.attempt import report
+from gpipe.coordinator.supervisor.policy import (
     Action,
     after_failure,
     backoff_s,
-    disk_error,
     hopeless,
     when_away,
 )
-from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED, disk_error
 
 
 def failed(cause: Cause | None, step: int | None = 3, exit_code: int = EXIT_FAILED) -> report.Failed:

@@ -1,13 +1,14 @@
-"""The shared pool, in process: gpipe.coordinator.pool's policy on its own (placement, order, backfill, starvation,
+"""The shared pool, in process: gpipe.coordinator.supervisor.pool's policy on its own (placement, order, backfill, starvation,
 victims), then the supervisor carrying it out on a fake clock (tests.support.harness): two jobs at once on four
 workers, backfill, a priority job preempting a running one, and the preempted job resuming without a restart
 counted (an elastic one at once, on fewer stages); a job larger than the pool, refused or waiting. Through real serve and worker processes: tests/service/test_pool.py."""
 
 from __future__ import annotations
 
-from gpipe.coordinator import pool, report
-from gpipe.coordinator.pool import Running, Waiting
-from gpipe.job_records import JobState
+from gpipe.coordinator.attempt import report
+from gpipe.coordinator.supervisor import pool
+from gpipe.coordinator.supervisor.pool import Running, Waiting
+from gpipe.service.job_records import JobState
 
 
 def _decide(waiting, idle, running=(), prefer=None, pool_size=None, starve=pool.STARVE_AFTER_S):
@@ -101,7 +102,7 @@ async def test_a_priority_job_preempts_a_running_one_which_resumes_after_without
 
 
 async def test_prometheus_shows_the_queue_by_priority_and_each_job_s_wait(h):
-    from gpipe.coordinator.exporter import JobsCollector
+    from gpipe.coordinator.server.exporter import JobsCollector
 
     h.submit("a", priority=2)
     h.submit("b")
@@ -121,7 +122,7 @@ async def test_prometheus_shows_the_queue_by_priority_and_each_job_s_wait(h):
 async def test_the_queue_is_bounded_submit_says_busy_past_it(h, monkeypatch):
     import types
 
-    from gpipe.coordinator import submissions
+    from gpipe.coordinator.server import submissions
 
     monkeypatch.setattr(submissions, "MAX_QUEUED", 2)
     h.submit("a")

@@ -1,4 +1,4 @@
-"""gpipe.coordinator.prediction on a plan, in process: per rank, the parts by device, and plan.json's workers."""
+"""gpipe.coordinator.plan.prediction on a plan, in process: per rank, the parts by device, and plan.json's workers."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from gpipe.coordinator.metrics import write_plan
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.prediction import CPU_HEAP_SLACK, predictions
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.attempt.metrics import write_plan
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.plan.prediction import CPU_HEAP_SLACK, predictions
+from gpipe.coordinator.spec.job import parse_spec
 from tests.support.spec import job_yaml
 
 
@@ -58,7 +58,7 @@ def test_without_the_probe_there_is_no_prediction_and_plan_json_says_why(tmp_pat
 
 
 def test_an_unknown_baseline_is_measured_beside_the_job_and_plan_json_written_again(tmp_path, monkeypatch):
-    from gpipe.coordinator import baseline, prediction
+    from gpipe.coordinator.plan import baseline, prediction
 
     plan = make_plan(parse_spec(job_yaml()), tmp_path)
     measured = threading.Event()
@@ -71,7 +71,7 @@ def test_an_unknown_baseline_is_measured_beside_the_job_and_plan_json_written_ag
     monkeypatch.setattr(baseline, "runtime_bytes", measure)
     writes, logs = [], []
     announced = prediction.Announced(plan, ["cpu", "cpu"], lambda p, why: writes.append((p, why)), logs.append)
-    assert writes == [(None, "measuring this host's baseline (gpipe.coordinator.baseline)")] and not logs
+    assert writes == [(None, "measuring this host's baseline (gpipe.coordinator.plan.baseline)")] and not logs
     measured.set()
     announced.finish()
     (predicted, why), = writes[1:]

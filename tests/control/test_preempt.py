@@ -15,7 +15,7 @@ import pytest
 
 @pytest.mark.parametrize("token", ["kept", "a2VwdA==", "a2VwdA\n", "é", "\x00", "=" * 3, "a" * 200, "_-_-"])
 def test_a_page_token_is_opaque_and_any_string_not_ours_is_refused_as_a_value_error(token):
-    from gpipe.coordinator.job_service import _page_token, _token_name
+    from gpipe.coordinator.server.job_service import _page_token, _token_name
 
     assert _token_name(_page_token("kept")) == "kept" and _page_token("kept") == "a2VwdA"
     with pytest.raises(ValueError):

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpipe import job_records, serde
-from gpipe.job_records import INT32, INT64, JobRecord, JobState, StateChange
+from gpipe.service import job_records, serde
+from gpipe.service.job_records import INT32, INT64, JobRecord, JobState, StateChange
 from tests.support.records import RECORD, on_disk
 from tests.support.spec import DELETE
 

@@ -10,11 +10,11 @@ import copy
 import pytest
 import yaml
 
-from gpipe import job_records, serde
-from gpipe.coordinator import boundedyaml
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec, parse_spec
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec import boundedyaml
+from gpipe.coordinator.spec.job import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec, parse_spec
 from gpipe.errors import SpecError
+from gpipe.service import job_records, serde
 from tests.support.spec import DELETE, GOOD, job_yaml
 
 BAD = [
@@ -130,7 +130,7 @@ def test_per_layer_turns_the_probe_off_unless_told_and_probe_true_is_refused():
 
 
 def test_more_workers_than_cores_share_them_with_a_warning_that_oversubscribe_silences(capsys, monkeypatch):
-    from gpipe.coordinator import run
+    from gpipe.coordinator.cli import run
 
     monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1})
     three = parse_spec(job_yaml(stages=3, chunks=2, balance=[2, 1, 1]))

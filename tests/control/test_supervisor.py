@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from gpipe.contract import Cause
-from gpipe.coordinator import report
-from gpipe.coordinator.jobs import STOP_CHECKPOINT_S
-from gpipe.coordinator.policy import backoff_s
-from gpipe.coordinator.registry import RankTaken
-from gpipe.job_records import Abort, JobRecord, JobState, Join
+from gpipe.coordinator.attempt import report
+from gpipe.coordinator.supervisor.jobs import STOP_CHECKPOINT_S
+from gpipe.coordinator.supervisor.policy import backoff_s
+from gpipe.coordinator.supervisor.registry import RankTaken
+from gpipe.service.job_records import Abort, JobRecord, JobState, Join
 from tests.support.harness import FakeAttempt, Harness
 
 
@@ -354,7 +354,7 @@ async def test_an_unreadable_record_is_listed_never_runs_and_cannot_be_resumed(h
 async def test_events_are_a_bounded_window_and_watch_reads_older_metrics_from_disk(h, tmp_path, monkeypatch):
     import json
 
-    from gpipe.coordinator import records
+    from gpipe.coordinator.supervisor import records
     monkeypatch.setattr(records, "EVENT_WINDOW", 10)
     job = h.submit()
     job.output_dir = str(tmp_path)
@@ -398,7 +398,7 @@ async def test_a_lost_stream_while_every_worker_is_silent_blames_the_coordinator
 
 
 async def test_a_watcher_that_stops_reading_holds_a_bounded_queue(h, monkeypatch):
-    from gpipe.coordinator import jobs
+    from gpipe.coordinator.supervisor import jobs
     monkeypatch.setattr(jobs, "WATCH_QUEUE", 5)
     h.submit()
     h.register(0, 1)

@@ -1,4 +1,4 @@
-"""model.weights (gpipe.coordinator.pretrained): training starts from a safetensors checkpoint, read by the model's
+"""model.weights (gpipe.coordinator.plan.pretrained): training starts from a safetensors checkpoint, read by the model's
 names, each stage sent its own tensors; against one device started from the same weights. A file that does
 not fit the model is refused before anything starts, naming the file and the tensor.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.pretrained import INDEX
+from gpipe.coordinator.outputs import checkpoint
+from gpipe.coordinator.plan.pretrained import INDEX
 from gpipe.errors import SpecError
 from tests.support import models, reference
 from tests.support.lm import _drop, _edit, one_device_job, pretrained_gpt2

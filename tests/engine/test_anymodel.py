@@ -1,4 +1,4 @@
-"""Any nn.Module, not only nn.Sequential (gpipe.capture): Hugging Face causal LMs and hand-written modules,
+"""Any nn.Module, not only nn.Sequential (gpipe.capture.graph): Hugging Face causal LMs and hand-written modules,
 split by name or at their repeated blocks, tied weights kept tied, against one device on the same micro-batches.
 
 Most run through gpipe.Pipeline (the service's stages as threads); the service's own path, real processes
@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe import cuts
-from gpipe.capture import CaptureError, capture, select_output
+from gpipe.capture.graph import CaptureError, capture, select_output
 from tests.support import models
 from tests.support.lm import _cut, batches, fresh, lm_loss, one_device, one_device_job
 from tests.support.spec import GPT2, job
@@ -209,7 +209,7 @@ def test_the_output_named_by_output_is_what_the_loss_takes():
 
 
 def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(tmp_path):
-    from gpipe.coordinator.metrics import write_plan
+    from gpipe.coordinator.attempt.metrics import write_plan
     from tests.support.local import plan_of
     plan = plan_of(job(GPT2, model={"factory": "tests.support.models:llama", "split_points": ["model.layers.2"]},
                         data__factory="tests.support.models:masked_pairs", data__args={}))
@@ -225,7 +225,7 @@ def test_validate_says_what_crosses_each_cut_and_plan_json_each_stages_modules(t
 
 
 def test_a_resume_with_another_split_and_stage_count_gives_the_one_device_weights(tmp_path):
-    from gpipe.coordinator import checkpoint
+    from gpipe.coordinator.outputs import checkpoint
     from gpipe.worker.stage_server import StageServer
     from tests.support.local import drive, plan_of, worst
 
@@ -261,7 +261,7 @@ def test_captured_pieces_name_no_traced_dtype_or_device_and_run_on_the_device_th
     runs anything a device would, without data)."""
     from torch import fx
 
-    from gpipe.capture import to_device
+    from gpipe.capture.graph import to_device
 
     x = batches(1, 4, 10, mask=True)[0][0]
     pieces = capture(fresh(models.llama), x).pieces

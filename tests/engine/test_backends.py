@@ -22,7 +22,7 @@ import yaml
 
 from gpipe import structure
 from gpipe.wire import CARRIES, DTYPES, backend_of, encode, on_wire, travels
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.worker.dataplane.channel import Receiver, Sender
 from tests.support.ports import free_port
 from tests.support.spec import TWO_STAGES, job
 from tests.support.wire import INT16, _bits
@@ -67,7 +67,7 @@ def test_a_dtype_nccl_lacks_goes_as_its_bytes_in_the_same_memory_and_comes_back_
 
 def test_the_probe_checks_the_cuts_against_the_jobs_backend():
     from gpipe.errors import SpecError
-    from gpipe.probe import probe
+    from gpipe.memory.probe import probe
     from tests.support.models import bad_cut
 
     x, y = torch.randn(4, 16), torch.randn(4, 16)
@@ -83,8 +83,8 @@ def test_the_probe_checks_the_cuts_against_the_jobs_backend():
 
 
 def test_validate_refuses_a_captured_model_whose_cut_would_carry_complex64():
-    from gpipe.coordinator.plan import make_plan
-    from gpipe.coordinator.spec import parse_spec
+    from gpipe.coordinator.plan.job import make_plan
+    from gpipe.coordinator.spec.job import parse_spec
     from gpipe.errors import SpecError
 
     spec = job(TWO_STAGES, model={"factory": "tests.support.models:ComplexCrossing", "split_points": ["b"]},

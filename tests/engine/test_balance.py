@@ -10,11 +10,12 @@ import torch
 import yaml
 from torch import nn
 
-from gpipe import balance, footprint
+from gpipe import balance
 from gpipe.builtins import mlp
-from gpipe.coordinator.metrics import write_plan
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.attempt.metrics import write_plan
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import parse_spec
+from gpipe.memory import footprint
 from gpipe.optim import state_slots
 from gpipe.schedule import simulate
 from tests.support.models import Slow

@@ -91,7 +91,7 @@ def test_a_snapshot_with_deferred_batch_norm_resumes_bit_for_bit():
 def test_plan_json_gives_each_stage_one_parameter_count_buffers_apart(tmp_path):
     import json
 
-    from gpipe.coordinator.metrics import write_plan
+    from gpipe.coordinator.attempt.metrics import write_plan
 
     plan = plan_of(job(ONE_STAGE, model={"factory": "tests.support.models:bn_net"}, stages=2, balance=[6, 6]))
     write_plan(tmp_path, plan, [{}] * 2)

@@ -1,4 +1,4 @@
-"""gpipe.costs and gpipe.costs_together: each layer measured as the workers run it (fused, B and W as a split
+"""gpipe.memory.costs and gpipe.memory.costs_together: each layer measured as the workers run it (fused, B and W as a split
 backward runs them, a plain backward apart, the optimizer's step), and by one pinned process per worker at once,
 with the replicas' collectives among them.
 The cost lines themselves: tests/control/test_planner.py."""
@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe import costs, costs_together, grad_in_place
-from gpipe.costs import Cost, LayerCosts
+from gpipe import grad_in_place
+from gpipe.memory import costs, costs_together
+from gpipe.memory.costs import Cost, LayerCosts
 
 # a large linear (fused: 4 MiB of weight), a small one (autograd's own), a layer without weights
 MODEL = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 16), nn.ReLU())

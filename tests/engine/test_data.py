@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from gpipe.coordinator.data import DataStream, EvalStream
+from gpipe.coordinator.plan.data import DataStream, EvalStream
 
 
 class ItemByItem(TensorDataset):

@@ -91,7 +91,7 @@ def gpt2_batches(steps: int = 3, batch: int = 8, length: int = 16):
 
 def gpt2_one_gpu(model, data, chunks: int = 4) -> dict:
     from gpipe import structure
-    from gpipe.capture import select_output
+    from gpipe.capture.graph import select_output
 
     model = model.to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

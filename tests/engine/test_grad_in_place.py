@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpipe
 from gpipe import grad_in_place
-from gpipe.capture import capture
+from gpipe.capture.graph import capture
 from tests.support import models
 from tests.support.lm import batches, fresh, lm_loss, one_device
 

@@ -1,4 +1,4 @@
-"""Local Hugging Face datasets (gpipe.hf_dataset): the windows of the rows' ids, from a saved folder and from
+"""Local Hugging Face datasets (gpipe.data.hf_dataset): the windows of the rows' ids, from a saved folder and from
 files, the cache file, and one line per bad input."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 import yaml
 
-import gpipe.hf_dataset
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
+import gpipe.data.hf_dataset
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import parse_spec
+from gpipe.data.hf_dataset import hf_dataset
 from gpipe.errors import SpecError
 from gpipe.factory import resolve
-from gpipe.hf_dataset import hf_dataset
 from tests.support.hf import TEXTS, dataset_folder, jsonl_files, tokenizer_folder
 from tests.support.spec import TWO_STAGES, job
 
@@ -83,7 +83,7 @@ def test_the_stream_is_tokenized_once_into_a_cache_file_a_new_dataset_makes_anot
     first = hf_dataset("wiki", "tok", 6, cache="cache")
     assert [f.name.split(".", 1)[1] for f in (folder / "cache").iterdir()] == ["uint16.bin"]  # nothing else left
     with monkeypatch.context() as m:  # a hit neither tokenizes nor imports the libraries
-        m.setattr(gpipe.hf_dataset, "_build", None)
+        m.setattr(gpipe.data.hf_dataset, "_build", None)
         m.setitem(sys.modules, "datasets", None)
         assert _items(hf_dataset("wiki", "tok", 6, cache="cache")) == _items(first)
         assert len(hf_dataset("wiki", "tok", 9, cache="cache")) == (first.tokens - 1) // 9  # the same file

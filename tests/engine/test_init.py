@@ -1,6 +1,6 @@
 """init: per_layer for a model that is not an nn.Sequential (gpipe.weight_init.per_module): each stage sets its own
 pieces' parameters a module at a time, and nothing builds the whole model; against one device given
-per_module's weights, on the same micro-batches. And the skeleton (gpipe.skeleton) every process builds such a
+per_module's weights, on the same micro-batches. And the skeleton (gpipe.capture.skeleton) every process builds such a
 model as: no weights, its buffers' values kept."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe import capture, skeleton, weight_init
-from gpipe.coordinator import checkpoint
+from gpipe import weight_init
+from gpipe.capture import graph as capture
+from gpipe.capture import skeleton
+from gpipe.coordinator.outputs import checkpoint
 from gpipe.errors import SpecError
 from tests.support import models
 from tests.support.lm import one_device_job

@@ -1,4 +1,4 @@
-"""The memory model's arithmetic (gpipe.memory_model) and the footprint it reads (gpipe.footprint), in process:
+"""The memory model's arithmetic (gpipe.memory.model) and the footprint it reads (gpipe.memory.footprint), in process:
 micro-batches in flight as the schedules' actions hold them, checkpointing, the split backward, the optimizer's
 state (sharded or not), and activation bytes counted exactly on small models."""
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe import footprint, schedule, skip
+from gpipe import schedule, skip
 from gpipe.builtins import mlp
-from gpipe.footprint import Line
-from gpipe.memory_model import ChunkMemory, Setting, in_flight, predict, walk
+from gpipe.memory import footprint
+from gpipe.memory.footprint import Line
+from gpipe.memory.model import ChunkMemory, Setting, in_flight, predict, walk
 from gpipe.schedule import Action
 
 PLAIN = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
@@ -109,7 +110,7 @@ def test_a_step_of_large_gradients_and_few_activations_peaks_at_the_optimizer_st
     assert p.parts["grads"] == 10**6 and p.parts["activations"] == 0
 
 
-# -- gpipe.footprint ---------------------------------------------------------------------------------------
+# -- gpipe.memory.footprint ---------------------------------------------------------------------------------------
 
 
 def test_footprint_counts_what_each_layer_saves_exactly():

@@ -1,4 +1,4 @@
-"""The activation meter's two ways to count (gpipe.memory): a handle per saved tensor, and a micro-batch's saved
+"""The activation meter's two ways to count (gpipe.memory.meter): a handle per saved tensor, and a micro-batch's saved
 tensors counted until its backward ends. The stage counts the second way when its backward is not split; the
 figures must be the handles' ones."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gpipe import grad_in_place
-from gpipe.memory import ActivationMeter, storage_key
+from gpipe.memory.meter import ActivationMeter, storage_key
 
 
 def model(name: str, monkeypatch: pytest.MonkeyPatch) -> nn.Module:

@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from gpipe import serde
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
 from gpipe.precision import LossScaler, Precision
+from gpipe.service import serde
 from tests.support.spec import PRECISION, TWO_STAGES, job
 
 

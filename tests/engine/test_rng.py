@@ -15,7 +15,7 @@ from torch import nn
 
 import gpipe
 from gpipe import grad_in_place
-from gpipe.capture import capture
+from gpipe.capture.graph import capture
 from gpipe.rng import SharedGenerators, quiet, seeded_forward, seeding
 
 

@@ -21,17 +21,17 @@ import yaml
 from safetensors.torch import load_file
 
 from gpipe import stream
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import JobSpec, parse_spec
+from gpipe.coordinator.outputs import checkpoint
+from gpipe.coordinator.plan.configs import stage_config
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import JobSpec, parse_spec
 from gpipe.errors import SpecError
 from gpipe.stage import build_layers
 from gpipe.state import StageState
 from gpipe.weight_init import per_layer
-from gpipe.worker import streaming
+from gpipe.worker import state_stream as streaming
 from gpipe.worker.agent import MALLOC_ENV
-from gpipe.worker.streaming import Incoming, Outbox, Outgoing
+from gpipe.worker.state_stream import Incoming, Outbox, Outgoing
 from tests.support import reference
 from tests.support.models import mlp_norm
 from tests.support.spec import SCALE, job

@@ -227,11 +227,12 @@ def test_workers_that_wait_for_one_another_at_each_step_s_end_overlap_no_further
 
 
 def test_plan_json_knows_which_workers_wait_for_one_another_at_a_step_s_end():
-    """gpipe.coordinator.metrics.step_waits: every worker under clipping or fp16; a tied weight's holders when they are
+    """gpipe.coordinator.plan.job.step_waits: every worker under clipping or fp16; a tied weight's holders when they are
     different workers; none for a weight tied within one worker (zbv's first and last model chunks, worker 0's:
     its gradient is summed in memory)."""
-    from gpipe.coordinator.metrics import schedule_plan, step_waits
-    from gpipe.coordinator.spec import JobSpec
+    from gpipe.coordinator.attempt.metrics import schedule_plan
+    from gpipe.coordinator.plan.job import step_waits
+    from gpipe.coordinator.spec.job import JobSpec
 
     def spec(schedule: str, stages: int, **kw: Any) -> JobSpec:
         virtual = 2 if schedule in ("zbv", "interleaved-1f1b") else 1

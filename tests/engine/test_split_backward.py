@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpipe import grad_in_place
-from gpipe.memory import ActivationMeter
+from gpipe.memory.meter import ActivationMeter
 from gpipe.split_backward import backward_input
 
 MATMULS = {"aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm"}
@@ -103,7 +103,7 @@ def test_b_then_w_equals_one_backward_and_computes_nothing_twice(fused, name, ma
     xp, xs = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
     meter = ActivationMeter(list(split.parameters()))
     yp = plain(xp)
-    with meter.hooks():  # B lets go of what W will not use (gpipe.memory.ActivationMeter.releasing)
+    with meter.hooks():  # B lets go of what W will not use (gpipe.memory.meter.ActivationMeter.releasing)
         ys = split(xs)
     yp, ys = (yp if isinstance(yp, tuple) else (yp,)), (ys if isinstance(ys, tuple) else (ys,))
     grads = [torch.randn_like(t) for t in yp]
@@ -192,7 +192,7 @@ def test_b_lets_go_of_what_w_does_not_use(fused):
 @pytest.mark.parametrize(("name", "make"), [("a-weight-used-twice", Twice), ("mixed", Mixed), ("mlp", mlp)])
 def test_each_weights_hooks_fire_once_after_all_of_w_with_its_final_gradient(fused, name, make):
     """Regression: fused, W added a weight used twice in two parts and fired its post-accumulate hooks after each;
-    the replicas' reducer (gpipe.worker.reducer) takes the first as final and all-reduces a half-made gradient while
+    the replicas' reducer (gpipe.worker.dataplane.reducer) takes the first as final and all-reduces a half-made gradient while
     the second part is added into its bucket. Each weight's hooks fire once, seeing the gradient a plain
     backward gives."""
     torch.manual_seed(0)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpipe import net
 from gpipe.contract import Cause, StageError
-from gpipe.coordinator.configs import stage_config
+from gpipe.coordinator.plan.configs import stage_config
+from gpipe.service import net
 from gpipe.state import StageState
 from gpipe.topology import Slots, Topology
 from gpipe.worker.stage_server import StageServer
@@ -73,7 +73,7 @@ def test_a_stage_that_cannot_be_built_says_so_in_one_line():
 
 def test_a_partition_between_workers_is_told_from_a_slow_stage():
     """Every stage waiting on a neighbour for peer_timeout_s is a partition; one computing, or idle, is not."""
-    from gpipe.coordinator.watch import PartitionWatch
+    from gpipe.coordinator.attempt.watch import PartitionWatch
     from gpipe.errors import JobFailed
 
     class Answering:  # a stage handle that answers activity() with `a`, or never
@@ -109,7 +109,7 @@ def test_a_partition_between_workers_is_told_from_a_slow_stage():
 
 
 def test_a_world_that_does_not_form_names_the_workers_that_never_reached_it():
-    from gpipe.coordinator.rpcworld import RpcWorld
+    from gpipe.coordinator.attempt.rpcworld import RpcWorld
 
     store, port = net.bound_store("127.0.0.1", 10)
     world = object.__new__(RpcWorld)

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from gpipe import structure
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
 from gpipe.wire import MAX_JSON_BYTES, decode, encode
 from tests.support.spec import TWO_STAGES, job

@@ -1,4 +1,4 @@
-"""Token files (gpipe.tokens): the windows, the stream across files, the glob, the shuffle's permutation, and one
+"""Token files (gpipe.data.tokens): the windows, the stream across files, the glob, the shuffle's permutation, and one
 line per bad input."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 import torch
 import yaml
 
-import gpipe.tokens
-from gpipe.coordinator.data import DataStream
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
+import gpipe.data.tokens
+from gpipe.coordinator.plan.data import DataStream
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import parse_spec
+from gpipe.data.tokens import tokens
 from gpipe.errors import SpecError
 from gpipe.factory import resolve
-from gpipe.tokens import tokens
 from tests.support.spec import TWO_STAGES, job
 
 
@@ -105,7 +105,7 @@ def _lm_job(path: str, **more) -> dict:
     ("shards/*.bin", {}, "no files match 'shards/*.bin'"),
 ])
 def test_the_plan_refuses_bad_token_files_in_one_line(tmp_path, monkeypatch, path, more, says):
-    # Where validate and run check the data (gpipe.coordinator.plan): SpecError, exit 2, before anything starts.
+    # Where validate and run check the data (gpipe.coordinator.plan.job): SpecError, exit 2, before anything starts.
     monkeypatch.chdir(tmp_path)
     _write(tmp_path / "t.bin", np.arange(50) % 32)
     (tmp_path / "odd.bin").write_bytes(b"\0" * 1001)
@@ -128,7 +128,7 @@ def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
 def test_windows_read_through_few_open_files_equal_the_files(tmp_path, monkeypatch, shuffle):
     # The set maps nothing (validate --memory-mib and serve's validation count mapped files against their
     # cap) and keeps at most OPEN files open, whatever the files' count and size. Here 2 kept of 5 files.
-    monkeypatch.setattr(gpipe.tokens, "OPEN", 2)
+    monkeypatch.setattr(gpipe.data.tokens, "OPEN", 2)
     ids = np.random.default_rng(0).integers(0, 60_000, 300)
     for k, part in enumerate(np.split(ids, [45, 45, 52, 160])):  # an empty file, and one shorter than a window
         _write(tmp_path / f"s{k}.bin", part)

@@ -1,4 +1,4 @@
-"""The optimizer state sharded across replicas (gpipe.zero), in this process: R copies on threads, linked by the
+"""The optimizer state sharded across replicas (gpipe.memory.zero), in this process: R copies on threads, linked by the
 in-memory transport, each stepping its share; the weights equal one unsharded optimizer's, and the state a
 checkpoint holds is the unsharded state, whatever R it is restored on."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe import zero
+from gpipe.memory import zero
+from gpipe.memory.zero import Cut, ShardedOptimizer
 from gpipe.optim import optimizer_class
 from gpipe.transport import Hub
-from gpipe.zero import Cut, ShardedOptimizer
 
 # Odd sizes, one-element parameters, a parameter that spans a bucket on its own, a second dtype (its own bucket).
 SHAPES = [(7, 5), (1,), (3,), (13,), (1,), (2, 2, 3)]

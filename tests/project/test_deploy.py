@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.spec.job import parse_spec
 from tests.support.deploy import DEPLOY, Obj, render
 
 OVERLAYS = ("overlays/cpu", "overlays/gpu")
@@ -390,7 +390,7 @@ def test_example_job_submits_the_configmap_spec_and_follows_it(tmp_path: Path):
     api = one(render("overlays/cpu"), "Service", "gpipe-coordinator")
     assert f["--coordinator"] == f"gpipe-coordinator:{api['spec']['ports'][0]['port']}"
     # The spec is one the service takes: its model and data build, its balance fits.
-    from gpipe.coordinator.plan import make_plan
+    from gpipe.coordinator.plan.job import make_plan
 
     spec = example_spec()
     plan = make_plan(spec, tmp_path)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.specdoc import markdown
+from gpipe.coordinator.spec.doc import markdown
+from gpipe.coordinator.spec.job import parse_spec
 from tests.support.cli import ROOT
 from tests.support.ports import free_port
 
@@ -27,7 +27,7 @@ def blocks(text: str, lang: str) -> list[str]:
 
 def test_docs_spec_md_is_the_schema_s():
     assert (ROOT / "docs" / "spec.md").read_text() == markdown(), (
-        "docs/spec.md is stale: python -m gpipe.coordinator.spec --markdown > docs/spec.md")
+        "docs/spec.md is stale: python -m gpipe.coordinator.spec.job --markdown > docs/spec.md")
 
 
 def test_the_readme_is_a_front_door_whose_links_lead_somewhere():

@@ -1,4 +1,4 @@
-"""The generated code in gpipe/v1 is what protos/ generates now."""
+"""The generated code in gpipe/service/v1 is what protos/ generates now."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_gpt2_through_the_service_equals_one_device_loads_with_from_pretrained_a
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from gpipe.coordinator import checkpoint
+    from gpipe.coordinator.outputs import checkpoint
 
     r = cli.run("run", str(cli.write(job(GPT2))), "--state-dir", str(cli.tmp / "state"), "--no-progress",
                 timeout=240)

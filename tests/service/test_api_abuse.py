@@ -19,9 +19,9 @@ import yaml
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpipe.v1 import jobs_pb2 as J
-from gpipe.v1 import jobs_pb2_grpc, workers_pb2_grpc
-from gpipe.v1 import workers_pb2 as W
+from gpipe.service.v1 import jobs_pb2 as J
+from gpipe.service.v1 import jobs_pb2_grpc, workers_pb2_grpc
+from gpipe.service.v1 import workers_pb2 as W
 from tests.support.cli import Cli, end_leftovers
 from tests.support.service import Service
 from tests.support.spec import DELETE, SERVICE, job, job_yaml

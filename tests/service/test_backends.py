@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpipe import net, structure
+from gpipe import structure
 from gpipe.contract import StageConfig
-from gpipe.worker import unix_lane
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.service import net
+from gpipe.worker.dataplane import unix_lane
+from gpipe.worker.dataplane.channel import Receiver, Sender
 from tests.support.ports import free_port
 from tests.support.spec import TWO_STAGES, job
 from tests.support.wire import INT16, _bits
@@ -130,7 +131,7 @@ def _world_end(rank: int, port: int, secret: str, start_s: float, mode: str, out
     first exchange (every lane on gloo); 'stall-unix': never connects to this host's lanes; 'ok': both form it,
     pass a tensor over a lane, and leave."""
     torch.set_num_threads(1)
-    from gpipe.worker import c10d
+    from gpipe.worker.dataplane import c10d
 
     try:
         net.use_secret(secret)

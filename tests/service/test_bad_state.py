@@ -133,8 +133,9 @@ async def test_health_goes_not_serving_if_the_scheduler_dies(tmp_path, monkeypat
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from gpipe import net
-    from gpipe.coordinator import server, supervisor
+    from gpipe.coordinator.server import serve as server
+    from gpipe.coordinator.supervisor import core as supervisor
+    from gpipe.service import net
     from tests.support.ports import free_port
     async def broken(self):
         await asyncio.sleep(0.2)

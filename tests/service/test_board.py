@@ -7,7 +7,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from gpipe.coordinator.board import STEP_SCALARS
+from gpipe.coordinator.attempt.board import STEP_SCALARS
 from tests.support.spec import job, regression
 
 

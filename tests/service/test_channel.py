@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from gpipe import structure
 from gpipe.wire import HEADER, PACK_MAX_BYTES
-from gpipe.worker.channel import Receiver, Sender
+from gpipe.worker.dataplane.channel import Receiver, Sender
 from tests.support.ports import free_port
 
 STEP_S = 1.0  # the step's deadline, as StageConfig.step_timeout_s
@@ -216,7 +216,7 @@ def test_a_message_goes_whole_on_the_channels_device_and_arrives_where_the_stage
     hands over is on its device; a CPU tensor of the value goes there too; int16 goes as bytes. On CUDA each
     transfer lands late (a kernel that sleeps first, on the receive's stream), and the stage still reads what
     was sent: it waits for the receive's event, not for the device."""
-    from gpipe.worker import channel
+    from gpipe.worker.dataplane import channel
 
     dev = torch.device(device)
     wire: queue.Queue[torch.Tensor] = queue.Queue()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpipe import job_records, net, serde
-from gpipe.coordinator import report
+from gpipe.coordinator.attempt import report
+from gpipe.service import job_records, net, serde
 from tests.support.cli import Cli, process_kind, tagged_pids, wait_for
 from tests.support.service import Service
 from tests.support.spec import job, regression, slow_mlp

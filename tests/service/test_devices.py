@@ -22,7 +22,7 @@ from tests.support.spec import CUDA, job_yaml
 
 def run_cli(tmp_path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("GPIPE_OVERSUBSCRIBE", FAKE_GPUS_ENV, VISIBLE_ENV)}
-    return subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", *args], cwd=tmp_path,
                           env={**base, **env}, capture_output=True, text=True, timeout=180)
 
 
@@ -78,7 +78,7 @@ def test_serve_fails_a_cuda_job_whose_workers_share_one_gpu_and_status_shows_eac
                                           stderr=log, start_new_session=True))
 
     try:
-        start("serve", "gpipe.coordinator.cli", "serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
+        start("serve", "gpipe.coordinator.cli.main", "serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
         wait_for(lambda: "coordinator serving on" in logs[0].read_text(), "serve", logs)
         for rank in (0, 1):  # both on GPU 0 of this host (the fake GPU-fake-0)
             start(f"worker{rank}", "gpipe.worker.daemon", "--rank", str(rank), "--device", "cuda:0",

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from gpipe.coordinator.records import COMMIT_GRACE_S
+from gpipe.coordinator.supervisor.records import COMMIT_GRACE_S
 from tests.support import netns, reference
 from tests.support.cli import ROOT, Cli, end_leftovers
 from tests.support.ports import free_port_in
@@ -201,7 +201,7 @@ def test_a_host_cut_off_for_good_shrinks_the_job_which_finishes_on_the_one_devic
                                 + "\n".join(f"--- {k}\n{log(k)[-2000:]}" for k in logs))
                 time.sleep(0.1)
 
-        hosts.spawn(0, [*py, "gpipe.coordinator.cli", "serve", "--host", hosts.addr(0), "--insecure", "--port",
+        hosts.spawn(0, [*py, "gpipe.coordinator.cli.main", "serve", "--host", hosts.addr(0), "--insecure", "--port",
                         address.rsplit(":", 1)[1], "--state-dir", str(tmp_path / "state"), "--heartbeat-timeout",
                         str(HEARTBEAT_TIMEOUT_S)], env, logs["serve"])
         wait(lambda: "coordinator serving on" in log("serve"), "serve to start", 60)
@@ -210,7 +210,7 @@ def test_a_host_cut_off_for_good_shrinks_the_job_which_finishes_on_the_one_devic
                                    "--log-dir", str(tmp_path / f"worker{rank}-attempts")], env, logs[f"worker{rank}"])
         for rank in range(3):
             wait(lambda rank=rank: f"worker for rank {rank} registered" in log("serve"), f"rank {rank}", 60)
-        submit = hosts.spawn(0, [*py, "gpipe.coordinator.cli", "submit", str(path), "--follow", "--coordinator",
+        submit = hosts.spawn(0, [*py, "gpipe.coordinator.cli.main", "submit", str(path), "--follow", "--coordinator",
                                  address], env, logs["submit"])
         out = tmp_path / "state" / "cutoff"
         wait(lambda: committed(out, 8), "checkpoint step-8", 90)  # none being taken: as above

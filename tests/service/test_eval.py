@@ -19,13 +19,13 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from gpipe import job_records, serde
-from gpipe.coordinator.eval_weights import Best
-from gpipe.coordinator.metrics import EvalMetrics
-from gpipe.coordinator.plan import make_plan
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.attempt.eval_weights import Best
+from gpipe.coordinator.attempt.metrics import EvalMetrics
+from gpipe.coordinator.plan.job import make_plan
+from gpipe.coordinator.spec.job import parse_spec
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
+from gpipe.service import job_records, serde
 from gpipe.worker.stage_server import EvalArgs, StepQueue
 from tests.support import reference
 from tests.support.cli import Cli, end_leftovers, torch_threads
@@ -398,7 +398,7 @@ def test_eval_lines_cross_the_wire_and_the_job_record():
 @pytest.mark.multiprocess
 def test_the_progress_line_shows_the_latest_eval_loss():
     code = (
-        "from gpipe.coordinator.progress import Follower, Progress\n"
+        "from gpipe.coordinator.cli.progress import Follower, Progress\n"
         "f = Follower('e', Progress(5))\n"
         "f.show('eval', {'step': 1, 'eval_loss': 0.123456, 'eval_samples': 30})\n"
         "f.show('metrics', {'step': 4, 'loss': 0.5, 'samples_per_s': 10.0})\n"

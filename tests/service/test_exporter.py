@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpipe.coordinator import report
-from gpipe.coordinator.exporter import MAX_ENDED_JOBS, Exporter
-from gpipe.job_records import JobState
+from gpipe.coordinator.attempt import report
+from gpipe.coordinator.server.exporter import MAX_ENDED_JOBS, Exporter
+from gpipe.service.job_records import JobState
 from tests.support.harness import Harness
 from tests.support.ports import free_port, free_port_in
 from tests.support.service import Service

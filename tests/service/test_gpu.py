@@ -79,13 +79,13 @@ def test_serve_without_a_gpu_trains_a_cuda_job_on_its_workers_gpu(tmp_path):
             time.sleep(0.1)
 
     try:
-        start("serve", {**base, "CUDA_VISIBLE_DEVICES": ""}, "gpipe.coordinator.cli", "serve", "--port", str(port),
+        start("serve", {**base, "CUDA_VISIBLE_DEVICES": ""}, "gpipe.coordinator.cli.main", "serve", "--port", str(port),
               "--state-dir", str(tmp_path / "s"))
         wait_for(lambda: "coordinator serving on" in logs[0].read_text(), "serve")
         start("worker", base, "gpipe.worker.daemon", "--rank", "0", "--device", "cuda:0", "--coordinator",
               f"127.0.0.1:{port}", "--log-dir", str(tmp_path / "w"))
         wait_for(lambda: "registered from" in logs[0].read_text(), "the worker")
-        r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "submit", "job.yaml", "--follow",
+        r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "submit", "job.yaml", "--follow",
                             "--no-progress", "--coordinator", f"127.0.0.1:{port}"], cwd=tmp_path, env=base,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:] + "\n".join(p.read_text()[-3000:] for p in logs)

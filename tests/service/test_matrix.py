@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import gpipe
-from gpipe.capture import capture, select_output
+from gpipe.capture.graph import capture, select_output
 from gpipe.factory import resolve
 from gpipe.precision import DTYPES, LossScaler
 from tests.support import reference

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from gpipe.coordinator.records import COMMIT_GRACE_S
+from gpipe.coordinator.supervisor.records import COMMIT_GRACE_S
 from tests.support import netns, reference
 from tests.support.cli import ROOT
 from tests.support.spec import slow_mlp

@@ -59,7 +59,7 @@ def test_run_trains_a_job_whose_folder_holds_the_product_s_names(cli, where):
     # From the job's folder too: the working directory is never put ahead of the product's modules.
     cwd = path.parent if where == "job-folder" else cli.tmp
     env = {k: v for k, v in cli.env.items() if k != "PYTHONPATH"}  # the job's folder is its code
-    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli", "run", str(path), "--state-dir",
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "run", str(path), "--state-dir",
                         str(cli.tmp / "state"), "--no-progress"], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpipe.coordinator import checkpoint
+from gpipe.coordinator.outputs import checkpoint
 from tests.support import reference
 from tests.support.cli import torch_threads
 from tests.support.spec import PRECISION, TWO_STAGES, job

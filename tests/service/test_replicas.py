@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpipe.coordinator.data import DataStream
+from gpipe.coordinator.plan.data import DataStream
 from gpipe.topology import Topology
 from tests.support import reference
 from tests.support.cli import wait_for
@@ -61,7 +61,7 @@ def test_shards_are_contiguous_and_as_equal_as_possible():
 
 
 def test_the_progress_line_shows_each_replicas_step_time(capsys):
-    from gpipe.coordinator.progress import Follower, Progress
+    from gpipe.coordinator.cli.progress import Follower, Progress
 
     follower = Follower("t", Progress(4, enabled=True))
     follower.show("metrics", {"step": 0, "loss": 0.5, "samples_per_s": 100.0,
@@ -243,7 +243,7 @@ def _reduce_on(rank: int, port: int, out: str) -> None:
     buckets of at most 64 bytes; rank 1's last micro-batch leaves one parameter out, and no rank uses another."""
     import torch.distributed as dist
 
-    from gpipe.worker.reducer import GradReducer
+    from gpipe.worker.dataplane.reducer import GradReducer
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -325,7 +325,7 @@ def test_replicas_on_gpus_equal_one_device(cli):
 def test_fp16_overflow_skips_the_step_on_every_stage_of_every_replica(cli):
     """fp16 with 2 replicas x 2 stages: an inf gradient at step 1 (stage 0 of each replica, where the
     GradOverflow layer lives) skips that step on all four ranks, and the one loss scale backs off."""
-    from gpipe.coordinator import checkpoint
+    from gpipe.coordinator.outputs import checkpoint
 
     spec = job(TWO_STAGES, model={"factory": "tests.support.models:overflow_mlp", "args": {"width": 16, "at": [2]}}, balance=[3, 3],
                stages=2, replicas=2, chunks=2, precision="fp16", optimizer={"name": "adam", "lr": 0.01},

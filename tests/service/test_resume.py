@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from gpipe.coordinator import checkpoint
+from gpipe.coordinator.outputs import checkpoint
 from tests.support import reference
 from tests.support.cli import process_kind, tagged_pids, wait_for
 from tests.support.runs import Lines, metrics

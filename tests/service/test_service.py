@@ -21,9 +21,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from gpipe import serde
-from gpipe.coordinator.records import COMMIT_GRACE_S
-from gpipe.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
+from gpipe.coordinator.supervisor.records import COMMIT_GRACE_S
+from gpipe.service import serde
+from gpipe.service.v1 import jobs_pb2, jobs_pb2_grpc, workers_pb2, workers_pb2_grpc
 from tests.service.test_namespace import SHADOWS
 from tests.support import reference
 from tests.support.cli import ROOT, Cli, end_leftovers
@@ -386,7 +386,7 @@ def test_the_client_and_worker_tokens_are_enforced_each_on_its_own_service_over_
 
 async def call(address: str, token: str | None, method: str, request, tls_ca: str | None = None) -> grpc.StatusCode:
     """The status of one call of `method` (JobService's or WorkerService's) with `token`, over TLS with `tls_ca`."""
-    from gpipe import grpcutil
+    from gpipe.service import grpcutil
 
     async with grpcutil.channel(address, token, tls_ca) as ch:
         jobs, workers = jobs_pb2_grpc.JobServiceStub(ch), workers_pb2_grpc.WorkerServiceStub(ch)
@@ -704,7 +704,7 @@ def test_a_taken_port_is_one_line_and_exit_2_for_serve_and_for_a_worker_health_p
 
 @pytest.mark.multiprocess
 def test_serve_without_tokens_stays_on_this_machine_unless_told(cli):
-    from gpipe import net
+    from gpipe.service import net
 
     host = next((ip for ip in net.interfaces().values() if not ip.startswith("127.")), None)
     if host is None:
@@ -787,7 +787,7 @@ def test_the_client_verbs_import_no_torch_against_a_real_serve(shared):
                  ["logs", "light"]):
         r, modules = shared.cli.modules_of(*args, "--coordinator", shared.address, *shared.auth())
         assert r.returncode == 0, (args, r.stderr[-2000:])
-        assert "gpipe.coordinator.client" in modules
+        assert "gpipe.coordinator.cli.client" in modules
         loaded = sorted(m for m in modules if m.split(".")[0] in ("torch", "numpy"))
         assert loaded == [], f"{args[0]} imported {loaded[:5]}"
     assert "SUCCEEDED" in shared.client("status", "light").stdout

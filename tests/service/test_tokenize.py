@@ -109,7 +109,7 @@ def test_a_parquet_file_s_rows_are_documents(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from gpipe.coordinator.corpus import _pieces
+    from gpipe.coordinator.cli.corpus import _pieces
 
     pq.write_table(pa.table({"id": [1, 2, 3], "body": ["one", None, "three"]}), tmp_path / "c.parquet")
     (tmp_path / "d.txt").write_text("four\nfive\n")

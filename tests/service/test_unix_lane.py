@@ -1,4 +1,4 @@
-"""A lane between two workers of one host (gpipe.worker.unix_lane): real sockets, real processes where a peer ends."""
+"""A lane between two workers of one host (gpipe.worker.dataplane.unix_lane): real sockets, real processes where a peer ends."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gpipe.wire import HEADER, STRUCTURE, encode, header_bytes
-from gpipe.worker import unix_lane
-from gpipe.worker.unix_lane import (
+from gpipe.worker.dataplane import unix_lane
+from gpipe.worker.dataplane.unix_lane import (
     Listener,
     Ring,
     UnixReceiver,
@@ -208,7 +208,7 @@ def test_a_peer_whose_process_ends_is_seen_at_once_not_after_the_deadline() -> N
     code = (
         "import sys, time, torch\n"
         "from gpipe.wire import header_bytes, HEADER\n"
-        "from gpipe.worker.unix_lane import connect\n"
+        "from gpipe.worker.dataplane.unix_lane import connect\n"
         f"s = connect({listener.name!r}, bytes.fromhex({listener.token.hex()!r}), time.monotonic() + 10)\n"
         "s.sendall(header_bytes([0, 0, 1, 0, 1024] + [0] * (HEADER - 5)) + bytes(2048))\n"
         "s.close()\n"
@@ -337,7 +337,7 @@ def _writer(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if which == "python":
         monkeypatch.setattr(unix_lane, "_CWriter", None)
     elif unix_lane._CWriter is None:
-        pytest.skip("gpipe.worker._ring was not built here (no C compiler at install): the Python writer stands in")
+        pytest.skip("gpipe.worker.dataplane._ring was not built here (no C compiler at install): the Python writer stands in")
 
 
 def test_the_c_writer_is_built_where_the_install_had_a_compiler() -> None:
@@ -345,7 +345,7 @@ def test_the_c_writer_is_built_where_the_install_had_a_compiler() -> None:
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this host: the install keeps the Python writer")
-    assert unix_lane._CWriter is not None, "gpipe.worker._ring was not built: reinstall (make setup) to build it"
+    assert unix_lane._CWriter is not None, "gpipe.worker.dataplane._ring was not built: reinstall (make setup) to build it"
     ring = Ring.create()
     assert type(ring.writer) is unix_lane._CWriter
 
@@ -358,7 +358,7 @@ def test_the_c_and_python_writers_write_the_same_bytes_and_slots_and_take_back_t
     import random
 
     if unix_lane._CWriter is None:
-        pytest.skip("gpipe.worker._ring was not built here")
+        pytest.skip("gpipe.worker.dataplane._ring was not built here")
     rings = [Ring.create()]
     with monkeypatch.context() as m:
         m.setattr(unix_lane, "_CWriter", None)
@@ -430,7 +430,7 @@ def test_the_c_writer_is_initialised_once_and_not_used_before() -> None:
     import mmap
 
     if unix_lane._CWriter is None:
-        pytest.skip("gpipe.worker._ring was not built here")
+        pytest.skip("gpipe.worker.dataplane._ring was not built here")
     blank = unix_lane._CWriter.__new__(unix_lane._CWriter)
     for call in (lambda: blank.post(0, 0), lambda: blank.place(1), lambda: blank.send(0, b"", 0, 0), blank.unread):
         with pytest.raises(RuntimeError, match="before it was initialised"):
@@ -448,7 +448,7 @@ def test_the_c_writer_is_initialised_once_and_not_used_before() -> None:
 
 @pytest.fixture(params=["c", "python"])
 def ring_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A lane with its ring, its sending end written by worker/_ring.c's Writer or by the Python one."""
+    """A lane with its ring, its sending end written by worker/dataplane/_ring.c's Writer or by the Python one."""
     _writer(request.param, monkeypatch)
     a, b, mine, theirs = _ring_lane()
     yield a, b, mine, theirs
@@ -628,7 +628,7 @@ def test_a_peer_that_ends_after_posting_to_the_ring_is_read_out_then_seen_gone()
     listener = Listener()
     code = (
         "import time, torch\n"
-        "from gpipe.worker.unix_lane import UnixSender, connect, offer_ring\n"
+        "from gpipe.worker.dataplane.unix_lane import UnixSender, connect, offer_ring\n"
         f"s = connect({listener.name!r}, bytes.fromhex({listener.token.hex()!r}), time.monotonic() + 10)\n"
         "out = UnixSender(s, 'to 0', offer_ring(s))\n"
         "out.send(0, torch.ones(5)); out.send(1, torch.zeros(5))\n"

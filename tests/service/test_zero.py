@@ -116,11 +116,12 @@ def test_shard_with_one_replica_is_refused_in_one_line(cli):
 
 
 def test_a_resumed_copy_holds_only_its_slice_of_each_optimizer_tensor():
-    """gpipe.worker.streaming.Incoming with a sharded optimizer: a checkpoint's whole optim/ tensors come in pieces of
-    any size; the copy keeps its elements of each (gpipe.zero.held), nothing of a parameter it holds no piece
+    """gpipe.worker.state_stream.Incoming with a sharded optimizer: a checkpoint's whole optim/ tensors come in pieces of
+    any size; the copy keeps its elements of each (gpipe.memory.zero.held), nothing of a parameter it holds no piece
     of, and a number whole; a missing byte is still refused."""
-    from gpipe import stream, zero
-    from gpipe.worker.streaming import Incoming
+    from gpipe import stream
+    from gpipe.memory import zero
+    from gpipe.worker.state_stream import Incoming
 
     layers = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))  # 15, 3, 3, 1 elements
     full = {f"optim/{n}/exp_avg": torch.arange(p.numel(), dtype=torch.float32).view_as(p) + 100 * i

@@ -1,4 +1,4 @@
-"""Attempt processes forked from a template (gpipe.zygote): what `python -m MODULE` would have been, killed as
+"""Attempt processes forked from a template (gpipe.service.zygote): what `python -m MODULE` would have been, killed as
 before, and ended with the template."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpipe.proc import child_env
-from gpipe.zygote import Forked, Template
+from gpipe.service.zygote import Forked, Template
 from tests.support.cli import tagged_pids, wait_for
 from tests.support.spec import job, regression, slow_mlp
 
@@ -128,7 +128,7 @@ async def test_a_shared_template_serves_several_owners_and_kills_the_forks_of_on
     env = _probe(tmp_path)
     path = str(tmp_path / "template.sock")
     shared = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpipe.zygote", "--listen", path, "torch", start_new_session=True,
+        sys.executable, "-m", "gpipe.service.zygote", "--listen", path, "torch", start_new_session=True,
         env=child_env(dict(os.environ)))
     owners = [Template(dict(os.environ, GPIPE_TEMPLATE_SOCKET=path), preload=["no_such_module"]) for _ in range(2)]
     try:

@@ -43,7 +43,7 @@ _shared: tuple[subprocess.Popen[bytes], str] | None = None
 
 
 def shared_template() -> str | None:
-    """The socket of this pytest process's shared attempt template (gpipe.zygote --listen), started on first
+    """The socket of this pytest process's shared attempt template (gpipe.service.zygote --listen), started on first
     use: the CLI processes of its tests fork their attempt processes from it instead of each importing torch
     in a template of its own. Off unless GPIPE_TEST_SHARED_TEMPLATE=1: with it, jobs start fast enough that
     service tests which act on a running job (stop, partition, eviction) race it to its end."""
@@ -51,7 +51,7 @@ def shared_template() -> str | None:
     if os.environ.get("GPIPE_TEST_SHARED_TEMPLATE", "0") != "1":
         return None
     if _shared is None or _shared[0].poll() is not None:
-        from gpipe.coordinator.launcher import COORDINATOR_PRELOAD
+        from gpipe.coordinator.supervisor.launcher import COORDINATOR_PRELOAD
         from gpipe.proc import child_env
         from gpipe.worker.agent import WORKER_PRELOAD
 
@@ -60,7 +60,7 @@ def shared_template() -> str | None:
         folder = tempfile.mkdtemp(prefix="gpipe-tpl-")
         path = os.path.join(folder, "s")
         env = child_env({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")})
-        p = subprocess.Popen([sys.executable, "-m", "gpipe.zygote", "--listen", path, *preload], cwd=folder,
+        p = subprocess.Popen([sys.executable, "-m", "gpipe.service.zygote", "--listen", path, *preload], cwd=folder,
                              env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 30  # it binds the socket before it imports
         while not os.path.exists(path) and p.poll() is None and time.monotonic() < deadline:
@@ -79,7 +79,7 @@ def _end_shared(p: subprocess.Popen[bytes], folder: str) -> None:
 
 def process_kind(pid: int) -> str | None:
     """'coordinator' or 'worker' for an attempt process, by the name a fork of the template takes
-    (gpipe.zygote: gpipe:attempt, gpipe:worker) or, started anew, its `python -m MODULE` command line."""
+    (gpipe.service.zygote: gpipe:attempt, gpipe:worker) or, started anew, its `python -m MODULE` command line."""
     try:
         comm = (Path("/proc") / str(pid) / "comm").read_text().strip()
         argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0") + [b"", b""]
@@ -87,7 +87,7 @@ def process_kind(pid: int) -> str | None:
         return None
     if comm.startswith("gpipe:"):
         return {"gpipe:attempt": "coordinator", "gpipe:worker": "worker"}.get(comm)
-    return {b"gpipe.coordinator.attempt": "coordinator", b"gpipe.worker": "worker"}.get(argv[2]) \
+    return {b"gpipe.coordinator.attempt.process": "coordinator", b"gpipe.worker": "worker"}.get(argv[2]) \
         if argv[1] == b"-m" else None
 
 
@@ -135,7 +135,7 @@ class Cli:
         """The CLI with `args`; with `cores` ('0'), on those cores only, as on a machine that has no others."""
         pin = ["taskset", "-c", cores] if cores is not None else []
         return subprocess.Popen(
-            [*pin, sys.executable, "-m", "gpipe.coordinator.cli", *args], cwd=self.tmp, env=self.env,
+            [*pin, sys.executable, "-m", "gpipe.coordinator.cli.main", *args], cwd=self.tmp, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
 
@@ -165,7 +165,7 @@ class Cli:
         out = self.tmp / f"modules-{uuid.uuid4().hex}.txt"
         probe = ("import atexit, sys\n"
                  f"atexit.register(lambda: open({str(out)!r}, 'w').write('\\n'.join(sorted(sys.modules))))\n"
-                 "from gpipe.coordinator.cli import main\n"
+                 "from gpipe.coordinator.cli.main import main\n"
                  "sys.argv[0] = 'gpipe-coordinator'\n"
                  "sys.exit(main())\n")
         p = subprocess.run([sys.executable, "-c", probe, *args], cwd=self.tmp, env=self.env, capture_output=True,

@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from gpipe.coordinator import report
-from gpipe.coordinator.records import Launch, Worker
-from gpipe.coordinator.spec import parse_spec
-from gpipe.coordinator.supervisor import Supervisor
-from gpipe.job_records import Abort, JobRecord, Join
+from gpipe.coordinator.attempt import report
+from gpipe.coordinator.spec.job import parse_spec
+from gpipe.coordinator.supervisor.core import Supervisor
+from gpipe.coordinator.supervisor.records import Launch, Worker
+from gpipe.service.job_records import Abort, JobRecord, Join
 
 
 class Clock:

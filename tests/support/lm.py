@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from gpipe.capture import select_output
+from gpipe.capture.graph import select_output
 from tests.support import models
 from tests.support.cli import torch_threads
 

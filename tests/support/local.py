@@ -12,18 +12,18 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from gpipe import net
-from gpipe.coordinator import checkpoint
-from gpipe.coordinator.configs import stage_config
-from gpipe.coordinator.data import DataStream
-from gpipe.coordinator.driver import Run
-from gpipe.coordinator.handle import local_stages
-from gpipe.coordinator.metrics import EvalMetrics, StepMetrics
-from gpipe.coordinator.plan import Plan, make_plan
-from gpipe.coordinator.spec import parse_spec
+from gpipe.coordinator.attempt.driver import Run
+from gpipe.coordinator.attempt.handle import local_stages
+from gpipe.coordinator.attempt.metrics import EvalMetrics, StepMetrics
+from gpipe.coordinator.outputs import checkpoint
+from gpipe.coordinator.plan.configs import stage_config
+from gpipe.coordinator.plan.data import DataStream
+from gpipe.coordinator.plan.job import Plan, make_plan
+from gpipe.coordinator.spec.job import parse_spec
+from gpipe.service import net
 from gpipe.stage import Stage
 from gpipe.state import StageState
-from gpipe.worker.c10d import C10dTransport
+from gpipe.worker.dataplane.c10d import C10dTransport
 from gpipe.worker.stage_server import StageServer
 from tests.support.cli import ROOT
 

@@ -469,7 +469,7 @@ def overflow_mlp(width: int = 16, at: list[int] | None = None) -> nn.Sequential:
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
 
 
-# -- models that are not an nn.Sequential (gpipe.capture) --------------------------------------------------------
+# -- models that are not an nn.Sequential (gpipe.capture.graph) --------------------------------------------------------
 
 def gpt2(vocab: int = 97, width: int = 32, layers: int = 4, heads: int = 4, dropout: float = 0.0) -> nn.Module:
     """A small GPT2LMHeadModel from a config (no download): its embedding and head are one tied weight."""

@@ -1,10 +1,10 @@
-"""Job records as job.json holds them (gpipe.serde), for the tests of what is read back from disk."""
+"""Job records as job.json holds them (gpipe.service.serde), for the tests of what is read back from disk."""
 
 from __future__ import annotations
 
 import json
 
-from gpipe.job_records import JobRecord, JobState, StateChange
+from gpipe.service.job_records import JobRecord, JobState, StateChange
 from tests.support.spec import DELETE
 
 RECORD = JobRecord(

@@ -153,7 +153,7 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
 
 
 def lr_factor(spec: dict[str, Any], k: int) -> float:
-    """The LR of step k over optimizer.lr, written out apart from gpipe.coordinator.lr for cosine, linear and wsd: a
+    """The LR of step k over optimizer.lr, written out apart from gpipe.coordinator.attempt.lr for cosine, linear and wsd: a
     warmup from 0 over warmup_steps, then (cosine, linear) a fall over the steps left to min_lr at the last, or
     (wsd) optimizer.lr until the last round(steps x decay_fraction) steps, which fall to the floor at the last."""
     s, steps, lr = spec["lr_schedule"], spec["steps"], spec["optimizer"]["lr"]

@@ -55,7 +55,7 @@ class Service:
 
     def start_serve(self, *extra: str) -> None:
         before = self.log("serve").count("coordinator serving on")
-        self._spawn("serve", ["-m", "gpipe.coordinator.cli", "serve", "--port", str(self.port),
+        self._spawn("serve", ["-m", "gpipe.coordinator.cli.main", "serve", "--port", str(self.port),
                               "--state-dir", str(self.state), *self.serve_auth(), *extra])
         self.wait_for(lambda: self.log("serve").count("coordinator serving on") > before, "serve to start")
 

@@ -1,0 +1,1 @@
+"""gpipe-coordinator's verbs: run on this machine, the client of serve, tokenize."""

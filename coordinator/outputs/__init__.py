@@ -1,0 +1,1 @@
+"""A job's outputs on the coordinator's disk: its folder, checkpoints, weights for evaluation, timelines."""

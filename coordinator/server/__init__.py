@@ -1,0 +1,2 @@
+"""`gpipe-coordinator serve`: the gRPC job and worker APIs, their authentication, submissions, the job
+table on disk and /metrics."""

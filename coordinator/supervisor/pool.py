@@ -1,0 +1,167 @@
+"""The shared pool's policy: which waiting jobs start, on which workers, and which running jobs a waiting one
+preempts. The one place that decides; the supervisor (gpipe.coordinator.supervisor.core) carries it out.
+
+- **Gang placement.** A job starts when the pool has an idle worker for every one of its slots (stages x
+  replicas) at once, never a part of them; two jobs never share a worker. It takes the workers it ran on
+  before (a restart or a resume), else the ranks its spec names (0 .. stages x replicas - 1), else any idle
+  worker, those of one host together so that neighbouring stages are neighbours (`place`).
+- **Order.** Waiting jobs are taken in priority order (the spec's `priority`, higher first), then in order of
+  submission (`order`).
+- **Backfill.** A job that fits starts even when one before it in the order does not (a smaller job beside
+  a larger waiting one), unless that one has waited STARVE_AFTER_S or more: from then on nothing after it
+  starts until it has (its workers are kept for it as they free up).
+- **Priority preemption.** A job that cannot start preempts the fewest running jobs of lower priority whose
+  workers, with the idle ones, make it fit (`victims`): largest first, then the lowest priority, then the
+  newest. They checkpoint at their next step boundary, as on SIGTERM, wait PREEMPTED (no restart counted)
+  and start again, by the same rules, once workers are free. Workers being freed that way are counted for
+  the job they were freed for: it preempts no more than it needs, and nothing after it takes them. An elastic
+  victim resumes at once on the idle workers left, on fewer stages (gpipe.coordinator.supervisor.policy.when_away).
+- **A job that can never fit.** With the pool's size known (`serve --max-workers N`: its workers are ranks
+  0 .. N-1), a job needing more workers than that is refused at submit (`never_fits`). Without it the pool may
+  grow (workers join at any time), so such a job waits, saying how many workers it needs and how many are
+  registered (`short_of`), and holds nothing back.
+
+Pure: numbers and names in, decisions out; the tests drive it with a fake clock's waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+STARVE_AFTER_S = 600.0  # a job waiting this long stops backfill past it
+MAX_QUEUED = 1000  # jobs waiting for workers at most: submit answers RESOURCE_EXHAUSTED past it
+PREEMPT_GRACE_S = 120.0  # a preempted job's time to checkpoint at its step boundary, then it is killed
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+MIN_STARVE_AFTER_S, MAX_STARVE_AFTER_S = 1.0, 86400.0  # serve --starve-after-s's range
+MAX_WORKERS = 4096  # serve --max-workers at most: ranks are 0-4095
+
+W = TypeVar("W")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The pool's settings (serve's flags): its size, when known, and the starvation bound."""
+
+    max_workers: int | None = None  # the pool's workers are ranks 0 .. max_workers - 1; None: any may join
+    starve_after_s: float = STARVE_AFTER_S
+
+
+@dataclass(frozen=True)
+class Waiting:
+    name: str
+    priority: int
+    seq: int  # its place in submission order
+    slots: int  # workers it needs at once
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class Running:
+    name: str
+    priority: int
+    seq: int
+    ranks: tuple[int, ...]
+    preempting: bool = False  # asked to stop already: its workers are on their way back
+
+
+@dataclass
+class Decision:
+    """What `decide` asks for: jobs to start (name -> the ranks of its workers, by slot) and jobs to preempt
+    (victim -> the job it makes room for)."""
+
+    starts: dict[str, list[int]] = field(default_factory=dict)
+    preempts: dict[str, str] = field(default_factory=dict)
+    blocked_by: str | None = None  # the job that keeps the rest waiting (starved, or preempting for)
+
+
+def order(waiting: Sequence[Waiting]) -> list[Waiting]:
+    """Priority first (higher first), then submission order."""
+    return sorted(waiting, key=lambda w: (-w.priority, w.seq))
+
+
+def place(slots: int, idle: Mapping[int, W], prefer: Sequence[int], host: Callable[[W], str]) -> list[int] | None:
+    """The ranks of `slots` idle workers for a job's slots, in slot order, or None when too few are idle: the
+    ranks of `prefer` (by slot) where idle; the other slots from the rest, one host's workers together (hosts
+    with more idle workers first), lowest rank first within a host."""
+    if len(idle) < slots:
+        return None
+    out: list[int | None] = [None] * slots
+    taken: set[int] = set()
+    for slot, rank in enumerate(list(prefer)[:slots]):
+        if rank in idle and rank not in taken:
+            out[slot] = rank
+            taken.add(rank)
+    by_host: dict[str, list[int]] = {}
+    for rank in sorted(r for r in idle if r not in taken):
+        by_host.setdefault(host(idle[rank]), []).append(rank)
+    rest = [r for h in sorted(by_host, key=lambda h: (-len(by_host[h]), h)) for r in by_host[h]]
+    it = iter(rest)
+    return [r if r is not None else next(it) for r in out]
+
+
+def victims(job: Waiting, idle: int, running: Sequence[Running]) -> list[str] | None:
+    """The fewest running jobs of lower priority whose workers, with `idle` idle ones and those being freed
+    already, make `job` fit; [] when those being freed suffice; None when no choice does."""
+    freeing = sum(len(r.ranks) for r in running if r.preempting)
+    need = job.slots - idle - freeing
+    if need <= 0:
+        return []
+    lower = sorted((r for r in running if not r.preempting and r.priority < job.priority),
+                   key=lambda r: (-len(r.ranks), r.priority, -r.seq))
+    out: list[str] = []
+    for r in lower:
+        if need <= 0:
+            break
+        out.append(r.name)
+        need -= len(r.ranks)
+    return out if need <= 0 else None
+
+
+def never_fits(name: str, slots: int, limits: Limits) -> str | None:
+    """Why job `name`, needing `slots` workers at once, can never start on this pool (one line), or None: only
+    when the pool's size is known; a pool that may grow has room for anything, in time."""
+    if limits.max_workers is None or slots <= limits.max_workers:
+        return None
+    return (f"job {name!r} needs {slots} workers at once, and this pool has at most {limits.max_workers} "
+            f"(serve --max-workers {limits.max_workers})")
+
+
+def short_of(slots: int, registered: int, limits: Limits) -> str:
+    """Why a job waits that needs more workers than are registered ('' when it does not), in a pool that may grow.
+    In a pool of known size the job fits (never_fits) and its workers are on their way: nothing to say."""
+    if slots <= registered or limits.max_workers is not None:
+        return ""
+    return f"needs {slots} workers at once, {registered} registered: waiting for more to join"
+
+
+def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[Running],
+           prefer: Callable[[Waiting], Sequence[int]], fits: Callable[[Waiting, Mapping[int, W]], Mapping[int, W]],
+           host: Callable[[W], str], pool_size: int, starve_after_s: float = STARVE_AFTER_S) -> Decision:
+    """The round's decision (the module's doc). `fits(job, idle)`: the idle workers that may take `job` (its
+    device's, heard from since its last failure); `prefer(job)`: the ranks it would rather have, by slot;
+    `pool_size`: the workers registered, busy or not (a job needing more waits without holding others back)."""
+    d = Decision()
+    left = dict(idle)
+    running = list(running)
+    for job in order(waiting):
+        mine = fits(job, left)
+        ranks = place(job.slots, mine, prefer(job), host)
+        if ranks is not None:
+            d.starts[job.name] = ranks
+            for r in ranks:
+                del left[r]
+            continue
+        chosen = victims(job, len(mine), running)
+        if chosen is not None:  # it will fit once they are stopped: the idle ones stay for it
+            for name in chosen:
+                d.preempts[name] = job.name
+            running = [r if r.name not in chosen else Running(r.name, r.priority, r.seq, r.ranks, True)
+                       for r in running]
+            d.blocked_by = job.name
+            break
+        if job.waited_s >= starve_after_s and job.slots <= pool_size:
+            d.blocked_by = job.name
+            break
+    return d
