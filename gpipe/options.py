@@ -25,17 +25,19 @@ def violation(schedule: str, stages: int, virtual_stages: int, chunks: int,
     """
     if type(chunks) is not int or chunks < 1:
         return f"chunks: must be a positive int, got {chunks!r}"
-    if schedule not in schedules.SCHEDULES:
-        return f"schedule: {schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
+    if schedule not in schedules.REGISTRY:
+        return f"schedule: {schedule!r} is not one of {', '.join(schedules.names())}"
     if type(virtual_stages) is not int or virtual_stages < 1:
         return f"virtual_stages: must be a positive int, got {virtual_stages!r}"
-    if virtual_stages > 1 and schedule not in schedules.VIRTUAL:
+    record = schedules.REGISTRY[schedule]  # its own rules
+    if virtual_stages > 1 and record.model_chunks == (1,):
         return (f"virtual_stages: {virtual_stages} model chunks per worker need schedule "
-                f"{' or '.join(schedules.VIRTUAL)}, not {schedule}")
-    if schedule == "zbv" and virtual_stages != 2:
-        return f"virtual_stages: zbv holds 2 model chunks per worker (a V), not {virtual_stages}"
-    if schedule == "interleaved-1f1b" and virtual_stages > 1 and chunks % stages:
-        return (f"chunks: interleaved-1f1b runs the micro-batches in rounds of the {stages} workers: {chunks} is "
+                f"{' or '.join(schedules.several_chunks())}, not {schedule}")
+    if record.model_chunks is not None and virtual_stages not in record.model_chunks:
+        return (f"virtual_stages: {schedule} holds {' or '.join(map(str, record.model_chunks))} model chunks per "
+                f"worker{' (a V)' if record.v_shape else ''}, not {virtual_stages}")
+    if record.rounds and virtual_stages > 1 and chunks % stages:
+        return (f"chunks: {schedule} runs the micro-batches in rounds of the {stages} workers: {chunks} is "
                 f"not a multiple of {stages}")
     if activation_checkpoint not in CHECKPOINTS:
         return f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}"

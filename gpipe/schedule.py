@@ -72,6 +72,7 @@ nothing waits on it there.)
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from gpipe.topology import model_chunk, place  # which worker holds which model chunk: decided there
@@ -179,25 +180,81 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     return [a for a in actions if a.micro_batch < chunks]
 
 
-Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"]  # the schedules: PLAIN's and VIRTUAL's, in order
+@dataclass(frozen=True)
+class Record:
+    """One schedule, and everything the rest of gpipe asks of it: its builder, how many model chunks a worker
+    holds and where, the rules its options follow, whether `auto` and `plan` search it, and its sentence in
+    the spec's reference. Adding a schedule is one record, registered here (`register`): the spec's checks
+    (gpipe.options), the placement (gpipe.topology), `gpipe.Pipeline`, the stages, the simulator and `plan`'s
+    search all read it from REGISTRY."""
 
-PLAIN: dict[str, Callable[[int, int, int], list[Action]]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "zb-h1": zb_h1,
-}
-VIRTUAL: dict[str, Callable[[int, int, int, int], list[Action]]] = {  # several model chunks per worker
-    "interleaved-1f1b": interleaved_1f1b,
-    "zbv": zbv,
-}
-SCHEDULES = [*PLAIN, *VIRTUAL]  # Name's values (tests/test_schedule.py holds them to it)
+    name: str
+    build: Callable[[int, int, int, int], list[Action]]  # (worker, workers, micro-batches, model chunks/worker)
+    doc: str  # its sentence in the spec's reference (docs/spec.md: `schedule`)
+    model_chunks: tuple[int, ...] | None = (1,)  # the model chunks per worker it takes; None: any number
+    v_shape: bool = False  # worker k holds model chunks k and 2*workers-1-k (a V), not k, k+workers, ...
+    rounds: bool = False  # with several model chunks a worker, micro-batches go in rounds of `workers`
+    searched_with: int | None = 1  # the model chunks per worker `auto` and `plan` search it with; None: never
+
+
+REGISTRY: dict[str, Record] = {}
+
+
+def register(record: Record) -> Record:
+    """Add a schedule: from now on a stage runs it, `auto` and `plan` search it (unless searched_with is None)."""
+    if record.name in REGISTRY:
+        raise ValueError(f"schedule {record.name!r} is registered already")
+    REGISTRY[record.name] = record
+    return record
+
+
+def names() -> list[str]:
+    """Every schedule's name, in the order they were registered (the spec reference's)."""
+    return list(REGISTRY)
+
+
+def several_chunks() -> list[str]:
+    """The schedules that take several model chunks a worker."""
+    return [n for n, r in REGISTRY.items() if r.model_chunks != (1,)]
+
+
+def searched() -> dict[str, int]:
+    """The schedules `auto` and `plan` search, with the model chunks a worker each is searched with."""
+    return {n: r.searched_with for n, r in REGISTRY.items() if r.searched_with is not None}
+
+
+def reference() -> str:
+    """The spec's description of `schedule`: each schedule's sentence, in order."""
+    return " ".join(r.doc for r in REGISTRY.values())
+
+
+def _one_chunk(builder: Callable[[int, int, int], list[Action]]) -> Callable[[int, int, int, int], list[Action]]:
+    return lambda stage, stages, chunks, virtual: builder(stage, stages, chunks)
+
+
+for _record in (
+    Record("gpipe", _one_chunk(gpipe), "gpipe: all forwards, then all backwards."),
+    Record("1f1b", _one_chunk(one_f_one_b), "1f1b: one forward, one backward; stage k keeps at most stages-k "
+           "micro-batches in flight."),
+    Record("zb-h1", _one_chunk(zb_h1), "zb-h1: 1f1b with each backward split into B (the inputs' gradients) "
+           "and W (the weights', later, filling the drain): about a third of 1f1b's bubble, at most `stages` "
+           "micro-batches in flight on any stage."),
+    Record("interleaved-1f1b", interleaved_1f1b, "interleaved-1f1b (Megatron): each worker holds "
+           "virtual_stages model chunks (model chunk c on worker c mod stages), the bubble divided by their "
+           "number; chunks a multiple of stages.", model_chunks=None, rounds=True, searched_with=2),
+    Record("zbv", zbv, "zbv: virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the "
+           "backward split as zb-h1's: about no bubble at 1f1b's activation memory.", model_chunks=(2,),
+           v_shape=True, searched_with=2),
+):
+    register(_record)
+
+# The schedules a job spec may name: the records above (tests/engine/test_schedule.py holds them together).
+Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"]
 
 
 def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:
     """The actions of worker `stage` for one step of the schedule `name` (`virtual` model chunks per worker)."""
-    if name in VIRTUAL:
-        return VIRTUAL[name](stage, stages, chunks, virtual)
-    return PLAIN[name](stage, stages, chunks)
+    return REGISTRY[name].build(stage, stages, chunks, virtual)
 
 
 def splits_backward(actions: list[Action]) -> bool:

@@ -35,18 +35,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def _v_shaped(schedule: str) -> bool:
+    """Whether `schedule` places its model chunks in a V (its record says: gpipe.schedule.Record.v_shape)."""
+    from gpipe.schedule import REGISTRY  # here: gpipe.schedule imports this module
+
+    record = REGISTRY.get(schedule)
+    return record is not None and record.v_shape
+
+
 def place(schedule: str, model_chunk: int, stages: int) -> tuple[int, int]:
     """(worker, the worker's own number for it: its worker_chunk) of model chunk `model_chunk`, on `stages`
-    workers: model chunk g is worker chunk g div stages on worker g mod stages, but zbv's V puts model chunk g on
+    workers: model chunk g is worker chunk g div stages on worker g mod stages, but a V (zbv's) puts model chunk g on
     worker 2*stages-1-g past the middle. With one model chunk a worker, model chunk g is worker g's."""
-    if schedule == "zbv" and model_chunk >= stages:
+    if model_chunk >= stages and _v_shaped(schedule):
         return 2 * stages - 1 - model_chunk, 1
     return model_chunk % stages, model_chunk // stages
 
 
 def model_chunk(schedule: str, worker: int, worker_chunk: int, stages: int) -> int:
     """The model chunk that is worker `worker`'s own model chunk `worker_chunk` (the inverse of `place`)."""
-    if schedule == "zbv" and worker_chunk == 1:
+    if worker_chunk == 1 and _v_shaped(schedule):
         return 2 * stages - 1 - worker
     return worker_chunk * stages + worker
 

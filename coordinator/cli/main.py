@@ -400,10 +400,10 @@ def _delete(args: argparse.Namespace) -> int:
         import asyncio  # here: `--help` and the parser's errors answer without it
         return asyncio.run(_client(args))
     from gpipe.coordinator.outputs.folder import delete_run_output
-    from gpipe.coordinator.spec.job import NAME_RE
+    from gpipe.coordinator.spec.job import name_problem
 
-    if not NAME_RE.fullmatch(args.name):
-        raise SpecError(f"name: {args.name!r} is not a job name")
+    if (why := name_problem(args.name)) is not None:
+        raise SpecError(f"name: {why}")
     out = delete_run_output(args.name, Path(args.state_dir))
     print(f"{args.name}: deleted ({out} removed)", file=sys.stderr)
     return EXIT_OK

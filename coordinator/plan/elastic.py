@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TypeVar
 
+from gpipe import schedule as schedules
 from gpipe.coordinator.spec.job import MAX_CHUNKS, JobSpec
 from gpipe.topology import Topology
 
@@ -59,7 +60,8 @@ def shapes(spec: JobSpec) -> Iterator[Topology]:
             and micro_batch_sizes(spec.data.batch_size, replicas, total // replicas) == want
 
     def rounds(stages: int, replicas: int) -> bool:  # interleaved-1f1b's rounds of `stages` micro-batches
-        return spec.schedule != "interleaved-1f1b" or spec.virtual_stages == 1 or (total // replicas) % stages == 0
+        return not schedules.REGISTRY[spec.schedule].rounds or spec.virtual_stages == 1 or \
+            (total // replicas) % stages == 0
 
     for replicas in range(spec.replicas - 1, 0, -1):
         if same(replicas) and rounds(spec.stages, replicas):

@@ -60,8 +60,6 @@ from gpipe.memory.model import checkpointing
 from gpipe.memory.zero import BUCKET_BYTES, GATHER_BYTES
 from gpipe.topology import model_chunk
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
-VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # the virtual stages a schedule is searched with
 CHECKPOINTS = ("never", "except_last", "always")
 MAX_WORKERS = 64
 MAX_CHUNKS = 64
@@ -164,8 +162,7 @@ def configurations(layers: int, batch: int, workers: int, has_state: bool) -> It
         if batch % replicas:  # each replica takes an equal share of the batch
             continue
         for stages in range(1, workers // replicas + 1):
-            for name in SCHEDULES:
-                virtual = VIRTUAL.get(name, 1)
+            for name, virtual in schedule.searched().items():  # every schedule whose record says so
                 if stages * virtual > layers or (stages == 1 and name != "gpipe"):
                     continue
                 for chunks in chunk_choices(batch, replicas, stages):
@@ -351,12 +348,13 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
     nothing fits (one line, as `plan`'s)."""
     m = measure(spec, job_dir, workers, threads, on)
     auto = set(spec.auto)
-    names = SCHEDULES if "schedule" in auto else (spec.schedule,)
+    search = schedule.searched()
+    names = tuple(search) if "schedule" in auto else (spec.schedule,)
     checkpoints = CHECKPOINTS if "activation_checkpoint" in auto else (spec.activation_checkpoint,)
 
     def configs() -> Iterator[Config]:
         for name in names:
-            virtual = VIRTUAL.get(name, 1) if "schedule" in auto else spec.virtual_stages
+            virtual = search[name] if "schedule" in auto else spec.virtual_stages
             if spec.stages * virtual > len(m.layers) or (spec.stages == 1 and name != "gpipe" and "schedule" in auto):
                 continue
             chunks = chunk_choices(spec.data.batch_size, spec.replicas, spec.stages) if "chunks" in auto \

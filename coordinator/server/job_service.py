@@ -19,7 +19,7 @@ from gpipe.coordinator.server.submissions import (
     Stopping,
     until_stopping,
 )
-from gpipe.coordinator.spec.job import NAME_RE
+from gpipe.coordinator.spec.job import name_problem
 from gpipe.errors import SpecError, describe_os_error
 from gpipe.service import code_archive, serde
 from gpipe.service.grpcutil import Context
@@ -30,10 +30,8 @@ from gpipe.text import printable
 
 def _bad_name(name: str) -> str | None:
     """Why `name` cannot name a job, or None."""
-    if NAME_RE.fullmatch(name):
-        return None
-    return (f"name: '{printable(name, 80)}' is not a job name: 1-64 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit")
+    why = name_problem(name)
+    return None if why is None else f"name: {why}"
 
 
 class JobService(jobs_pb2_grpc.JobServiceServicer):

@@ -8,7 +8,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from gpipe.coordinator.spec.job import NAME_RE, parse_spec
+from gpipe.coordinator.spec.job import name_problem, parse_spec
 from gpipe.coordinator.supervisor.core import Supervisor
 from gpipe.coordinator.supervisor.records import EVENT_WINDOW
 from gpipe.errors import EXIT_BAD_INPUT, SpecError
@@ -57,7 +57,7 @@ class JobTable:
                 what = "broken job code of" if isinstance(e, code_archive.CodeError) else "unreadable job record"
                 why = f"{what} {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 print(f"gpipe: skipping {why}", file=sys.stderr, flush=True)
-                if not NAME_RE.fullmatch(d.name):
+                if name_problem(d.name) is not None:
                     continue  # not a job's folder (lost+found, say): said, and left alone
                 when = 0.0
                 with contextlib.suppress(OSError):

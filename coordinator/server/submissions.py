@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from gpipe.coordinator.outputs.folder import prepare_output
 from gpipe.coordinator.server.job_table import JobTable
-from gpipe.coordinator.spec.job import MAX_SPEC_BYTES, NAME_RE, JobSpec, parse_spec
+from gpipe.coordinator.spec.job import MAX_SPEC_BYTES, JobSpec, name_problem, parse_spec
 from gpipe.coordinator.supervisor.core import Supervisor
 from gpipe.coordinator.supervisor.launcher import COORDINATOR_PRELOAD, ProcessLauncher
 from gpipe.coordinator.supervisor.pool import MAX_QUEUED, Limits, never_fits
@@ -248,7 +248,6 @@ def _parse(spec_yaml: str) -> JobSpec:
         raise SpecError("job spec: nested too deeply") from None
     if spec.steps > MAX_WIRE_INT:  # it travels as an int64: a bigger one would break ListJobs for everyone
         raise SpecError(f"steps: must be at most {MAX_WIRE_INT}, got {spec.steps}")
-    if not NAME_RE.fullmatch(spec.name):
-        raise SpecError(f"name: '{printable(spec.name, 80)}' must be 1-64 letters, digits, '.', '_' or '-', "
-                        "starting with a letter or digit")
+    if (why := name_problem(spec.name)) is not None:
+        raise SpecError(f"name: {why}")
     return spec

@@ -30,6 +30,7 @@ from pydantic import (
     StrictInt,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -42,10 +43,20 @@ from gpipe.errors import SpecError
 from gpipe.optim import NAMES, is_import_path
 from gpipe.options import Checkpoint, violation
 from gpipe.show import one_line, short
+from gpipe.text import printable
 from gpipe.topology import Topology
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a job, as the one message every door says it with (the spec, --name, serve's
+    API, `delete`); None when it can. A name is a folder's: <state-dir>/<name>/."""
+    if NAME_RE.fullmatch(name):
+        return None
+    return (f"'{printable(name, 80)}' is not a job name: 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit")
 
 # The spec text (what serve may check before parsing anything).
 MAX_SPEC_BYTES = 1 << 20  # UTF-8 bytes
@@ -152,6 +163,21 @@ def _check_module_name(v: str) -> str:
 
 
 ModuleName = Annotated[str, Field(min_length=1, max_length=MAX_FACTORY_CHARS), AfterValidator(_check_module_name)]
+
+
+def _check_schedule(v: str) -> str:
+    """A registered schedule (gpipe.schedule.REGISTRY: the five below, and any registered since)."""
+    if v not in schedules.REGISTRY:
+        near = difflib.get_close_matches(v.lower(), schedules.names(), n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ValueError(f"{v!r} is not one of {', '.join(schedules.names())}{hint}")
+    return v
+
+
+# The schedules a job may name, checked against the registry when the spec is read; the reference lists those
+# gpipe ships (schedules.Name).
+ScheduleName = Annotated[str, Field(max_length=64), AfterValidator(_check_schedule),
+                         WithJsonSchema({"enum": list(get_args(schedules.Name)), "type": "string"})]
 
 
 class ModelSpec(_Spec):
@@ -471,17 +497,9 @@ class JobSpec(_Spec):
     chunks: Annotated[StrictInt, Range(1, MAX_CHUNKS)] = Field(
         default=1, description="Micro-batches per step; auto: chosen before the job starts (see auto)."
     )
-    schedule: schedules.Name = Field(
+    schedule: ScheduleName = Field(
         default="gpipe",
-        description="gpipe: all forwards, then all backwards. 1f1b: one forward, one backward; "
-        "stage k keeps at most stages-k micro-batches in flight. zb-h1: 1f1b with each backward "
-        "split into B (the inputs' gradients) and W (the weights', later, filling the drain): "
-        "about a third of 1f1b's bubble, at most `stages` micro-batches in flight on any stage. "
-        "interleaved-1f1b (Megatron): each worker holds virtual_stages model chunks (model chunk c on "
-        "worker c mod stages), the bubble divided by their number; chunks a multiple of stages. zbv: "
-        "virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the backward split "
-        "as zb-h1's: about no bubble at 1f1b's activation memory. auto: chosen before the job starts "
-        "(see auto).",
+        description=f"{schedules.reference()} auto: chosen before the job starts (see auto).",
     )
     virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
         default=1,
@@ -647,10 +665,8 @@ class JobSpec(_Spec):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.fullmatch(v):
-            raise ValueError(
-                f"{v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
+        if (why := name_problem(v)) is not None:
+            raise ValueError(why)
         return v
 
     @field_validator("init_hook")

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from gpipe import schedule
 from gpipe.coordinator.plan import search as planner
 from gpipe.coordinator.plan.job import make_plan
 from gpipe.coordinator.plan.search import Config, Link, Measured
@@ -137,7 +138,7 @@ def test_the_search_ranks_what_fits_fastest_first_and_a_budget_leaves_out_the_re
     assert [x.step_s for x in fits] == sorted(x.step_s for x in fits)
     shapes = {(x.config.stages, x.config.replicas) for x in fits}
     assert shapes == {(1, 1), (1, 2), (2, 1)}  # at most 2 workers
-    assert {x.config.schedule for x in fits} == set(planner.SCHEDULES)
+    assert {x.config.schedule for x in fits} == set(schedule.searched())
     assert any(x.config.shard for x in fits) and all(x.config.replicas > 1 for x in fits if x.config.shard)
     assert all(sum(x.config.balance) == 4 and len(x.config.balance) == x.config.stages * x.config.virtual_stages
                for x in fits)
@@ -212,3 +213,23 @@ def test_resolve_chooses_only_the_auto_fields_and_a_recorded_choice_comes_back(t
     assert again == resolved
     with pytest.raises(SpecError, match="auto: no configuration fits"):
         planner.resolve(spec, tmp_path, 2, 1, 1)
+
+
+def test_a_schedule_registered_in_one_place_is_searched_checked_and_placed(tmp_path, free, monkeypatch):
+    """A new schedule is one record in gpipe.schedule.REGISTRY: `plan`'s search and `auto` take it, the option
+    rules and the placement read it; nothing else is edited. Here a toy: 1f1b's actions under another name, on
+    2 model chunks a worker in a V."""
+    toy = schedule.Record("toy-v", lambda k, p, m, v: schedule.zbv(k, p, m, v), "toy-v: zbv under another name.",
+                          model_chunks=(2,), v_shape=True, searched_with=2)
+    monkeypatch.setitem(schedule.REGISTRY, "toy-v", toy)
+    m = measured(tmp_path, [1e-3] * 4)
+    fits, _ = planner.search(m, 2, 1 << 40)
+    assert "toy-v" in {x.config.schedule for x in fits}
+    assert all(x.config.virtual_stages == 2 for x in fits if x.config.schedule == "toy-v")
+    from gpipe.options import violation
+    from gpipe.topology import model_chunk, place
+
+    assert violation("toy-v", 2, 1, 4) == "virtual_stages: toy-v holds 2 model chunks per worker (a V), not 1"
+    assert violation("toy-v", 2, 2, 4) is None
+    assert place("toy-v", 3, 2) == (0, 1) and model_chunk("toy-v", 0, 1, 2) == 3  # the V
+    assert "toy-v" in schedule.reference()

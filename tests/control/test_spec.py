@@ -30,7 +30,8 @@ BAD = [
     ({"balance": "by_magic"}, "balance: Input should be a valid list or 'by_params', 'by_time' or 'by_memory'"),
     ({"balance": [1] * 65}, "balance: List should have at most 64 items"),
     ({"trace_step": 3}, "trace_step: step 3 is past the last step 2"),
-    ({"schedule": "zigzag"}, "schedule: Input should be 'gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b' or 'zbv'"),
+    ({"schedule": "zigzag"}, "schedule: 'zigzag' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv"),
+    ({"schedule": "1f1c"}, "schedule: '1f1c' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv (did you mean 1f1b?)"),
     # several model chunks per worker: the schedules that hold them, and the balance over all of them
     ({"virtual_stages": 2}, "virtual_stages: 2 model chunks per worker need schedule interleaved-1f1b or zbv"),
     ({"schedule": "zbv"}, "virtual_stages: zbv holds 2 model chunks per worker (a V), not 1"),

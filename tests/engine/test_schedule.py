@@ -7,7 +7,7 @@ from typing import Any, get_args
 import pytest
 
 from gpipe.schedule import (
-    SCHEDULES,
+    REGISTRY,
     Action,
     Name,
     build,
@@ -23,9 +23,9 @@ from tests.support.spec import job, regression
 STAGES = [1, 2, 3, 4, 8, 16, 64]
 
 
-def test_the_names_the_spec_takes_are_the_schedule_table_s():
-    """JobSpec.schedule is schedule.Name; its values are the schedules the table builds, in order."""
-    assert list(get_args(Name)) == SCHEDULES
+def test_the_names_the_spec_takes_are_the_schedule_records():
+    """JobSpec.schedule is schedule.Name; its values are the registered records, in order."""
+    assert list(get_args(Name)) == list(REGISTRY)
 
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
 NAMES = ["gpipe", "1f1b", "zb-h1"]
@@ -90,7 +90,8 @@ def test_simulate_detects_a_deadlock(monkeypatch):
     from gpipe import schedule
 
     # Backward before forward on the last stage can never run.
-    monkeypatch.setitem(schedule.PLAIN, "broken", lambda k, p, m: [Action("B", 0), Action("F", 0)])
+    monkeypatch.setitem(schedule.REGISTRY, "broken", schedule.Record(
+        "broken", lambda k, p, m, v: [Action("B", 0), Action("F", 0)], "broken: never runs.", searched_with=None))
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate("broken", 2, 1)
 

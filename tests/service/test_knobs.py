@@ -45,7 +45,7 @@ BAD_SETS = [
     (["--set", "chunks=[1"], "error: --set chunks: not valid YAML"),
     (["--set", "lr_schedule.name=linear", "--set", "lr_schedule.warmup_steps=4"],
      "error: lr_schedule.linear.warmup_steps: 4 leaves no step of the 4 to decay"),
-    (["--name", "no spaces"], "error: name: 'no spaces' must be 1-64 letters"),
+    (["--name", "no spaces"], "error: name: 'no spaces' is not a job name: 1-64 letters"),
 ]
 
 
