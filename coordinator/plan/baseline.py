@@ -83,7 +83,7 @@ def _software() -> list[str]:
     except Exception:
         ours = "?"
     return [platform.node(), sys.prefix, platform.python_version(), torch.__version__, ours,
-            str(Path(__file__).resolve().parent.parent)]
+            str(Path(__file__).resolve().parents[2])]  # the checkout or site-packages gpipe runs from
 
 
 def _key(req: dict[str, Any]) -> str:

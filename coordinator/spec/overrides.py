@@ -31,12 +31,24 @@ def apply(text: str, sets: list[str], name: str | None, source: str) -> str:
     raw = boundedyaml.load(text, source=source, max_bytes=MAX_SPEC_BYTES, max_depth=MAX_DEPTH, max_nodes=MAX_NODES)
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping of fields, got {type(raw).__name__}")
+    raw = _unshared(raw)  # a YAML alias (eval: {data: *d}) is its own copy: --set changes the one path it names
     for item in sets:
         path, value = _parse(item)
         _put(raw, path, value, item)
     if name is not None:
         raw["name"] = name
     return yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
+
+
+def _unshared(v: Any) -> Any:
+    """`v` with every mapping and list its own object: YAML's aliases load as one object used twice, which a
+    --set through one path would change at both (and which safe_dump writes back as an alias). Bounded: the
+    loader counted the expanded nodes (MAX_NODES)."""
+    if isinstance(v, dict):
+        return {k: _unshared(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unshared(x) for x in v]
+    return v
 
 
 def _parse(item: str) -> tuple[list[str], Any]:

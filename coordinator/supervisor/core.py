@@ -191,16 +191,20 @@ class Supervisor(Lifecycle):
             e = waiting[ask.name]
             return e.last_ranks or list(e.job_spec.topology.ranks())
 
-        d = pool.decide(asks, idle, running, prefer, fits, lambda w: w.host, len(self.workers),
+        d = pool.decide(asks, idle, running, prefer, fits, lambda w: w.host, self.workers,
                         self.limits.starve_after_s)
         for victim, by in d.preempts.items():
             if (attempt := self.attempts.get(victim)) is not None:
                 self.jobs[victim].yielded_to = by
                 self.preempt(attempt, f"preempted by job {by} (priority {self._priority(by)})", pool.PREEMPT_GRACE_S)
+        # A shrunk job grows back only onto the workers this round's decision left free: those it placed other
+        # jobs on are theirs, though none of them has started yet.
+        placed = {r for ranks in d.starts.values() for r in ranks}
+        free = {r: w for r, w in idle.items() if r not in placed}
         for name, ranks in d.starts.items():
             e = waiting[name]
             with self._own_trouble(e):
-                self._start(e, [self.workers[r] for r in ranks], idle)
+                self._start(e, [self.workers[r] for r in ranks], free)
 
     def _note_waits(self, waiting: dict[str, Entry]) -> None:
         """Fail (and drop from `waiting`) a job that can never fit this pool's known size (a serve restarted
@@ -226,15 +230,16 @@ class Supervisor(Lifecycle):
         e = self.jobs.get(name)
         return e.job_spec.priority if e is not None and e.spec is not None else 0
 
-    def _start(self, e: Entry, placed: list[Worker], idle: Mapping[int, Worker]) -> None:
+    def _start(self, e: Entry, placed: list[Worker], free: Mapping[int, Worker]) -> None:
         """An attempt of `e` on `placed` (by slot); a re-planned job grows back to its spec's shape where the
-        idle workers allow it (gpipe.coordinator.plan.elastic)."""
+        `free` workers allow it (gpipe.coordinator.plan.elastic): idle ones, of its device, no other job's."""
         job = e.record
         top = e.topology
         spec_top = e.job_spec.topology
         if top != spec_top:
-            more = [w for r, w in sorted(idle.items()) if w.attempt_id is None and w not in placed
-                    and w.last_seen > e.failed_at][:spec_top.world - len(placed)]
+            cuda = e.job_spec.device == "cuda"
+            more = [w for r, w in sorted(free.items()) if w.attempt_id is None and w not in placed
+                    and w.last_seen > e.failed_at and w.device.startswith("cuda") == cuda][:spec_top.world - len(placed)]
             if len(placed) + len(more) == spec_top.world:
                 placed, top = placed + more, spec_top
         if e.job_spec.device == "cuda" and (why := shared_gpu(placed)):

@@ -26,7 +26,7 @@ Pure: numbers and names in, decisions out; the tests drive it with a fake clock'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -101,21 +101,28 @@ def place(slots: int, idle: Mapping[int, W], prefer: Sequence[int], host: Callab
     return [r if r is not None else next(it) for r in out]
 
 
-def victims(job: Waiting, idle: int, running: Sequence[Running]) -> list[str] | None:
+def victims(job: Waiting, idle: int, running: Sequence[Running],
+            usable: Collection[int] | None = None) -> list[str] | None:
     """The fewest running jobs of lower priority whose workers, with `idle` idle ones and those being freed
-    already, make `job` fit; [] when those being freed suffice; None when no choice does."""
-    freeing = sum(len(r.ranks) for r in running if r.preempting)
+    already, make `job` fit; [] when those being freed suffice; None when no choice does. `usable`: the ranks
+    `job` could run on at all (its device's); a running job's other workers count for nothing, and a job
+    holding none of them is never a victim (None: every rank)."""
+
+    def useful(r: Running) -> int:
+        return len(r.ranks) if usable is None else sum(1 for k in r.ranks if k in usable)
+
+    freeing = sum(useful(r) for r in running if r.preempting)
     need = job.slots - idle - freeing
     if need <= 0:
         return []
-    lower = sorted((r for r in running if not r.preempting and r.priority < job.priority),
-                   key=lambda r: (-len(r.ranks), r.priority, -r.seq))
+    lower = sorted((r for r in running if not r.preempting and r.priority < job.priority and useful(r) > 0),
+                   key=lambda r: (-useful(r), r.priority, -r.seq))
     out: list[str] = []
     for r in lower:
         if need <= 0:
             break
         out.append(r.name)
-        need -= len(r.ranks)
+        need -= useful(r)
     return out if need <= 0 else None
 
 
@@ -138,10 +145,13 @@ def short_of(slots: int, registered: int, limits: Limits) -> str:
 
 def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[Running],
            prefer: Callable[[Waiting], Sequence[int]], fits: Callable[[Waiting, Mapping[int, W]], Mapping[int, W]],
-           host: Callable[[W], str], pool_size: int, starve_after_s: float = STARVE_AFTER_S) -> Decision:
-    """The round's decision (the module's doc). `fits(job, idle)`: the idle workers that may take `job` (its
-    device's, heard from since its last failure); `prefer(job)`: the ranks it would rather have, by slot;
-    `pool_size`: the workers registered, busy or not (a job needing more waits without holding others back)."""
+           host: Callable[[W], str], registered: Mapping[int, W],
+           starve_after_s: float = STARVE_AFTER_S) -> Decision:
+    """The round's decision (the module's doc). `fits(job, workers)`: those of `workers` that may take `job`
+    (its device's, heard from since its last failure); `prefer(job)`: the ranks it would rather have, by slot;
+    `registered`: every worker registered, busy or not. A job preempts only jobs holding workers it can use,
+    and holds the rest back past the starvation bound only when there are enough of those for it (one that
+    needs more waits without holding anything back)."""
     d = Decision()
     left = dict(idle)
     running = list(running)
@@ -153,7 +163,8 @@ def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[
             for r in ranks:
                 del left[r]
             continue
-        chosen = victims(job, len(mine), running)
+        usable = fits(job, registered)  # every worker it could ever run on: its device's
+        chosen = victims(job, len(mine), running, usable.keys())
         if chosen is not None:  # it will fit once they are stopped: the idle ones stay for it
             for name in chosen:
                 d.preempts[name] = job.name
@@ -161,7 +172,7 @@ def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[
                        for r in running]
             d.blocked_by = job.name
             break
-        if job.waited_s >= starve_after_s and job.slots <= pool_size:
+        if job.waited_s >= starve_after_s and job.slots <= len(usable):
             d.blocked_by = job.name
             break
     return d

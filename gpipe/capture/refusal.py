@@ -13,6 +13,7 @@ no rewrite for torch.export would fix).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -26,10 +27,19 @@ from typing import Any
 import torch
 from torch import nn
 
+
 # Where no user code lives: a frame in these is torch's, ours or Python's.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_NOT_USER = (*(os.path.join(_ROOT, name) + os.sep for name in ("gpipe", "worker", "coordinator")),
-             os.path.dirname(torch.__file__ or "") + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+def _ours() -> list[str]:
+    """The folders gpipe's modules are in: gpipe's own, and those the build maps gpipe.coordinator and
+    gpipe.worker from (the repository's coordinator/ and worker/ in an editable install)."""
+    out = []
+    for name in ("gpipe", "gpipe.coordinator", "gpipe.worker"):
+        spec = importlib.util.find_spec(name)
+        out += [os.path.join(p, "") for p in (spec.submodule_search_locations or [])] if spec else []
+    return out
+
+
+_NOT_USER = (*_ours(), os.path.dirname(torch.__file__ or "") + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in [^\n]*)?\n[ \t]*([^\n]*)')
 
 

@@ -35,6 +35,8 @@ from gpipe.errors import SpecError
 DEFAULT_LIMIT_MIB = 50  # the archive's size: submit --max-code-mib, serve --max-code-mib
 MAX_LIMIT_MIB = 1024
 MAX_MEMBERS = 20_000
+# The archive's central directory, in bytes: 20,000 entries of 46 bytes, a name and extra fields of some 300 more.
+MAX_DIRECTORY_BYTES = 8 << 20
 MAX_UNPACKED_BYTES = 1 << 30
 CHUNK_BYTES = 1 << 20  # a piece of an archive on the wire
 # Folders that are never a job's code; left out too: a folder with pyvenv.cfg (a virtualenv), a CACHEDIR.TAG
@@ -178,19 +180,43 @@ def unpack(archive: Path, dest: Path) -> None:
 
 
 def _members(archive: Path) -> int:
-    """The member count the archive's end record states, read before its directory is parsed (each entry
-    costs memory): CodeError past MAX_MEMBERS."""
+    """The archive's member count, walked in its central directory's bytes before zipfile parses it (each entry
+    zipfile parses costs memory): CodeError past MAX_MEMBERS, past MAX_DIRECTORY_BYTES, for a zip64 archive
+    (gpipe never writes one), or where the end record's count is not the directory's. The walk reads only
+    each entry's fixed header and stops past MAX_MEMBERS, so a count the end record understates costs
+    nothing more."""
     with archive.open("rb") as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - (22 + 0xFFFF)))  # the end record, behind at most a 64 KiB comment
         tail = f.read()
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) < at + 22:
-        raise zipfile.BadZipFile("no end of central directory record")
-    count = int.from_bytes(tail[at + 10:at + 12], "little")  # 0xFFFF: a zip64 archive, counted after parsing
-    if count != 0xFFFF and count > MAX_MEMBERS:
-        raise CodeError(f"job code: the archive has {count:,} members, over {MAX_MEMBERS:,}")
-    return count
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or len(tail) < at + 22:
+            raise zipfile.BadZipFile("no end of central directory record")
+        count = int.from_bytes(tail[at + 10:at + 12], "little")
+        length = int.from_bytes(tail[at + 12:at + 16], "little")
+        offset = int.from_bytes(tail[at + 16:at + 20], "little")
+        if count == 0xFFFF or 0xFFFFFFFF in (length, offset):
+            raise CodeError("job code: a zip64 archive (submit never makes one): pack the folder again")
+        if count > MAX_MEMBERS:
+            raise CodeError(f"job code: the archive has {count:,} members, over {MAX_MEMBERS:,}")
+        if length > MAX_DIRECTORY_BYTES:
+            raise CodeError(f"job code: the archive's directory is {length:,} bytes, over {MAX_DIRECTORY_BYTES:,}")
+        if offset + length > size - len(tail) + at:
+            raise zipfile.BadZipFile("the central directory lies past its end record")
+        f.seek(offset)
+        directory = f.read(length)
+    n = pos = 0
+    while pos < len(directory):
+        if directory[pos:pos + 4] != b"PK\x01\x02" or pos + 46 > len(directory):
+            raise zipfile.BadZipFile(f"a damaged central directory entry at byte {pos}")
+        name, extra, comment = (int.from_bytes(directory[pos + o:pos + o + 2], "little") for o in (28, 30, 32))
+        pos += 46 + name + extra + comment
+        n += 1
+        if n > MAX_MEMBERS:
+            raise CodeError(f"job code: the archive has more than {MAX_MEMBERS:,} members")
+    if n != count:
+        raise CodeError(f"job code: the archive's end record says {count:,} members, its directory holds {n:,}")
+    return n
 
 
 def _unpack_into(archive: Path, folder: Path) -> None:

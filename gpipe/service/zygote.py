@@ -22,8 +22,9 @@ a fresh interpreter that imported the same modules. A forked process:
   (gpipe.proc.CORES_ENV), torch's threads (OMP_NUM_THREADS, else the
   template's default) and glibc's malloc thresholds (MALLOC_*_);
 - runs MODULE as __main__, and exits as that interpreter would.
-Its name (comm: what top and `ps -o comm` show) is "gpipe:" and the module's
-last part; its command line stays the template's.
+Its name (comm: what top and `ps -o comm` show) is "gpipe:" and its part
+(process_name: gpipe:attempt, gpipe:worker, gpipe:cli); its command line
+stays the template's.
 
 The owner (an agent or a launcher) talks to the template over a socketpair:
 a request is one datagram of JSON, with the three descriptors of its stdio
@@ -326,6 +327,17 @@ class Template:
                 self.sock.shutdown(socket.SHUT_RDWR)
 
 
+
+def process_name(module: str) -> str:
+    """A fork's name (comm, at most 15 bytes): "gpipe:" and its part, the room after gpipe's layer for our own
+    modules (gpipe.coordinator.attempt.process: gpipe:attempt; gpipe.worker: gpipe:worker), else the module's
+    last name."""
+    parts = module.split(".")
+    if parts[0] == "gpipe" and len(parts) > 1:
+        parts = parts[2:] if parts[1] in ("coordinator", "worker") and len(parts) > 2 else parts[1:]
+        return f"gpipe:{parts[0]}"[:15]
+    return f"gpipe:{parts[-1]}"[:15]
+
 def _same_namespaces(pid: int) -> bool:
     """Whether process `pid` (a shared template) sees this process's network and mounts: its forks would."""
     try:
@@ -445,7 +457,7 @@ def _fork(data: bytes, fds: list[int], conn: socket.socket, owners: _Owners,
         return None
     if pid == 0:
         os.setsid()  # before its owner hears of it: it is killed by process group, and known by its name
-        name = f"gpipe:{str(request.get('module', '')).rsplit('.', 1)[-1]}"[:15]
+        name = process_name(str(request.get("module", "")))
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()))
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -189,3 +189,34 @@ async def test_not_elastic_or_below_min_stages_still_fails(h):
     assert job.state == JobState.FAILED and "rank(s) 1 did not come back" in job.history[-1].message
 
 
+
+
+async def test_growing_back_never_takes_a_worker_the_round_gave_another_job(h):
+    """A shrunk job restarts (and would grow back) in the same round as another waiting job starts: the pool
+    gives the idle rank 1 to the other job, so growing takes only what the round left free. Before the fix it
+    grew onto rank 1 too: one worker in two attempts, and the other attempt waited for a rank that never
+    joined."""
+    h.register(0, 1, 2)
+    job = await lose_rank_1(h, elastic="{min_stages: 2}")
+    h.clock.advance(31)
+    h.beat(0, 2)
+    h.sup.tick()
+    await h.settle()
+    assert h.attempts[-1].launch.topology == Topology(2, 1)  # running on ranks 0 and 2
+    other = h.submit("other", stages=1)
+    h.sup.jobs["other"].failed_at = h.clock.monotonic() + 1000  # no worker is one it may take, for now
+    h.register(1)  # back: `j` will want it to grow, `other` cannot have it yet
+    await h.settle()
+    assert other.state != JobState.RUNNING
+    h.attempts[-1].end(1, report.Failed("boom", 1, None, rank=0, stage=0, replica=0, step=1, error_type="OSError"))
+    await h.settle()
+    assert job.state == JobState.RESTARTING and h.attempts[-1].code.done()
+    # In one round both wait: `j` on its shrunk shape (and grows where it can), `other` now able to take rank 1.
+    h.clock.advance(120)
+    h.beat(0, 1, 2)
+    h.sup.jobs["other"].failed_at = 0.0
+    await h.settle()
+    running = [[p.rank for p in a.launch.placement] for a in h.attempts if not a.code.done()]
+    ranks = [r for placed in running for r in placed]
+    assert len(ranks) == len(set(ranks)), f"a worker in two attempts: {running}"
+    assert other.state == JobState.RUNNING and job.state == JobState.RUNNING

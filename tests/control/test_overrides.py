@@ -54,3 +54,15 @@ def test_a_list_index_must_be_in_the_list():
     assert yaml.safe_load(apply(text, ["balance.1=1"], None, "j"))["balance"] == [2, 1]
     with pytest.raises(SpecError, match=r"^--set balance.2=1: balance is a list of 2; '2' is not an index in it$"):
         apply(text, ["balance.2=1"], None, "j")
+
+
+def test_a_set_through_a_yaml_alias_changes_only_the_path_it_names():
+    """data: &d {...} and eval: {data: *d}: --set data.batch_size changes the training data, not the eval data
+    (the alias loads as one object; before the fix both changed), and the text written has no alias left."""
+    text = ("name: al\nmodel: {factory: mlp}\nstages: 2\n"
+            "data: &d {factory: random_regression, batch_size: 4}\neval: {data: *d, every: 2}\n"
+            "optimizer: {name: sgd, lr: 0.1}\nsteps: 2\n")
+    out = apply(text, ["data.batch_size=64"], None, "job.yaml")
+    raw = yaml.safe_load(out)
+    assert raw["data"]["batch_size"] == 64 and raw["eval"]["data"]["batch_size"] == 4
+    assert "&" not in out and "*" not in out

@@ -11,11 +11,11 @@ from gpipe.coordinator.supervisor.pool import Running, Waiting
 from gpipe.service.job_records import JobState
 
 
-def _decide(waiting, idle, running=(), prefer=None, pool_size=None, starve=pool.STARVE_AFTER_S):
+def _decide(waiting, idle, running=(), prefer=None, starve=pool.STARVE_AFTER_S):
     hosts = idle if isinstance(idle, dict) else {r: "h" for r in idle}
+    registered = {**hosts, **{k: "h" for r in running for k in r.ranks}}
     return pool.decide(waiting, hosts, running, prefer or (lambda w: []), lambda w, left: left,
-                       lambda h: h, len(hosts) + sum(len(r.ranks) for r in running) if pool_size is None
-                       else pool_size, starve)
+                       lambda h: h, registered, starve)
 
 
 def test_placement_takes_the_preferred_ranks_then_one_host_s_workers_together():
@@ -210,3 +210,44 @@ async def test_an_elastic_job_preempted_for_priority_resumes_at_once_on_the_work
     b.queue.put_nowait(report.Checkpoint(2, "/x/step-2", 10, 0.1, 0.0))
     await h.settle()
     assert b.killed and h.attempts[-1].launch.job == "flex" and h.attempts[-1].launch.topology is None
+
+
+def _by_device(waiting, devices: dict[int, str], busy: dict[int, str], running=(), wants=None):
+    """decide() on workers of mixed devices: `devices` rank -> 'cpu' or 'cuda' for every registered worker,
+    `busy` those running; `wants` job name -> the device it runs on."""
+    idle = {r: d for r, d in devices.items() if r not in busy}
+    return pool.decide(waiting, idle, running, lambda w: [],
+                       lambda job, workers: {r: d for r, d in workers.items() if d == wants[job.name]},
+                       lambda d: "h", devices)
+
+
+def test_a_job_preempts_only_jobs_holding_workers_of_its_device():
+    """Before the fix a CUDA job that cannot fit preempted CPU jobs whose workers it can never use, which then
+    restarted on their CPU workers and were preempted again, forever."""
+    devices = {0: "cuda", 1: "cpu", 2: "cpu"}
+    cpu_job = Running("cpu-job", 0, 1, (1, 2))
+    d = _by_device([Waiting("gpu-job", 5, 2, 2, 0.0)], devices, {1: "cpu", 2: "cpu"}, [cpu_job],
+                   {"gpu-job": "cuda"})
+    assert d.preempts == {} and d.starts == {}
+    # A lower-priority job on the other GPU is a victim: its worker is one the waiting job can use.
+    devices[3] = "cuda"
+    gpu_low = Running("gpu-low", 0, 0, (3,))
+    d = _by_device([Waiting("gpu-job", 5, 2, 2, 0.0)], devices, {1: "cpu", 2: "cpu", 3: "cuda"},
+                   [cpu_job, gpu_low], {"gpu-job": "cuda"})
+    assert d.preempts == {"gpu-low": "gpu-job"}
+    assert pool.victims(Waiting("gpu-job", 5, 2, 2, 0.0), 1, [cpu_job, gpu_low], {0, 3}) == ["gpu-low"]
+    assert pool.victims(Waiting("gpu-job", 5, 2, 3, 0.0), 1, [cpu_job, gpu_low], {0, 3}) is None
+
+
+def test_a_starved_job_that_cannot_fit_its_device_holds_nothing_back():
+    """A CUDA job needing 2 GPUs on a pool of 1 GPU and 2 CPU workers, past the starvation bound: a CPU job
+    after it still starts (before the fix the bound compared with every worker, and it waited an hour)."""
+    devices = {0: "cuda", 1: "cpu", 2: "cpu"}
+    waiting = [Waiting("gpu-job", 0, 0, 2, pool.STARVE_AFTER_S + 1), Waiting("cpu-job", 0, 1, 1, 0.0)]
+    d = _by_device(waiting, devices, {}, (), {"gpu-job": "cuda", "cpu-job": "cpu"})
+    assert d.starts == {"cpu-job": [1]} and d.blocked_by is None
+    # With a second GPU registered (busy), the starved job does hold the rest back, as the bound means.
+    devices[3] = "cuda"
+    busy = Running("other", 0, 9, (3,))
+    d = _by_device(waiting, devices, {3: "cuda"}, [busy], {"gpu-job": "cuda", "cpu-job": "cpu"})
+    assert d.starts == {} and d.blocked_by == "gpu-job"

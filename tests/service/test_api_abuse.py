@@ -8,6 +8,7 @@ would send: bytes that are not a message, strings that are not UTF-8.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,8 @@ def api(tmp_path_factory):
     s = Service(c)
     s.env.update(GPIPE_TOKEN=CLIENT, GPIPE_WORKER_TOKEN=WORKER)
     (c.tmp / "spy.py").write_text(SPY)
+    # spy.py is found where the tests say (serve runs no job folder, nor its working directory, ahead of gpipe)
+    s.env["PYTHONPATH"] = os.pathsep.join([str(c.tmp), s.env["PYTHONPATH"]])
     try:
         s.start_serve("--validate-memory-mib", "1024")
         code, details, _ = call(s, "SubmitJob", J.SubmitJobRequest(spec_yaml=job_yaml(SERVICE, name="kept")))

@@ -87,8 +87,10 @@ def process_kind(pid: int) -> str | None:
         return None
     if comm.startswith("gpipe:"):
         return {"gpipe:attempt": "coordinator", "gpipe:worker": "worker"}.get(comm)
-    return {b"gpipe.coordinator.attempt.process": "coordinator", b"gpipe.worker": "worker"}.get(argv[2]) \
-        if argv[1] == b"-m" else None
+    if b"-m" not in argv[1:3]:  # python [-P] -m MODULE
+        return None
+    module = argv[argv.index(b"-m") + 1]
+    return {b"gpipe.coordinator.attempt.process": "coordinator", b"gpipe.worker": "worker"}.get(module)
 
 
 @contextlib.contextmanager
