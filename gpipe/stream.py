@@ -53,6 +53,16 @@ def header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None 
     return struct.pack("<Q", len(raw)) + raw, offset
 
 
+def check_against(declared: torch.Tensor, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t`, the tensor written for `name`, if it is what the header declared (`declared`, maybe on the meta
+    device): the same dtype and shape. ValueError otherwise, naming both: a tensor of another size would shift
+    every later one in the file, and nothing downstream could tell."""
+    if t.dtype != declared.dtype or tuple(t.shape) != tuple(declared.shape):
+        raise ValueError(f"{name}: the header declares {DTYPES.get(declared.dtype, declared.dtype)} "
+                         f"{list(declared.shape)}, the tensor written is {DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}")
+    return t
+
+
 def parse_header(raw: bytes) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     """name -> (dtype, shape, start, end) out of a header's JSON (the bytes after its 8-byte length)."""
     out: dict[str, tuple[torch.dtype, list[int], int, int]] = {}

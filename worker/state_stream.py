@@ -126,12 +126,12 @@ class Outgoing:
         self.file: IO[bytes] | None = None
         self.copies: list[torch.Tensor] = []
         if self.data_bytes <= IN_MEMORY_BYTES:
-            self.copies = [stream.as_bytes(st.tensor(n).detach().to("cpu", copy=True).contiguous())
-                           for n in self.order]
+            self.copies = [stream.as_bytes(stream.check_against(st.tensors[n], n, st.tensor(n)).detach()
+                                           .to("cpu", copy=True).contiguous()) for n in self.order]
             return
         self.file = tempfile.TemporaryFile(prefix="gpipe-checkpoint-")
         for name in self.order:
-            t = st.tensor(name).detach()
+            t = stream.check_against(st.tensors[name], name, st.tensor(name)).detach()
             t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
             if t.numel():
                 stream.write_all(self.file.fileno(), stream.numpy_bytes(t))

@@ -268,7 +268,7 @@ class ShardedOptimizer:
                 continue
             p = self.params[i]
             for key, scalar in self.layout.items():
-                dtype = torch.float32 if scalar else p.dtype
+                dtype = _scalar_dtype() if scalar else p.dtype  # what fetch() returns: one source
                 out[i, key] = torch.empty(() if scalar else p.shape, dtype=dtype, device="meta")
         return out
 

@@ -701,3 +701,25 @@ def test_a_rings_memory_and_descriptors_are_let_go_with_the_last_end_that_holds_
     assert open_fds() == before + 8  # each end: its memfd, the map's own copy of it, two eventfds
     del out, into, mine, theirs
     assert open_fds() == before
+
+
+def test_a_ring_whose_counters_block_or_are_not_eventfds_is_refused() -> None:
+    """A peer's eventfds are checked for O_NONBLOCK (a blocking one waits with no deadline) and for being
+    eventfds at all; before the fix either was taken as offered."""
+    import fcntl
+    import os
+
+    for blocking, counter in ((True, lambda: os.eventfd(0)), (False, lambda: os.open(os.devnull, os.O_RDONLY))):
+        ring = unix_lane.Ring.create()
+        a, b = _lane()
+        try:
+            odd = counter() if not blocking else os.eventfd(0)  # the first: blocking, the second: not an eventfd
+            if not blocking:
+                fcntl.fcntl(odd, fcntl.F_SETFL, fcntl.fcntl(odd, fcntl.F_GETFL) | os.O_NONBLOCK)
+            socket.send_fds(a, [b"R"], [ring.fds[0], odd, ring.fds[2]])
+            os.close(odd)
+            with pytest.raises(ValueError, match="not non-blocking eventfds"):
+                take_ring(b, time.monotonic() + 5)
+        finally:
+            a.close()
+            b.close()

@@ -148,3 +148,31 @@ def test_a_resumed_copy_holds_only_its_slice_of_each_optimizer_tensor():
     inc.receive([("optim/0.weight/exp_avg", 0, stream.as_bytes(torch.zeros(14)))])
     with pytest.raises(ValueError, match="56 of its 60 bytes"):
         inc.finish({}, weights_sent=False)
+
+
+def test_a_checkpoint_copy_refuses_a_tensor_its_header_did_not_declare(monkeypatch):
+    """gpipe.worker.state_stream.Outgoing checks every tensor against the header written before it: a sharded
+    optimizer's step declared float32 and fetched as float64 (a job whose code sets a float64 default) shifted
+    every later tensor in the file, rng/cpu included, and nothing noticed. Now the declared dtype is the fetched
+    one (gpipe.memory.zero._scalar_dtype), and a mismatch is refused, naming the tensor."""
+    from gpipe.memory import zero
+    from gpipe.state import StageState
+    from gpipe.worker import state_stream
+
+    declared = {"optim/0.weight/step": torch.empty((), dtype=torch.float32, device="meta"),
+                "rng/cpu": torch.zeros(4, dtype=torch.uint8)}
+    wrong = StageState(dict(declared), fetch=lambda name: torch.tensor(3.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"optim/0.weight/step: the header declares F32 \[\], the tensor written "
+                                         r"is F64 \[\]"):
+        state_stream.Outgoing(1, wrong)
+    monkeypatch.setattr(state_stream, "IN_MEMORY_BYTES", 0)  # the same check on the way into a file
+    with pytest.raises(ValueError, match="the header declares F32"):
+        state_stream.Outgoing(1, wrong)
+    right = StageState(dict(declared), fetch=lambda name: torch.tensor(3.0, dtype=torch.float32))
+    assert state_stream.Outgoing(1, right).data_bytes == 4 + 4
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert zero._scalar_dtype() == torch.float64  # what fetch() returns, and now what is declared
+    finally:
+        torch.set_default_dtype(before)

@@ -250,6 +250,10 @@ class Ring:
         if os.fstat(mem).st_size != _TABLE_BYTES + RING_BYTES or \
                 fcntl.fcntl(mem, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
             raise ValueError("a lane's shared memory of the wrong size, or not sealed")
+        for fd in (posted, freed):  # a blocking one would wait with no deadline: refused, as a stranger's fd is
+            if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK or \
+                    os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:[eventfd]":
+                raise ValueError("a lane's counters that are not non-blocking eventfds")
         self._map = mmap.mmap(mem, _TABLE_BYTES + RING_BYTES)
         self.fds = (mem, posted, freed)
         self.posted, self.freed = posted, freed
