@@ -19,7 +19,7 @@ from tests.support.spec import DELETE, GOOD, job_yaml
 
 BAD = [
     # (changes, the start of the message)
-    ({"name": "has space"}, "name: 'has space' must be"),
+    ({"name": "has space"}, "name: 'has space' is not a job name: 1-64 letters"),
     ({"name": DELETE}, "name: required field is missing"),
     ({"stages": 0}, "stages: must be an integer between 1 and 64, got 0"),
     ({"stages": "two"}, "stages: must be an integer between 1 and 64, got 'two'"),
