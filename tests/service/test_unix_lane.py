@@ -709,13 +709,19 @@ def test_a_ring_whose_counters_block_or_are_not_eventfds_is_refused() -> None:
     import fcntl
     import os
 
-    for blocking, counter in ((True, lambda: os.eventfd(0)), (False, lambda: os.open(os.devnull, os.O_RDONLY))):
+    def blocking_eventfd() -> int:
+        return os.eventfd(0)
+
+    def non_blocking_file() -> int:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        return fd
+
+    for make in (blocking_eventfd, non_blocking_file):
         ring = unix_lane.Ring.create()
         a, b = _lane()
         try:
-            odd = counter() if not blocking else os.eventfd(0)  # the first: blocking, the second: not an eventfd
-            if not blocking:
-                fcntl.fcntl(odd, fcntl.F_SETFL, fcntl.fcntl(odd, fcntl.F_GETFL) | os.O_NONBLOCK)
+            odd = make()
             socket.send_fds(a, [b"R"], [ring.fds[0], odd, ring.fds[2]])
             os.close(odd)
             with pytest.raises(ValueError, match="not non-blocking eventfds"):
