@@ -1,9 +1,9 @@
 # The two front-door commands:
 #   make demo   set up, then train the example Transformer LM on this machine
 #   make test   set up, then lint, type-check and run the tests of the quick tier: every in-process test and
-#               one end-to-end test per user path (marker `path`), within minutes
+#               one end-to-end test per user path (marker `path`), within minutes; what CI runs
 #   make test-all   the same with every test (the `full` tier too: each end-to-end, service, fault and
-#               network test); what CI runs
+#               network test)
 SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv

@@ -66,6 +66,7 @@ def test_a_forward_that_fails_on_the_data_gets_no_advice_for_torch_export(cli):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # three runs of GPT-2 (train, fine-tune, eval), each bounded by its own 240 s
 def test_gpt2_through_the_service_equals_one_device_loads_with_from_pretrained_and_fine_tunes_from_it(cli):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

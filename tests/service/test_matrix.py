@@ -279,6 +279,7 @@ def serve_four(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", [p for p in CASE_PARAMS if p.values[0]["path"] == "serve"])
+@pytest.mark.timeout(300)  # within the submit's own 240 s, and the serve's start
 def test_serve(case, serve_four):
     s = serve_four
     name = case_id(case).replace("_", "-")

@@ -141,6 +141,7 @@ def test_a_priority_job_preempts_one_of_two_running_jobs_and_all_three_succeed(c
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(360)  # two jobs, a loss and a restart: each wait is bounded inside
 def test_a_worker_lost_while_two_jobs_run_restarts_its_job_alone(cli):
     slow = job(SERVICE, model=slow_mlp(16, 0.1), steps=24, checkpoint_every=2)
     one, two = slow | {"name": "one"}, slow | {"name": "two", "seed": 5}
