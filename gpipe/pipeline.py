@@ -1,10 +1,24 @@
 """gpipe.Pipeline: the whole pipeline in one process, a thread per stage (torchgpipe's API).
 
     import gpipe
+    pipe = gpipe.Pipeline(model, balance=[3, 2, 3], chunks=4)
+    output = pipe(inputs)                        # training: every micro-batch forward, fill then drain
+    loss_fn(output, targets).backward()          # every micro-batch backward; .grad on model.parameters()
+    optimizer.step(); optimizer.zero_grad()
+
     pipe = gpipe.Pipeline(model, balance=[3, 2, 3], chunks=4, schedule="1f1b")
-    loss = pipe.step(inputs, targets, loss_fn)   # forward and backward of every micro-batch: the batch loss
-    optimizer.step(); optimizer.zero_grad()      # the gradients are in model.parameters()
-    out = pipe(inputs)                           # forward only, in eval mode, without gradients
+    loss = pipe.step(inputs, targets, loss_fn)   # a loss per micro-batch: any schedule
+    with torch.no_grad():
+        out = pipe(inputs)                       # forward only, in eval mode, without gradients
+
+In training mode with gradients enabled, `pipe(x)` returns the batch's output
+joined along dim 0 and connected to autograd (torchgpipe's contract): any loss
+of it, a whole-batch one such as `out.var()` too, backwards through every
+micro-batch and stage, and `x` gets its gradient if it requires one. The
+parameters' gradients land in their `.grad` during that backward, as with a
+reentrant checkpoint (torch.autograd.grad of them sees none). One forward's
+state is kept until its backward: the next forward or step drops it, as does
+freeing the output.
 
 The stages are the service's own (gpipe.stage), the same interpreter of
 the same schedules, linked in memory (gpipe.transport.Hub) instead of by c10d.
@@ -23,6 +37,7 @@ is torchgpipe's mode: each stage's kernels run on its own device.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +53,10 @@ from gpipe.contract import StageConfig, StepResult, blamed, classify
 from gpipe.memory.probe import Recorder
 from gpipe.precision import DTYPES, LossScaler
 from gpipe.rng import SharedGenerators
-from gpipe.stage import Stage  # the service's own stage: one engine
+from gpipe.stage import (
+    Pass,
+    Stage,  # the service's own stage: one engine
+)
 from gpipe.topology import place
 from gpipe.transport import Hub, HubClosed
 from gpipe.turns import Turns
@@ -48,7 +66,10 @@ PROBE_SAMPLES = 2  # samples of the first micro-batch that find where skip conne
 
 
 class Pipeline:
-    """`model` cut into stages of `balance` layers; each step's batch cut into `chunks` micro-batches.
+    """`model` cut into stages of `balance` layers; each batch cut into `chunks` micro-batches: with the gpipe
+    schedule as torch.chunk cuts it, as torchgpipe does (a batch of 6 in 4: 2, 2, 2; a batch smaller than
+    `chunks`: a sample each), with the others into exactly `chunks` as torch.tensor_split does (6 in 4: 2, 2,
+    1, 1), as the service does.
 
     schedule: gpipe (fill-drain), 1f1b, zb-h1 (1f1b with the backward split), interleaved-1f1b or zbv (with
     virtual_stages; gpipe.schedule). activation_checkpoint: always, except_last or never.
@@ -61,8 +82,8 @@ class Pipeline:
     deterministic: deterministic algorithms for this process from now on (gpipe.determinism; on CUDA, weights
     then equal one GPU's to the bit). Stages on a GPU each run on a CUDA stream of their own, so stages that share
     a GPU overlap; the caller's current device and streams are left as they were.
-    virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` (or `stages`)
-    then counts model chunks, model chunk c runs on worker c mod workers (zbv: worker k holds model chunks k
+    virtual_stages: model chunks per worker, for schedules interleaved-1f1b and zbv (2): `balance` then counts
+    model chunks (`stages` still counts workers, as in the job spec), model chunk c runs on worker c mod workers (zbv: worker k holds model chunks k
     and 2*workers-1-k, a V: gpipe.topology.place), `devices` lists the workers', and interleaved-1f1b's
     `chunks` (micro-batches) must be a multiple of the workers (gpipe.turns: a stage per model chunk, the
     worker's model chunks taking turns).
@@ -102,8 +123,10 @@ class Pipeline:
                 balance = list(balance)
                 if not balance or any(type(n) is not int or n < 1 for n in balance):
                     raise ValueError(f"balance: {balance} must be positive block counts")
-            count = len(balance) if balance is not None else stages if stages is not None \
-                else len(self.split_points) + 1
+            # stages: workers, as in the job spec (with virtual stages, each holds virtual_stages model chunks)
+            count = len(balance) if balance is not None \
+                else stages * (virtual_stages if type(virtual_stages) is int and virtual_stages > 0 else 1) \
+                if stages is not None else len(self.split_points) + 1
             self._want = balance
             balance = [1] * count  # stage count only, until the model is captured at the first call
         assert balance is not None
@@ -141,6 +164,7 @@ class Pipeline:
                               deferred_batch_norm=deferred_batch_norm, seed=seed, loss_scale=tuple(loss_scale),
                               deterministic=deterministic)
         self._timeout = timeout_s
+        self._pending: weakref.ref[_Forwarded] | None = None  # the training forward awaiting its backward
         self._steps = 0  # steps run: the randomness of the next is seeded with it
         self._evals = 0
         self._stages: list[Stage] = []  # by rank: built at the first call
@@ -249,7 +273,7 @@ class Pipeline:
         x = structure.map_tensors(sample, lambda t: t[:PROBE_SAMPLES])
         rec = Recorder()
         buffers = [(b, b.clone()) for b in self.model.buffers()]
-        was_training = self.model.training
+        modes = [(m, m.training) for m in self.model.modules()]  # each module's own (a BatchNorm kept in eval)
         self.model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(), skip.use(rec):
@@ -260,8 +284,10 @@ class Pipeline:
                         for s in rec.skips.values():
                             s.sent = s.sent.to(self._device(k))
                         x = self.model[i](x)
+                rec.check()  # a stash that no later layer pops: named now
         finally:
-            self.model.train(was_training)
+            for m, mode in modes:
+                m.training = mode
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
@@ -275,6 +301,7 @@ class Pipeline:
         The gradients are added to the parameters' `.grad`, as one backward of the whole batch's mean loss
         would add them. Every tensor in `inputs` and `targets` has the batch on dim 0.
         """
+        self._drop_pending()
         batch = self._batch(inputs)
         xs, ys = self._shards(inputs, batch, "inputs"), self._shards(targets, batch, "targets")
         if not self._stages:
@@ -291,22 +318,36 @@ class Pipeline:
             return stage.step(step, 0.0, inp if k == 0 else None, tgt if k == last else None, sizes, batch)
 
         results = self._run(run)
-        self.results = results
         self._steps += 1
+        self._after_step(results)
+        loss = sum(res.loss_sum for res in results if res.loss_sum is not None) / batch
+        return torch.tensor(loss, dtype=torch.float32)
+
+    def _after_step(self, results: list[StepResult]) -> None:
+        """A step's backwards are done: its figures, and fp16's overflow."""
+        self.results = results
         scaled = [res.skipped for res in results if res.skipped is not None]
         self.skipped = any(scaled) if scaled else None
         if self.skipped:  # fp16 overflowed: no gradients, so the optimizer's step changes nothing
             for p in self.original.parameters():
                 p.grad = None
-        loss = sum(res.loss_sum for res in results if res.loss_sum is not None) / batch
-        return torch.tensor(loss, dtype=torch.float32)
 
-    @torch.no_grad()
     def __call__(self, inputs: Any) -> Any:
-        """The model's output on `inputs`: every micro-batch forward through the stages, in eval mode,
+        """The model's output on `inputs`, every micro-batch forward through the stages.
+
+        In training mode with gradients enabled: the gpipe schedule's forwards, and an output connected to
+        autograd (the module's docstring). Under torch.no_grad() or in eval mode: forward only, in eval mode,
         without gradients (the model's buffers and training mode are left as they were)."""
+        self._drop_pending()
+        if torch.is_grad_enabled() and self.original.training:
+            return self._train_forward(inputs)
+        with torch.no_grad():
+            return self._eval_forward(inputs)
+
+    def _eval_forward(self, inputs: Any) -> Any:
         batch = self._batch(inputs)
-        parts = structure.split(inputs, self.chunks, batch, "inputs")
+        cut = self._cut(batch, "inputs")
+        parts = structure.split(inputs, len(cut), batch, "inputs", sizes=cut)
         sizes = [structure.tensors(p)[0].size(0) for p in parts]
         if not self._stages:
             self._build(parts[0])
@@ -318,22 +359,74 @@ class Pipeline:
         outputs = next(res.outputs for res in results if res.outputs is not None)
         return _gather(outputs)
 
+    def _train_forward(self, inputs: Any) -> Any:
+        """`pipe(x)` in training: the forwards now, the backwards when autograd reaches the output (_Joined)."""
+        schedule = self._settings["schedule"]
+        if schedule != "gpipe":
+            raise ValueError(f"pipe(inputs) in training runs the gpipe schedule (every forward, then every backward); "
+                             f"schedule {schedule!r} needs the loss of each micro-batch: use "
+                             "pipe.step(inputs, targets, loss_fn)")
+        batch = self._batch(inputs)
+        # The inputs as leaves of the stages' graphs: their gradients come back to the caller's tensors through
+        # _Joined's backward.
+        given = structure.tensors(inputs)
+        leaves = structure.map_tensors(
+            inputs, lambda t: t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex())))
+        xs = self._shards(leaves, batch, "inputs")
+        if not self._stages:
+            self._build(xs[0][0][0])
+        self._sync_replicas()
+        step = self._steps
+        self._steps += 1
+        last = len(self.balance) - 1
+
+        def run(stage: Stage) -> Pass:
+            parts, sizes = xs[stage.cfg.replica]
+            return stage.forward_pass(step, parts if stage.cfg.model_chunk == 0 else None, sizes, batch)
+
+        forwarded = _Forwarded(self, self._run(run), structure.tensors(leaves), [sizes for _, sizes in xs])
+        self._pending = weakref.ref(forwarded)
+        outputs = [forwarded.passes[r * (last + 1) + last].outputs[mb]
+                   for r in range(self.replicas) for mb in range(len(xs[r][1]))]
+        differentiable = [t for t in given if t.requires_grad]
+        it = iter(_Joined.apply(forwarded, _anchor(), *differentiable))  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
+        return structure.map_tensors(outputs[0], lambda _t: next(it))
+
+    def _drop_pending(self) -> None:
+        """A forward's state that no backward took: the next forward or step drops it."""
+        pending = self._pending() if self._pending is not None else None
+        if pending is not None:
+            pending.drop()
+        self._pending = None
+
+    def _cut(self, size: int, what: str) -> list[int]:
+        """The micro-batch sizes of a (replica's) batch of `size`: the gpipe schedule cuts it as torch.chunk does
+        (torchgpipe: ceil(size/chunks) each, fewer micro-batches when they do not fill `chunks`); the others,
+        whose order depends on the count, into exactly `chunks` as torch.tensor_split does (as the service)."""
+        if self._settings["schedule"] == "gpipe":
+            return _sizes(size, self.chunks)
+        if size < self.chunks:
+            raise ValueError(f"{what}: a batch of {size} cannot be cut into {self.chunks} micro-batches (schedule "
+                             f"{self._settings['schedule']} runs exactly `chunks`; the gpipe schedule runs fewer)")
+        return [len(r) for r in torch.tensor_split(torch.empty(size, 0), self.chunks)]
+
     def _batch(self, inputs: Any) -> int:
         tensors = structure.tensors(inputs)
         if not tensors or tensors[0].dim() == 0:
             raise ValueError("inputs: expected a tensor (or a structure of them) with the batch on dim 0")
         batch = tensors[0].size(0)
-        if batch < self.chunks * self.replicas:
-            raise ValueError(f"inputs: a batch of {batch} cannot be cut into {self.replicas} x {self.chunks} "
-                             "micro-batches")
+        if batch < self.replicas:
+            raise ValueError(f"inputs: a batch of {batch} cannot be shared by {self.replicas} replicas")
         return batch
 
     def _shards(self, value: Any, batch: int, what: str) -> list[tuple[list[Any], list[int]]]:
-        """Per replica: its contiguous shard of `value` cut into micro-batches, and their sizes."""
+        """Per replica: its contiguous shard of `value` cut into micro-batches as torch.chunk cuts it, and their
+        sizes."""
         out = []
         for shard in structure.split(value, self.replicas, batch, what):
             size = structure.tensors(shard)[0].size(0)
-            parts = structure.split(shard, self.chunks, size, what)
+            cut = self._cut(size, what)
+            parts = structure.split(shard, len(cut), size, what, sizes=cut)
             out.append((parts, [structure.tensors(p)[0].size(0) for p in parts]))
         return out
 
@@ -396,6 +489,87 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sizes(batch: int, chunks: int) -> list[int]:
+    """The micro-batch sizes torch.chunk cuts a batch of `batch` into `chunks` with: ceil(batch/chunks) each, the
+    last what remains (fewer micro-batches than `chunks` when they do not fill it)."""
+    each = -(-batch // chunks)
+    return [min(each, batch - i) for i in range(0, batch, each)]
+
+
+def _anchor() -> torch.Tensor:
+    """A tensor that requires grad, so that the joined output does even when no input does (torchgpipe's phony)."""
+    return torch.empty(0, requires_grad=True)
+
+
+class _Forwarded:
+    """One training forward's passes (by stage, in Pipeline._stages' order), kept for its backward."""
+
+    def __init__(self, pipe: Pipeline, passes: list[Pass], leaves: list[torch.Tensor], sizes: list[list[int]]):
+        self.pipe, self.passes, self.leaves, self.sizes = pipe, passes, leaves, sizes
+        self.dropped = False
+
+    def drop(self) -> None:
+        self.dropped = True
+        for p in self.passes:
+            p.drop()
+
+    def backward(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Every stage's backwards from the joined outputs' gradients `grads`; the leaves' gradients."""
+        if self.dropped:
+            raise RuntimeError("gpipe.Pipeline: this output's forward state was dropped (another forward or step "
+                               "ran before its backward, or its backward ran already): call backward before the "
+                               "next pipe(inputs) or pipe.step")
+        pipe = self.pipe
+        stages = len(pipe.balance)
+        # Each gradient cut as the outputs were joined: by replica, then micro-batch, along dim 0 (a 0-dim output
+        # per micro-batch was stacked: one entry each).
+        per_mb: list[list[torch.Tensor]] = []
+        offsets = [0] * len(grads)
+        last_outputs = [self.passes[r * stages + stages - 1].outputs for r in range(pipe.replicas)]
+        for r, sizes in enumerate(self.sizes):
+            for mb in range(len(sizes)):
+                own = structure.tensors(last_outputs[r][mb])
+                cut = []
+                for i, (t, g) in enumerate(zip(own, grads, strict=True)):
+                    n = t.size(0) if t.dim() else 1
+                    piece = g[offsets[i]: offsets[i] + n]
+                    cut.append(piece if t.dim() else piece.reshape(()))
+                    offsets[i] += n
+                per_mb.append(cut)
+        by_replica, start = [], 0
+        for sizes in self.sizes:
+            by_replica.append(per_mb[start: start + len(sizes)])
+            start += len(sizes)
+        passes = {id(s): p for s, p in zip(pipe._stages, self.passes, strict=True)}
+        self.dropped = True
+        try:
+            results = pipe._run(lambda s: s.backward_pass(passes[id(s)], by_replica[s.cfg.replica]
+                                                          if s.cfg.model_chunk == stages - 1 else None))
+        finally:
+            self.drop()
+        pipe._after_step(results)
+        return [t.grad for t in self.leaves if t.requires_grad]
+
+
+class _Joined(torch.autograd.Function):
+    """The micro-batches' outputs joined along dim 0; its backward runs the pipeline's backwards."""
+
+    @staticmethod
+    def forward(ctx: Any, forwarded: _Forwarded, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:
+        ctx.forwarded = forwarded
+        stages = len(forwarded.pipe.balance)
+        outputs = [forwarded.passes[r * stages + stages - 1].outputs[mb]
+                   for r, sizes in enumerate(forwarded.sizes) for mb in range(len(sizes))]
+        joined = tuple(structure.tensors(_gather(outputs)))
+        ctx.mark_non_differentiable(*[t for t in joined if not (t.is_floating_point() or t.is_complex())])
+        return joined
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        got = ctx.forwarded.backward(grads)
+        return (None, None, *got)
 
 
 def _gather(parts: list[Any]) -> Any:

@@ -16,6 +16,8 @@ place (seen by the version counters), such as a module counting its calls.
 
 `is_recomputing()` tells a layer that its forward is a recomputation; deferred
 BatchNorm (gpipe.batchnorm) uses it to track each micro-batch once.
+`is_checkpointing()` tells it that its forward is the first of a checkpointed
+micro-batch, run without autograd (torchgpipe's pair of names).
 """
 
 from __future__ import annotations
@@ -29,12 +31,29 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 _recomputing: ContextVar[bool] = ContextVar("gpipe_recomputing", default=False)
+_checkpointing: ContextVar[bool] = ContextVar("gpipe_checkpointing", default=False)
 _NOTHING = nullcontext()  # reusable: it keeps no state
 
 
 def is_recomputing() -> bool:
     """True inside `Buffers.recompute`: the forward being run is a recomputation."""
     return _recomputing.get()
+
+
+def is_checkpointing() -> bool:
+    """True inside `checkpointing`: the forward being run is a checkpointed micro-batch's first, without
+    autograd; its backward will recompute it."""
+    return _checkpointing.get()
+
+
+@contextmanager
+def checkpointing() -> Iterator[None]:
+    """Run a checkpointed micro-batch's first forward (`is_checkpointing()` is true within)."""
+    token = _checkpointing.set(True)
+    try:
+        yield
+    finally:
+        _checkpointing.reset(token)
 
 
 class Buffers:

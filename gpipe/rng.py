@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.nn.modules import module as _module
-from torch.nn.modules.dropout import _DropoutNd
 
 from gpipe import structure
 
@@ -61,13 +60,16 @@ def generators(device: torch.device) -> list[torch.Generator]:
 class SharedGenerators:
     """The default generators, shared by stages that run as threads of one process (gpipe.Pipeline).
 
-    A layer that draws random numbers seeds them and runs its forward holding
+    A layer that may draw random numbers seeds them and runs its forward holding
     this lock, so no other stage's seed lands between its seed and its draws;
-    a layer that draws none neither seeds nor waits. A layer draws when it is
-    (or holds) one of torch's dropout modules, RReLU, a MultiheadAttention with
-    dropout, a captured graph (gpipe.capture.graph) that calls an operation which may
-    draw (`graph_draws`), or a module with `gpipe_random = True` (set it on a
-    layer whose forward calls torch.rand, F.dropout and the like itself).
+    a layer that provably draws none (`quiet`: torch.nn's own modules that
+    draw nothing, a captured graph with no operation that may draw) neither
+    seeds nor waits. Any other layer may draw: a custom module calling
+    F.dropout or torch.rand in its forward is seeded with no mark needed, so its
+    recomputation under activation checkpointing replays its forward's draws.
+    `gpipe_random = False` on a module class of the user's says that its own
+    forward draws nothing (its submodules are still looked at): a hint that
+    lets stages run it at once, never needed for the right result.
     """
 
     def __init__(self) -> None:
@@ -75,13 +77,12 @@ class SharedGenerators:
         self._draws: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     def draws(self, layer: nn.Module) -> bool:
-        if (known := self._draws.get(layer)) is not None:
-            return known
-        found = any(isinstance(m, _DropoutNd | nn.RReLU) or getattr(m, "gpipe_random", False)
-                    or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
-                    or (isinstance(m, fx.GraphModule) and graph_draws(m)) for m in layer.modules())
-        self._draws[layer] = found
-        return found
+        if hooked():  # a forward hook of every module runs inside every layer: any layer may draw
+            return True
+        known = self._draws.get(layer)
+        if known is None:
+            known = self._draws[layer] = not quiet(layer)
+        return known
 
 
 # torch.nn's own modules whose forward draws no random numbers, by exact class (a subclass may have a forward of
@@ -89,7 +90,7 @@ class SharedGenerators:
 _QUIET_CLASSES: dict[type, Any] = {cls: cls.forward for cls in (
     nn.Module,  # exactly: a holder of parameters under nested names, with no forward (a captured piece's)
     nn.Sequential, nn.Identity, nn.Flatten, nn.Unflatten,
-    nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
+    nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh,
@@ -98,6 +99,7 @@ _QUIET_CLASSES: dict[type, Any] = {cls: cls.forward for cls in (
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
 )}  # each with its forward as torch defines it: one patched since (a library's noise) is not vouched for
+_MHA_FORWARD = nn.MultiheadAttention.forward  # as torch defines it: draws only with dropout
 # torch's own operations, told apart by their tags; any other library's (torch.library.custom_op: an attention
 # kernel with its dropout) may draw, whatever its tags say.
 _TAGGED_NAMESPACES = ("aten", "prims")
@@ -137,15 +139,23 @@ def graph_draws(gm: fx.GraphModule) -> bool:
 
 def quiet(layer: nn.Module) -> bool:
     """Whether `layer`'s forward provably draws no random numbers: every module in it is one of torch.nn's own that
-    draws none (its exact class, its class's forward) or one vouched for, or a captured graph that calls no
-    operation which may draw; none has a forward hook or is marked `gpipe_random`."""
+    draws none (its exact class, its class's forward), one vouched for (`vouch`, or `gpipe_random = False` on the
+    module: its own forward draws none), or a captured graph that calls no operation which may draw; none has a
+    forward hook or is marked `gpipe_random = True`."""
     for m in layer.modules():
-        if m._forward_hooks or m._forward_pre_hooks or getattr(m, "gpipe_random", False):
+        marked = getattr(m, "gpipe_random", None)
+        if m._forward_hooks or m._forward_pre_hooks or marked is True:
             return False
+        if marked is False:
+            continue  # the user's word for this module's own forward; its submodules are looked at on their own
         if isinstance(m, fx.GraphModule):
             if graph_draws(m):
                 return False
             continue
+        if type(m) is nn.MultiheadAttention and type(m).forward is _MHA_FORWARD:
+            if m.dropout > 0:
+                return False
+            continue  # attention without dropout: its forward draws nothing
         if _QUIET_CLASSES.get(type(m), _NOT) is not type(m).forward:
             return False
         own = m.__dict__.get("forward")

@@ -25,17 +25,114 @@ default context of the calling thread: a pop takes what the latest stash of
 that name in the same thread left, and removes it. So one forward of the
 nn.Sequential pairs them as gpipe does, and the one-device reference needs no
 change.
+
+None may be stashed: `skip.stash("mask", None)`, and the pop of that name
+returns None, on the same stage or a later one (it travels as a tensor of no
+elements, `NONE`, and never wants a gradient). Every name stashed must be
+popped by a later layer: the probe refuses a stash that none pops, naming the
+layer and the name, as it refuses a pop with no stash.
+
+Namespaces, for a block class used more than once whose forward stashes and
+pops the same names every time: each instance of `skip.Namespace` is its own
+namespace, and `ns(name)` is `name` in it, a distinct str ("down1@1f3a9c0e"),
+used for stash and pop as any name:
+
+    class Down(nn.Module):
+        def __init__(self, ns: skip.Namespace):
+            super().__init__()
+            self.ns, self.conv, self.pool = ns, conv(...), nn.MaxPool2d(2)
+
+        def forward(self, x):
+            h = self.conv(x)
+            skip.stash(self.ns("down"), h)
+            return self.pool(h)
+
+    a, b = skip.Namespace(), skip.Namespace()
+    model = nn.Sequential(Down(a), Down(b), ..., Up(b), Up(a))   # Up pops self.ns("down")
+
+A copy of a module (copy.deepcopy, pickle) keeps its namespaces: equal
+namespaces give equal names. A namespace without a label draws its id at
+random, so every process that builds the model has other ids: a job of the
+service, whose workers each build the model from its factory, gives its
+namespaces labels, unique within the model: `skip.Namespace("enc")`
+("down@enc"), the same in every build.
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 
 import torch
 
 
 class SkipError(LookupError):
-    """A pop with nothing stashed under its name, or a name stashed twice."""
+    """A pop with nothing stashed under its name, a name stashed twice, or a stash that no later layer pops."""
+
+
+# None as stashed: a tensor of no elements, so every context and both transports carry it as they carry any
+# tensor, and no gradient is ever wanted for it (uint8). A pop that gets a tensor of exactly this dtype and shape
+# returns None (a stashed tensor of that dtype and shape, (0, 26480) uint8, would too).
+NONE = torch.empty((0, 0x6770), dtype=torch.uint8)
+_NONE_SHAPE = NONE.shape
+
+
+def is_none(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a stashed None (`NONE`, or a copy of it moved or received elsewhere)."""
+    return tensor.dtype is torch.uint8 and tensor.shape == _NONE_SHAPE
+
+
+class Namespace:
+    """A namespace of skip names: `ns(name)` is `name` in it, a str of its own ("name@id").
+
+    Each instance is its own namespace; a copy (copy.deepcopy, pickle) is equal to it and gives the same names.
+    `label`, when given, is the id instead of a random one: the same in every process that builds the model
+    (the service's workers each build it), and namespaces with equal labels are one namespace.
+    """
+
+    __slots__ = ("id",)
+
+    def __init__(self, label: str | None = None) -> None:
+        if label is None:
+            label = _fresh_id()
+        elif not isinstance(label, str) or not label or "@" in label:
+            raise TypeError(f"skip.Namespace: a label is a non-empty str without '@', got {label!r}")
+        self.id = label
+
+    def __call__(self, name: str) -> str:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"skip.Namespace: the name must be a non-empty str, got {name!r}")
+        return f"{name}@{self.id}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Namespace) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(("skip.Namespace", self.id))
+
+    def __repr__(self) -> str:
+        return f"skip.Namespace({self.id!r})"
+
+
+_ids: set[str] = set()  # the random ids drawn in this process: none twice
+_ids_lock = threading.Lock()
+
+
+def _fresh_id() -> str:
+    with _ids_lock:
+        while True:
+            new = uuid.uuid4().hex[:8]  # (os.urandom: no generator of torch's or the model's is drawn from)
+            if new not in _ids:
+                _ids.add(new)
+                return new
+
+
+def namespace_hint(name: str) -> str:
+    """For an error about `name` on a stage of the service: a hint when it may be a namespace's name."""
+    if "@" not in name:
+        return ""
+    return (f" ({name!r} is a skip.Namespace's name: one without a label has another id in every process that "
+            "builds the model; give it a label, skip.Namespace(\"...\"))")
 
 
 class Context:
@@ -84,15 +181,18 @@ class use:  # noqa: N801  # a context manager, named as the function it replaced
         _local.ctx = self.before
 
 
-def stash(name: str, tensor: torch.Tensor) -> None:
-    """Keep `tensor` for the later layer that pops `name`."""
+def stash(name: str, tensor: torch.Tensor | None) -> None:
+    """Keep `tensor` (or None) for the later layer that pops `name`."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"skip.stash: the name must be a non-empty str, got {name!r}")
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"skip.stash({name!r}): takes a tensor, got {type(tensor).__name__}")
+    if tensor is None:
+        tensor = NONE
+    elif not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"skip.stash({name!r}): takes a tensor or None, got {type(tensor).__name__}")
     current().stash(name, tensor)
 
 
-def pop(name: str) -> torch.Tensor:
-    """The tensor an earlier layer stashed under `name`."""
-    return current().pop(name)
+def pop(name: str) -> torch.Tensor | None:
+    """The tensor an earlier layer stashed under `name`, or None if it stashed None."""
+    tensor = current().pop(name)
+    return None if is_none(tensor) else tensor

@@ -5,6 +5,7 @@ that pops it), for each name that leaves its stage. Every pair of stages a < b
 that some name goes between gets two lanes of its own (gpipe.transport):
 a's stashes of each micro-batch go straight to b, as one message (a dict of
 the names, in sorted order), and b's gradients for them come straight back. The stages between a and b never see them.
+A stashed None is a tensor of no elements here (gpipe.skip.NONE): it travels as any, and wants no gradient.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class Routed(skip.Context):
         if name in self.stashed:
             return super().pop(name)
         raise skip.SkipError(f"skip.pop({name!r}): nothing was stashed under that name on this stage or sent to it "
-                             "(the routes between stages are found by the probe: is probe false?)")
+                             "(the routes between stages are found by the probe: is probe false?)"
+                             + skip.namespace_hint(name))
 
 
 class SkipLinks:
@@ -86,7 +88,8 @@ class SkipLinks:
         missing = sorted(set(self.leaving) - set(out))
         if missing:
             raise skip.SkipError(f"skip.stash({missing[0]!r}) did not happen on micro-batch {mb}, though the probe "
-                                 "saw it: a skip connection must be stashed on every forward")
+                                 "saw it: a skip connection must be stashed on every forward"
+                                 + skip.namespace_hint(missing[0]))
         wants: dict[int, list[bool]] = {}
         for b, sender in self.send.items():
             names = self._names_to(b)

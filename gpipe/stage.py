@@ -45,7 +45,7 @@ from gpipe.factory import add_import_paths, resolve
 from gpipe.memory.meter import ActivationMeter, storage_key
 from gpipe.memory.zero import ShardedOptimizer
 from gpipe.precision import Precision
-from gpipe.recompute import Buffers
+from gpipe.recompute import Buffers, checkpointing
 from gpipe.rng import SharedGenerators, hooked, seeded_forward, seeding
 from gpipe.skiplanes import Routed, SkipLinks
 from gpipe.split_backward import WeightGradients, backward_input
@@ -197,9 +197,27 @@ class Pass:
     split: bool = False  # the backward is split: B the inputs' gradients, W the weights' (gpipe.split_backward)
     metered: bool = True  # the forwards' saved tensors are counted (gpipe.memory.meter; always when the backward is split)
     weights: dict[int, WeightGradients] = field(default_factory=dict)  # after B, until W
+    # The last stage's checkpointed micro-batches: the loss's gradients of the output, taken in F (the loss runs
+    # once per micro-batch; the backward recomputes the layers alone).
+    loss_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    # A forward without targets (gpipe.Pipeline's training forward): the last stage's outputs' gradients, per
+    # micro-batch, from whoever took a loss of them (None until they come).
+    out_grads: list[list[torch.Tensor]] | None = None
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     busy: float = 0.0
     computing_from: float = 0.0  # when the current action's compute began (after its waits)
+    t_step: float = 0.0  # when the step began (perf_counter)
+    loss_scale: float = 1.0  # fp16: the step's loss scale
+    bytes_before: dict[str, int] = field(default_factory=dict)  # the lanes' byte counts when the step began
+    done: bool = False  # the step's gradients are final (or its state was dropped)
+
+    def drop(self) -> None:
+        """Let go of what the forwards kept for a backward that will not come."""
+        self.in_flight.clear()
+        self.loss_grads.clear()
+        self.weights.clear()
+        self.outputs.clear()
+        self.done = True
 
     def loss_sum(self) -> float:
         """The sum over micro-batches of each one's loss times its size, in float64 and in their order: summed once
@@ -343,9 +361,12 @@ class Stage:
         """The context every forward of this stage runs in (autocast for bf16 and fp16)."""
         return self.precision.autocast()
 
-    def checkpointed(self, mb: int) -> bool:
+    def checkpointed(self, mb: int, chunks: int | None = None) -> bool:
+        """Whether micro-batch `mb` of `chunks` (the config's by default) is checkpointed: except_last keeps the
+        last one's activations."""
         mode = self.cfg.activation_checkpoint
-        return mode == "always" or (mode == "except_last" and mb != self.cfg.chunks - 1)
+        last = (self.cfg.chunks if chunks is None else chunks) - 1
+        return mode == "always" or (mode == "except_last" and mb != last)
 
     # -- one step --------------------------------------------------------------------------------------
 
@@ -372,19 +393,58 @@ class Stage:
 
     def _step(self, step: int, lr: float, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
               batch: int | None) -> StepResult:
+        p = self._open(step, inputs, targets, sizes, batch)
+        self.run(*self._actions(len(sizes)), p, p.t_step)
+        self._flush()
+        return self._close(p, lr)
+
+    def _open(self, step: int, inputs: list[Any] | None, targets: list[Any] | None, sizes: list[int],
+              batch: int | None) -> Pass:
+        """A training step's pass, begun: nothing left of the step before, the counters' starting points."""
         cfg, t_step = self.cfg, time.perf_counter()
-        start_unix = _EPOCH_UNIX + (t_step - _EPOCH_PERF)  # one clock for every stage of this process
-        loss_scale = self.precision.loss_scale  # fp16: this step's; 1 otherwise
         p = Pass(True, step, self.mb_offset, inputs, targets, sizes, batch or cfg.batch_size or sum(sizes),
                  metered=self._meters(step))
+        p.t_step, p.loss_scale = t_step, self.precision.loss_scale  # fp16: this step's; 1 otherwise
         self._begin(len(sizes))
-        bytes_before = {c.name: c.bytes for c in self.senders} | {c.name: c.bytes for c in self.receivers}
+        p.bytes_before = {c.name: c.bytes for c in self.senders} | {c.name: c.bytes for c in self.receivers}
         self.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._doing("computing")
-        self.run(*self._actions(len(sizes)), p, t_step)
-        self._flush()
+        return p
+
+    def forward_pass(self, step: int, inputs: list[Any] | None, sizes: list[int], batch: int) -> Pass:
+        """The forwards of a training step with no loss here (gpipe.Pipeline's `pipe(x)` in training): every
+        micro-batch forward in order, as the gpipe schedule's fill; the last stage keeps the outputs, with their
+        graphs, for `backward_pass`. The deferred BatchNorms commit the batch's statistics now."""
+        with self.placed():
+            p = self._open(step, inputs, None, sizes, batch)
+            self.run([schedule.Action("F", mb) for mb in range(len(sizes))], None, p, p.t_step)
+            self._flush()
+            if self.cfg.replicas > 1:
+                batchnorm.all_reduce(self.layers, lambda t: self.transport.all_reduce(t, "copies"))
+            batchnorm.commit(self.layers)
+            self._doing("idle")
+            return p
+
+    def backward_pass(self, p: Pass, out_grads: list[list[torch.Tensor]] | None) -> StepResult:
+        """The backwards of `forward_pass`'s pass, in reverse order (the gpipe schedule's drain), from the outputs'
+        gradients `out_grads` (per micro-batch, the last stage's), then the gradients' reductions; no optimizer
+        step (the caller holds the parameters)."""
+        if p.done:
+            raise RuntimeError("this forward's backward has run already, or its state was dropped")
+        with self.placed():
+            p.out_grads = out_grads
+            self._doing("computing")
+            self.run([schedule.Action("B", mb) for mb in reversed(range(len(p.sizes)))], None, p, p.t_step)
+            self._flush()
+            return self._close(p, 0.0)
+
+    def _close(self, p: Pass, lr: float) -> StepResult:
+        """The end of a training step, after its last backward: the gradients' sums and checks, the optimizer."""
+        cfg, t_step, loss_scale, bytes_before = self.cfg, p.t_step, p.loss_scale, p.bytes_before
+        start_unix = _EPOCH_UNIX + (t_step - _EPOCH_PERF)  # one clock for every stage of this process
+        p.done = True
         if self.shares_tensors:
             self._doing("waiting", "the other stages' backward into the parameters they share with this one")
             self.transport.all_reduce(torch.zeros((), device=self.device), "pipeline")
@@ -517,19 +577,25 @@ class Stage:
         if skips.recv:
             with self._waiting(p, f"the skip connections of {p.what} {mb}"):
                 arrived = skips.receive(tag, timeout)
-        ckpt = p.train and self.checkpointed(mb)
+        ckpt = p.train and self.checkpointed(mb, len(p.sizes))
         ctx = Routed(skips.leaving, arrived)
         buffers = self.buffers
         if not p.train or not (ckpt or p.split or p.metered or buffers.updated or buffers.unseen):
             y = self._compute(mb, x, ctx, p)  # (_saving and watch would be nothing)
-        else:  # checkpointed: no autograd now, the backward recomputes it
-            with torch.no_grad() if ckpt else self._saving(mb, p), buffers.watch():
+        elif ckpt:  # checkpointed: no autograd now, the backward recomputes the layers
+            with torch.no_grad(), buffers.watch(), checkpointing():
+                y = self._compute(mb, x, ctx, p, loss=False)
+            if self.last and p.targets is not None:  # the loss once, its gradients kept for the recomputed output
+                y = self._loss_now(mb, y, p)
+        else:
+            with self._saving(mb, p), buffers.watch():
                 y = self._compute(mb, x, ctx, p)
         skip_wants = skips.send_forward(tag, ctx.out, ckpt) if skips.leaving else {}
         wants: list[bool] = []
         if self.last:
             if p.targets is None:
-                p.outputs[mb] = structure.map_tensors(y, torch.Tensor.detach)
+                p.outputs[mb] = structure.map_tensors(self.precision.for_loss(y) if p.train else y,
+                                                      torch.Tensor.detach)
             else:
                 p.losses.append((y.detach(), p.sizes[mb]))
         else:
@@ -558,9 +624,9 @@ class Stage:
             return self.meter.checking if self.buffers.updated or self.buffers.unseen else _NOTHING
         return self.meter.counting((self.cfg.model_chunk, mb))
 
-    def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass) -> Any:
-        """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage; what
-        leaves the stage travels in the autocast dtype."""
+    def _compute(self, mb: int, x: Any, ctx: Routed, p: Pass, loss: bool = True) -> Any:
+        """The stage's layers on micro-batch `mb` (seeded: gpipe.rng), then the loss on the last stage (unless
+        `loss` is false); what leaves the stage travels in the autocast dtype."""
         precision = self.precision
         if precision.dtype is None:  # float32: no autocast, nothing cast at the cut; skip.use's work, inline
             local = skip.local
@@ -583,10 +649,28 @@ class Stage:
             ctx.out = precision.cut(ctx.out)
             if not self.last:
                 return precision.cut(y)
-        if not self.last or p.targets is None:
+        if not self.last or p.targets is None or not loss:
             return y
         target = structure.to(p.targets[mb], self.device)
         return self.loss_fn(precision.for_loss(y), target)  # type: ignore[misc]  # the last stage has a loss
+
+    def _loss_now(self, mb: int, y: Any, p: Pass) -> torch.Tensor:
+        """The last stage's checkpointed micro-batch `mb`: the loss of its output `y` (computed without autograd),
+        and the loss's gradients of `y`'s tensors, kept in `p.loss_grads` for the backward. The loss function
+        runs once per micro-batch: the backward recomputes the layers and starts from these gradients, the same
+        values the loss's own backward would hand them."""
+        leaves = structure.map_tensors(y, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        target = structure.to(p.targets[mb], self.device)  # type: ignore[index]  # the last stage has targets
+        with torch.enable_grad():
+            loss = self.loss_fn(self.precision.for_loss(leaves), target)  # type: ignore[misc]  # the last stage has a loss
+            root, grad = self._loss_root(loss, p.sizes[mb] / p.batch)
+            wanting = [t for t in structure.tensors(leaves) if t.requires_grad]
+            got: Sequence[torch.Tensor | None] = [None] * len(wanting)
+            if root.requires_grad and wanting:
+                got = torch.autograd.grad([root], wanting, [grad] if grad is not None else None, allow_unused=True)
+        it = iter(got)
+        p.loss_grads[mb] = [next(it) if t.requires_grad else None for t in structure.tensors(leaves)]
+        return loss.detach()
 
     def _backward(self, mb: int, p: Pass) -> None:
         """B: receive micro-batch `mb`'s output gradients (and skips'), recompute its forward if it was
@@ -608,10 +692,19 @@ class Stage:
         if y is None:  # checkpointed: recompute the forward, replaying its randomness
             ctx = self.skips.context(arrived)
             with self._saving(mb, p), self.buffers.recompute():
-                y = self._compute(mb, x, ctx, p)
+                y = self._compute(mb, x, ctx, p, loss=False)
             stashed = ctx.out
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
-        if self.last:
+        if self.last and p.targets is None:  # the caller's loss: its gradients of the outputs
+            if p.out_grads is None:
+                raise RuntimeError("the backward of a forward without targets came with no output gradients")
+            out = self.precision.for_loss(y)
+            pairs = [(t, self.precision.scaled(g.to(t.device, t.dtype)))
+                     for t, g in zip(structure.tensors(out), p.out_grads[mb], strict=True) if t.requires_grad]
+        elif self.last and mb in p.loss_grads:  # checkpointed: the loss's gradients, taken in F
+            pairs = [(t, g) for t, g in zip(structure.tensors(y), p.loss_grads.pop(mb), strict=True)
+                     if g is not None and t.requires_grad]
+        elif self.last:
             pairs = [self._loss_root(y, p.sizes[mb] / p.batch)]
         else:
             pairs = list(roots(y, wants, grads, self.skips.pairs(stashed, skip_wants, skip_grads) if skip_grads else ()))
@@ -740,7 +833,7 @@ class Stage:
         t0 = time.perf_counter()
         # A module may update a buffer even in eval mode; and a layer's randomness must not move training's.
         buffers = [(b, b.clone()) for b in self.layers.buffers()]
-        was_training = self.layers.training
+        modes = [(m, m.training) for m in self.layers.modules()]  # each module's own (a layer the user set apart)
         self.layers.eval()
         # Stages that are threads of one process share the generators: none may restore them under another.
         rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) if self.shared_rng is None \
@@ -750,7 +843,8 @@ class Stage:
                 self.run([schedule.Action("F", mb) for mb in range(chunks)], None, p, t0)
             self._flush()
         finally:
-            self.layers.train(was_training)
+            for m, mode in modes:
+                m.training = mode
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)

@@ -174,8 +174,9 @@ def describe(obj: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def split(obj: Any, chunks: int, batch: int, what: str = "input") -> list[Any]:
-    """The batch `obj` cut into `chunks` micro-batches along dim 0 of every tensor (torch.tensor_split).
+def split(obj: Any, chunks: int, batch: int, what: str = "input", sizes: list[int] | None = None) -> list[Any]:
+    """The batch `obj` cut into `chunks` micro-batches along dim 0 of every tensor (torch.tensor_split; with
+    `sizes`, of those sizes, which must number `chunks` and sum to `batch`).
 
     Every tensor's dim 0 must be `batch`, else StructureError naming the tensor's
     path; anything that is no tensor is copied into every micro-batch.
@@ -187,7 +188,7 @@ def split(obj: Any, chunks: int, batch: int, what: str = "input") -> list[Any]:
         if t.dim() == 0 or t.size(0) != batch:
             got = "a 0-dim tensor" if t.dim() == 0 else f"dim 0 is {t.size(0)}"
             raise StructureError(f"{p}: {got}, but a tensor of a batch must have the batch size ({batch}) there")
-    parts = [torch.tensor_split(t, chunks) for _, t in leaves]
+    parts = [torch.tensor_split(t, chunks) if sizes is None else torch.split(t, sizes) for _, t in leaves]
     out = []
     for i in range(chunks):
         it = iter([part[i] for part in parts])

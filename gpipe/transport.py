@@ -157,11 +157,15 @@ class Hub:
 
     def _put(self, key: tuple[str, int, int], mb: int, value: Any) -> None:
         with self._cv:
+            if self._error is not None:  # another stage failed: stop here, as a wait would
+                raise HubClosed(f"stopped sending micro-batch {mb}: another stage failed ({self._error})")
             self._boxes.setdefault(key, {}).setdefault(mb, deque()).append(value)
             self._cv.notify_all()
 
     def _take(self, key: tuple[str, int, int], mb: int, what: str, timeout: float) -> Any:
         with self._cv:
+            if self._error is not None:  # another stage failed: what arrived before is not computed on
+                raise HubClosed(f"stopped before {what}: another stage failed ({self._error})")
             self._wait(lambda: bool(self._boxes.get(key, {}).get(mb)), what, timeout)
             return self._boxes[key][mb].popleft()
 

@@ -10,7 +10,9 @@ the stage would receive it, detached, requiring grad where it wants a
 gradient back; the backward then runs layer by layer with the gradients the
 stages would send. So a model that cannot be pipelined fails here, naming the
 layer and what it received, not in the middle of a run. The probe also
-records which layer stashes and which pops each skip connection (gpipe.skip).
+records which layer stashes and which pops each skip connection (gpipe.skip),
+and refuses a pop with no stash, a name stashed twice or popped twice, and a
+stash that no later layer pops.
 
 Its cost is one forward and backward of a few samples and a copy of the
 model; `probe: false` in the spec skips it for a model too big for that host.
@@ -58,7 +60,8 @@ class _Skip:
 
 
 class Recorder(skip.Context):
-    """The probe's skip context: records the routes and refuses a pop with no stash or a name stashed twice."""
+    """The probe's skip context: records the routes and refuses a pop with no stash or a name stashed twice;
+    `check`, once the forward is done, refuses a stash that no layer popped."""
 
     def __init__(self, backend: str = "gloo") -> None:
         super().__init__()
@@ -88,6 +91,12 @@ class Recorder(skip.Context):
         wants = s.sent.is_floating_point() and s.sent.requires_grad
         s.received = s.sent.detach().clone().requires_grad_(wants)
         return s.received
+
+    def check(self) -> None:
+        """SkipError naming the layer and the name when a stash was popped by no later layer (the forward done)."""
+        for name, s in self.skips.items():
+            if s.popped_by is None:
+                raise skip.SkipError(f"layer {s.stashed_by} stashes {name!r}, which no later layer pops")
 
     def routes(self) -> dict[str, tuple[int, int]]:
         """name -> (the layer that stashes it, the layer that pops it), for the names popped."""
@@ -148,6 +157,10 @@ def probe(model: nn.Sequential, x: Any, target: Any, loss_fn: LossFn,
                                 f"{i + 1}: {e}") from None
             wants_of.append(wants)
             x = _received(y, wants)
+        try:
+            rec.check()
+        except skip.SkipError as e:
+            raise SpecError(f"model: {e}") from None
         try:
             loss = loss_fn(y, target)
         except Exception as e:

@@ -61,8 +61,8 @@ def assert_same_weights(got, want, tolerance: float = 1e-5) -> None:
     ({"stages": 3}, "gpipe", "always"),
     ({"balance": [1, 3]}, "1f1b", "never"),
     ({"split_points": ["transformer.h.1", "transformer.h.3"]}, "zb-h1", "except_last"),
-    ({"stages": 4, "virtual_stages": 2}, "interleaved-1f1b", "never"),
-    ({"stages": 4, "virtual_stages": 2}, "zbv", "always"),  # the embedding and the head on one worker, a V
+    ({"stages": 2, "virtual_stages": 2}, "interleaved-1f1b", "never"),
+    ({"stages": 2, "virtual_stages": 2}, "zbv", "always"),  # the embedding and the head on one worker, a V
 ])
 def test_gpt2_with_tied_weights_equals_one_device(cut, schedule, checkpointing):
     data = batches(3, 8, 10)
@@ -167,7 +167,8 @@ def test_evaluation_is_the_models_eval_mode_output_dropout_off():
     model = fresh(models.gpt2, dropout=0.3)
     pipe = gpipe.Pipeline(model, stages=2, chunks=2)
     x = torch.randint(0, 97, (4, 10))
-    out = pipe({"input_ids": x})
+    with torch.no_grad():  # forward only, in eval mode (with gradients in training: the training forward)
+        out = pipe({"input_ids": x})
     model.eval()
     assert torch.equal(out, model(input_ids=x).logits)
 

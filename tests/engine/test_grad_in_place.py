@@ -56,7 +56,7 @@ def _in_place_nodes(pipe: gpipe.Pipeline) -> int:
     (models.gpt2, {"split_points": ["transformer.h.2"]}, "gpipe", "never", 1),
     (models.gpt2, {"stages": 3}, "1f1b", "always", 1),
     (models.gpt2, {"split_points": ["transformer.h.1", "transformer.h.3"]}, "zb-h1", "except_last", 1),
-    (models.gpt2, {"stages": 4, "virtual_stages": 2}, "zbv", "never", 1),  # the tied pair on one worker
+    (models.gpt2, {"stages": 2, "virtual_stages": 2}, "zbv", "never", 1),  # the tied pair on one worker
     (models.gpt2, {"stages": 1}, "gpipe", "never", 1),  # the tied weight used twice in one stage
     (models.gpt2, {"split_points": ["transformer.h.2"]}, "1f1b", "never", 2),  # the replicas' bucketed sums
     (models.llama, {"split_points": ["model.layers.2"]}, "zb-h1", "never", 1),  # linear without bias

@@ -46,7 +46,8 @@ def compare(spec: dict, balance: list[int], tolerance: float = 1e-5) -> float:
     """Train `spec` pipelined at `balance` and on one device; every tensor agrees within `tolerance` (integer
     buffers exactly). Returns the largest difference."""
     got = reference.train(spec, cuts=balance, pipelined=True)
-    want = reference.train(spec, cuts=balance)
+    # gpipe.Pipeline's micro-batches: the gpipe schedule's as torch.chunk cuts them, the others' as the service's
+    want = reference.train(spec, cuts=balance, as_chunk=spec.get("schedule", "gpipe") == "gpipe")
     assert set(got) == set(want)
     if spec.get("replicas", 1) > 1 and "3.calls" in want:
         # A buffer that a forward updates, other than BatchNorm's, is replica 0's: it counted its own micro-batches.
@@ -287,7 +288,8 @@ def test_the_batch_loss_and_outputs_are_one_devices():
     x, y = torch.randn(10, 8), torch.randn(10, 8)
     with gpipe.Pipeline(model, [3, 4, 5], chunks=3) as pipe:
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        out = pipe(x)
+        with torch.no_grad():  # forward only (in training mode with gradients: the training forward)
+            out = pipe(x)
         assert model.training
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         ref.eval()
@@ -295,7 +297,7 @@ def test_the_batch_loss_and_outputs_are_one_devices():
         ref.train()
         loss = pipe.step(x, y, nn.functional.mse_loss)
     want = sum(nn.functional.mse_loss(seeded_forward(list(enumerate(ref)), xm, 0, 0, i), ym).item() * len(xm) / 10
-               for i, (xm, ym) in enumerate(zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3), strict=True)))
+               for i, (xm, ym) in enumerate(zip(torch.chunk(x, 3), torch.chunk(y, 3), strict=True)))
     assert abs(loss.item() - want) < 1e-6
 
 
@@ -374,10 +376,16 @@ def test_batch_norm_with_replicas_and_no_deferral_is_refused_naming_the_layer():
         gpipe.Pipeline(model, [6, 6], replicas=2)
 
 
-def test_a_batch_smaller_than_the_micro_batches_is_named():
-    with gpipe.Pipeline(nn.Sequential(nn.Linear(2, 2)), [1], chunks=4) as pipe, \
-            pytest.raises(ValueError, match="^inputs:"):
+def test_a_batch_the_schedule_cannot_cut_is_named():
+    """A schedule other than gpipe runs exactly `chunks` micro-batches: a smaller batch is named; so is a batch
+    the replicas cannot share."""
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    with gpipe.Pipeline(model, [1] * 4, chunks=4, schedule="1f1b") as pipe, \
+            pytest.raises(ValueError, match="^inputs: a batch of 3 cannot be cut into 4"):
         pipe.step(torch.randn(3, 2), torch.randn(3, 2), nn.functional.mse_loss)
+    with gpipe.Pipeline(nn.Sequential(nn.Linear(2, 2)), [1], chunks=2, replicas=2) as pipe, \
+            pytest.raises(ValueError, match="^inputs: a batch of 1 cannot be shared by 2 replicas"):
+        pipe.step(torch.randn(1, 2), torch.randn(1, 2), nn.functional.mse_loss)
 
 
 def test_the_shared_generators_seed_only_the_layers_that_draw():

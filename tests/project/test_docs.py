@@ -119,7 +119,7 @@ def test_pipeline_md_s_hugging_face_example_runs_as_written_and_gives_the_logits
         seen.append(logits)
         return F.cross_entropy(logits, y)
 
-    names = {"transformers": transformers, "gpipe": gpipe, "F": SimpleNamespace(cross_entropy=cross_entropy),
+    names = {"transformers": transformers, "gpipe": gpipe, "torch": torch, "F": SimpleNamespace(cross_entropy=cross_entropy),
              "config": model.config, "ids": torch.randint(0, 97, (4, 8)), "mask": torch.ones(4, 8, dtype=torch.long)}
     exec(block, names)
     assert [t.shape for t in seen] == [(7, 97)] * 4  # 4 micro-batches of 1: its logits, shifted by the block
@@ -134,3 +134,20 @@ def test_pipeline_md_s_hugging_face_example_runs_as_written_and_gives_the_logits
     with pytest.raises(KeyError, match="has no 'no_such'.*logits"):
         pipe(x)
     pipe.close()
+
+
+def test_the_readmes_in_process_example_trains_as_written():
+    """The README's torchgpipe block: `output = pipe(inputs)`, a loss of it backwarded, an optimizer's step."""
+    import torch
+
+    import gpipe
+
+    block, = (b for b in blocks(README.read_text(), "python") if "gpipe.Pipeline" in b)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    before = [p.detach().clone() for p in model.parameters()]
+    names = {"gpipe": gpipe, "model": model, "inputs": torch.randn(8, 4), "targets": torch.randn(8, 4),
+             "loss_fn": torch.nn.functional.mse_loss, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(block, names)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # every layer trained
+    names["pipe"].close()

@@ -2,6 +2,7 @@
 
     gpipe/                     the engine: pipeline, stage interpreter, schedules, transport, ... and its rooms
       capture/ memory/ data/   (the engine's rooms import the engine and each other)
+      torchgpipe/              (torchgpipe's API over gpipe.Pipeline: a room of the engine too)
     gpipe/service/             what the service's processes share: gRPC, net, zygote, records, v1/
     worker/                    gpipe.worker: dataplane/ (c10d, channels, lanes), then the daemon above it
     coordinator/               gpipe.coordinator, by room, lowest first:
@@ -23,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"gpipe": "gpipe", **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
            ["package-dir"]}
-ENGINE_ROOMS = ("capture", "memory", "data")
+ENGINE_ROOMS = ("capture", "memory", "data", "torchgpipe")
 COORDINATOR_ROOMS = ("spec", "outputs", "plan", "attempt", "supervisor", "server", "cli")
 
 # Each layer or room, lowest first, with what it may import of ours (beside itself).

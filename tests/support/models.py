@@ -20,6 +20,25 @@ def mlp_dropout(width: int = 16, depth: int = 5, p: float = 0.2) -> nn.Sequentia
     return nn.Sequential(*layers, nn.Linear(width, width))
 
 
+class OwnDropout(nn.Module):
+    """A layer that calls F.dropout itself, with no mark: its recomputation must replay its forward's mask."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, self.p, self.training)
+
+
+def mlp_own_dropout(width: int = 16, depth: int = 3, p: float = 0.2) -> nn.Sequential:
+    """mlp_dropout with every other dropout a layer of the model's own (OwnDropout)."""
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh(), nn.Dropout(p) if i % 2 else OwnDropout(p)]
+    return nn.Sequential(*layers, nn.Linear(width, width))
+
+
 class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int = 64):
         super().__init__()

@@ -54,13 +54,15 @@ def optimizer(opt_spec: dict[str, Any], params: Any) -> torch.optim.Optimizer:
 
 
 def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = None,
-          pipelined: bool = False) -> dict[str, torch.Tensor]:
+          pipelined: bool = False, as_chunk: bool = False) -> dict[str, torch.Tensor]:
     """The weights (on the CPU) after training `spec` on `device`, one micro-batch after another.
 
     `cuts`, layers per stage: with bf16 or fp16, the float32 values between those stages are cast to the
     autocast dtype, as they are when they cross a cut. With `pipelined`, the same loop runs each step's
     forwards and backwards through gpipe.Pipeline cut at `cuts` (the spec's chunks, schedule, checkpointing,
-    precision, deferred BatchNorm and replicas), as a user of the in-process API would.
+    precision, deferred BatchNorm and replicas), as a user of the in-process API would. `as_chunk`: one
+    device's micro-batches cut as torch.chunk cuts them, as gpipe.Pipeline does, rather than as the service does
+    (micro_batches).
     """
     seed = spec.get("seed", 0)
     model = initial_model(spec).to(device)
@@ -121,7 +123,8 @@ def train(spec: dict[str, Any], device: str = "cpu", cuts: list[int] | None = No
                 sched.step()
             continue
         whole_batch = WholeBatchStatistics(model) if spec.get("deferred_batch_norm") else None
-        for i, (xm, ym, size) in enumerate(micro_batches(x, y, batch, chunks, spec.get("replicas", 1))):
+        cut = micro_batches(x, y, batch, chunks, spec.get("replicas", 1), as_chunk=as_chunk)
+        for i, (xm, ym, size) in zip(numbers(batch, chunks, spec.get("replicas", 1), as_chunk), cut, strict=True):
             if half is None:
                 out = seeded_forward(layers, xm, seed, step, i)
             else:
@@ -222,27 +225,45 @@ class WholeBatchStatistics:
             m(torch.cat(inputs))  # training mode: one update with the whole batch's statistics
 
 
-def micro_batches(x: Any, y: Any, batch: int, chunks: int, replicas: int = 1) -> list[tuple[Any, Any, int]]:
+def micro_batches(x: Any, y: Any, batch: int, chunks: int, replicas: int = 1,
+                  as_chunk: bool = False) -> list[tuple[Any, Any, int]]:
     """The step's (input, target, size) micro-batches in order: the batch cut into `replicas` contiguous
-    shards, each into `chunks`; replica r's micro-batch i is number r*chunks+i."""
+    shards, each into `chunks`; replica r's micro-batch i is number r*chunks+i. Each shard is cut as
+    torch.tensor_split cuts it (the service's spec), or with `as_chunk` as torch.chunk does (gpipe.Pipeline,
+    as torchgpipe: fewer micro-batches when they do not fill `chunks`)."""
     out = []
     for xs, ys, rows in zip(split(x, replicas), split(y, replicas), torch.tensor_split(torch.arange(batch), replicas),
                             strict=True):
-        sizes = [len(r) for r in torch.tensor_split(rows, chunks)]
-        out += list(zip(split(xs, chunks), split(ys, chunks), sizes, strict=True))
+        if as_chunk:
+            sizes = [len(r) for r in torch.chunk(rows, chunks)]
+            out += list(zip(split(xs, sizes), split(ys, sizes), sizes, strict=True))
+        else:
+            sizes = [len(r) for r in torch.tensor_split(rows, chunks)]
+            out += list(zip(split(xs, chunks), split(ys, chunks), sizes, strict=True))
     return out
 
 
-def split(batch: Any, chunks: int) -> list[Any]:
-    """Micro-batches: every tensor cut along dim 0 by torch.tensor_split, everything else copied."""
+def numbers(batch: int, chunks: int, replicas: int = 1, as_chunk: bool = False) -> list[int]:
+    """The numbers of micro_batches' micro-batches (their seeds): replica r's i-th is r*chunks+i."""
+    out = []
+    for r, rows in enumerate(torch.tensor_split(torch.arange(batch), replicas)):
+        count = len(torch.chunk(rows, chunks)) if as_chunk else chunks
+        out += [r * chunks + i for i in range(count)]
+    return out
+
+
+def split(batch: Any, chunks: int | list[int]) -> list[Any]:
+    """Micro-batches: every tensor cut along dim 0 by torch.tensor_split (or, given sizes, torch.split), everything
+    else copied."""
+    count = len(chunks) if isinstance(chunks, list) else chunks
     if isinstance(batch, torch.Tensor):
-        return list(torch.tensor_split(batch, chunks))
+        return list(torch.split(batch, chunks) if isinstance(chunks, list) else torch.tensor_split(batch, chunks))
     if isinstance(batch, tuple | list):
         return [type(batch)(parts) for parts in zip(*(split(v, chunks) for v in batch), strict=True)]
     if isinstance(batch, dict):
         cut = {k: split(v, chunks) for k, v in batch.items()}
-        return [{k: cut[k][i] for k in batch} for i in range(chunks)]
-    return [batch] * chunks
+        return [{k: cut[k][i] for k in batch} for i in range(count)]
+    return [batch] * count
 
 
 def evaluate(spec: dict[str, Any], state: dict[str, torch.Tensor],
