@@ -1,4 +1,5 @@
-"""gpipe: GPipe-style pipeline parallelism; `gpipe.Pipeline` runs a model's stages as threads of this process.
+"""gpipe: GPipe-style pipeline parallelism; `gpipe.Pipeline` runs a model's stages as threads of this process,
+`gpipe.load_weights(model, path)` loads a job's weights (or a checkpoint's) back into its model.
 
 The rest of the package is what the coordinator and the workers share (schedules, factories, RNG, networking).
 """
@@ -10,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
+    from gpipe.weights import load_weights
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "load_weights"]
 
 # The torch releases gpipe is tested with (pyproject.toml says the same range; `make test` installs 2.13.0,
 # `make gpu-check` runs on the GPU host's own torch). Read without importing torch, which takes seconds.
@@ -53,4 +55,8 @@ def __getattr__(name: str) -> Any:
         from gpipe.pipeline import Pipeline
 
         return Pipeline
+    if name == "load_weights":
+        from gpipe.weights import load_weights
+
+        return load_weights
     raise AttributeError(f"module 'gpipe' has no attribute {name!r}")

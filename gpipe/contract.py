@@ -128,6 +128,7 @@ class StepResult:
     snapshot: dict[str, Any] | None = None  # a checkpoint copy to pull in pieces (gpipe.worker.state_stream)
     snapshot_s: float | None = None  # the copy-out's pause, between this step and the next
     snapshot_wait_s: float | None = None  # the wait for the previous copy to be pulled
+    rss_bytes: int | None = None  # the process's resident memory at the step's end (after the optimizer step)
 
     def metrics(self) -> dict[str, Any]:
         """This stage's entry in a metrics.jsonl line."""
@@ -136,6 +137,7 @@ class StepResult:
             out["reduce_s"] = self.reduce_s
         out |= {"busy_s": self.busy_s, "idle_s": self.idle_s,
                 "activation_peak_bytes": self.activation_peak_bytes, "peak_memory_bytes": self.peak_memory_bytes,
+                **({"rss_bytes": self.rss_bytes} if self.rss_bytes is not None else {}),
                 "start_unix": self.start_unix, "timeline": self.timeline,
                 "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes}
         if self.skipped is not None:

@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "hf_dataset": "gpipe.data.hf_dataset:hf_dataset",
     "cross_entropy": "gpipe.losses:cross_entropy",
     "mse": "gpipe.losses:mse",
+    "model": "gpipe.losses:model_loss",
 }
 
 

@@ -48,7 +48,7 @@ import functools
 import operator
 from collections.abc import Callable
 from functools import reduce
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -290,6 +290,17 @@ class _Embedding(torch.autograd.Function):
         return acc.index_add_(0, rows, g.to(acc.dtype)), None, None
 
 
+def _traced(form: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Where torch.fx traces a graph that calls `form` symbolically, the node that calls it (else None). A
+    GraphModule that `rewrite` changed is traced so when it is unpickled (torch.fx re-traces its code: a
+    captured piece sent to another process, as the plan's measuring processes are): its arguments are then
+    Proxies, which `_wants` cannot ask, and the graph must call `form` again, not run it."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, fx.Proxy):
+            return cast(torch.Tensor, a.tracer.create_proxy("call_function", form, args, kwargs))
+    return None
+
+
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
     out: torch.Tensor = fn.apply(*args)  # type: ignore[no-untyped-call]  # unannotated in torch
     return out
@@ -297,6 +308,8 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """aten.linear, its weight's gradient computed into `.grad` where that applies."""
+    if (node := _traced(linear, x, weight, bias)) is not None:
+        return node
     if not _wants(weight, x, bias):
         return _LINEAR(x, weight, bias)
     return _apply(_Linear, x, weight, bias)
@@ -305,6 +318,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def addmm(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
           ) -> torch.Tensor:
     """aten.addmm (mat2 the weight), its gradient computed into `.grad` where that applies."""
+    if (node := _traced(addmm, bias, mat1, mat2, beta=beta, alpha=alpha)) is not None:
+        return node
     if beta != 1 or alpha != 1 or not _wants(mat2, bias, mat1):
         return _ADDMM(bias, mat1, mat2, beta=beta, alpha=alpha)
     return _apply(_Addmm, bias, mat1, mat2)
@@ -314,6 +329,8 @@ def embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1
               sparse: bool = False) -> torch.Tensor:
     """aten.embedding, its weight's gradient computed into `.grad` where that applies (not for
     scale_grad_by_freq or sparse gradients: autograd's own)."""
+    if (node := _traced(embedding, weight, indices, padding_idx, scale_grad_by_freq, sparse)) is not None:
+        return node
     if scale_grad_by_freq or sparse or not _wants(weight):
         return _EMBEDDING(weight, indices, padding_idx, scale_grad_by_freq, sparse)
     return _apply(_Embedding, weight, indices, padding_idx)

@@ -33,12 +33,18 @@ def violation(schedule: str, stages: int, virtual_stages: int, chunks: int,
     if virtual_stages > 1 and record.model_chunks == (1,):
         return (f"virtual_stages: {virtual_stages} model chunks per worker need schedule "
                 f"{' or '.join(schedules.several_chunks())}, not {schedule}")
+    if record.model_chunks is None and virtual_stages == 1:  # any number of chunks but one: that is 1f1b
+        return (f"virtual_stages: {schedule} interleaves several model chunks per worker: set virtual_stages "
+                f"to 2 or more (1 would be plain 1f1b)")
     if record.model_chunks is not None and virtual_stages not in record.model_chunks:
         return (f"virtual_stages: {schedule} holds {' or '.join(map(str, record.model_chunks))} model chunks per "
                 f"worker{' (a V)' if record.v_shape else ''}, not {virtual_stages}")
     if record.rounds and virtual_stages > 1 and chunks % stages:
         return (f"chunks: {schedule} runs the micro-batches in rounds of the {stages} workers: {chunks} is "
                 f"not a multiple of {stages}")
+    if chunks < record.min_rounds * stages:
+        return (f"chunks: {schedule} takes at least {record.min_rounds} rounds of the {stages} workers' "
+                f"micro-batches: {record.min_rounds * stages} or more, not {chunks}")
     if activation_checkpoint not in CHECKPOINTS:
         return f"activation_checkpoint: {activation_checkpoint!r} is not one of {', '.join(CHECKPOINTS)}"
     return None

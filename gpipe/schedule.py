@@ -63,6 +63,14 @@ in zb-h1; 19 half-ticks, the bubble (P-1)/(6M+P-1) for M >= 2P-1:
     worker 0    F0   F1   F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1   B0   W0 F2.1 B2.1 W2.1 ...
     worker 1     .   F0 F0.1   F1 F1.1 B0.1 W0.1   F2   B0   W0 F2.1 B1.1 W1.1   B1 ...
 
+v-half and v-min (gpipe/vshape.py: "Pipeline Parallelism with Controllable
+Memory", arXiv 2405.15362) place the model as zbv does and split the backward,
+but space the passes of a micro-batch so that a worker holds about half (v-half)
+or a third (v-min) of 1f1b's activations for many workers: (P+2)//2 and (P+4)//3
+stages' worth against 1f1b's P. dualpipev (gpipe/dualpipev.py) is DualPipeV's
+order of forward and backward pairs on the same V, the pairs run one after the
+other; it takes 2P micro-batches or more.
+
 (The cost model is the usual one: a backward does about twice a forward's
 work, half of it for the inputs and half for the weights. The first stage's
 inputs want no gradient, so its B does nothing and its W the whole backward;
@@ -75,6 +83,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from gpipe import dualpipev as _dualpipev
+from gpipe import vshape
 from gpipe.topology import model_chunk, place  # which worker holds which model chunk: decided there
 
 
@@ -180,6 +190,32 @@ def zbv(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     return [a for a in actions if a.micro_batch < chunks]
 
 
+def _v_only(name: str, virtual: int) -> None:
+    if virtual != 2:
+        raise ValueError(f"virtual_stages: {name} holds 2 model chunks per worker, not {virtual}")
+
+
+def v_half(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """V-Half (arXiv 2405.15362, gpipe/vshape.py): zbv's V and split backward, its passes spaced so that a worker
+    holds at most (stages+2)//2 stages' worth of activations (about half of 1f1b's `stages`). Any `chunks`."""
+    _v_only("v-half", virtual)
+    return [Action(*s) for s in vshape.steps("half", stage, stages, chunks)]
+
+
+def v_min(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """V-Min (arXiv 2405.15362, gpipe/vshape.py): as v-half, each pass right after what it waits for: at most
+    (stages+4)//3 stages' worth of activations (about a third of 1f1b's), for more bubble. Any `chunks`."""
+    _v_only("v-min", virtual)
+    return [Action(*s) for s in vshape.steps("min", stage, stages, chunks)]
+
+
+def dualpipev(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """DualPipeV (gpipe/dualpipev.py): DeepSeek's forward and backward pairs on zbv's V, a pair run one after the
+    other; `chunks` at least 2*stages (ValueError below that)."""
+    _v_only("dualpipev", virtual)
+    return [Action(*s) for s in _dualpipev.steps(stage, stages, chunks)]
+
+
 @dataclass(frozen=True)
 class Record:
     """One schedule, and everything the rest of gpipe asks of it: its builder, how many model chunks a worker
@@ -194,6 +230,7 @@ class Record:
     model_chunks: tuple[int, ...] | None = (1,)  # the model chunks per worker it takes; None: any number
     v_shape: bool = False  # worker k holds model chunks k and 2*workers-1-k (a V), not k, k+workers, ...
     rounds: bool = False  # with several model chunks a worker, micro-batches go in rounds of `workers`
+    min_rounds: int = 0  # micro-batches at least min_rounds x `workers` (dualpipev: 2); fewer are refused
     searched_with: int | None = 1  # the model chunks per worker `auto` and `plan` search it with; None: never
 
 
@@ -245,11 +282,19 @@ for _record in (
     Record("zbv", zbv, "zbv: virtual_stages 2, worker k holding model chunks k and 2*stages-1-k (a V), the "
            "backward split as zb-h1's: about no bubble at 1f1b's activation memory.", model_chunks=(2,),
            v_shape=True, searched_with=2),
+    Record("v-half", v_half, "v-half (Pipeline Parallelism with Controllable Memory): zbv's V and split "
+           "backward, at most (stages+2)//2 stages' worth of activations on a worker (about half of 1f1b's), "
+           "any chunks.", model_chunks=(2,), v_shape=True, searched_with=None),
+    Record("v-min", v_min, "v-min: as v-half, at most (stages+4)//3 stages' worth (about a third of 1f1b's), "
+           "for more bubble; any chunks.", model_chunks=(2,), v_shape=True, searched_with=None),
+    Record("dualpipev", dualpipev, "dualpipev: DualPipeV's forward and backward pairs on zbv's V, run one "
+           "after the other; chunks at least 2*stages.", model_chunks=(2,), v_shape=True, min_rounds=2,
+           searched_with=None),
 ):
     register(_record)
 
 # The schedules a job spec may name: the records above (tests/engine/test_schedule.py holds them together).
-Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"]
+Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipev"]
 
 
 def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:

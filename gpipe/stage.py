@@ -42,7 +42,7 @@ from gpipe.capture import graph as capture
 from gpipe.capture import skeleton
 from gpipe.contract import EvalResult, StageConfig, StepResult
 from gpipe.factory import add_import_paths, resolve
-from gpipe.memory.meter import ActivationMeter, storage_key
+from gpipe.memory.meter import ActivationMeter, resident_bytes, storage_key
 from gpipe.memory.zero import ShardedOptimizer
 from gpipe.precision import Precision
 from gpipe.recompute import Buffers, checkpointing
@@ -232,6 +232,9 @@ class Pass:
     def tag(self, mb: int) -> int:
         """The number micro-batch `mb` travels under: eval batches under negative ones (gpipe.eval_schedule)."""
         return mb if self.train else eval_schedule.tag(mb)
+
+
+CLIP_SLICE = 1 << 20  # elements of a gradient whose float64 squares clipping makes at once on a CPU (8 MiB)
 
 
 class Stage:
@@ -476,7 +479,7 @@ class Stage:
             loss_sum=p.loss_sum() if self.last else None, grad_norm=grad_norm,
             busy_s=p.busy, idle_s=max(0.0, step_s - p.busy),
             activation_peak_bytes=self.meter.peak if p.metered else None, peak_memory_bytes=self._peak_memory(),
-            start_unix=start_unix, timeline=p.timeline,
+            rss_bytes=resident_bytes(), start_unix=start_unix, timeline=p.timeline,
             sent_bytes={c.name: c.bytes - bytes_before[c.name] for c in self.senders},
             received_bytes={c.name: c.bytes - bytes_before[c.name] for c in self.receivers},
             reduce_s=reduce_s if cfg.replicas > 1 else None,
@@ -886,9 +889,15 @@ class Stage:
         grads = [p.grad for p in held if p.grad is not None]
         copies = {id(p) for p, _, first in self.tied if not first}  # a tied weight counts once, at its first holder
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        # On a CPU, a slice of each gradient at a time: a whole one's float64 squares (twice a language model's 25 MiB
+        # embedding, twice over) came from the heap after the optimizer's first step had taken its holes, and
+        # stayed: +120 MiB at a GPT-2 worker's second step (docs/memory.md).
+        most = CLIP_SLICE if self._on_cpu else None
         for p, g in zip(held, grads, strict=True):
             if id(p) not in copies:
-                sq += g.detach().double().pow(2).sum()
+                flat = g.detach().reshape(-1)
+                for at in range(0, flat.numel(), most or max(1, flat.numel())):
+                    sq += flat[at:at + most if most else None].double().pow_(2).sum()
         self.transport.all_reduce(sq, "pipeline")  # over all stages' parameters, not this stage's
         norm = float(sq.sqrt())
         coef = max_norm / (norm + 1e-6)
@@ -921,12 +930,12 @@ class Stage:
                 tensors[layout.model_key(saved)] = out(t)
         scalars: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
-        fetch = None
-        if isinstance(self.optimizer, ShardedOptimizer):  # gathered tensor by tensor as the checkpoint is written
+        fetch = rounds = None
+        if isinstance(self.optimizer, ShardedOptimizer):  # gathered in rounds as the checkpoint is written
             deferred = self._sharded_entries()
             tensors |= {key: meta for key, (_, _, meta) in deferred.items()}
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            fetch = self._fetcher(deferred)
+            fetch, rounds = self._fetcher(deferred)
         elif self.optimizer is not None:
             for name, p in zip(self.param_names, self.params, strict=True):
                 if (saved := self.saved_name(name)) is None:
@@ -943,7 +952,7 @@ class Stage:
         json_state = {"param_groups": groups, "optimizer_state": scalars, "params": self.param_names}
         if self.precision.scaler is not None:
             json_state[layout.LOSS_SCALE] = self.precision.scaler.state()
-        return StageState(tensors, json_state, fetch)
+        return StageState(tensors, json_state, fetch, rounds)
 
     def _sharded_entries(self) -> dict[str, tuple[int, str, torch.Tensor]]:
         """With the optimizer sharded: checkpoint key -> (parameter, state key, the whole tensor on meta), for
@@ -954,7 +963,9 @@ class Stage:
         return {layout.optim_key(saved[i] or "", key): (i, key, meta)
                 for (i, key), meta in opt.snapshot_entries([s is not None for s in saved]).items()}
 
-    def _fetcher(self, deferred: dict[str, tuple[int, str, torch.Tensor]]) -> Callable[[str], torch.Tensor]:
+    def _fetcher(self, deferred: dict[str, tuple[int, str, torch.Tensor]]) -> tuple[
+            Callable[[str], torch.Tensor], Callable[[str], Iterator[tuple[int, torch.Tensor]]]]:
+        """A deferred tensor of the checkpoint whole (fetch), or in the gather's rounds (rounds)."""
         opt = self.optimizer
         assert isinstance(opt, ShardedOptimizer)
 
@@ -963,7 +974,11 @@ class Stage:
             whole = opt.fetch(i, name, meta.dim() == 0)
             assert whole is not None  # replica 0 writes the checkpoint
             return whole
-        return fetch
+
+        def rounds(key: str) -> Iterator[tuple[int, torch.Tensor]]:
+            i, name, meta = deferred[key]
+            return opt.rounds(i, name, meta.dim() == 0)
+        return fetch, rounds
 
     def contribute_snapshot(self) -> None:
         """A copy other than replica 0's, at a checkpoint with the optimizer sharded: give replica 0 this copy's
@@ -971,7 +986,8 @@ class Stage:
         if not isinstance(self.optimizer, ShardedOptimizer):
             return
         for _key, (i, name, meta) in sorted(self._sharded_entries().items()):
-            self.optimizer.fetch(i, name, meta.dim() == 0)
+            for _ in self.optimizer.rounds(i, name, meta.dim() == 0):
+                pass  # replica 0 takes the parts
 
     def _restore(self, resume: StageState) -> None:
         """Load the optimizer and RNG state of a checkpoint (the weights came with `state`)."""

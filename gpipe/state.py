@@ -19,7 +19,8 @@ and its JSON state is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,18 @@ RNG = "rng/"
 RNG_CPU = "rng/cpu"
 RNG_CUDA = "rng/cuda"
 LOSS_SCALE = "loss_scale"
+
+# A checkpoint's names on disk, <state-dir>/<name>/checkpoints/step-<N>/ (coordinator/outputs/checkpoint.py writes
+# and reads it; gpipe.weights, below the coordinator, reads its weights back by the same names).
+CHECKPOINT_FORMAT = 1
+CHECKPOINTS = "checkpoints"  # in a job's output folder
+MANIFEST = "MANIFEST.json"  # each file's size and sha256, written last: the checkpoint's commit
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def shard_files(k: int) -> tuple[str, str]:
+    """Stage k's two files in a step directory: its tensors (safetensors) and its JSON state."""
+    return f"stage-{k}.safetensors", f"stage-{k}.json"
 
 
 def model_key(name: str) -> str:
@@ -55,6 +68,9 @@ class StageState:
     # A tensor on the meta device is not here yet: fetch(name) makes it, when its turn to be written comes (in
     # the names' order; the optimizer's state sharded across replicas: gpipe.memory.zero).
     fetch: Callable[[str], torch.Tensor] | None = None
+    # Or rounds(name): such a tensor's elements a part at a time, (element offset in the flat tensor, the part's
+    # elements), so that it is never whole in this process (gpipe.memory.zero.ShardedOptimizer.rounds).
+    rounds: Callable[[str], Iterator[tuple[int, torch.Tensor]]] | None = None
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor `name`, fetched if it is not here yet."""
@@ -64,6 +80,10 @@ class StageState:
                 raise ValueError(f"{name}: on the meta device, with nothing to fetch it")
             return self.fetch(name)
         return t
+
+    def deferred(self, name: str) -> bool:
+        """Whether tensor `name` comes in parts (`rounds`) rather than whole."""
+        return self.tensors[name].is_meta and self.rounds is not None
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The weights under the un-partitioned model's names (model/ stripped)."""

@@ -114,7 +114,11 @@ class Outgoing:
     (a GPU's one at a time through the host) are written into a local file
     with no name (it goes with the process), in the page cache: the stage's
     resident memory does not grow by a copy of its state, however long the
-    pieces take to be pulled, and the pause is that of the write.
+    pieces take to be pulled, and the pause is that of the write. A state
+    with tensors that come in parts (a sharded optimizer's, gathered from the
+    stage's copies: StageState.rounds) goes to the file whatever its size,
+    each part written where it goes as it comes: the whole state, or a whole
+    tensor of it, is never in this process.
     """
 
     def __init__(self, step: int, st: StageState):
@@ -125,16 +129,23 @@ class Outgoing:
         self.order = sorted(st.tensors)
         self.file: IO[bytes] | None = None
         self.copies: list[torch.Tensor] = []
-        if self.data_bytes <= IN_MEMORY_BYTES:
+        deferred = [name for name in self.order if st.deferred(name)]
+        if self.data_bytes <= IN_MEMORY_BYTES and not deferred:
             self.copies = [stream.as_bytes(stream.check_against(st.tensors[n], n, st.tensor(n)).detach()
                                            .to("cpu", copy=True).contiguous()) for n in self.order]
             return
         self.file = tempfile.TemporaryFile(prefix="gpipe-checkpoint-")
+        fd, at = self.file.fileno(), 0  # where the tensor starts in the data
         for name in self.order:
-            t = stream.check_against(st.tensors[name], name, st.tensor(name)).detach()
-            t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
-            if t.numel():
-                stream.write_all(self.file.fileno(), stream.numpy_bytes(t))
+            declared = st.tensors[name]
+            if st.deferred(name):
+                _write_parts(fd, at, name, declared, st)
+            else:
+                t = stream.check_against(declared, name, st.tensor(name)).detach()
+                t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
+                if t.numel():
+                    _pwrite_all(fd, stream.numpy_bytes(t), at)
+            at += stream.nbytes(declared)
 
     def describe(self) -> dict[str, Any]:
         """What the coordinator needs before the pieces: the header, the data's length, the JSON state."""
@@ -164,6 +175,31 @@ class Outgoing:
         self.copies = []
         if self.file is not None:
             self.file.close()
+
+
+def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+    """os.pwrite until all of `data` is written at byte `at` of the file."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], at + done)
+
+
+def _write_parts(fd: int, at: int, name: str, declared: torch.Tensor, st: StageState) -> None:
+    """Tensor `name`, which comes in parts (StageState.rounds), written part by part where each goes in the file
+    (its data from byte `at`); each part checked against the header's dtype, and the parts against its size."""
+    assert st.rounds is not None
+    size, count = declared.element_size(), 0
+    for offset, part in st.rounds(name):
+        if part.dtype != declared.dtype or offset < 0 or offset + part.numel() > declared.numel():
+            raise ValueError(f"{name}: the header declares {stream.DTYPES.get(declared.dtype, declared.dtype)} "
+                             f"{list(declared.shape)}, a part written is {stream.DTYPES.get(part.dtype, part.dtype)} "
+                             f"[{part.numel()}] at element {offset}")
+        part = (part.cpu() if part.device.type != "cpu" else part).contiguous()
+        if part.numel():
+            _pwrite_all(fd, stream.numpy_bytes(part.reshape(-1)), at + offset * size)
+        count += part.numel()
+    if count != declared.numel():
+        raise ValueError(f"{name}: {count} of its {declared.numel()} elements came")
 
 
 class Outbox:

@@ -193,7 +193,7 @@ class Run:
 
         def timed_out() -> JobFailed:
             late = [k for k in pending[finished] if k not in results[finished]]
-            message = (f"step {finished} timed out after {spec.step_timeout_s:.0f}s waiting for "
+            message = (f"step {finished + 1} timed out after {spec.step_timeout_s:.0f}s waiting for "
                        f"{', '.join(self.stage_name(k) for k in late)}")
             return JobFailed(message, error=self._blame(late[0], Cause.TIMEOUT, message, finished))
 
@@ -209,7 +209,7 @@ class Run:
                 issued += 1
             s, rank = watch.next(finished, timed_out)
             try:
-                results[s][rank] = self._result(f"at step {s}", rank, pending[s][rank], StepResult, s)
+                results[s][rank] = self._result(f"at step {s + 1}", rank, pending[s][rank], StepResult, s)
             except JobFailed as e:
                 if e.error is None or blamed(e.error.cause):
                     raise
@@ -240,7 +240,7 @@ class Run:
         try:
             shards = data.shards(step)  # per replica: (inputs, targets, sizes) of its micro-batches
         except Exception as e:  # the job's data set or collate, on a later batch than the plan checked
-            raise JobFailed(f"data: step {step}: {first_line(e)}", error=StageError.of(e, None, step)) from None
+            raise JobFailed(f"data: step {step + 1}: {first_line(e)}", error=StageError.of(e, None, step)) from None
         lr, last = lr_at(spec, step), slots.model_chunks - 1
         keep = snapshots and self.snapshot_after(step)
         sharded = spec.optimizer.shard and slots.replicas > 1
@@ -282,7 +282,7 @@ class Run:
         first, last = ranks[0], ranks[-1]
         stream = self.plan.eval_stream()
         n = self.evals.at(position)
-        after = f"after step {position - 1}" if position else "before any step"
+        after = f"after step {position}" if position else "before any step"  # counted from 1, as the progress line
         t0 = time.perf_counter()
         sent: dict[int, dict[int, Future]] = {}
         loss_sum, samples, issued = 0.0, 0, 0

@@ -241,7 +241,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
         if resume is not None:
             tell(report.Log(f"resuming from checkpoint {resume.path.name} ({resume.path})"))
         else:
-            tell(report.Log("no checkpoint to resume from: starting at step 0"))
+            tell(report.Log("no checkpoint to resume from: starting at step 1"))
     tell(report.Resumed(resume.step if resume else 0))
     port, secret = _rendezvous(a, spec)
     spec, auto = _auto(spec, a, placement, out, tell)
@@ -306,7 +306,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
         board.close()
     predicted.finish()  # plan.json complete before the job is done
     if stopped_at is not None:
-        tell(report.Log(f"preempted: stopped after step {stopped_at - 1}, with checkpoint step-{stopped_at}"))
+        tell(report.Log(f"preempted: stopped after step {stopped_at}, with checkpoint step-{stopped_at}"))
         tell(report.Preempted(stopped_at))
         return stopped_at
     if (line := _step_against_prediction(step_times, plan.predicted_step_s)) is not None:

@@ -64,7 +64,7 @@ class PartitionWatch:
                 if state != "waiting" or seconds < self.peer_timeout_s:
                     return
                 seen.append(f"{self.slots.name(rank)} for {what}")
-            raise JobFailed(f"step {step}: every stage has waited on its neighbours for {self.peer_timeout_s:.0f}s "
+            raise JobFailed(f"step {step + 1}: every stage has waited on its neighbours for {self.peer_timeout_s:.0f}s "
                             f"or more, none computing (a network partition between workers?): {'; '.join(seen)}",
                             cause=Cause.PEER)
         if looking is not None and time.monotonic() < looking.since + LOOK_TIMEOUT_S:

@@ -1,12 +1,15 @@
 """`gpipe-coordinator tokenize`: a text corpus into token files (gpipe.data.tokens reads them).
 
     gpipe-coordinator tokenize books/*.txt web.jsonl --tokenizer gpt2-tok/ --out data/train.bin --val-fraction 0.01
+    gpipe-coordinator tokenize books/*.txt --train-vocab 8192 --tokenizer tok/ --out data/train.bin  # offline
 
 The corpus: .txt files (each file one document), .jsonl (one document a line, its `text` field) and, with
 pyarrow installed, .parquet (the `text` column). The tokenizer: a folder with a tokenizer.json that the
 `tokenizers` package reads (pip install 'gpipe[data]'; a Hugging Face model's folder has one). Its ids
 are written one after another, uint16 when the vocabulary fits in 65535 ids, else uint32, little-endian,
-with --eos TOKEN after each document. With --val-fraction F the last F of the tokens go to val.bin
+with --eos TOKEN after each document. With --train-vocab N, the tokenizer is first trained on the corpus
+itself, nothing downloaded: a byte-level BPE of N ids (GPT-2's kind: the 256 bytes, --eos, merges), written
+to --tokenizer DIR as DIR/tokenizer.json. With --val-fraction F the last F of the tokens go to val.bin
 beside train.bin (a name with `train` in it has it replaced by `val`), as nanoGPT cuts its corpora.
 
 The output is the same bytes whatever --workers: N processes tokenize the corpus's pieces (a .txt is cut
@@ -43,7 +46,11 @@ def add_parser(sub: Any) -> None:
     t = sub.add_parser("tokenize", help="turn .txt/.jsonl/.parquet files into token files (data.factory tokens)",
                        description=(__doc__ or "").split("\n\n")[2])
     t.add_argument("corpus", nargs="+", help="the corpus's files (.txt, .jsonl, .parquet), in order")
-    t.add_argument("--tokenizer", required=True, metavar="DIR", help="a folder with a tokenizer.json")
+    t.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="a folder with a tokenizer.json (with --train-vocab: where to write it)")
+    t.add_argument("--train-vocab", type=int, default=None, metavar="N",
+                   help="first train a byte-level BPE tokenizer of N ids (the 256 bytes, --eos, then merges) on the "
+                        "corpus, offline, and write it to --tokenizer DIR as DIR/tokenizer.json (a new file)")
     t.add_argument("--out", required=True, metavar="FILE", help="the token file to write, e.g. data/train.bin")
     t.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="write the last F of the tokens (0 < F < 1) to val.bin beside --out")
@@ -55,13 +62,29 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out)
     if not 0 <= args.val_fraction < 1:
         raise SpecError(f"--val-fraction {args.val_fraction}: expected a fraction below 1")
     if args.workers < 1:
         raise SpecError(f"--workers {args.workers}: expected at least 1")
     files = [_corpus_file(c) for c in args.corpus]
-    tok_json = _tokenizer_json(Path(args.tokenizer))
+    if args.train_vocab is None:
+        return _tokenize(files, _tokenizer_json(Path(args.tokenizer)), args)
+    target, partial, made = _train(files, Path(args.tokenizer), args)
+    try:
+        code = _tokenize(files, partial, args)
+    except BaseException:  # no file left behind: the tokenizer goes with the token files
+        partial.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()
+        raise
+    os.replace(partial, target)
+    return code
+
+
+def _tokenize(files: list[Path], tok_json: Path, args: argparse.Namespace) -> int:
+    """The corpus `files` into token files with the tokenizer at `tok_json` (the module's doc)."""
+    out = Path(args.out)
     tokenizer = _load(tok_json)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     # torch's import, paid by this verb alone: the CLI's other verbs import none.
@@ -113,6 +136,54 @@ def _corpus_file(name: str) -> Path:
     return p
 
 
+MAX_TRAIN_VOCAB = 1 << 20  # --train-vocab's largest: past any language model's vocabulary (Llama 3: 128,256)
+
+
+def _train(files: list[Path], folder: Path, args: argparse.Namespace) -> tuple[Path, Path, bool]:
+    """--train-vocab N: a byte-level BPE tokenizer (GPT-2's kind: the 256 bytes, --eos as a special token, and
+    merges up to N ids) trained on the corpus with the tokenizers package, nothing downloaded. Written to
+    `folder`/tokenizer.json's partial name (renamed once the token files are written); returns (tokenizer.json,
+    that partial file, whether `folder` was made here). SpecError, one line, for what cannot be done."""
+    target = folder if folder.suffix == ".json" else folder / "tokenizer.json"
+    specials = [args.eos] if args.eos is not None else []
+    if not 256 + len(specials) <= args.train_vocab <= MAX_TRAIN_VOCAB:
+        raise SpecError(f"--train-vocab {args.train_vocab}: expected {256 + len(specials)} (the 256 bytes"
+                        f"{' and --eos' if specials else ''}) to {MAX_TRAIN_VOCAB:,} ids")
+    if target.exists():
+        raise SpecError(f"--tokenizer {folder}: {target} exists; --train-vocab writes a new one (remove it, or "
+                        "leave out --train-vocab to tokenize with it)")
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise SpecError("tokenize needs the tokenizers package: pip install 'gpipe[data]'") from None
+    made = not target.parent.exists()
+    partial = _partial(target, "--tokenizer")
+    try:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=args.train_vocab, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      # (its bars: on a terminal only; elsewhere it writes empty lines)
+                                      show_progress=not args.no_progress and sys.stderr.isatty())
+        texts = (text for path in files for text, _ in _documents(path, args.text_field))
+        tok.train_from_iterator(texts, trainer)
+        tok.save(str(partial))
+    except BaseException as e:
+        partial.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()
+        if isinstance(e, OSError):
+            raise SpecError(f"--tokenizer: {describe_os_error(e)}") from None
+        raise
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    fewer = f" (of {args.train_vocab:,} asked: the corpus has no more pairs to merge)" if vocab < args.train_vocab \
+        else ""
+    print(f"{target}: a byte-level BPE tokenizer of {vocab:,} ids{fewer}, trained on {len(files)} corpus file(s)")
+    return target, partial, made
+
+
 def _tokenizer_json(folder: Path) -> Path:
     path = folder if folder.suffix == ".json" else folder / "tokenizer.json"
     if not path.is_file():
@@ -137,14 +208,15 @@ def _val_name(out: Path) -> Path:
     return out.with_name(name)
 
 
-def _partial(path: Path) -> Path:
-    """The name `path` is written under until it is whole; SpecError when its folder cannot take it."""
+def _partial(path: Path, flag: str = "--out") -> Path:
+    """The name `path` is written under until it is whole; SpecError naming `flag` when its folder cannot take
+    it."""
     part = path.with_name(path.name + ".partial")
     try:
         part.parent.mkdir(parents=True, exist_ok=True)
         part.open("wb").close()
     except OSError as e:
-        raise SpecError(f"--out: {describe_os_error(e)}") from None
+        raise SpecError(f"{flag}: {describe_os_error(e)}") from None
     return part
 
 

@@ -480,7 +480,7 @@ def _validate(job: JobFile, args: argparse.Namespace) -> int:
     gpus = "" if args.skip_gpu_check else _validate_gpus(spec)
     enter_job_folder(job_dir)  # a process of this job's own: its factories run in its folder
     plan = _within_memory(args.memory_mib, lambda: make_plan(spec, job_dir))
-    print(f"{args.job}: ok ({len(plan.model)} layers, balance {plan.balance})")
+    print(f"{args.job}: ok ({plan.summary()})")
     if spec.auto:
         print(f"  auto: {', '.join(spec.auto)}: chosen when the job starts, for its workers and their "
               "memory (`gpipe-coordinator plan` shows the choice); the figures below are the meanwhile "

@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import queue
-import re
 import shutil
 import struct
 import threading
@@ -60,12 +59,13 @@ from gpipe.files import (
 )
 from gpipe.state import StageState
 
-# The layout on disk (the module's docstring draws it) is decided here alone: other modules ask these.
-FORMAT = 1
-FOLDER = "checkpoints"  # in a job's output folder
-MANIFEST = "MANIFEST.json"
+# The layout on disk (the module's docstring draws it) is decided here alone: other modules ask these. The names
+# the engine also reads (gpipe.weights: a checkpoint's weights back into a model) are gpipe.state's.
+FORMAT = layout.CHECKPOINT_FORMAT
+FOLDER = layout.CHECKPOINTS  # in a job's output folder
+MANIFEST = layout.MANIFEST
 META = "checkpoint.json"
-STEP_RE = re.compile(r"^step-(\d+)$")
+STEP_RE = layout.STEP_RE
 
 
 def folder(out: Path) -> Path:
@@ -86,7 +86,7 @@ def step_of(d: Path) -> int | None:
 
 def shard_files(k: int) -> tuple[str, str]:
     """Stage k's two files in a step directory: its tensors (safetensors) and its JSON state."""
-    return f"stage-{k}.safetensors", f"stage-{k}.json"
+    return layout.shard_files(k)
 
 
 

@@ -12,11 +12,11 @@ from gpipe.coordinator.plan.job import Plan
 
 # Every JobSpec field is one of three kinds (stage_config checks, so that a new one cannot be forgotten):
 # copied to the StageConfig field of the same name,
-SAME_AS_SPEC = ("virtual_stages", "loss", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
+SAME_AS_SPEC = ("virtual_stages", "schedule", "chunks", "activation_checkpoint", "seed", "clip_grad_norm",
                 "step_timeout_s", "start_timeout_s", "deferred_batch_norm", "replicas", "init", "init_hook",
                 "precision", "deterministic")
 # read into StageConfig fields of other names (stage_config),
-DERIVED_FROM_SPEC = ("stages", "model", "optimizer", "data", "loss_scale", "eval", "steps", "activation_meter_every")
+DERIVED_FROM_SPEC = ("stages", "model", "loss", "optimizer", "data", "loss_scale", "eval", "steps", "activation_meter_every")
 # or the coordinator's alone: the stages never see it.
 COORDINATOR_ONLY = ("name", "balance", "probe", "lr_schedule", "device", "log_every", "trace_step",
                     "checkpoint_every", "keep_checkpoints", "max_restarts", "restart_timeout_s", "peer_timeout_s",
@@ -43,7 +43,7 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
     values |= {
         "model_chunk": model_chunk, "start": start, "end": end, "replica": replica, "device": device,
         "store_host": store_host, "store_port": store_port,
-        "model_factory": spec.model.factory, "model_args": spec.model.args,
+        "model_factory": spec.model.factory, "model_args": spec.model.args, "loss": spec.loss_function,
         "optimizer": spec.optimizer.name, "optimizer_args": spec.optimizer.torch_kwargs(),
         "shard_optimizer": spec.optimizer.shard,
         "import_paths": plan.import_paths, "skip_routes": plan.skip_routes(),

@@ -31,9 +31,14 @@ from gpipe import structure
 
 
 class DataStream:
+    """`targets_into`: with the model's own loss, (keyword, first input's name): each batch's input gives the
+    model its targets too (`with_targets`)."""
+
     def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, shuffle: bool, seed: int,
-                 collate: Callable[[list[Any]], Any] | None = None, replicas: int = 1):
+                 collate: Callable[[list[Any]], Any] | None = None, replicas: int = 1,
+                 targets_into: tuple[str, str] | None = None):
         self.dataset, self.batch_size, self.chunks, self.replicas = dataset, batch_size, chunks, replicas
+        self.targets_into = targets_into
         self.collate = collate or default_collate
         self.shuffle, self.seed = shuffle, seed
         self.n = len(cast(Sized, dataset))  # map-style: torch's Dataset type leaves __len__ out
@@ -56,7 +61,7 @@ class DataStream:
 
     def batch(self, step: int) -> tuple[Any, Any]:
         """The (inputs, targets) of step `step`, collated; ValueError naming what is wrong."""
-        return _pair(_collated(self.dataset, self.indices(step), self.collate))
+        return with_targets(*_pair(_collated(self.dataset, self.indices(step), self.collate)), self.targets_into)
 
     def micro_batches(self, step: int) -> tuple[list[Any], list[Any], list[int]]:
         """The step's inputs and targets cut by torch.tensor_split into `chunks` micro-batches, and their sizes.
@@ -89,6 +94,23 @@ def _collated(dataset: Dataset[Any], indices: list[int], collate: Callable[[list
     return collate([dataset[i] for i in indices])
 
 
+def with_targets(inputs: Any, targets: Any, into: tuple[str, str] | None) -> tuple[Any, Any]:
+    """(inputs, targets), where the model takes its targets itself (`into`: (keyword, first input's name)) the
+    inputs as the model's keyword inputs with the targets among them: a dict gains the keyword, one tensor
+    becomes {first input: inputs, keyword: targets}. The targets stay beside (the last stage does not use them)."""
+    if into is None:
+        return inputs, targets
+    keyword, first = into
+    if isinstance(inputs, dict):
+        if keyword in inputs:
+            raise ValueError(f"the inputs already hold {keyword!r}, which the model's own loss gives the targets by")
+        return {**inputs, keyword: targets}, targets
+    if isinstance(inputs, torch.Tensor):
+        return {first: inputs, keyword: targets}, targets
+    raise ValueError(f"the inputs are {structure.describe(inputs)}: the model's own loss needs a tensor or a dict "
+                     "of the model's keyword inputs")
+
+
 def _pair(batch: Any) -> tuple[Any, Any]:
     if not (type(batch) in (tuple, list) and len(batch) == 2):
         raise ValueError(f"the collated batch is {structure.describe(batch)}, expected an (input, target) pair")
@@ -107,8 +129,9 @@ class EvalStream:
     shorter, so an evaluation of every batch sees each item once. `batches` limits it to the first ones."""
 
     def __init__(self, dataset: Dataset[Any], batch_size: int, chunks: int, batches: int | None = None,
-                 collate: Callable[[list[Any]], Any] | None = None):
+                 collate: Callable[[list[Any]], Any] | None = None, targets_into: tuple[str, str] | None = None):
         self.dataset, self.batch_size, self.chunks = dataset, batch_size, chunks
+        self.targets_into = targets_into
         self.collate = collate or default_collate
         self.n = len(cast(Sized, dataset))
         self.batches = batches if batches is not None else -(-self.n // batch_size)
@@ -118,4 +141,5 @@ class EvalStream:
         than that), and their sizes; ValueError naming what is wrong."""
         start = batch * self.batch_size
         items = list(range(start, min(start + self.batch_size, self.n)))
-        return _cut(*_pair(_collated(self.dataset, items, self.collate)), min(self.chunks, len(items)), len(items))
+        inputs, targets = with_targets(*_pair(_collated(self.dataset, items, self.collate)), self.targets_into)
+        return _cut(inputs, targets, min(self.chunks, len(items)), len(items))

@@ -7,6 +7,7 @@ field, so a bad job never reaches a worker.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from gpipe.capture import skeleton
 from gpipe.coordinator.plan.data import DataStream, EvalStream
 from gpipe.coordinator.plan.pretrained import Pretrained, match, open_weights
 from gpipe.coordinator.spec.job import JobSpec
+from gpipe.data.tokens import TokenWindows, vocabulary
 from gpipe.errors import SpecError
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
@@ -47,6 +49,9 @@ class Plan:
     eval_dataset: Dataset[Any] | None = None  # eval.data, when the job evaluates
     eval_collate: Callable[[list[Any]], Any] | None = None
     evaluate_only: bool = False  # the eval verb: one evaluation of the model's weights, before any step
+    # The model's own loss: (the keyword it takes the targets by, the name of its first input where a micro-batch's
+    # input is one tensor): the data streams hand the model its targets (gpipe.coordinator.plan.data).
+    targets_into: tuple[str, str] | None = None
     captured: capture.Captured | None = None  # a model that is not an nn.Sequential: its pieces are `model`
     sample: dict[str, Any] | None = None  # then: the first micro-batch's signature, which the stages capture with
     original: nn.Module | None = None  # then: the model as the factory returned it
@@ -70,7 +75,7 @@ class Plan:
         if self.captured is None:
             return None
         m = self.spec.model
-        return {"split_points": list(m.split_points or []), "output": m.output, "sample": self.sample}
+        return {"split_points": list(m.split_points or []), "output": self.spec.model_output, "sample": self.sample}
 
     def weight_name(self, key: str) -> str:
         """A weight's name in checkpoints and model.safetensors: the model's own (a captured model's pieces
@@ -84,6 +89,15 @@ class Plan:
             from gpipe.files import atomic_write
 
             atomic_write(out / "config.json", lambda tmp: config.to_json_file(str(tmp)))
+
+    def summary(self) -> str:
+        """What the model was cut into and how the stages share it, each count named (validate's first line):
+        "4 layers, balance [2, 2]" (an nn.Sequential: balance in layers); "4 blocks in layers (TransformerBlock),
+        4 pieces, balance [2, 2]" or "no repeated blocks, 1 split point, 2 pieces, balance [1, 1]" (a captured
+        model: balance in pieces)."""
+        if self.captured is None:
+            return f"{len(self.model)} layers, balance {self.balance}"
+        return f"{self.captured.what()}, balance {self.balance}"
 
     def cut_lines(self) -> list[str]:
         """What crosses each cut between stages, as the sample gave it (a captured model's; none for an
@@ -121,7 +135,8 @@ class Plan:
         """The job's evaluation data (gpipe.coordinator.plan.data); only for a job with an eval section."""
         e = self.spec.eval
         assert e is not None and self.eval_dataset is not None
-        return EvalStream(self.eval_dataset, e.data.batch_size, self.spec.chunks, e.batches, self.eval_collate)
+        return EvalStream(self.eval_dataset, e.data.batch_size, self.spec.chunks, e.batches, self.eval_collate,
+                          self.targets_into)
 
     def eval_schedule(self) -> EvalSchedule:
         """When the stages evaluate, and how many batches (none without an eval section)."""
@@ -136,7 +151,7 @@ class Plan:
         """The job's data stream (gpipe.coordinator.plan.data)."""
         d = self.spec.data
         return DataStream(self.dataset, d.batch_size, self.spec.chunks, d.shuffle, self.spec.seed, self.collate,
-                          self.spec.replicas)
+                          self.spec.replicas, self.targets_into)
 
     def skip_routes(self) -> list[cuts.Route]:
         """(name, stashing stage, popping stage) of each skip connection that leaves its stage (gpipe.cuts)."""
@@ -215,22 +230,24 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
                         f"{name}: its running statistics are then the whole batch's, once a step, on every replica")
     dataset, _ = _dataset("data", spec.data.factory, spec.data.args)
     try:
-        loss_fn = resolve(spec.loss)
+        loss_fn = resolve(spec.loss_function)
     except LookupError as e:
         raise SpecError(f"loss: {e}") from None
+    into = _targets_into(spec, model)
     collate = _collate("data", spec.data.collate)
     stream = DataStream(dataset, spec.data.batch_size, spec.chunks, spec.data.shuffle, spec.seed, collate,
-                        spec.replicas)
+                        spec.replicas, into)
     try:
         xs, ys, _ = stream.shards(0)[0]
     except Exception as e:
         raise SpecError(f"data: the first batch: {first_line(e)}") from None
+    _check_vocabulary("data", spec.data.factory, dataset, stream.indices(0), model)
     original, captured, sample = None, None, None
     if not isinstance(model, nn.Sequential):
         original, sample = model, capture.sample_signature(xs[0])
         try:
             captured = skeleton.capture_pieces(model, {"split_points": spec.model.split_points,
-                                                       "output": spec.model.output, "sample": sample})
+                                                       "output": spec.model_output, "sample": sample})
         except (capture.CaptureError, ValueError, TypeError) as e:
             if buffers is not None:  # on the meta device (a plain tensor the model keeps): as the stages do, whole
                 return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
@@ -245,7 +262,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
                                 "model built on the meta device does not hold; use init exact")
             return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
     layers = len(model)
-    what = "layers" if captured is None else f"blocks ({captured.blocks})"
+    what = "layers" if captured is None else f"blocks ({captured.blocks})" if captured.blocks else "pieces"
     cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
         f"{spec.stages} stages x {spec.virtual_stages} virtual_stages"
     if why := cuts.shortfall(spec.model_chunks, layers, cut, what):
@@ -270,12 +287,34 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
         raise SpecError(f"model.factory: {shared}; stages cannot share parameters")
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
                 captured=captured, sample=sample, original=original, buffers=buffers or {},
-                on_meta=buffers is not None, footprint=fp, footprint_missing=missing, state_slots=slots)
+                on_meta=buffers is not None, footprint=fp, footprint_missing=missing, state_slots=slots,
+                targets_into=into)
     if pretrained is not None:
         _match_weights(plan, pretrained)
     if spec.eval is not None:
         _plan_eval(plan, loss_fn)
     return plan
+
+
+def _targets_into(spec: JobSpec, model: nn.Module) -> tuple[str, str] | None:
+    """With the model's own loss: (the keyword the model takes the targets by, its first input's name, which a
+    micro-batch's input that is one tensor is given as); None with a loss function. SpecError for an
+    nn.Sequential, which takes one input."""
+    keyword = spec.loss_keyword
+    if keyword is None:
+        return None
+    if isinstance(model, nn.Sequential):
+        raise SpecError("loss: the model's own loss needs a model that takes its targets (a forward with "
+                        f"{keyword}=...); an nn.Sequential takes one input: give a loss function")
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    if keyword not in {p.name for p in params} and not takes_any:
+        names = ", ".join(p.name for p in params) or "none"
+        raise SpecError(f"loss: {type(model).__name__}.forward takes no {keyword!r} (its inputs: {names}); name "
+                        "the keyword it takes the targets by: loss: {from_model: KEYWORD}")
+    first = next((p.name for p in params if p.name != keyword), keyword)
+    return keyword, first
 
 
 def _open_weights(spec: JobSpec, job_dir: Path) -> Pretrained | None:
@@ -332,7 +371,11 @@ def _probe_captured(pieces: nn.Sequential, x: Any, y: Any, loss_fn: Callable[[An
                         before = modules[k + 1][0] if modules[k + 1] else f"piece {k + 1}"
                         raise SpecError(f"model: the cut before {before} (piece {k + 1}) would carry "
                                         f"{structure.describe(out)}: {e}") from None
-            loss = loss_fn(out, y)
+            try:
+                loss = loss_fn(out, y)
+            except Exception as e:  # the loss's own failure: named as the loss's, not the model's
+                raise SpecError(f"loss: on the model's output {structure.describe(out)} and the targets "
+                                f"{structure.describe(y)}: {first_line(e)}") from None
             loss.backward()
     except SpecError:
         raise
@@ -360,6 +403,21 @@ def _dataset(field: str, factory: str, args: dict[str, Any]) -> tuple[Dataset[An
     return dataset, n
 
 
+def _check_vocabulary(field: str, factory: str, dataset: Dataset[Any], items: Sequence[int],
+                      model: nn.Module) -> None:
+    """Token windows (gpipe.data.tokens: the tokens and hf_dataset sources) whose first batch, items `items`, holds
+    an id the model's embedding has no row for: SpecError saying which id, where, the vocabulary and the dtype the
+    files were read as (the model would fail on it as IndexError: index out of range in self). Nothing is
+    checked where the model's vocabulary cannot be told (no nn.Embedding) or the data set is another's."""
+    if not isinstance(dataset, TokenWindows) or (found := vocabulary(model)) is None:
+        return
+    vocab, embedding = found
+    if (bad := dataset.out_of_vocabulary(items, vocab)) is not None:
+        dtype = f"{field}.args.dtype the one `tokenize` printed, and " if factory == "tokens" else ""
+        raise SpecError(f"{field}: the first batch's {bad} ({embedding}): is {dtype}the model's vocabulary the "
+                        "tokenizer's?")
+
+
 def _collate(field: str, ref: str | None) -> Callable[[list[Any]], Any] | None:
     if ref is None:
         return None
@@ -385,6 +443,8 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
         xs, ys, _ = stream.micro_batches(0)
     except Exception as ex:
         raise SpecError(f"eval.data: the first batch: {first_line(ex)}") from None
+    _check_vocabulary("eval.data", e.data.factory, plan.eval_dataset, range(min(e.data.batch_size, n)),
+                      plan.original or plan.model)
     if plan.spec.probe:
         if plan.on_meta:  # built on the meta device: the shapes alone, there
             from gpipe import structure

@@ -51,13 +51,14 @@ from gpipe import cuts, optim, schedule
 from gpipe.coordinator.plan import baseline, prediction
 from gpipe.coordinator.plan.job import Plan, make_plan, optimizer_slots, step_waits
 from gpipe.coordinator.spec.job import JobSpec
-from gpipe.errors import SpecError
+from gpipe.errors import SpecError, describe_os_error
 from gpipe.memory import costs, costs_together
 from gpipe.memory.costs import LayerCosts
 from gpipe.memory.costs_together import Collectives
 from gpipe.memory.footprint import Layers, Line
 from gpipe.memory.model import checkpointing
 from gpipe.memory.zero import BUCKET_BYTES, GATHER_BYTES
+from gpipe.show import one_line
 from gpipe.topology import model_chunk
 
 CHECKPOINTS = ("never", "except_last", "always")
@@ -447,8 +448,8 @@ def _measure_cpu(plan: Plan, sample: Any, workers: int, threads: int | None, siz
         try:
             return costs_together.measure_together(plan.model, sample, sets, counts, sizes, optimizer=opt)
         except RuntimeError as e:
-            print(f"plan: {e}; the layers measured in one process alone instead (faster than a run's workers "
-                  "see them)", file=sys.stderr)
+            print(f"plan: {one_line(str(e))}; the layers measured in one process alone instead (faster than a "
+                  "run's workers see them)", file=sys.stderr)
     return costs.measure(plan.model, sample, torch.device("cpu"), counts[0], sizes, optimizer=opt), None
 
 
@@ -525,14 +526,29 @@ def refusal(over: Sequence[Candidate], budget: int, field: str = "--memory-gib")
             "data.batch_size, or a smaller model")
 
 
-def written(text: str, source: str, c: Config) -> str:
-    """The job file's text with configuration `c` filled in (gpipe.coordinator.spec.overrides: the rest as it was)."""
+def written(text: str, source: str, c: Config, working_dir: str | None = None) -> str:
+    """The job file's text with configuration `c` filled in (gpipe.coordinator.spec.overrides: the rest as it was);
+    `working_dir`: the job's folder as the written file finds it, where that is not the written file's own."""
     from gpipe.coordinator.spec.overrides import apply
 
     sets = [f"{k}={json.dumps(v)}" for k, v in c.overrides().items()]
     if "split_points" in text:
         sets.append("model.split_points=null")
+    if working_dir is not None:
+        sets.append(f"working_dir={json.dumps(working_dir)}")
     return apply(text, sets, None, source)
+
+
+def working_dir_from(out: Path, job_dir: Path) -> str | None:
+    """working_dir for a job file written at `out` whose code and relative paths are `job_dir`'s (the planned job's
+    folder): None where that is `out`'s own folder, else `job_dir` relative to it (absolute where they share
+    no folder but the root), so its factories import and its relative paths resolve as the planned job's do,
+    wherever it is validated or run from."""
+    here, there = out.resolve().parent, job_dir.resolve()
+    if here == there:
+        return None
+    common = Path(os.path.commonpath([here, there]))
+    return str(there) if common == Path(common.anchor) else os.path.relpath(there, here)
 
 
 def main(args: Any, spec: JobSpec, text: str, job_dir: Path) -> int:
@@ -547,22 +563,29 @@ def main(args: Any, spec: JobSpec, text: str, job_dir: Path) -> int:
     if not 1 <= args.top <= 1000:
         raise SpecError(f"--top: {args.top} is outside 1..1000")
     budget = int(args.memory_gib * 2**30)
+    out = Path(args.write).absolute() if args.write else None  # where the command was given, before the chdir
     enter_job_folder(job_dir)
     m = measure(spec, job_dir, args.workers)
     fits, over = search(m, args.workers, budget)
     if not fits:
         raise SpecError(refusal(over, budget))
     batch = spec.data.batch_size
-    if args.write:
-        out = Path(args.write)
+    if out is not None:
         best = fits[0]
+        folder = working_dir_from(out, job_dir)
         new = (f"# {args.job} as `gpipe-coordinator plan --workers {args.workers} --memory-gib {args.memory_gib:g}` "
                f"chose: {best.config.describe()}; predicted {best.step_s * 1e3:.1f} ms a step, peak "
-               f"{_gib(best.peak)} GiB\n" + written(text, args.job, best.config))
+               f"{_gib(best.peak)} GiB\n" + ("" if folder is None else
+                                              f"# working_dir: its code and relative paths are {job_dir}'s\n")
+               + written(text, args.job, best.config, folder))
         parse_spec(new, source=str(out))  # what validate reads back
         tmp = out.with_name(f".{out.name}.{os.getpid()}")
-        tmp.write_text(new)
-        tmp.replace(out)
+        try:
+            tmp.write_text(new)
+            tmp.replace(out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SpecError(f"--write: {describe_os_error(e)}") from None
     if args.json:
         print(json.dumps([x.as_json(batch) for x in fits[:args.top]]))
         return 0

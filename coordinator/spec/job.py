@@ -211,6 +211,24 @@ class ModelSpec(_Spec):
     _factory = field_validator("factory")(_check_factory)
 
 
+IDENTIFIER_RE = re.compile(r"^[A-Za-z_]\w*$")
+
+
+def _check_identifier(v: str) -> str:
+    if not IDENTIFIER_RE.match(v):
+        raise ValueError(f"{v!r} is not a keyword argument's name (targets, labels)")
+    return v
+
+
+class OwnLoss(_Spec):
+    """The model's own loss: the model takes the batch's targets as a keyword argument and returns its loss."""
+
+    from_model: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_check_identifier)] = Field(
+        description="The keyword the model's forward takes the targets by (nanoGPT's targets, Hugging Face's "
+        "labels); its output's loss (a 'loss' key or attribute, or the one scalar of a tuple) is backwarded.",
+    )
+
+
 MAX_READ_AHEAD = 16  # data.read_ahead: each step sent ahead holds its inputs and targets in the stages' memory
 
 
@@ -256,7 +274,7 @@ TYPED_OPTIONS = ("momentum", "dampening", "nesterov", "weight_decay", "betas", "
 def _check_optimizer_name(v: str) -> str:
     if v not in NAMES and not OPTIMIZER_RE.match(v):
         raise ValueError(f"{v!r} is neither {', '.join(NAMES)} nor a class's import path 'module:Class' "
-                         "(torch.optim:RMSprop)")
+                         f"(torch.optim:RMSprop){_hint(v, list(NAMES))}")
     return v
 
 
@@ -503,8 +521,9 @@ class JobSpec(_Spec):
     )
     virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
         default=1,
-        description="Model chunks per worker, for interleaved-1f1b (any) and zbv (2): the model is cut into "
-        "stages x virtual_stages model chunks, and balance lists that many layer counts, in model order.",
+        description="Model chunks per worker, for interleaved-1f1b (2 or more: 1 is refused) and zbv (2): the "
+        "model is cut into stages x virtual_stages model chunks, and balance lists that many layer counts, in model "
+        "order.",
     )
     activation_checkpoint: Checkpoint = Field(
         default="never",
@@ -533,11 +552,13 @@ class JobSpec(_Spec):
         "validates), and give up skip connections between stages. Default: true, but false with init "
         "per_layer (which never builds the whole model the probe runs).",
     )
-    loss: str = Field(
+    loss: Annotated[str, Field(max_length=MAX_FACTORY_CHARS)] | OwnLoss = Field(
         default="cross_entropy",
-        max_length=MAX_FACTORY_CHARS,
-        description="cross_entropy | mse | 'module:function' taking (output, target) and "
-        "returning the mean loss of a micro-batch.",
+        description="cross_entropy | mse | 'module:function' taking (output, target) and returning the mean "
+        "loss of a micro-batch | model: the model's own loss, the targets given as its `labels` (Hugging "
+        "Face's) | {from_model: KEYWORD}: the same under another keyword (nanoGPT's targets). The model's own "
+        "loss is a micro-batch's mean (each weighs its share of the batch, as a loss function's does); it "
+        "needs a model that is not an nn.Sequential.",
     )
     optimizer: OptimizerSpec = Field(description="The optimizer.")
     lr_schedule: LRSchedule | None = Field(default=None, description="The LR over steps; none: constant.")
@@ -676,13 +697,27 @@ class JobSpec(_Spec):
             raise ValueError(f"{v!r} is not 'module:function'")
         return v
 
-    @field_validator("loss")
+    @field_validator("loss", mode="before")
     @classmethod
-    def _loss(cls, v: str) -> str:
-        if v in ("cross_entropy", "mse"):
+    def _loss(cls, v: Any) -> Any:
+        """One line for what is wrong: a string of the known forms, or {from_model: KEYWORD}."""
+        if isinstance(v, dict):
+            if set(v) != {"from_model"}:
+                raise ValueError(f"{sorted(v)} is not {{from_model: KEYWORD}} (the model's own loss)")
+            keyword = v["from_model"]
+            if not isinstance(keyword, str) or not IDENTIFIER_RE.match(keyword) or len(keyword) > 64:
+                raise ValueError(f"from_model: {keyword!r} is not a keyword argument's name (targets, labels)")
+            return OwnLoss(from_model=keyword)
+        if isinstance(v, OwnLoss):
+            return v
+        if not isinstance(v, str):
+            raise ValueError(f"{v!r} is not cross_entropy, mse, model, 'module:function' or {{from_model: KEYWORD}}")
+        if len(v) > MAX_FACTORY_CHARS:
+            raise ValueError(f"String should have at most {MAX_FACTORY_CHARS} characters")
+        if v in ("cross_entropy", "mse", "model"):
             return v
         if ":" not in v or not FACTORY_RE.match(v):
-            raise ValueError(f"{v!r} is not cross_entropy, mse or 'module:function'")
+            raise ValueError(f"{v!r} is not cross_entropy, mse, model or 'module:function'")
         return v
 
     @model_validator(mode="before")
@@ -824,6 +859,25 @@ class JobSpec(_Spec):
         return Topology(stages, replicas, self.virtual_stages, self.schedule)
 
     @property
+    def loss_function(self) -> str:
+        """The loss the last stage applies, by reference (gpipe.factory.resolve): the model's own is "model"
+        (gpipe.losses.model_loss, which takes the loss the model returned)."""
+        return "model" if isinstance(self.loss, OwnLoss) else self.loss
+
+    @property
+    def loss_keyword(self) -> str | None:
+        """The keyword the model takes the targets by, with the model's own loss; None otherwise."""
+        if isinstance(self.loss, OwnLoss):
+            return self.loss.from_model
+        return "labels" if self.loss == "model" else None
+
+    @property
+    def model_output(self) -> str | None:
+        """What of the model's output the last stage gives the loss: model.output, or with the model's own loss
+        its loss (gpipe.capture.graph.select_output)."""
+        return self.model.output or ("loss" if self.loss_keyword is not None else None)
+
+    @property
     def model_chunks(self) -> int:
         """The pieces the model is cut into: a stage's each, or virtual_stages per worker."""
         return self.stages * self.virtual_stages
@@ -847,7 +901,9 @@ def format_validation_error(err: ValidationError) -> str:
     """One line: the first error's field path and what is wrong with it.
 
     An unknown field comes first, with the field of the spec it is closest to: a
-    typo (`batch_sise`) also makes its field missing, and the key the user wrote is what to name.
+    typo (`batch_sise`) also makes its field missing, and the key the user wrote is what to name. A tagged
+    union's tag is named as the field it is (lr_schedule.name) with the values it takes, and a value of a fixed
+    few (a tag, a Literal) gets the one it is closest to.
     """
     errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")  # stable otherwise
     e = errors[0]
@@ -861,26 +917,112 @@ def format_validation_error(err: ValidationError) -> str:
             msg += f" (did you mean {near}?)"
     if e["type"] == "missing":
         msg = "required item is missing" if isinstance(e["loc"][-1], int) else "required field is missing"
+    if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        # A tagged union's tag (lr_schedule's name) is a field: named as one, with the values it takes.
+        ctx = e.get("ctx") or {}
+        tag = str(ctx.get("discriminator", "")).strip("'")
+        tags = _tags(e["loc"], tag, JobSpec)
+        loc = f"{loc}.{tag}" if loc else tag
+        if e["type"] == "union_tag_not_found":
+            msg = f"required field is missing (one of {', '.join(tags)})" if tags else "required field is missing"
+        else:
+            msg = f"{str(ctx.get('tag'))!r} is not one of {', '.join(tags)}{_hint(str(ctx.get('tag')), tags)}"
     # Each member of a union that refused the value at the same place: balance: a list or 'by_params'.
     for other in errors[1:]:
         if _loc(other["loc"]) == loc and any(map(_is_label, e["loc"])) and e["type"].endswith("_type"):
             msg += " or " + other["msg"].removeprefix("Value error, ").removeprefix("Input should be ")
+    # A value of a fixed few (precision: bf61): the one it is closest to.
+    for x in errors:
+        if x["type"] == "literal_error" and _loc(x["loc"]) == loc and isinstance(x["input"], str):
+            msg += _hint(x["input"], re.findall(r"'([^']*)'", str((x.get("ctx") or {}).get("expected", ""))))
+            break
     if not loc:
         # A check across fields names its own field at the start of the message.
         return one_line(msg)
     return one_line(f"{loc}: {msg}")  # a message may quote the input: Input tag 'x' ...
 
 
+# What other tools name a field of the spec, where the spelling does not tell (micro_batches for chunks): the
+# spec's name, suggested where that field is.
+SYNONYMS = {
+    "micro_batches": "chunks", "microbatches": "chunks", "num_microbatches": "chunks", "n_microbatches": "chunks",
+    "num_micro_batches": "chunks", "max_grad_norm": "clip_grad_norm", "grad_clip": "clip_grad_norm",
+    "gradient_clipping": "clip_grad_norm", "scheduler": "lr_schedule", "lr_scheduler": "lr_schedule",
+    "mixed_precision": "precision", "amp": "precision", "dtype": "precision",
+    "gradient_checkpointing": "activation_checkpoint", "recompute": "activation_checkpoint",
+    "num_stages": "stages", "pipeline_stages": "stages", "max_steps": "steps", "train_steps": "steps",
+}
+
+
 def _closest(key: str, parent: tuple[str | int, ...], model: type[BaseModel]) -> str | None:
-    """The field at `parent` (a path into `model`) whose name is closest to `key`, if one is close."""
+    """The field at `parent` (a path into `model`) that `key` was likely meant as (learning_rate: lr, batch_sise:
+    batch_size), if one is close; else a field of that very name (or meaning) elsewhere in `model`, by its
+    path (batch_size at the top: data.batch_size)."""
+    names = sorted({name for m in _models_at(parent, model) for name in m.model_fields})
+    if (near := _near(key, names)) is not None:
+        return near
+    paths: dict[str, str] = {}  # a field's name -> the shortest path to a field of that name
+    for path in sorted(_field_paths(model), key=lambda p: (p.count("."), p)):
+        paths.setdefault(path.rsplit(".", 1)[-1], path)
+    far = _near(key, sorted(paths), loose=False)
+    return paths[far] if far is not None else None
+
+
+def _near(key: str, names: list[str], loose: bool = True) -> str | None:
+    """The one of `names` that `key` means: the same but for case and `_`/`-`, a synonym (SYNONYMS), its initials
+    (learning_rate: lr; wd: weight_decay); and with `loose`, the closest spelling (difflib)."""
+    k = key.lower().replace("-", "_")
+    flat = {n.replace("_", ""): n for n in names}
+    if (n := flat.get(k.replace("_", ""))) is not None:
+        return n
+    if (n := SYNONYMS.get(k)) is not None and n in names:
+        return n
+    for n in names:
+        if (len(k.split("_")) > 1 and _initials(k) == n) or (len(n.split("_")) > 1 and _initials(n) == k):
+            return n
+    near = difflib.get_close_matches(k, names, n=1, cutoff=0.6) if loose else []
+    return near[0] if near else None
+
+
+def _initials(name: str) -> str:
+    return "".join(w[0] for w in name.split("_") if w)
+
+
+def _hint(value: str, choices: list[str]) -> str:
+    """' (did you mean cosine?)' for a value close to one of `choices`; '' for none."""
+    near = difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def _models_at(path: tuple[str | int, ...], model: type[BaseModel]) -> list[type[BaseModel]]:
+    """The models a value at `path` (an error's location in `model`) may be: a union's members, all of them."""
     models = _models_in(model)
-    for part in parent:
+    for part in path:
         inner = [f.annotation for m in models if isinstance(part, str) and (f := m.model_fields.get(part))]
         if inner:  # a field: the models it holds; an index, a union's label or tag: the same models
             models = [m for a in inner for m in _models_in(a)]
-    names = sorted({name for m in models for name in m.model_fields})
-    near = difflib.get_close_matches(key.lower(), names, n=1, cutoff=0.6)
-    return near[0] if near else None
+    return models
+
+
+def _tags(path: tuple[str | int, ...], tag: str, model: type[BaseModel]) -> list[str]:
+    """The values of the tag field `tag` of the tagged union at `path`, in the union's order."""
+    out: list[str] = []
+    for m in _models_at(path, model):
+        f = m.model_fields.get(tag)
+        out += [v for v in get_args(f.annotation) if isinstance(v, str) and v not in out] if f else []
+    return out
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "", depth: int = 4) -> list[str]:
+    """The dotted path of every field of `model` and of the models inside it, `depth` levels deep."""
+    out: list[str] = []
+    for name, f in model.model_fields.items():
+        path = f"{prefix}{name}"
+        out.append(path)
+        if depth > 1:
+            for inner in {m: None for m in _models_in(f.annotation)}:
+                out += _field_paths(inner, f"{path}.", depth - 1)
+    return out
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -5,10 +5,10 @@ one (a Hugging Face causal LM, a hand-written module with a `forward`) is
 captured whole with torch.export, its batch and sequence dimensions dynamic,
 and its graph is cut with torch.fx's split_module into *pieces*:
 
-- before each of its repeated blocks but the first (the longest ModuleList or
-  Sequential of same-type children: `transformer.h`, `model.layers`), so that
-  what comes before the first block rides with it and what comes after the last
-  rides with the last;
+- before each of its repeated blocks but the first (the longest ModuleList,
+  Sequential or ModuleDict of same-type children, in its order: `transformer.h`,
+  `model.layers`, torchtitan's `layers` dict), so that what comes before the
+  first block rides with it and what comes after the last rides with the last;
 - and before each of `split_points`, the submodules named (torch.distributed.
   pipelining's SplitPoint.BEGINNING).
 
@@ -64,13 +64,27 @@ class Captured:
 
     pieces: nn.Sequential  # piece i: a Piece, holding the model's own parameters under the model's names
     cuts: list[int]  # piece indices where a split point begins (the stages' boundaries, when given)
-    blocks: str | None  # the repeated blocks' container, when found
+    blocks: str | None  # the repeated blocks' container, when found (its path: `transformer.h`, `layers`)
     modules: list[list[str]]  # per piece: the model's submodules wholly in it (largest first found)
     crossing: list[list[str]]  # per boundary i (between piece i and i+1): the values that cross it
     tied: list[list[str]] = field(default_factory=list)  # parameter keys ("i.name") that are one tensor
     # per boundary: each crossing value as the sample gave it ("[B, T, 64] float32 from transformer.h.1.mlp";
-    # B and T: the batch and sequence dimensions), in the order of `crossing`
+    # B and T: the batch and sequence dimensions, any other dynamic one the sample's size), in the order of `crossing`
     shapes: list[list[str]] = field(default_factory=list)
+    block_count: int = 0  # the repeated blocks found in `blocks`
+    block_type: str = ""  # and their class
+    split_points: int = 0  # the split points given (model.split_points)
+
+    def what(self) -> str:
+        """What the model was cut at and into, each count named: "4 blocks in layers (TransformerBlock), 4
+        pieces"; "no repeated blocks, 1 split point, 2 pieces"."""
+        points = f"{self.split_points} split point{'s' if self.split_points != 1 else ''}"
+        if self.blocks is None:
+            found = f"no repeated blocks, {points}"
+        else:
+            found = f"{self.block_count} blocks in {self.blocks} ({self.block_type})"
+            found += f" and {points}" if self.split_points else ""
+        return f"{found}, {len(self.pieces)} pieces"
 
 
 @rng.vouch  # its forward only runs its graph, a submodule proven on its own (gpipe.rng.quiet)
@@ -202,8 +216,14 @@ def select_output(out: Any, name: str | None) -> Any:
     if name is not None:
         if isinstance(out, dict) and name in out:
             return out[name]
-        if hasattr(out, name):
+        if hasattr(out, name) and not isinstance(out, tuple | list):
             return getattr(out, name)
+        if name == "loss" and isinstance(out, tuple | list):  # (logits, loss), as nanoGPT returns: its one scalar
+            scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+            if len(scalars) == 1:
+                return scalars[0]
+            raise KeyError(f"model.output: the output is a {type(out).__name__} of {len(out)} with "
+                           f"{len(scalars)} float scalars: which is the loss? (return a dict with 'loss')")
         have = list(out) if isinstance(out, dict) else [k for k in vars(out) if not k.startswith("_")]
         raise KeyError(f"model.output: the output has no {name!r} (it has {have})")
     if isinstance(out, torch.Tensor):
@@ -218,11 +238,15 @@ def select_output(out: Any, name: str | None) -> Any:
     return leaves[0]
 
 
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # where libraries keep their repeated blocks
+
+
 def repeated_blocks(model: nn.Module) -> str | None:
-    """The name of the longest ModuleList or Sequential whose children are all of one type (at least 2)."""
+    """The name of the longest ModuleList, Sequential or ModuleDict (torchtitan's `layers`, keys "0", "1", ...)
+    whose children are all of one type (at least 2); its blocks are its children, in its order."""
     best: tuple[int, str] | None = None
     for name, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList | nn.Sequential) or m is model:
+        if not isinstance(m, BLOCK_CONTAINERS) or m is model:
             continue
         kids = list(m.children())
         if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and (best is None or len(kids) > best[0]):
@@ -308,9 +332,10 @@ def _capture(model: nn.Module, sample: Any, split_points: Sequence[str], output:
     _check_points(model, split_points)
     blocks = repeated_blocks(model)
     if blocks is None and not split_points:
-        raise CaptureError(f"model: {type(model).__name__} has no repeated blocks (a ModuleList or Sequential "
-                           "of same-type modules) to cut at; give model.split_points")
-    block_names = [f"{blocks}.{n}" for n, _ in model.get_submodule(blocks).named_children()] if blocks else []
+        raise CaptureError(f"model: {type(model).__name__} has no repeated blocks (a ModuleList, Sequential or "
+                           "ModuleDict of same-type modules) to cut at; give model.split_points")
+    kids = list(model.get_submodule(blocks).named_children()) if blocks else []
+    block_names = [f"{blocks}.{n}" for n, _ in kids]
     ep = export(model, sample)
     gm = ep.module(check_guards=False)  # the batch and sequence sizes differ from the sample's
     _drop_metadata_checks(gm)
@@ -350,6 +375,8 @@ def _capture(model: nn.Module, sample: Any, split_points: Sequence[str], output:
     split = _split(gm, part)
     captured = _pieces(model, split, len(starts) + 1, ep, output, _device_of(sample))
     captured.cuts, captured.blocks = cuts, blocks
+    captured.block_count, captured.split_points = len(kids), len(split_points)
+    captured.block_type = type(kids[0][1]).__name__ if kids else ""
     captured.modules = _modules_of(nodes, where, len(starts) + 1)
     captured.tied = tied_groups(captured.pieces)
     return captured
@@ -429,27 +456,41 @@ def _values(split: fx.GraphModule, calls: dict[int, fx.Node], outs: dict[int, li
 
 
 def _dim_names(seen: dict[str, fx.Node], placeholders: list[str]) -> dict[str, str]:
-    """The symbols of the first input's batch and sequence dimensions, as B and T."""
-    first = next((seen[p].meta.get("val") for p in placeholders if p in seen
-                  and isinstance(seen[p].meta.get("val"), torch.Tensor)), None)
-    if first is None:
-        return {}
-    return {str(d): name for d, name in zip(first.shape, "BT", strict=False) if not isinstance(d, int)}
+    """The symbols torch.export gave the inputs' dimensions, named: B for dimension 0 of every input tensor (a
+    micro-batch cuts each of them there, so they are one size), T for dimension 1 of the first."""
+    names: dict[str, str] = {}
+    inputs = [v for p in placeholders if p in seen and isinstance(v := seen[p].meta.get("val"), torch.Tensor)]
+    for i, v in enumerate(inputs):
+        for d, name in zip(v.shape, "BT" if i == 0 else "B", strict=False):
+            if isinstance(d, torch.SymInt) and re.fullmatch(SYMBOL, str(d)):
+                names.setdefault(str(d), name)
+    return names
+
+
+SYMBOL = r"\b[su]\d+\b"  # a size torch.export made symbolic: s0 backed by the sample's size, u0 unbacked
+
+
+def _size(d: object, names: dict[str, str]) -> str:
+    """A dimension as a user reads it: a number, B or T (or an expression of them: B*T), else the sample's size
+    (the number the symbol stood for when the sample was captured)."""
+    text = re.sub(SYMBOL, lambda m: names.get(m.group(0), m.group(0)), str(d))
+    if isinstance(d, torch.SymInt) and re.search(SYMBOL, text):
+        hint = getattr(d.node, "hint", None)
+        if isinstance(hint, int):
+            return str(hint)
+    return text
 
 
 def _describe(node: fx.Node | None, names: dict[str, str]) -> str:
-    """A value that crosses a cut: its shape (B and T for the input's dimensions) and dtype, and the module
-    that made it."""
+    """A value that crosses a cut: its shape (B and T for the input's dimensions, the sample's sizes for the
+    rest) and dtype, and the module that made it."""
     if node is None:
         return "?"
     v = node.meta.get("val")
-    def sym(d: object) -> str:
-        return re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), str(d))
-
     if isinstance(v, torch.Tensor):
-        what = f"[{', '.join(sym(d) for d in v.shape)}] {str(v.dtype).removeprefix('torch.')}"
+        what = f"[{', '.join(_size(d, names) for d in v.shape)}] {str(v.dtype).removeprefix('torch.')}"
     elif isinstance(v, torch.SymInt | int):
-        what = f"size {sym(v)}"
+        what = f"size {_size(v, names)}"
     else:
         what = type(v).__name__ if v is not None else "None"
     stack = [m for m in _stack(node) if m and not m.startswith("_")]

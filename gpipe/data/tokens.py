@@ -20,6 +20,10 @@ reuse cost megabytes each. The last 16 files read are kept open, so reading in o
 once and a glob of thousands of shards holds 16 descriptors. Nothing is mapped: `validate --memory-mib`
 and serve's validation cap, which count mapped files, count none of the set whatever the files' size.
 A copy of the set sent to another process carries the paths, not the tokens nor the open files.
+
+`out_of_vocabulary` and `vocabulary` check a batch's ids against the model's token embedding
+(gpipe.coordinator.plan.job does, on the first batch): a wrong dtype or too small a vocabulary is then one line
+naming the id, not the embedding's IndexError on the first step.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from __future__ import annotations
 import glob
 import os
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -54,7 +60,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """The (input, target) windows of seq_len tokens of one stream of token files (the module's doc)."""
 
     def __init__(self, files: list[Path], seq_len: int, dtype: str):
-        self.files, self.seq_len, self.dtype = files, seq_len, DTYPES[dtype]
+        self.files, self.seq_len, self.dtype, self.dtype_name = files, seq_len, DTYPES[dtype], dtype
         self.sizes = [f.stat().st_size // self.dtype.itemsize for f in files]  # tokens per file
         self.starts = np.cumsum([0, *self.sizes])  # token offset of each file in the stream
         self.tokens = int(self.starts[-1])
@@ -111,6 +117,20 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self._files.popitem(last=False)  # closed once no read holds it
         return file
 
+    def out_of_vocabulary(self, items: Iterable[int], vocab: int) -> str | None:
+        """The first token id of windows `items` (their inputs and targets) that is not below `vocab`, said in
+        words: the id, where it is (its token's number in its file) and the dtype the files were read as; None
+        where every id is below `vocab`."""
+        for i in items:
+            window = self.read(i * self.seq_len, self.seq_len + 1)
+            bad = np.flatnonzero(window >= vocab)
+            if bad.size:
+                at = i * self.seq_len + int(bad[0])  # in the stream
+                f = int(np.searchsorted(self.starts, at, side="right")) - 1
+                return (f"token id {int(window[bad[0]])} (token {at - int(self.starts[f])} of {self.files[f]}, "
+                        f"read as {self.dtype_name}) is outside the model's vocabulary of {vocab} ids")
+        return None
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_files": None}  # the paths travel, not the tokens nor the open files
 
@@ -133,6 +153,27 @@ def tokens(path: str | list[str], seq_len: int, dtype: str = "uint16") -> TokenW
         raise ValueError(f"seq_len {seq_len} is longer than the data: a window takes {seq_len + 1} tokens, "
                          f"{where} holds {data.tokens}")
     return data
+
+
+def vocabulary(model: nn.Module) -> tuple[int, str] | None:
+    """The ids the model's token embedding takes, and which embedding that is: a Hugging Face model's
+    get_input_embeddings(), else the largest nn.Embedding in it (of several, a token's id below the largest
+    may still be out of range of the token embedding, never the other way: no good id is refused); None where
+    the model holds no nn.Embedding (its vocabulary cannot be told)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            found = get()
+        except Exception:  # (a model whose method is not implemented)
+            found = None
+        if isinstance(found, nn.Embedding) and id(found) in names:
+            return found.num_embeddings, f"{names[id(found)]}: {found}"
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return None
+    largest = max(embeddings, key=lambda m: m.num_embeddings)
+    return largest.num_embeddings, f"{names[id(largest)] or 'the model'}: {largest}"
 
 
 def check_seq_len(seq_len: object) -> None:

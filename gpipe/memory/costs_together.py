@@ -41,9 +41,11 @@ import queue
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ from torch import nn
 
 from gpipe.memory.costs import Cost, LayerCosts, Optimizer, measure
 from gpipe.memory.zero import BUCKET_BYTES, GATHER_BYTES
+from gpipe.show import first_line
 
 TIMEOUT_S = 900.0  # the whole measurement, at most
 SMALL = 4 << 10  # bytes: the small size the collectives are timed at (the large: a bucket, a gather's round)
@@ -116,17 +119,49 @@ def _collectives(store: str, rank: int, n: int) -> tuple[float, ...]:
         dist.destroy_process_group()
 
 
-def _pinned(rank: int, model: nn.Sequential, sample: Any, cores: list[int], threads: int, sizes: tuple[int, int],
-            repeats: int, optimizer: Optimizer, start: Any, done: Any, n: int, store: str, out: Any) -> None:
-    """One worker's measurement (the module's doc): pinned to `cores`, load until all `n` are done, then the
-    collectives."""
+class _Sent:
+    """What a measuring process is given (the model, its sample, the optimizer), pickled as the process starts, as
+    its arguments are (the tensors in shared memory), but loaded there by `_received`: where loading fails (a
+    module the fresh interpreter cannot import, a class that does not unpickle), the process says why in the
+    one line the parent prints, instead of the interpreter's traceback before the process runs at all."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Called while the process starts (its spawning Popen set): the tensors' descriptors go to that process.
+        return _received, (bytes(ForkingPickler.dumps(self.value)),)
+
+
+@dataclass(frozen=True)
+class _Unloaded:
+    why: str
+
+
+def _received(data: bytes) -> Any:
+    """In the measuring process: what `_Sent` pickled, or why it could not be loaded."""
     try:
+        with warnings.catch_warnings():  # torch.fx's own deprecations, as it traces a GraphModule again
+            warnings.simplefilter("ignore", FutureWarning)
+            return ForkingPickler.loads(data)
+    except Exception as e:
+        return _Unloaded(first_line(e))
+
+
+def _pinned(rank: int, sent: Any, cores: list[int], threads: int, sizes: tuple[int, int],
+            repeats: int, start: Any, done: Any, n: int, store: str, out: Any) -> None:
+    """One worker's measurement (the module's doc): pinned to `cores`, load until all `n` are done, then the
+    collectives. `sent`: (model, sample, optimizer), as `_Sent` sent them."""
+    try:
+        if isinstance(sent, _Unloaded):
+            raise _NotLoaded(f"loading the model there: {sent.why}")
+        model, sample, optimizer = sent
         os.sched_setaffinity(0, cores)
         cpu = torch.device("cpu")
         start.wait(TIMEOUT_S)
         got: list[LayerCosts] | str = measure(model, sample, cpu, threads, sizes, repeats, optimizer)
     except Exception as e:  # said to the parent, which raises it
-        got = f"{type(e).__name__}: {e}"
+        got = str(e) if isinstance(e, _NotLoaded) else first_line(e)
         start.abort()
     with done.get_lock():
         done.value += 1
@@ -138,7 +173,11 @@ def _pinned(rank: int, model: nn.Sequential, sample: Any, cores: list[int], thre
     try:
         out.put(_collectives(store, rank, n))
     except Exception as e:
-        out.put(f"the collectives: {type(e).__name__}: {e}")
+        out.put(f"the collectives: {first_line(e)}")
+
+
+class _NotLoaded(Exception):
+    """A measuring process could not load what it was sent."""
 
 
 def measure_together(model: nn.Sequential, sample: Any, cores: Sequence[Sequence[int]], threads: Sequence[int],
@@ -153,10 +192,20 @@ def measure_together(model: nn.Sequential, sample: Any, cores: Sequence[Sequence
     with tempfile.TemporaryDirectory(prefix="gpipe-costs-") as tmp:
         store = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_pinned, name=f"costs-{k}", daemon=True,
-                             args=(k, model, sample, list(c), t, sizes, repeats, optimizer, start, done, n, store, out))
+                             args=(k, _Sent((model, sample, optimizer)), list(c), t, sizes, repeats, start, done, n,
+                                   store, out))
                  for k, (c, t) in enumerate(zip(cores, threads, strict=True))]
-        for p in procs:
-            p.start()
+        started = []
+        try:
+            for p in procs:
+                p.start()
+                started.append(p)
+        except Exception as e:  # what it is sent does not pickle (a lambda in the model)
+            for p in started:
+                p.kill()
+                p.join()
+            raise RuntimeError(f"measuring the layers in {n} processes: sending them the model: {first_line(e)}") \
+                from None
         got = _answers(procs, out, 2 * n)
     layers = [LayerCosts.mean(layer) for layer in zip(*(g for g in got if isinstance(g, list)), strict=True)]
     times = [g for g in got if isinstance(g, tuple)]
@@ -176,7 +225,10 @@ def _answers(procs: list[Any], out: Any, count: int) -> list[Any]:
                 one = out.get(timeout=1.0)
             except queue.Empty:
                 if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
-                    raise RuntimeError(f"measuring the layers in {n} processes: {len(got)} of {count} answers")\
+                    ended = [f"{p.name} exited with code {p.exitcode}" for p in procs if p.exitcode]
+                    why = f" ({', '.join(ended)})" if ended else f" in {TIMEOUT_S:.0f}s" if any(
+                        p.is_alive() for p in procs) else ""
+                    raise RuntimeError(f"measuring the layers in {n} processes: {len(got)} of {count} answers{why}")\
                         from None
                 continue
             if isinstance(one, str):

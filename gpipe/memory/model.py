@@ -9,8 +9,8 @@
     activations  the micro-batches in flight at that moment, each as its schedule and checkpointing hold it
     buffers      what moves through the worker: the next micro-batch's input and gradient received ahead of
                  their action, two steps' inputs (first stage) and targets (last), and the transient buffers of
-                 the replicas' gradient sum (a bucket), the sharded optimizer's weight gather (a bucket) and
-                 the optimizer's step
+                 the last backward (a weight's gradient), the replicas' gradient sum (a bucket), the sharded
+                 optimizer's weight gather (a round) and the optimizer's step (its temporaries)
     allocator    what the CPU's heap keeps beyond the bytes alive (`Setting.heap_slack` times the gradients
                  made anew each micro-batch there, ChunkMemory.heaped; 0 on CUDA, whose max_memory_allocated
                  counts the tensors alive)
@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gpipe.memory import zero
 from gpipe.memory.footprint import Line
 from gpipe.schedule import Action
 
@@ -74,7 +75,7 @@ class Setting:
     replicas: int = 1
     shard: bool = False  # optimizer.shard: each replica keeps 1/replicas of the state
     foreach: bool = False  # the optimizer steps all parameters at once (on CUDA): its temporaries are a full set
-    bucket: int = 25 << 20  # the replicas' gradient bucket and the sharded gather's (gpipe.worker.dataplane.reducer, gpipe.memory.zero)
+    bucket: int = 25 << 20  # the replicas' gradient bucket (gpipe.worker.dataplane.reducer); the sharded gather goes in rounds
     data: int = 0  # bytes of one step's inputs (on the first stage) and targets (on the last) it holds
     steps_ahead: int = 2  # steps whose data a stage holds (the job's data.read_ahead)
     baseline: int = 0  # the process's own bytes before the job (gpipe.coordinator.plan.baseline)
@@ -178,14 +179,24 @@ def predict(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting
 
 
 def _step_buffers(chunks: Sequence[ChunkMemory], s: Setting, share: int) -> int:
-    """The most that the end of a step adds for a while, one thing after another: the replicas' gradient sum (a
-    bucket's gradients copied as it is flattened), the optimizer's temporaries (a full set of its parameters'
-    when it steps them all at once, else about its largest parameter's), the sharded optimizer's weight gather
-    (a bucket, and this replica's part of it)."""
+    """The most that the end of a step adds for a while, one thing after another: the last backward's weight
+    gradient, made before it is added into .grad (with more than one micro-batch; an upper bound where it is
+    computed in place, gpipe.grad_in_place), the replicas' gradient sum (a bucket's gradients copied as it is
+    flattened), the optimizer's temporaries (a full set of its parameters' when it steps them all at once, on
+    CUDA; else one parameter at a time, adam's two at once (its denominator), sgd's one: the largest parameter's,
+    or sharded on a CPU a slice's, gpipe.memory.zero.SLICE_BYTES), the sharded optimizer's weight gather (a
+    round: what it sends, what it receives and c10d's flat copy of it)."""
     trainable = sum(c.trainable for c in chunks)
     largest = max((c.largest for c in chunks), default=0)
     bucket = min(max(s.bucket, largest), trainable)
+    made = largest if len(s.sizes) > 1 else 0
     summed = bucket if s.replicas > 1 else 0
-    temporaries = (trainable // share if s.foreach else largest) if s.state_slots else 0
-    gathered = bucket + bucket // share if share > 1 else 0
-    return max(summed, temporaries, gathered)
+    at_once = min(2, s.state_slots)
+    if s.foreach:
+        temporaries = trainable // share if s.state_slots else 0
+    else:
+        temporaries = at_once * (min(largest, zero.SLICE_BYTES) if share > 1 else largest)
+    # foreach: on CUDA, whose gather rounds are larger
+    rounds = min(zero.GATHER_BYTES_CUDA if s.foreach else zero.GATHER_BYTES, bucket)
+    gathered = 2 * rounds + rounds // share if share > 1 else 0
+    return max(made, summed, temporaries, gathered)

@@ -13,8 +13,9 @@ BUCKET_BYTES of one dtype (a larger parameter is a bucket of its own), and each
 bucket's elements, laid end to end, are cut into R ranges as equal as whole
 elements allow (copy r's: [r·M//R, (r+1)·M//R)). A parameter may so be cut
 between copies, at an element; a one-element parameter falls to one copy. The
-optimizer is built over the pieces, flat views of the parameters' own storage,
-so its step writes the weights in place; each piece's gradient is the same
+optimizer is built over the pieces, flat views of the parameters' own storage
+(on a CPU each in slices of at most SLICE_BYTES, so that its step's temporaries
+are a slice's), so its step writes the weights in place; each piece's gradient is the same
 view of the whole gradient. sgd, adam and adamw are element-wise, so each
 element takes the update it takes unsharded.
 
@@ -28,8 +29,10 @@ unsharded.
 
 A checkpoint holds the state unsharded, under the model's names (gpipe.state):
 `snapshot_entries` says which tensors it will have (on the meta device) and
-`fetch` gathers one of them on replica 0 when its writer reaches it, so no copy
-ever holds the whole stage's state; the other copies `contribute` the same
+`rounds` gathers one of them on replica 0, a round of GATHER_BYTES at a time,
+when its writer reaches it (gpipe.worker.state_stream.Outgoing writes each
+round where it goes in the file), so no copy ever holds the whole stage's
+state, nor a whole tensor of it; the other copies `contribute` the same
 tensors in the same order. `restore` takes each piece's slice of the whole
 tensors a checkpoint holds, so a job resumes sharded or not, on any replica
 count.
@@ -43,13 +46,23 @@ from typing import Any
 
 import torch
 
+from gpipe.memory import meter
+
 BUCKET_BYTES = 25 << 20  # as DistributedDataParallel's bucket_cap_mb: the gradient reducer's too (gpipe.worker.dataplane.reducer)
 GATHER_BYTES = 4 << 20  # the most a gather receives at once on a CPU (what glibc's arenas keep)
 GATHER_BYTES_CUDA = 64 << 20  # on a GPU (the caching allocator reuses it; NCCL's rounds are latency-bound)
+# On a CPU, the most bytes of one parameter of the inner optimizer: a piece is stepped in slices of at most this,
+# so the step's temporaries (adam's denominator: two at once) are a slice's, not a piece's (see ShardedOptimizer).
+SLICE_BYTES = 4 << 20
 
 
 def _gather_bytes(device: torch.device) -> int:
     return GATHER_BYTES_CUDA if device.type == "cuda" else GATHER_BYTES
+
+
+def _slice_elements(t: torch.Tensor) -> int | None:
+    """The most elements a slice of the inner optimizer holds (None: a piece whole, on a GPU)."""
+    return None if t.device.type == "cuda" else max(1, SLICE_BYTES // t.element_size())
 
 # Gathers the copies' tensors (the same shape on each), in replica order: on every copy with `everyone`, else on
 # replica 0 only (None on the others). gpipe.transport.Transport.gather_copies.
@@ -157,10 +170,21 @@ class ShardedOptimizer:
                 self.spans[pc.param][r] = (pc.lo, pc.hi)
         flats = [_flat(p, n) for p, n in zip(self.params, names, strict=True)]
         self.views = [flats[pc.param][pc.lo:pc.hi] for pc in self.mine]
+        # The inner optimizer's parameters: each piece in slices of at most SLICE_BYTES on a CPU (a piece whole on
+        # a GPU). A half parameter's temporaries fell below glibc's mmap threshold where the whole parameter's
+        # (unsharded) were mapped and unmapped: kept in the heap, they grew the peak step after step.
+        # (piece index, offset in the piece) per slice.
+        self.slices: list[torch.Tensor] = []
+        self.place: list[tuple[int, int]] = []
+        for n, v in enumerate(self.views):
+            most = _slice_elements(v) or v.numel()
+            for at in range(0, v.numel(), most):
+                self.slices.append(v[at:at + most])
+                self.place.append((n, at))
         self.layout = state_layout(cls, kwargs)
         # A copy may hold no piece (fewer elements than copies): a throwaway parameter keeps its param_groups
         # (the LR is set through them) and is never stepped.
-        self.inner = cls(self.views or [torch.zeros(0)], **kwargs)
+        self.inner = cls(self.slices or [torch.zeros(0)], **kwargs)
         self.prefilled = self._prefill()
         self.waiting: Callable[[str], None] = lambda what: None  # told before each wait on the other copies
 
@@ -169,7 +193,7 @@ class ShardedOptimizer:
         instead, once, each kind laid end to end in one tensor of this copy's elements. The state is then one
         block made before any step's passing tensors (on a CPU, glibc otherwise places the pieces' state among
         them, and a process's peak grows by what it cannot reuse), and the math is that of the lazy start."""
-        views = self.views
+        views = self.slices
         if not views or not isinstance(self.inner, torch.optim.Adam | torch.optim.AdamW) or \
                 len({(v.dtype, v.device) for v in views}) != 1:
             return False
@@ -195,15 +219,23 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         """This copy's share of the step, from the whole gradients; then every copy gathers the others' weights."""
-        for view, pc in zip(self.views, self.mine, strict=True):
+        for piece, (n, at) in zip(self.slices, self.place, strict=True):
+            pc = self.mine[n]
             g = self.params[pc.param].grad
-            view.grad = None if g is None else g.detach().view(-1)[pc.lo:pc.hi]
-        if self.views:
+            piece.grad = None if g is None else g.detach().view(-1)[pc.lo + at:pc.lo + at + piece.numel()]
+        if self.slices:
             self.inner.step()
-        for view in self.views:
-            view.grad = None
+        for piece in self.slices:
+            piece.grad = None
         self.waiting("the other replicas' updated weights")
         self._gather_weights()
+        if self.params and self.params[0].device.type == "cpu":
+            # The slices' temporaries and the gather's rounds, below glibc's mmap threshold, are freed into the
+            # heap after the backward has taken what it needs there: kept, they grew the worker's peak step
+            # after step (+110 MiB in 30 steps, docs/memory.md). Handed back, the next step's backward finds
+            # the heap as it was (some 10 ms a step for 60 MiB; an unsharded step maps its whole-parameter
+            # temporaries on their own instead).
+            meter.give_back()
 
     def _gather_weights(self) -> None:
         """Every copy's updated elements to every copy, a bucket at a time, each in rounds of at most GATHER_BYTES
@@ -250,10 +282,10 @@ class ShardedOptimizer:
         self.waiting("the other replicas' list of the optimizer's state, for a checkpoint")
         flags = torch.zeros(len(self.params), dtype=torch.uint8,
                             device=self.params[0].device if self.params else "cpu")
-        for view, pc in zip(self.views, self.mine, strict=True):
-            state = self.inner.state.get(view)
+        for piece, (n, _) in zip(self.slices, self.place, strict=True):
+            state = self.inner.state.get(piece)
             if state and not (self.prefilled and float(state["step"]) == 0):  # prefilled: stepped once at least
-                flags[pc.param] = 1
+                flags[self.mine[n].param] = 1
         got = self.gather(flags, True)
         assert got is not None
         return [bool(v) for v in torch.stack(got).amax(0).tolist()]
@@ -274,35 +306,54 @@ class ShardedOptimizer:
 
     def fetch(self, i: int, key: str, scalar: bool) -> torch.Tensor | None:
         """The whole tensor `key` of parameter `i`, on the CPU on replica 0 (None on the others, which take part
-        all the same), gathered in rounds of at most GATHER_BYTES, straight into the CPU copy. Every copy calls it
-        for the same tensors in the same order."""
+        all the same), put together out of `rounds`. Every copy calls it for the same tensors in the same order."""
+        p = self.params[i]
+        whole = None if scalar or self.replica != 0 else torch.empty(p.numel(), dtype=p.dtype)
+        for at, part in self.rounds(i, key, scalar):
+            if whole is None:
+                return part  # a number: one round
+            whole[at:at + part.numel()].copy_(part)
+        return whole.view(p.shape) if whole is not None else None
+
+    def rounds(self, i: int, key: str, scalar: bool) -> Iterator[tuple[int, torch.Tensor]]:
+        """Tensor `key` of parameter `i` gathered to replica 0 in rounds of at most GATHER_BYTES received: on replica
+        0, each round's parts as (element offset in the flat tensor, its elements on the CPU), no part repeated, every
+        element in one (a number: (0, it), once); on the others, nothing, their parts sent. Every copy iterates it
+        to its end, for the same tensors in the same order. A checkpoint so never holds more of a tensor at once
+        (gpipe.worker.state_stream.Outgoing writes each part where it goes)."""
         p = self.params[i]
         self.waiting(f"replica 0's checkpoint of the optimizer's {key} of parameter {i}")
-        own = next(((pc, view) for pc, view in zip(self.mine, self.views, strict=True) if pc.param == i), None)
+        own = next((n for n, pc in enumerate(self.mine) if pc.param == i), None)
+        # this copy's slices of parameter i that hold `key`: (offset in its piece, the state tensor)
+        held = [(at, st[key]) for piece, (n, at) in zip(self.slices, self.place, strict=True)
+                if n == own and key in (st := self.inner.state.get(piece, {}))]
         if scalar:
-            value = self.inner.state[own[1]][key] if own is not None else None
+            value = held[0][1] if held else None
             send = torch.tensor([float(value) if value is not None else 0.0, float(value is not None)],
                                 dtype=torch.float64, device=p.device)
             got = self.gather(send, False)
-            if got is None:
-                return None
-            return torch.tensor(next(float(g[0]) for g in got if float(g[1])), dtype=_scalar_dtype())
+            if got is not None:
+                yield 0, torch.tensor(next(float(g[0]) for g in got if float(g[1])), dtype=_scalar_dtype())
+            return
         spans = self.spans[i]
         width = max(hi - lo for lo, hi in spans)
-        whole = torch.empty(p.numel(), dtype=p.dtype) if self.replica == 0 else None
         step = max(1, _gather_bytes(p.device) // (self.cut.replicas * p.element_size()))
-        mine = self.inner.state[own[1]][key] if own is not None else None
         for j in range(0, width, step):
             n = min(step, width - j)
             send = p.new_zeros(n)
-            if mine is not None and j < mine.numel():
-                send[:min(n, mine.numel() - j)].copy_(mine[j:j + n])
+            for at, t in held:  # the slices' elements within [j, j + n) of this copy's piece
+                lo, hi = max(j, at), min(j + n, at + t.numel())
+                if lo < hi:
+                    send[lo - j:hi - j].copy_(t[lo - at:hi - at])
             got = self.gather(send, False)
-            if got is not None and whole is not None:
-                for r, (lo, hi) in enumerate(spans):
-                    k = max(0, min(n, hi - lo - j))
-                    whole[lo + j:lo + j + k].copy_(got[r][:k])
-        return whole.view(p.shape) if whole is not None else None
+            del send
+            if got is None:
+                continue
+            for r, (lo, hi) in enumerate(spans):
+                k = max(0, min(n, hi - lo - j))
+                if k:
+                    yield lo + j, got[r][:k].cpu()
+            del got
 
     def _slice(self, v: Any, pc: Piece) -> Any:
         """A piece's own copy of a checkpoint's state value: a number as it is; of a tensor, the piece's slice (the
@@ -323,22 +374,27 @@ class ShardedOptimizer:
     def restore(self, entries: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
         """Load a checkpoint's optimizer state: per parameter index, its whole tensors (and numbers) by key; each
         piece takes its slice."""
-        state: dict[int, dict[str, Any]] = {}
+        pieces: dict[int, dict[str, Any]] = {}
         for n, pc in enumerate(self.mine):
             entry = entries.get(pc.param)
-            if not entry:
-                continue
-            state[n] = {k: self._slice(v, pc) for k, v in entry.items()}
+            if entry:
+                pieces[n] = {k: self._slice(v, pc) for k, v in entry.items()}
+        # per slice, its part of its piece's values (a number its own copy: adam counts its step in place)
+        state: dict[int, dict[str, Any]] = {}
+        for k, (piece, (n, at)) in enumerate(zip(self.slices, self.place, strict=True)):
+            if n in pieces:
+                state[k] = {key: v[at:at + piece.numel()] if isinstance(v, torch.Tensor) and v.dim() else
+                            v.clone() if isinstance(v, torch.Tensor) else v for key, v in pieces[n].items()}
         if self.prefilled:  # into the blocks made already
-            for n, values in state.items():
-                own = self.inner.state[self.views[n]]
+            for k, values in state.items():
+                own = self.inner.state[self.slices[k]]
                 if set(values) != set(own):
                     raise ValueError(f"a checkpoint's optimizer state has {sorted(values)}, not {sorted(own)}")
-                for k, v in values.items():
-                    own[k].copy_(v)
+                for key, v in values.items():
+                    own[key].copy_(v)
             for g, saved in zip(self.inner.param_groups, groups, strict=True):
                 g.update({k: v for k, v in saved.items() if k != "params"})
             return
         count = len(self.inner.param_groups[0]["params"])
-        self.inner.load_state_dict({"state": state if self.views else {},
+        self.inner.load_state_dict({"state": state if self.slices else {},
                                     "param_groups": [{**g, "params": list(range(count))} for g in groups]})

@@ -67,9 +67,9 @@ def test_a_step_result_gives_the_metrics_line_entry_in_its_order():
                                         "peak_memory_bytes", "start_unix", "timeline", "sent_bytes",
                                         "received_bytes"]
     full = result(reduce_s=0.1, loss_scale=8.0, skipped=False, snapshot={"x": 1}, snapshot_s=0.2,
-                  snapshot_wait_s=0.0).metrics()
+                  snapshot_wait_s=0.0, rss_bytes=30).metrics()
     assert list(full) == ["stage", "replica", "rank", "reduce_s", "busy_s", "idle_s", "activation_peak_bytes",
-                          "peak_memory_bytes", "start_unix", "timeline", "sent_bytes", "received_bytes", "skipped",
+                          "peak_memory_bytes", "rss_bytes", "start_unix", "timeline", "sent_bytes", "received_bytes", "skipped",
                           "snapshot_s", "snapshot_wait_s"]
     assert json.loads(json.dumps(full))["timeline"] == [["F", 0, 0.0, 0.1]]
 

@@ -81,14 +81,15 @@ def test_evaluation_runs_between_the_steps_and_equals_one_device(tmp_path):
 
 
 def test_a_stage_that_raises_fails_the_run_naming_it_with_its_fields(tmp_path):
-    # FailAfter (layer 2, on stage 1) raises on its 4th forward: step 1's first (3 micro-batches a step).
+    # FailAfter (layer 2, on stage 1) raises on its 4th forward: the second step's first (3 micro-batches a
+    # step), step 2 as the progress line counts (its StageError's step: the index, 1).
     spec = job(THREE_STAGES, model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 4}}, balance=[1, 2, 1],
                clip_grad_norm=None, activation_checkpoint="never")
     with pytest.raises(JobFailed) as failed:
         drive(plan_of(spec), tmp_path)
     e = failed.value.error
     assert e is not None and e.cause is Cause.RAISED and e.stage == 1 and e.step == 1
-    assert "stage 1 (layers 1-2) failed at step 1: ValueError: boom after 4 forwards" in str(failed.value)
+    assert "stage 1 (layers 1-2) failed at step 2: ValueError: boom after 4 forwards" in str(failed.value)
 
 
 def test_a_preemption_stops_at_the_first_step_not_yet_sent_with_a_checkpoint_that_resumes_as_uninterrupted(tmp_path):
@@ -163,7 +164,8 @@ def test_virtual_stages_over_local_stages_train_as_one_device_and_resume_under_1
 
 
 def test_a_model_chunk_that_raises_fails_the_run_naming_it_not_the_chunk_beside_it(tmp_path):
-    # FailAfter (layer 2: model chunk 2, on worker 0 beside chunk 0) raises on its 4th forward: step 0's last.
+    # FailAfter (layer 2: model chunk 2, on worker 0 beside chunk 0) raises on its 4th forward: the first step's
+    # last (step 1 as the progress line counts).
     spec = job(THREE_STAGES, model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 4}}, stages=2,
                virtual_stages=2, schedule="interleaved-1f1b", balance=[1, 1, 1, 1], chunks=4, clip_grad_norm=None,
                activation_checkpoint="never", data={**REGRESSION, "batch_size": 8})
@@ -171,4 +173,4 @@ def test_a_model_chunk_that_raises_fails_the_run_naming_it_not_the_chunk_beside_
         drive(plan_of(spec), tmp_path)
     e = failed.value.error
     assert e is not None and e.cause is Cause.RAISED and (e.stage, e.rank, e.step) == (2, 0, 0)
-    assert "model chunk 2 (layer 2) on stage 0 failed at step 0: ValueError: boom after 4 forwards" in str(failed.value)
+    assert "model chunk 2 (layer 2) on stage 0 failed at step 1: ValueError: boom after 4 forwards" in str(failed.value)

@@ -178,6 +178,17 @@ def test_the_written_spec_is_the_job_with_the_configuration_and_reads_back(tmp_p
     assert spec.optimizer.lr == 0.1 and spec.data.batch_size == 16  # the rest as it was
 
 
+def test_a_spec_written_outside_the_job_s_folder_names_that_folder_as_its_working_dir(tmp_path):
+    folder = tmp_path / "job"
+    assert planner.working_dir_from(folder / "best.yaml", folder) is None  # beside the job: its own folder
+    assert planner.working_dir_from(tmp_path / "plans" / "best.yaml", folder) == "../job"
+    assert planner.working_dir_from(folder / "plans" / "best.yaml", folder) == ".."
+    c = Config(1, 1, "gpipe", 1, 1, "never", False, (4,))
+    text = job_yaml(working_dir="code")  # replaced: the folder it named, as the written file finds it
+    spec = parse_spec(planner.written(text, "job.yaml", c, "../job/code"))
+    assert spec.code_dir(tmp_path / "plans" / "best.yaml") == folder / "code"
+
+
 def test_the_flags_out_of_range_are_one_line(tmp_path):
     class Args:
         workers, memory_gib, top, job, write, json = 0, 4.0, 10, "job.yaml", None, False

@@ -31,10 +31,13 @@ BAD = [
     ({"balance": [1] * 65}, "balance: List should have at most 64 items"),
     ({"trace_step": 3}, "trace_step: step 3 is past the last step 2"),
     ({"schedule": "zigzag"}, "schedule: 'zigzag' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv"),
-    ({"schedule": "1f1c"}, "schedule: '1f1c' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv (did you mean 1f1b?)"),
+    ({"schedule": "1f1c"}, "schedule: '1f1c' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv, v-half, v-min, dualpipev (did you mean 1f1b?)"),
+    ({"schedule": "dualpipev", "virtual_stages": 2, "chunks": 3},
+     "chunks: dualpipev takes at least 2 rounds of the 2 workers' micro-batches: 4 or more, not 3"),
     # several model chunks per worker: the schedules that hold them, and the balance over all of them
     ({"virtual_stages": 2}, "virtual_stages: 2 model chunks per worker need schedule interleaved-1f1b or zbv"),
     ({"schedule": "zbv"}, "virtual_stages: zbv holds 2 model chunks per worker (a V), not 1"),
+    ({"schedule": "interleaved-1f1b"}, "virtual_stages: interleaved-1f1b interleaves several model chunks"),
     ({"schedule": "zbv", "virtual_stages": 3}, "virtual_stages: zbv holds 2 model chunks per worker (a V), not 3"),
     ({"schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages: must be an integer between 1 and 16, got 0"),
     ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "chunks": 3},
@@ -55,9 +58,9 @@ BAD = [
     ({"loss": "m:" + "f" * 255}, "loss: String should have at most 256 characters"),
     ({"model__args": {5: 1}}, "model.args.5.[key]: Input should be a valid string"),
     ({"bad\nkey": 1}, "'bad\\nkey': unknown field"),
-    ({"loss": "hinge"}, "loss: 'hinge' is not cross_entropy, mse or 'module:function'"),
+    ({"loss": "hinge"}, "loss: 'hinge' is not cross_entropy, mse, model or 'module:function'"),
     ({"lr_schedule": {"name": "cosine", "warmup_steps": -1}}, "lr_schedule.cosine.warmup_steps"),
-    ({"lr_schedule": {"name": "exponential"}}, "lr_schedule: Input tag 'exponential'"),
+    ({"lr_schedule": {"name": "exponential"}}, "lr_schedule.name: 'exponential' is not one of step, cosine, linear, wsd"),
     ({"clip_grad_norm": 0}, "clip_grad_norm: must be greater than 0 and at most 1000000, got 0"),
     ({"device": "tpu"}, "device: Input should be 'cpu' or 'cuda'"),
     ({"epochs": 3}, "epochs: unknown field"),
@@ -68,6 +71,16 @@ BAD = [
     ({"stage": 2, "stages": DELETE}, "stage: unknown field (did you mean stages?)"),
     ({"lr_schedule": {"name": "cosine", "warmup_step": 2}}, "lr_schedule.cosine.warmup_step: unknown field (did you mean warmup_steps?)"),
     ({"zzz": 1}, "zzz: unknown field"),
+    # Did you mean: a field's common name elsewhere, its initials, a field of that name at another place, a value
+    # of a fixed few, a tagged union's tag.
+    ({"optimizer__learning_rate": 0.1}, "optimizer.learning_rate: unknown field (did you mean lr?)"),
+    ({"optimizer__wd": 0.1}, "optimizer.wd: unknown field (did you mean weight_decay?)"),
+    ({"micro_batches": 4}, "micro_batches: unknown field (did you mean chunks?)"),
+    ({"batch_size": 4}, "batch_size: unknown field (did you mean data.batch_size?)"),
+    ({"lr_schedule": {"name": "cosin"}}, "lr_schedule.name: 'cosin' is not one of step, cosine, linear, wsd (did you mean cosine?)"),
+    ({"lr_schedule": {"warmup_steps": 2}}, "lr_schedule.name: required field is missing (one of step, cosine, linear, wsd)"),
+    ({"precision": "bf61"}, "precision: Input should be 'fp32', 'bf16' or 'fp16' (did you mean bf16?)"),
+    ({"optimizer__name": "adamx"}, "optimizer.name: 'adamx' is neither sgd, adam, adamw nor a class's import path 'module:Class' (torch.optim:RMSprop) (did you mean adam?)"),
 ]
 
 

@@ -66,3 +66,34 @@ def test_measured_together_by_pinned_processes_one_per_worker():
 def test_a_process_that_fails_is_one_error():
     with pytest.raises(RuntimeError, match="measuring the layers in 2 processes: .*Error"):
         costs_together.measure_together(MODEL, torch.randn(32, 7), [[0], [0]], [1, 1], (4, 32), repeats=1)
+
+
+def _refuse() -> None:
+    raise ImportError("No module named 'elsewhere'")
+
+
+class _Unloadable(nn.Module):
+    """A layer that pickles but does not load back (as a class of a module a fresh interpreter cannot import)."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.multiprocess
+def test_a_model_the_processes_cannot_load_or_be_sent_is_one_line_without_a_traceback(capfd):
+    # The processes load what they are sent themselves: a failure there is said in the one error, not printed as
+    # the interpreter's traceback before the process runs (tests/engine/test_grad_in_place.py: the GraphModule
+    # that failed so).
+    model = nn.Sequential(nn.Linear(7, 7), _Unloadable())
+    with pytest.raises(RuntimeError) as e:
+        costs_together.measure_together(model, torch.randn(8, 7), [[0], [0]], [1, 1], (4, 8), repeats=1)
+    assert str(e.value) == ("measuring the layers in 2 processes: loading the model there: ImportError: No module "
+                            "named 'elsewhere'")
+    assert "Traceback" not in capfd.readouterr().err
+    unpicklable = nn.Sequential(nn.Linear(7, 7))
+    unpicklable.f = lambda x: x  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="measuring the layers in 2 processes: sending them the model: "):
+        costs_together.measure_together(unpicklable, torch.randn(8, 7), [[0], [0]], [1, 1], (4, 8), repeats=1)

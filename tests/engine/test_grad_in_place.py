@@ -162,6 +162,27 @@ def test_only_weights_of_at_least_in_place_bytes_are_rewritten():
     assert targets.count(grad_in_place.addmm) == 4 * 4  # four Conv1D a block
 
 
+def test_a_rewritten_capture_pickles_and_loads_back_with_its_in_place_forms(every_weight):
+    # An unpickled GraphModule is traced again from its code (torch.fx): the plan's measuring processes get the
+    # captured pieces so. The in-place forms must come back as the graph's calls, not be run on fx's Proxies
+    # (TraceError: symbolically traced variables cannot be used as inputs to control flow).
+    import pickle
+
+    sample = torch.randint(0, 97, (2, 6))
+    pieces = capture(fresh(models.gpt2), sample).pieces
+    loaded = pickle.loads(pickle.dumps(pieces))
+    forms = (grad_in_place.linear, grad_in_place.addmm, grad_in_place.embedding)
+    for before, after in zip(pieces, loaded, strict=True):
+        want = [n.target for n in before._gp_graph.graph.nodes if n.target in forms]
+        assert [n.target for n in after._gp_graph.graph.nodes if n.target in forms] == want
+    assert sum(n.target in forms for p in loaded for n in p._gp_graph.graph.nodes) == 2 + 1 + 16
+    x, y = sample, sample
+    for model in (pieces, loaded):
+        lm_loss(model(x), y).backward()
+    for a, b in zip(pieces.parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_hooks_autograd_grad_determinism_and_a_pipeline_s_shared_weight_keep_autograd_s_own():
     torch.manual_seed(0)
     x = torch.randn(4, 8)

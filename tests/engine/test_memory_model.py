@@ -95,6 +95,28 @@ def test_sharding_keeps_one_replicas_share_of_the_optimizer_state():
     assert sgd.parts["optimizer"] == 0
 
 
+def test_the_optimizer_steps_buffers_are_adams_two_temporaries_or_sharded_a_slices_and_a_gather_rounds():
+    """At the optimizer step (a chunk of 4 weights of 64 MiB, AdamW, 2 replicas, on a CPU): unsharded, adam's
+    denominator makes two temporaries of the largest weight at once; sharded, a slice's two
+    (gpipe.memory.zero.SLICE_BYTES) and a gather round's (what it sends, receives, and c10d's flat copy), so the
+    most is the replicas' gradient bucket, here one weight, or the last backward's gradient of one weight."""
+    from gpipe.memory import zero
+
+    big = 64 << 20
+    c = ChunkMemory(4 * big, 4 * big, big, Line(1), Line(1), Line(1), Line(0))
+    actions = schedule.build("1f1b", 1, 2, 2)
+    plain = predict(actions, [c], setting(chunks=2, state_slots=2, replicas=2))
+    sharded = predict(actions, [c], setting(chunks=2, state_slots=2, replicas=2, shard=True))
+    assert plain.moment == sharded.moment == "the optimizer step"
+    ahead = 1  # the next micro-batch's input
+    assert plain.parts["buffers"] - ahead == 2 * big
+    assert sharded.parts["buffers"] - ahead == big
+    assert plain.parts["optimizer"] - sharded.parts["optimizer"] == 4 * big
+    small = ChunkMemory(4 << 20, 4 << 20, 1 << 20, Line(1), Line(1), Line(1), Line(0))  # less than a bucket
+    sharded = predict(actions, [small], setting(chunks=2, state_slots=2, replicas=2, shard=True))
+    assert sharded.parts["buffers"] - ahead == max(4 << 20, 2 * zero.GATHER_BYTES + zero.GATHER_BYTES // 2)
+
+
 def test_a_prediction_is_the_sum_of_its_parts():
     actions = schedule.build("zbv", 0, 2, 4, 2)
     p = predict(actions, [chunk(), chunk(held=300)], setting(split=True, state_slots=2, baseline=7, data=3))

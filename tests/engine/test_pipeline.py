@@ -210,13 +210,23 @@ def test_interleaved_1f1b_with_every_feature_equals_one_device(name, spec, balan
     compare({**spec, "schedule": "interleaved-1f1b"}, balance)
 
 
+V_SCHEDULES = ["zbv", "v-half", "v-min", "dualpipev"]  # zbv's V: worker k holds model chunks k and 2P-1-k
+
+
+def v_chunks(schedule: str, m: int, workers: int) -> int:
+    """`m` micro-batches, or for dualpipev, which takes 2P or more, 2P+1 in place of fewer than 2P."""
+    return 2 * workers + 1 if schedule == "dualpipev" and m < 2 * workers else m
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
 @pytest.mark.parametrize("balance", INTERLEAVED_BALANCES, ids=lambda b: f"{len(b) // 2}workers")
 @pytest.mark.parametrize("per_worker", [1, 2, None], ids=["M=P", "M=2P", "M=5"])
 @pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
-def test_zbv_equals_one_device(checkpointing, per_worker, balance):
-    """Worker k holds model chunks k and 2P-1-k, the backward split: dropout, momentum, uneven micro-batches."""
-    m = per_worker * len(balance) // 2 if per_worker else 5
-    compare(job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=m, schedule="zbv", virtual_stages=2, activation_checkpoint=checkpointing,
+def test_zbv_equals_one_device(checkpointing, per_worker, balance, schedule):
+    """Worker k holds model chunks k and 2P-1-k, the backward split (zbv, and v-half, v-min and dualpipev in the
+    same V): dropout, momentum, uneven micro-batches."""
+    m = v_chunks(schedule, per_worker * len(balance) // 2 if per_worker else 5, len(balance) // 2)
+    compare(job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=m, schedule=schedule, virtual_stages=2, activation_checkpoint=checkpointing,
                 data={**REGRESSION, "batch_size": 2 * m + 1}), balance)
 
 
@@ -230,8 +240,24 @@ def test_zbv_equals_one_device(checkpointing, per_worker, balance):
     ("bf16", job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=4, precision="bf16"), [2, 3, 2, 3]),
     ("fp16", job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=4, precision="fp16"), [2, 3, 2, 3]),
 ])
-def test_zbv_with_every_feature_equals_one_device(name, spec, balance):
-    compare({**spec, "schedule": "zbv", "virtual_stages": 2}, balance)
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_zbv_with_every_feature_equals_one_device(name, spec, balance, schedule):
+    compare({**spec, "schedule": schedule, "virtual_stages": 2, "chunks": v_chunks(schedule, spec["chunks"], 2)}, balance)
+
+
+def test_v_half_and_v_min_hold_fewer_activations_than_zbv():
+    """Each worker's counted activation peak (activation_peak_bytes, a worker's model chunks' together), 4 workers
+    and 8 micro-batches: the simulator's v-half holds 3/4 of zbv's model chunks, v-min 1/2 (on workers 1 to 3 the
+    counted bytes are those shares; worker 0, holding the first and the last model chunks, saves less)."""
+    def peaks(schedule: str) -> list[int]:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(16)])
+        with gpipe.Pipeline(model, [2] * 8, chunks=8, schedule=schedule, virtual_stages=2) as pipe:
+            pipe.step(torch.randn(32, 64), torch.randn(32, 64), nn.functional.mse_loss)
+            return [pipe.results[model_chunk(schedule, k, 0, 4)].activation_peak_bytes for k in range(4)]
+
+    zbv, half, least = peaks("zbv"), peaks("v-half"), peaks("v-min")
+    assert all(a < b < c for a, b, c in zip(least, half, zbv, strict=True))
+    assert max(least) <= 0.8 * max(zbv) and max(half) <= 0.9 * max(zbv)
 
 
 def test_interleaved_micro_batches_go_in_rounds_of_the_workers():
@@ -240,7 +266,13 @@ def test_interleaved_micro_batches_go_in_rounds_of_the_workers():
         gpipe.Pipeline(model, [1] * 4, chunks=3, schedule="interleaved-1f1b", virtual_stages=2)
 
 
-@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved-1f1b", 3), ("zbv", 2)])
+def test_dualpipev_takes_two_rounds_of_micro_batches():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    with pytest.raises(ValueError, match="^chunks: dualpipev .* 4 or more, not 3"):
+        gpipe.Pipeline(model, [1] * 4, chunks=3, schedule="dualpipev", virtual_stages=2)
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved-1f1b", 3)] + [(s, 2) for s in V_SCHEDULES])
 def test_a_workers_chunks_run_one_action_at_a_time_in_the_schedules_order(schedule, virtual):
     """The stages of one worker's chunks take turns: together they run the worker's order, never two at once."""
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2 * virtual)])
@@ -362,6 +394,7 @@ def test_a_stage_waits_no_longer_than_its_timeout_and_names_what_it_waited_for()
     ({"virtual_stages": 2}, "virtual_stages"), ({"virtual_stages": 0}, "virtual_stages"),
     ({"schedule": "interleaved-1f1b", "virtual_stages": 3}, "balance"),
     ({"schedule": "zbv", "virtual_stages": 1}, "virtual_stages"),
+    ({"schedule": "interleaved-1f1b"}, "virtual_stages"), ({"schedule": "interleaved-1f1b", "virtual_stages": 1}, "virtual_stages"),
 ])
 def test_bad_arguments_are_named(kwargs, field):
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))

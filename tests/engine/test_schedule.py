@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, get_args
 
 import pytest
@@ -29,6 +30,8 @@ def test_the_names_the_spec_takes_are_the_schedule_records():
 
 CHUNKS = [1, 2, 3, 7, 8, 64, 512]
 NAMES = ["gpipe", "1f1b", "zb-h1"]
+V_SHAPED = ["zbv", "v-half", "v-min", "dualpipev"]  # worker k holds model chunks k and 2P-1-k
+SEVERAL = ["interleaved-1f1b", *V_SHAPED]  # 2 model chunks a worker
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -147,7 +150,8 @@ def test_zbv_runs_each_chunk_once_in_a_v_and_all_but_removes_the_bubble(p, m):
     assert sim.bubble_fraction <= simulate("1f1b", p, m).bubble_fraction
 
 
-@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)])
+@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2),
+                                              ("v-half", 2), ("v-min", 2), ("dualpipev", 2)])
 def test_timing_at_the_tick_costs_is_the_simulators_timeline(name, virtual):
     sim = simulate(name, 2, 4, virtual)
     split = splits_backward(build(name, 0, 2, 4, virtual))
@@ -185,12 +189,14 @@ def test_step_after_step_the_bottleneck_stage_waits_only_for_the_first_stage_s_t
         assert period == 12 * m + 11
 
 
-@pytest.mark.parametrize(("name", "virtual"), [(n, 1) for n in NAMES] + [("interleaved-1f1b", 2), ("zbv", 2)])
+@pytest.mark.parametrize(("name", "virtual"), [(n, 1) for n in NAMES] + [(n, 2) for n in SEVERAL])
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_steps_in_a_row_take_no_longer_than_one_alone_and_no_less_than_the_busiest_worker(name, virtual, p):
     for m in (p, 2 * p if name == "interleaved-1f1b" else 2 * p + 1):  # interleaved: whole rounds
+        if m < REGISTRY[name].min_rounds * p:  # dualpipev: 2P or more
+            continue
         def length(k: int, a: Action) -> float:  # uneven stages: the last one the slowest
-            return (1.0 + 0.25 * k) * (1 if a.kind != "B" or name in ("zb-h1", "zbv") else 2)
+            return (1.0 + 0.25 * k) * (1 if a.kind != "B" or name not in ("gpipe", "1f1b", "interleaved-1f1b") else 2)
         runs = timing(name, p, m, virtual, length)
         alone = max(e for row in runs for *_, e in row)
         busiest = max(sum(e - s for _, s, e in row) for row in runs)
@@ -210,7 +216,7 @@ def test_zbv_step_after_step_leaves_no_bubble_at_the_tick_costs(p):
         assert simulate("zbv", p, m, 2).bubble_fraction > 0
 
 
-@pytest.mark.parametrize(("name", "virtual"), [(n, 1) for n in NAMES] + [("interleaved-1f1b", 2), ("zbv", 2)])
+@pytest.mark.parametrize(("name", "virtual"), [(n, 1) for n in NAMES] + [(n, 2) for n in SEVERAL])
 def test_workers_that_wait_for_one_another_at_each_step_s_end_overlap_no_further(name, virtual):
     """Clipping or fp16's overflow check (every worker waits): each step as long as one alone. A tied weight's
     holders (the first and last worker): between that and no wait at all."""
@@ -248,3 +254,144 @@ def test_plan_json_knows_which_workers_wait_for_one_another_at_a_step_s_end():
     assert step_waits(spec("interleaved-1f1b", 2), [[0, 3]]) == [{0, 1}]  # chunk 3 is worker 1's
     free = schedule_plan("zbv", 2, 4, 2)["steady_bubble_fraction"]
     assert free == 0 < schedule_plan("zbv", 2, 4, 2, [{0, 1}])["steady_bubble_fraction"]
+
+
+def _v_schedule_cases() -> list[tuple[str, int, int]]:
+    cases = []
+    for name in ("v-half", "v-min", "dualpipev"):
+        for p in (1, 2, 3, 4, 5, 6, 8):
+            for m in (1, 2, 3, 5, 8, 13, 16, 24):
+                if m >= REGISTRY[name].min_rounds * p:
+                    cases.append((name, p, m))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "p", "m"), _v_schedule_cases())
+def test_the_other_v_schedules_run_each_chunk_once_in_the_v_without_deadlock(name, p, m):
+    """v-half, v-min and dualpipev: on every worker F, B and W of each micro-batch on each of its two model chunks
+    exactly once, F before B before W, each model chunk's forwards and backwards in micro-batch order, worker k
+    holding model chunks k and 2P-1-k; and the simulator runs them to the end (it raises on a deadlock: each
+    action waits for the one before it in the V, a B for the next model chunk's, a W for its own B)."""
+    for k in range(p):
+        actions = build(name, k, p, m, 2)
+        for kind in "FBW":
+            assert sorted(a for a in actions if a.kind == kind) == \
+                sorted(Action(kind, i, c) for i in range(m) for c in range(2))
+        assert len(actions) == 6 * m
+        pos = {a: n for n, a in enumerate(actions)}
+        assert all(pos[Action("F", i, c)] < pos[Action("B", i, c)] < pos[Action("W", i, c)]
+                   for i in range(m) for c in range(2))
+        for c in range(2):  # the lanes rely on the forwards' order; the backwards keep it too
+            for kind in "FB":
+                assert [a.micro_batch for a in actions if a.kind == kind and a.worker_chunk == c] == list(range(m))
+        assert [model_chunk(name, k, c, p) for c in (0, 1)] == [k, 2 * p - 1 - k]
+        # Within the worker: model chunk 2P-1-k's forward after model chunk k's on the V's bottom worker; its B
+        # first on worker 0 (the last model chunk), model chunk k's B after it on the bottom worker.
+        if k == p - 1:
+            assert all(pos[Action("F", i, 0)] < pos[Action("F", i, 1)] for i in range(m))
+            assert all(pos[Action("B", i, 1)] < pos[Action("B", i, 0)] for i in range(m))
+    sim = simulate(name, p, m, 2)  # raises on a deadlock
+    assert sim.ticks >= 6 * m and sim.bubble_fraction < 1
+
+
+def _stages_worth(name: str, p: int, m: int) -> float:
+    """The most activations any worker holds, in stages' worth of one micro-batch (a V's model chunk: half)."""
+    held = simulate(name, p, m, 2 if name in V_SHAPED else 1).max_in_flight
+    return max(held) / (2 if name in V_SHAPED else 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 8, 12, 16])
+@pytest.mark.parametrize("m", [1, 4, 8, 24])
+def test_v_half_and_v_min_hold_the_papers_bounds(p, m):
+    """Pipeline Parallelism with Controllable Memory (arXiv 2405.15362): V-Half holds (P+2)//2 stages' worth of a
+    micro-batch's activations at most, V-Min (P+4)//3, against 1f1b's P (on its stage 0): about a half and a
+    third of 1f1b's once P is large. The reordering of the warm-up and the drain never goes past the repeated
+    blocks' peak."""
+    assert _stages_worth("v-half", p, m) <= (p + 2) // 2
+    assert _stages_worth("v-min", p, m) <= (p + 4) // 3
+    if m >= p:
+        one = _stages_worth("1f1b", p, m)
+        assert one == p
+        assert _stages_worth("v-half", p, m) <= one / 2 + 1
+        assert _stages_worth("v-min", p, m) <= one / 3 + 4 / 3
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_v_half_and_v_min_at_8_micro_batches_against_1f1b_and_zbv(p):
+    """At 8 micro-batches (the table in docs/schedules.md): the activation peak (stages' worth) and the bubble.
+    On 2 workers both hold what 1f1b and zbv hold, 2 stages' worth ((P+2)//2 = (P+4)//3 = P there); on 4 workers
+    v-half holds 3/4 of 1f1b's, v-min half. (Worker 0 holds a micro-batch's first model chunk from its F to its W,
+    4P+1 passes of the V at least, and its last model chunk for 3, at zbv's pace of a micro-batch every 6 passes:
+    no order of the V holds less than (4P+4)/6 model chunks on average there at that pace, so at least 2 stages'
+    worth at its peak on 4 workers.)"""
+    peaks = {n: _stages_worth(n, p, 8) for n in ("1f1b", "zbv", "v-half", "v-min", "dualpipev")}
+    bubbles = {n: simulate(n, p, 8, 1 if n == "1f1b" else 2).bubble_fraction
+               for n in ("1f1b", "zbv", "v-half", "v-min", "dualpipev")}
+    assert peaks == {2: {"1f1b": 2, "zbv": 2, "v-half": 2, "v-min": 2, "dualpipev": 2.5},
+                     4: {"1f1b": 4, "zbv": 4, "v-half": 3, "v-min": 2, "dualpipev": 4.5}}[p]
+    assert bubbles["zbv"] <= bubbles["v-half"] <= bubbles["v-min"] < bubbles["1f1b"]
+    assert bubbles["dualpipev"] == pytest.approx(bubbles["zbv"])
+
+
+@pytest.mark.parametrize("p", range(1, 65))
+def test_the_v_building_blocks_give_each_pass_a_slot_of_its_own(p):
+    """A worker's four passes of a micro-batch (F and B on each model chunk) fall on different slots of the 6 the
+    block repeats over (the W's take the other two), and each comes after what it waits for."""
+    from gpipe.vshape import PERIOD, block
+
+    for memory in ("half", "min"):
+        blocks = [block(memory, p, k) for k in range(p)]
+        for k, b in enumerate(blocks):
+            assert len({t % PERIOD for t in b.values()}) == 4, (memory, k)
+            assert b[("F", 0)] > (blocks[k - 1][("F", 0)] if k else -1)
+            assert b[("F", 1)] > (blocks[k + 1][("F", 1)] if k < p - 1 else b[("F", 0)])
+            assert b[("B", 1)] > (blocks[k - 1][("B", 1)] if k else b[("F", 1)])
+            assert b[("B", 0)] > (blocks[k + 1][("B", 0)] if k < p - 1 else b[("B", 1)])
+
+
+def test_dualpipev_is_torchs_order_with_each_pair_run_forward_first():
+    """torch.distributed.pipelining's ScheduleDualPipeV, action for action: an overlapped pair as its forward then
+    its backward, a whole backward as B then its W."""
+    sched = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(sched, "ScheduleDualPipeV", None)
+    if cls is None:
+        pytest.skip("this torch has no ScheduleDualPipeV")
+
+    def theirs(p: int, m: int, k: int) -> list[Action]:
+        out: list[Action] = []
+
+        def one(a: Any) -> None:
+            c, mb, kind = 0 if a.stage_index == k else 1, a.microbatch_index, a.computation_type
+            if kind == sched.FORWARD:
+                out.append(Action("F", mb, c))
+            elif kind == sched.FULL_BACKWARD:
+                out.extend([Action("B", mb, c), Action("W", mb, c)])
+            elif kind == sched.BACKWARD_INPUT:
+                out.append(Action("B", mb, c))
+            else:
+                assert kind == sched.BACKWARD_WEIGHT
+                out.append(Action("W", mb, c))
+
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)  # all its order reads
+        for a in cls._calculate_single_rank_operations(fake, k):
+            if a is not None:
+                for sub in (a.sub_actions if a.computation_type == sched.OVERLAP_F_B else (a,)):
+                    one(sub)
+        return out
+
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in sorted({2 * p, 2 * p + 1, 3 * p, 16}):
+            for k in range(p):
+                assert build("dualpipev", k, p, m, 2) == theirs(p, m, k), (p, m, k)
+
+
+def test_dualpipev_takes_two_rounds_of_micro_batches():
+    from gpipe.options import violation
+
+    assert violation("dualpipev", 3, 2, 6) is None
+    assert violation("dualpipev", 3, 2, 5) == \
+        "chunks: dualpipev takes at least 2 rounds of the 3 workers' micro-batches: 6 or more, not 5"
+    assert violation("v-half", 3, 2, 1) is None and violation("v-min", 3, 2, 1) is None
+    assert violation("v-min", 3, 1, 4).startswith("virtual_stages: v-min holds 2 model chunks per worker (a V)")
+    with pytest.raises(ValueError, match="^chunks: dualpipev"):
+        build("dualpipev", 0, 3, 5, 2)

@@ -115,6 +115,46 @@ def test_the_plan_refuses_bad_token_files_in_one_line(tmp_path, monkeypatch, pat
     assert e.value.exit_code == 2 and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(("where", "ids", "more", "says"), [
+    # an id past a vocabulary too small for the data: which id, where, the vocabulary, as uint16
+    ("data", np.arange(50) % 40, {}, ("token id 32 (token 32 of ", "read as uint16", "vocabulary of 32 ids",
+                                      "(0: Embedding(32, 16))", "is data.args.dtype")),
+    # uint16 ids read as uint32: pairs of them make ids far past any vocabulary
+    ("data", np.arange(100) % 32, {"dtype": "uint32"}, ("token id 65536 (token 0 of ", "read as uint32",
+                                                        "vocabulary of 32 ids")),
+    ("eval.data", np.arange(50) % 40, {}, ("token id 32 (token 32 of ", "is eval.data.args.dtype")),
+])
+def test_ids_outside_the_model_s_vocabulary_are_one_line_naming_the_id_the_vocabulary_and_the_dtype(
+        tmp_path, monkeypatch, where, ids, more, says):
+    # Caught at validate, before the model runs into them (IndexError: index out of range in self).
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "bad.bin", ids)
+    _write(tmp_path / "good.bin", np.arange(100) % 32)
+    spec = _lm_job("bad.bin" if where == "data" else "good.bin", **more)
+    if where == "eval.data":
+        spec["eval"] = {"data": _lm_job("bad.bin")["data"], "every": 2}
+    with pytest.raises(SpecError) as e:
+        make_plan(parse_spec(yaml.safe_dump(spec)), tmp_path)
+    line = str(e.value)
+    assert line.startswith(f"{where}: the first batch's ") and all(s in line for s in says), line
+    assert e.value.exit_code == 2 and "\n" not in line
+
+
+def test_the_vocabulary_is_the_token_embedding_s_and_unknown_without_one():
+    from gpipe.data.tokens import vocabulary
+    from tests.support import models
+
+    assert vocabulary(models.tiny_lm(vocab=32)) == (32, "0: Embedding(32, 16)")
+    assert vocabulary(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None  # nothing checked
+    # two embeddings: the larger (a token id below it may still be out of the token embedding's range; never
+    # the other way round), unless the model says which (a Hugging Face model's get_input_embeddings)
+    two = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Embedding(64, 4))
+    assert vocabulary(two) == (64, "1: Embedding(64, 4)")
+    pytest.importorskip("transformers")
+    vocab, where = vocabulary(models.gpt2(vocab=40))  # positions: 64
+    assert vocab == 40 and where.startswith("transformer.wte: ")
+
+
 def test_token_files_serve_as_eval_data(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _write(tmp_path / "train.bin", np.arange(100) % 32)

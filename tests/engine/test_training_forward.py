@@ -381,16 +381,26 @@ def test_each_layers_own_mode_is_kept_by_the_first_call_and_by_an_eval_call():
 
 
 def test_a_failing_stage_stops_the_others_before_their_next_micro_batch():
+    """Stage 2 holds its second micro-batch until stage 3 has failed: it then sends nothing more, and computes no
+    third micro-batch."""
     calls: list[int] = []
+    running: list[gpipe.Pipeline] = []
 
     class Counter(nn.Module):
+        gpipe_random = False  # draws nothing: runs beside the other stages, not under the generators' lock
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.training and torch.is_grad_enabled():
                 calls.append(len(x))
-                time.sleep(0.1)  # the stage after it fails meanwhile
+                if len(calls) == 2:  # the failure lands while this micro-batch is computed
+                    deadline = time.monotonic() + 30
+                    while running[0]._hub._error is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
             return x
 
     class Fails(nn.Module):
+        gpipe_random = False
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.training and torch.is_grad_enabled():
                 raise RuntimeError("this stage fails")
@@ -398,5 +408,6 @@ def test_a_failing_stage_stops_the_others_before_their_next_micro_batch():
 
     model = nn.Sequential(nn.Identity(), nn.Identity(), Counter(), Fails())
     with gpipe.Pipeline(model, [1, 1, 1, 1], chunks=3) as pipe, pytest.raises(RuntimeError, match="this stage"):
+        running.append(pipe)
         pipe(torch.rand(3, 1))
-    assert len(calls) <= 2  # micro-batch 0, and at most the one it had begun when stage 3 failed
+    assert calls == [1, 1]  # micro-batch 0, and micro-batch 1 that was under way when stage 3 failed

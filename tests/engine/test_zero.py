@@ -90,8 +90,10 @@ def test_the_cut_covers_every_element_once_in_shards_as_equal_as_elements_allow(
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("replicas", [2, 3])
 @pytest.mark.parametrize("gather_bytes", [4 << 20, 24])  # one round a bucket; rounds of two elements a copy
-def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas, gather_bytes, monkeypatch):
+@pytest.mark.parametrize("slice_bytes", [4 << 20, 12])  # a piece stepped whole; in slices of 3 elements
+def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas, gather_bytes, slice_bytes, monkeypatch):
     monkeypatch.setattr(zero, "GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(zero, "SLICE_BYTES", slice_bytes)
     cls, kwargs = optimizer_class(name_of(opt_name)), OPTIMIZERS[opt_name]
     want = params_of()
     step_all(cls(want, **kwargs), want, range(4))
@@ -105,7 +107,8 @@ def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas, gather_
         assert opt._stepped() == [i != 4 for i in range(len(params))]
         assert opt.prefilled == (opt_name != "sgd-momentum")
         held = {id(t) for st in opt.inner.state.values() for t in st.values()}
-        assert len(opt.inner.state) <= len(opt.mine) and len(held) == sum(len(st) for st in opt.inner.state.values())
+        assert len(opt.inner.state) <= len(opt.slices) and len(held) == sum(len(st) for st in opt.inner.state.values())
+        assert all(t.numel() <= slice_bytes // 4 for t in opt.slices) and len(opt.slices) >= len(opt.mine)
         return params
 
     for got in on_copies(replicas, copy):
@@ -114,10 +117,13 @@ def test_sharded_steps_equal_one_unsharded_optimizer(opt_name, replicas, gather_
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("gather_bytes", [4 << 20, 24])  # each tensor in one round; in rounds of two elements
+@pytest.mark.parametrize(("gather_bytes", "slice_bytes"), [(4 << 20, 4 << 20), (24, 4 << 20), (24, 12), (4 << 20, 8)])
 def test_the_checkpointed_state_is_the_unsharded_state_and_restores_on_another_replica_count(opt_name, gather_bytes,
-                                                                                              monkeypatch):
+                                                                                              slice_bytes, monkeypatch):
+    """Gathered in one round a tensor or in rounds of two elements; each piece stepped whole or in slices of 3 or
+    2 elements."""
     monkeypatch.setattr(zero, "GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(zero, "SLICE_BYTES", slice_bytes)
     cls, kwargs = optimizer_class(name_of(opt_name)), OPTIMIZERS[opt_name]
     whole = params_of()
     ref = cls(whole, **kwargs)

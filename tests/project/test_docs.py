@@ -151,3 +151,52 @@ def test_the_readmes_in_process_example_trains_as_written():
     exec(block, names)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # every layer trained
     names["pipe"].close()
+
+
+def test_running_md_s_loading_block_loads_a_job_s_tied_weights_as_written(tmp_path, monkeypatch):
+    """docs/running.md's gpipe.load_weights block, run in a folder holding a job's outputs as `run` leaves them
+    (gpipe-state/mine: model.safetensors exported from a checkpoint, and checkpoints/step-500), `mymodel:build`
+    a model whose last layer's weight is its first's: each load fills both names, the tie stays one tensor."""
+    import sys
+    import types
+
+    import torch
+
+    import gpipe
+    import gpipe.weights
+    from gpipe.coordinator.outputs import checkpoint
+    from gpipe.state import StageState
+
+    def build(layers: int) -> torch.nn.Sequential:
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+        model[-1].weight = model[0].weight
+        return model
+
+    out = tmp_path / "gpipe-state" / "mine"
+    saved = {}
+    for step in (400, 500):
+        torch.manual_seed(step)
+        saved[step] = {k: v.clone() for k, v in build(8).state_dict().items() if k != "7.weight"}  # the tie once
+        snap = checkpoint.Snapshot(step, [StageState({f"model/{k}": v for k, v in saved[step].items()}, {})], {})
+        checkpoint.write(checkpoint.folder(out), snap)
+    checkpoint.export_weights(checkpoint.load(checkpoint.step_dir(checkpoint.folder(out), 400)),
+                              out / "model.safetensors")
+    mymodel = types.ModuleType("mymodel")
+    mymodel.build = build  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mymodel", mymodel)
+    monkeypatch.chdir(tmp_path)
+    block, = (b for b in blocks((ROOT / "docs" / "running.md").read_text(), "python") if "load_weights" in b)
+    loaded = []  # what each load left in the model
+
+    def load_weights(model, path):
+        gpipe.weights.load_weights(model, path)
+        loaded.append({k: v.clone() for k, v in model.state_dict().items()})
+        return model
+
+    monkeypatch.setattr(gpipe, "load_weights", load_weights, raising=False)
+    names: dict = {}
+    exec(block, names)
+    model = names["model"]
+    assert model[7].weight is model[0].weight and len(loaded) == 2
+    for got, step in zip(loaded, (400, 500), strict=True):  # model.safetensors (step-400's), then step-500's
+        assert all(torch.equal(got[k], saved[step][k.replace("7.weight", "0.weight")]) for k in got)

@@ -74,24 +74,25 @@ def test_the_demo_runs_on_one_core_with_one_warning_line(cli):
 
 @pytest.mark.multiprocess
 def test_the_gpt2_tokens_recipe_tokenizes_trains_and_generates(cli):
-    """docs/data.md's end to end on examples/gpt2-tokens.yaml, small: a corpus and a byte-level BPE tokenizer
-    made here (no download), `tokenize`, `run` (4 steps of a narrower model on shorter windows), then
-    examples/generate.py continues a prompt with the run's model.safetensors, read by from_pretrained."""
+    """docs/data.md's end to end on examples/gpt2-tokens.yaml, small and offline: a corpus, `tokenize
+    --train-vocab` (a byte-level BPE tokenizer trained on it, no download), `run` (4 steps of a narrower model on
+    shorter windows), then examples/generate.py continues a prompt with the run's model.safetensors, read by
+    from_pretrained, and the trained tokenizer.json."""
     pytest.importorskip("transformers")
-    from tests.support.lm import LINES, bpe_tokenizer
+    from tests.support.lm import LINES
 
     job = cli.tmp / "job"
     job.mkdir()
     for name in ("gpt2-tokens.yaml", "hf.py", "charlm.py"):
         shutil.copy(EXAMPLES / name, job / name)
-    bpe_tokenizer(cli.tmp / "tok")
     (cli.tmp / "corpus").mkdir()
     for k in range(2):
         (cli.tmp / "corpus" / f"{k}.txt").write_text("".join(f"{line}, {k} {i}.\n" for i in range(30) for line in LINES))
-    r = cli.run("tokenize", "corpus/0.txt", "corpus/1.txt", "--tokenizer", "tok", "--out", "job/data/train.bin",
-                "--val-fraction", "0.1", "--eos", "<|endoftext|>", "--no-progress", timeout=60)
+    r = cli.run("tokenize", "corpus/0.txt", "corpus/1.txt", "--train-vocab", "300", "--tokenizer", "tok", "--out",
+                "job/data/train.bin", "--val-fraction", "0.1", "--eos", "<|endoftext|>", "--no-progress", timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().endswith("uint16 (vocabulary 300)"), r.stdout
+    assert r.stdout.startswith("tok/tokenizer.json: a byte-level BPE tokenizer of "), r.stdout
+    assert 256 < int(r.stdout.strip().rsplit("(vocabulary ", 1)[1].rstrip(")")) <= 300, r.stdout  # the model's 300
     small = {"steps": 4, "model.args": {"vocab": 300, "width": 32, "layers": 4, "heads": 2, "positions": 64},
              "data.args.seq_len": 32, "eval.data.args.seq_len": 32, "eval.every": 2, "eval.batches": 1,
              "lr_schedule.warmup_steps": 1, "checkpoint_every": 2}

@@ -31,8 +31,9 @@ def test_stage_that_raises_fails_the_job_naming_it(cli):
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    # The third forward of stage 1 raises: micro-batch 0 of step 2 (the spec is 2 micro-batches a step).
-    assert last.startswith("error: stage 1 (layers 2-3) failed at step 2: ValueError: boom after 5 forwards"), last
+    # The fifth forward of stage 1 raises: micro-batch 0 of the third step (the spec is 2 micro-batches a step),
+    # step 3 as the progress line counts.
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 3: ValueError: boom after 5 forwards"), last
     assert "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 60
     # The worker's own log keeps the traceback.
@@ -40,7 +41,7 @@ def test_stage_that_raises_fails_the_job_naming_it(cli):
 
 
 def test_a_data_sets_own_index_error_fails_the_job_as_its_error_after_one_restart_not_as_an_import(cli):
-    """The job's data set raises IndexError at step 4 (items 16 on, of 4 a batch): the job's own error, which
+    """The job's data set raises IndexError at step 5 (items 16 on, of 4 a batch): the job's own error, which
     one restart may cure, never the workers' failing to import its code."""
     s = job(FAILING, model={"factory": "mlp", "args": {"width": 8, "depth": 3}},
              data={"factory": "tests.support.models:short_data", "args": {"n": 64, "bad": 16}, "batch_size": 4},
@@ -48,7 +49,7 @@ def test_a_data_sets_own_index_error_fails_the_job_as_its_error_after_one_restar
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: data: step 4: IndexError: item 16"), last
+    assert last.startswith("error: data: step 5: IndexError: item 16"), last
     assert "import" not in last, last
     assert "RESTARTING" in r.stderr  # a RAISED error is given its one restart; an import failure is not
     assert "Traceback" not in r.stderr
@@ -116,6 +117,25 @@ def test_coordinator_stopped_takes_its_workers_along(cli):
     assert err.strip().splitlines()[-1] == "interrupted"
 
 
+def test_every_message_counts_steps_from_1_as_the_progress_line_does(cli):
+    # A run's progress lines, its preempted attempt's line and its last line name one step by one number: step N
+    # is the Nth, and checkpoint step-N the state after it.
+    path = cli.write(job(FAILING, model=SLOW, steps=40))  # a progress line every 2 steps
+    out = cli.tmp / "state" / "f"
+    with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state")) as p:
+        wait_for(lambda: _steps_done(out) >= 5, 90, "five steps")
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == EXIT_PREEMPTED, err
+    shown = [int(x.split()[1].split("/")[0]) for x in err.splitlines() if x.startswith("step ")]
+    (said,) = [x for x in err.splitlines() if "preempted: stopped after step" in x]
+    stopped = int(said.split("stopped after step ")[1].split(",")[0])
+    assert said.endswith(f"with checkpoint step-{stopped}"), said
+    assert err.strip().splitlines()[-1].startswith(f"error: preempted: run got SIGTERM; checkpoint step-{stopped} "), err
+    assert shown and shown[-1] <= stopped and (out / "checkpoints" / f"step-{stopped}").is_dir()
+    assert _steps_done(out) == stopped  # metrics.jsonl: steps 0 .. stopped-1 counted from 0, the steps done
+
+
 def test_coordinator_sigkilled_takes_its_workers_along(cli):
     p, _ = _stop_coordinator_mid_run(cli, lambda p: p.kill())
     assert p.returncode == -signal.SIGKILL
@@ -127,5 +147,5 @@ def test_a_stage_that_waits_too_long_fails_the_job_naming_what_it_waited_for(cli
     r = cli.run("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=90)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stage 1 (layers 2-3) failed at step 0: TimeoutError: timed out after 1s "
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 1: TimeoutError: timed out after 1s "
                            "waiting for stage 0's activation of micro-batch 0"), last

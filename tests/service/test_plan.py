@@ -5,7 +5,10 @@ process: tests/control/test_planner.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import yaml
 from safetensors.torch import load_file
@@ -74,6 +77,28 @@ def test_nothing_that_fits_and_bad_flags_are_one_line_exit_2_and_write_nothing(c
     assert r.returncode == 2 and "--workers" in one_error_line(r.stderr, "error: --workers")
     r = cli.run("plan", str(path), "--memory-gib", "8", timeout=60)  # --workers is required
     assert r.returncode == 2 and "--workers" in r.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_job_written_outside_its_folder_finds_its_code_and_data_from_anywhere(cli):
+    # The job's own module and a relative token file, in job/; the plan written to plans/ and validated from a
+    # third folder: the written job's working_dir is job/ as seen from plans/.
+    folder, plans, elsewhere = (cli.tmp / d for d in ("job", "plans", "elsewhere"))
+    for d in (folder / "data", plans, elsewhere):
+        d.mkdir(parents=True)
+    (folder / "mylm.py").write_text("from torch import nn\n\n\ndef lm(vocab: int = 32):\n"
+                                    "    return nn.Sequential(nn.Embedding(vocab, 8), nn.Linear(8, 8), nn.Linear(8, vocab))\n")
+    np.random.default_rng(0).integers(0, 32, 400).astype("<u2").tofile(folder / "data" / "train.bin")
+    spec = job(name="lm", model={"factory": "mylm:lm", "args": {}}, loss="cross_entropy", stages=1, steps=2,
+               data={"factory": "tokens", "args": {"path": "data/train.bin", "seq_len": 8}, "batch_size": 8})
+    path = cli.write(spec, "job/lm.yaml")
+    r = cli.run("plan", str(path), "--workers", "1", "--memory-gib", "4", "--write", "plans/best.yaml", timeout=180)
+    assert r.returncode == 0, r.stderr
+    written = yaml.safe_load((plans / "best.yaml").read_text())
+    assert written["working_dir"] == "../job"
+    r = subprocess.run([sys.executable, "-m", "gpipe.coordinator.cli.main", "validate", str(plans / "best.yaml")],
+                       cwd=elsewhere, env=cli.env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 AUTO = job(SPEC, name="auto", stages=2, chunks="auto", schedule="auto", activation_checkpoint="auto")

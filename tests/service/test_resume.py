@@ -218,17 +218,17 @@ def test_resume_with_every_checkpoint_damaged_is_refused_naming_each_and_nothing
 
 
 @pytest.mark.multiprocess
-def test_resume_with_no_checkpoint_starts_at_step_0(cli):
+def test_resume_with_no_checkpoint_starts_at_step_1(cli):
     s = job(RESUMED, model={"factory": "mlp", "args": {"width": 16, "depth": 3}}, steps=3, checkpoint_every=10)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", "--resume")
     assert r.returncode == 0, r.stderr
-    assert "r: no checkpoint to resume from: starting at step 0" in r.stderr
+    assert "r: no checkpoint to resume from: starting at step 1" in r.stderr
     assert max_diff(load_file(cli.tmp / "state" / "r" / "model.safetensors"), reference.train(s)) <= 1e-6
 
 
 @pytest.mark.multiprocess
 def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
-    # Each attempt fails 7 forwards (3 steps of 2 micro-batches, and one) after its start: step 3, then 6.
+    # Each attempt fails 7 forwards (3 steps of 2 micro-batches, and one) after its start: step 4, then 7.
     s = job(RESUMED, model={"factory": "tests.support.models:failing_mlp", "args": {"width": 16, "calls": 7}}, balance=[2, 2],
              max_restarts=1, steps=10, checkpoint_every=1)
     r = cli.run("run", str(cli.write(s)), "--state-dir", str(cli.tmp / "state"), "--no-progress", timeout=150)
@@ -236,8 +236,8 @@ def test_restarts_are_bounded_and_the_first_failure_is_named(cli):
     assert r.stderr.count("RESTARTING") == 1
     last = r.stderr.strip().splitlines()[-1]
     # The first failure is named, and the last one too.
-    assert last.startswith("error: stage 1 (layers 2-3) failed at step 3: ValueError: boom after 7 forwards"), last
-    assert "gave up after 1 restarts" in last and "the last failure: stage 1 (layers 2-3) failed at step 6" in last
+    assert last.startswith("error: stage 1 (layers 2-3) failed at step 4: ValueError: boom after 7 forwards"), last
+    assert "gave up after 1 restarts" in last and "the last failure: stage 1 (layers 2-3) failed at step 7" in last
     assert "Traceback" not in r.stderr
 
 
@@ -249,7 +249,7 @@ def test_the_same_error_at_the_same_step_twice_is_not_restarted_again(cli):
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("RESTARTING") == 1  # once, to tell a deterministic error from a passing one
     last = r.stderr.strip().splitlines()[-1]
-    assert "failed at step 3" in last and "same error at the same step twice" in last, last
+    assert "failed at step 4" in last and "same error at the same step twice" in last, last
 
 
 @pytest.mark.multiprocess

@@ -22,6 +22,15 @@ def test_cli_rejects_a_bad_spec_and_starts_nothing(cli):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_a_schedule_of_several_model_chunks_without_virtual_stages_is_refused_naming_it(cli, schedule):
+    r = cli.run("validate", str(cli.write(__import__("yaml").safe_load(job_yaml(schedule=schedule)))), timeout=60)
+    assert r.returncode == 2, r.stderr
+    line, = r.stderr.strip().splitlines()
+    assert line.startswith("error: virtual_stages:") and schedule in line, line
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args,message", [
     (["run", "missing.yaml"], "error: missing.yaml: cannot read job file"),
     (["run"], "error: the following arguments are required: job"),

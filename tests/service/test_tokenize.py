@@ -105,6 +105,38 @@ def test_tokenize_s_bad_input_is_one_line_exit_2(cli):
     assert sorted(os.listdir(cli.tmp)) == ["a.txt", "afile", "b.jsonl", "tok"]  # nothing left behind
 
 
+@pytest.mark.multiprocess
+def test_tokenize_trains_a_byte_level_bpe_on_the_corpus_offline_and_tokenizes_with_it(cli):
+    # No tokenizer to download: --train-vocab trains GPT-2's kind on the corpus itself, writes tok/tokenizer.json,
+    # and the token files are that tokenizer's ids (what generate.py and the tokens source then read).
+    _corpus(cli.tmp, bpe_tokenizer(cli.tmp / "ref"))  # a.txt and b.jsonl
+    r = cli.run("tokenize", "a.txt", "b.jsonl", "--train-vocab", "320", "--tokenizer", "tok", "--out",
+                "data/train.bin", "--eos", "<|endoftext|>", "--no-progress", timeout=120)
+    assert r.returncode == 0, r.stderr
+    tok = tokenizers.Tokenizer.from_file(str(cli.tmp / "tok" / "tokenizer.json"))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    assert 256 < vocab <= 320 and tok.token_to_id("<|endoftext|>") is not None
+    want = _corpus(cli.tmp, tok)  # the corpus again, and its ids with the trained tokenizer
+    assert np.fromfile(cli.tmp / "data" / "train.bin", dtype="<u2").tolist() == want
+    assert r.stdout.splitlines()[0].startswith(f"tok/tokenizer.json: a byte-level BPE tokenizer of {vocab} ids")
+    assert r.stdout.splitlines()[1] == f"data/train.bin: {len(want):,} tokens, uint16 (vocabulary {vocab})"
+    assert tok.decode(want[:20]) == tok.decode(tok.encode((cli.tmp / "a.txt").read_text()[:200]).ids[:20])
+    assert sorted(os.listdir(cli.tmp / "tok")) == ["tokenizer.json"]
+    # A tokenizer there already is not overwritten; a vocabulary below the bytes' is refused; a failure leaves
+    # neither the tokenizer nor the token files.
+    (cli.tmp / "bad.jsonl").write_text('{"body": "no text"}\n')
+    for args, says in [
+        (["a.txt", "--train-vocab", "320", "--tokenizer", "tok"], "error: --tokenizer tok: tok/tokenizer.json exists"),
+        (["a.txt", "--train-vocab", "256", "--tokenizer", "new", "--eos", "<|endoftext|>"],
+         "error: --train-vocab 256: expected 257 (the 256 bytes and --eos) to 1,048,576 ids"),
+        (["a.txt", "bad.jsonl", "--train-vocab", "300", "--tokenizer", "new"], "error: bad.jsonl:1: no text field"),
+    ]:
+        r = cli.run("tokenize", *args, "--out", "new/train.bin", "--no-progress", timeout=60)
+        assert r.returncode == 2, r.stderr
+        one_error_line(r.stderr, says)
+        assert not (cli.tmp / "new").exists()
+
+
 def test_a_parquet_file_s_rows_are_documents(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -7,6 +7,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
+from gpipe.schedule import REGISTRY
 from tests.support import reference
 from tests.support.runs import check_steady, train_and_compare
 from tests.support.spec import TWO_STAGES, job, slow_mlp
@@ -70,6 +71,17 @@ VIRTUAL = {
         balance=[3, 2, 2, 3], chunks=3, schedule="zbv", replicas=2, data={**REGRESSION, "batch_size": 13},
         activation_checkpoint="always", clip_grad_norm=0.5, steps=3,
     ),
+    # v-min and dualpipev: zbv's V in their own orders, over processes (gpipe.Pipeline's tests cover the features)
+    "v-min-dropout-except_last": job(TWO_STAGES,
+        model={"factory": "tests.support.models:mlp_dropout", "args": {"width": 16, "depth": 3}}, stages=2, virtual_stages=2,
+        balance=[3, 2, 2, 3], chunks=5, schedule="v-min", data={**REGRESSION, "batch_size": 11},
+        activation_checkpoint="except_last", steps=3,
+    ),
+    "dualpipev-2replicas-clip": job(TWO_STAGES,
+        model={"factory": "tests.support.models:mlp_dropout", "args": {"width": 16, "depth": 3}}, stages=2, virtual_stages=2,
+        balance=[3, 2, 2, 3], chunks=4, schedule="dualpipev", replicas=2, data={**REGRESSION, "batch_size": 13},
+        clip_grad_norm=0.5, steps=3,
+    ),
 }
 
 
@@ -89,8 +101,8 @@ def test_virtual_stages_over_processes_equal_one_device(cli, name):
 
     P, V, R = spec["stages"], spec["virtual_stages"], spec.get("replicas", 1)
     plan = json.loads((out / "plan.json").read_text())
-    chunks_of = [[c for c in range(P * V) if c % P == k] for k in range(P)] if spec["schedule"] != "zbv" else \
-        [[k, 2 * P - 1 - k] for k in range(P)]
+    chunks_of = [[c for c in range(P * V) if c % P == k] for k in range(P)] if not REGISTRY[spec["schedule"]].v_shape \
+        else [[k, 2 * P - 1 - k] for k in range(P)]
     assert plan["schedule"]["model_chunks"] == chunks_of and len(plan["schedule"]["actions"]) == P
     check_steady(plan["schedule"], spec)
     assert [w["model_chunks"] for w in plan["workers"]] == chunks_of * R and len(plan["stages"]) == P * V
@@ -105,7 +117,7 @@ def test_virtual_stages_over_processes_equal_one_device(cli, name):
     trace = json.loads((out / "trace.json").read_text())
     rows = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
     assert rows[:P] == [f"rank {k}: chunks {', '.join(map(str, chunks_of[k]))}" for k in range(P)]
-    kinds = "FBW" if spec["schedule"] == "zbv" else "FB"
+    kinds = "FBW" if REGISTRY[spec["schedule"]].v_shape else "FB"  # the V's schedules split the backward
     for k in range(P):
         names = sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == k)
         assert names == sorted(f"{a}{i}c{c}" for a in kinds for i in range(spec["chunks"]) for c in chunks_of[k])

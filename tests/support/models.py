@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -664,3 +665,129 @@ class ComplexCrossing(nn.Module):
 def inputs_only(n: int = 8) -> TensorDataset:
     """A data set without targets: its items are 1-tuples."""
     return TensorDataset(torch.randn(n, 8))
+
+
+class _NanoBlock(nn.Module):
+    """nanoGPT's Block: pre-norm causal self-attention and an MLP, each a residual."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT in its own style: `forward(idx, targets=None)` returns (logits, loss), the loss only when
+    targets are given (and then the logits of every position, else of the last one); the token embedding and the
+    head are one tied weight."""
+
+    def __init__(self, vocab: int = 97, width: int = 32, layers: int = 4, heads: int = 4, block_size: int = 32):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, width), wpe=nn.Embedding(block_size, width),
+            h=nn.ModuleList(_NanoBlock(width, heads) for _ in range(layers)), ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's tie
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits, loss = self.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
+
+def nano_gpt(vocab: int = 97, width: int = 32, layers: int = 4, heads: int = 4) -> nn.Module:
+    return NanoGPT(vocab, width, layers, heads)
+
+
+# -- torchtitan's Llama in its own style: its blocks in an nn.ModuleDict keyed "0", "1", ... -------------------------
+
+class TitanRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.attention = TitanAttention(dim, heads)
+        self.feed_forward = TitanFeedForward(dim, 2 * dim)
+        self.attention_norm = TitanRMSNorm(dim)
+        self.ffn_norm = TitanRMSNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Titan(nn.Module):
+    """torchtitan's Transformer, small: tok_embeddings, `layers` an nn.ModuleDict of blocks ("0", "1", ...), norm,
+    output; the forward runs `for layer in self.layers.values()`."""
+
+    def __init__(self, vocab: int = 97, dim: int = 32, layers: int = 4, heads: int = 4):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict()
+        for i in range(layers):
+            self.layers[str(i)] = TitanBlock(dim, heads)
+        self.norm = TitanRMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def titan(vocab: int = 97, dim: int = 32, layers: int = 4, heads: int = 4) -> nn.Module:
+    return Titan(vocab, dim, layers, heads)

@@ -73,6 +73,7 @@ def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
         assert 0 <= m["bubble_fraction"] < 1
         assert [s["stage"] for s in m["stages"]] == list(range(spec["stages"]))
         assert all(s["busy_s"] > 0 and s["peak_memory_bytes"] > 0 for s in m["stages"])
+        assert all(s["rss_bytes"] > 0 for s in m["stages"])  # the process's resident memory at the step's end
     return lines
 
 
