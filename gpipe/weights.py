@@ -215,24 +215,19 @@ def _read_header(path: Path) -> dict[str, Stored]:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise bad(f"a header of {n} bytes")
         raw = f.read(n)
-    try:
-        entries = json.loads(raw)
+    try:  # the reader every safetensors header of ours goes through (gpipe.stream)
+        entries = stream.parse_header(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"its header is not JSON: {e}") from None
-    if not isinstance(entries, dict):
-        raise bad("its header is not a JSON object")
+        raise bad(f"its header is not one gpipe reads: {e}") from None
+    except (KeyError, TypeError, AttributeError):
+        raise bad("its header's entries are not a dtype gpipe reads, a shape and offsets") from None
     data = size - 8 - n
     out: dict[str, Stored] = {}
-    for name, entry in entries.items():
-        if name == "__metadata__":
-            continue
+    for name, (dtype, dims, start, end) in entries.items():
         try:
-            dtype = stream.BY_NAME[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            start, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"{name}: dtype {entry.get('dtype') if isinstance(entry, dict) else entry!r} or its shape or "
-                      f"offsets are not ones gpipe reads") from None
+            shape = tuple(int(d) for d in dims)
+        except (TypeError, ValueError):
+            raise bad(f"{name}: its shape {dims!r} is not a list of sizes") from None
         numel = 1
         for d in shape:
             numel *= d
