@@ -37,7 +37,6 @@ def one_device(steps: int, chunks: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.path  # the model's own loss, end to end (make test)
 def test_a_model_that_returns_its_own_loss_trains_under_run_as_one_device(cli):
     r = cli.run("run", str(cli.write(job(schedule="1f1b"))), "--state-dir", str(cli.tmp / "state"), "--no-progress",
                 timeout=240)
@@ -60,6 +59,28 @@ def test_the_model_s_own_loss_is_refused_where_it_cannot_be_given(cli):
     bad = job(loss={"from_model": "not a name"})
     r = cli.run("validate", str(cli.write(bad, "bad.yaml")))
     assert r.returncode == 2 and "loss" in r.stderr
+
+
+def test_the_model_s_own_loss_through_the_stages_in_process_equals_one_device():
+    """The same stages in this process (gpipe.Pipeline): the targets in the inputs under `targets`, the output's
+    loss selected, gpipe.losses.model_loss as the loss: make test's check of the mechanism the run test drives."""
+    import gpipe
+    from gpipe.losses import model_loss
+
+    torch.manual_seed(0)
+    model = NanoGPT(layers=4)
+    want = one_device(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = token_pairs(16, 8)
+    with gpipe.Pipeline(model, stages=2, chunks=2, schedule="1f1b", output="loss") as pipe:
+        for step in range(2):
+            x, y = (t.contiguous() for t in data[step * 4: step * 4 + 4])
+            pipe.step({"idx": x, "targets": y}, y, model_loss)
+            opt.step()
+            opt.zero_grad()
+    got = model.state_dict()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-6, f"weights differ from one device by {worst}"
 
 
 def test_the_spec_reads_the_model_s_own_loss():
