@@ -8,6 +8,7 @@ it; the supervisor's decisions read their fields, never their prose.
 
 from __future__ import annotations
 
+import errno
 import traceback as tb
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -169,7 +170,8 @@ class Cause(StrEnum):
     TIMEOUT = "timeout"  # a wait on a neighbour ran out
     PEER = "peer"  # a neighbour went away (a send or receive failed)
     MEMORY = "memory"  # the device or host ran out of memory
-    DISK = "disk"  # an I/O error writing the job's state or checkpoints
+    DISK = "disk"  # an I/O error writing the job's state or checkpoints: a restart would meet the same disk
+    SPACE = "space"  # the disk of the job's state or checkpoints is full (ENOSPC, EDQUOT): room may be made
     # A model chunk that gave up because another chunk of its worker failed (gpipe.turns): that chunk's own
     # error is the cause; this one is never blamed.
     ABORTED = "aborted"
@@ -190,6 +192,12 @@ def classify(e: BaseException) -> Cause:
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
         return Cause.MEMORY
     return Cause.RAISED
+
+
+def disk_cause(e: OSError) -> Cause:
+    """The cause of an OSError writing the job's files: SPACE for a full disk or quota (room can be made while
+    the job waits), DISK for the rest (a read-only or failing disk, a permission)."""
+    return Cause.SPACE if e.errno in (errno.ENOSPC, errno.EDQUOT) else Cause.DISK
 
 
 def blamed(cause: Cause) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from gpipe.contract import Cause
+from gpipe.contract import disk_cause
 from gpipe.coordinator.attempt.metrics import EvalMetrics, StepMetrics
 from gpipe.coordinator.outputs.folder import TENSORBOARD
 from gpipe.errors import JobFailed, describe_os_error
@@ -73,7 +73,7 @@ class Board:
 
     def _failed(self, e: OSError) -> JobFailed:
         return JobFailed(f"tensorboard: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",
-                         cause=Cause.DISK)
+                         cause=disk_cause(e))
 
     def close(self) -> None:
         try:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from gpipe import stream
-from gpipe.contract import Cause, EvalResult, StageError, StepResult, blamed
+from gpipe.contract import Cause, EvalResult, StageError, StepResult, blamed, disk_cause
 from gpipe.coordinator.attempt import state_stream as streaming
 from gpipe.coordinator.attempt.handle import Future, StageHandle
 from gpipe.coordinator.attempt.lr import lr_at
@@ -349,13 +349,13 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         try:
             writer.submit(snap)
         except OSError as e:
-            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None  # names the path
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=disk_cause(e)) from None  # names the path
 
     def check_writer() -> None:  # a checkpoint that cannot be written fails the attempt at once
         try:
             writer.check()
         except OSError as e:
-            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=disk_cause(e)) from None
 
     world = RpcWorld(plan, host, port, devices.__getitem__)
     run = Run(plan, on_step, attempt_no, on_eval, eval_weights)
@@ -369,7 +369,7 @@ def drive(plan: Plan, out: Path, host: str, port: int, devices: list[str], on_st
         try:
             writer.close()
         except OSError as e:
-            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=Cause.DISK) from None
+            raise JobFailed(f"checkpoint: {describe_os_error(e)}", cause=disk_cause(e)) from None
         if run.stop_after is not None:  # preempted: the checkpoint is committed; the next attempt goes on from it
             run.stages.clear()
             left = world.leave(graceful=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gpipe import schedule
-from gpipe.contract import Cause, StepResult
+from gpipe.contract import StepResult, disk_cause
 from gpipe.coordinator.attempt.lr import lr_at
 from gpipe.coordinator.plan.job import Plan, step_waits
 from gpipe.errors import JobFailed, describe_os_error
@@ -215,7 +215,7 @@ class MetricsLog:
             self.f.flush()
         except OSError as e:  # a full disk: name the file
             raise JobFailed(f"metrics: {describe_os_error(OSError(e.errno, e.strerror, str(self.path)))}",
-                            cause=Cause.DISK) from None
+                            cause=disk_cause(e)) from None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a write that failed already said so

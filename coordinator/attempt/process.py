@@ -45,7 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpipe.contract import Cause
+from gpipe.contract import disk_cause
 from gpipe.coordinator.attempt import report
 from gpipe.coordinator.attempt.report import Placement
 from gpipe.coordinator.spec.job import JobSpec, load_spec
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             tell(report.Failed(f"internal error: {type(e).__name__}: {e}", EXIT_FAILED))
             return EXIT_FAILED
-        tell(report.Failed(describe_os_error(e), EXIT_FAILED, Cause.DISK))  # a restart would meet the same disk
+        tell(report.Failed(describe_os_error(e), EXIT_FAILED, disk_cause(e)))  # the policy decides by the errno
         return EXIT_FAILED
     except Exception as e:
         traceback.print_exc()  # to the log: a bug of ours

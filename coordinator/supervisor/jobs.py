@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
-from gpipe.contract import Cause
+from gpipe.contract import Cause, disk_cause
 from gpipe.coordinator.attempt import report
 from gpipe.coordinator.spec.job import JobSpec
 from gpipe.coordinator.supervisor import pool
@@ -179,7 +179,9 @@ class Jobs:
         self._save(e)
 
     def _save(self, e: Entry) -> None:
-        """Keep the record; if it cannot be written, the job fails (its workers are freed), not the loops."""
+        """Keep the record; if it cannot be written, the job fails (its workers are freed), not the loops. On a full
+        disk (Cause.SPACE) a running attempt fails and the job restarts as the policy says (room may be made), and
+        a job with none keeps its state here: its next save writes the record whole."""
         try:
             self.store.save(e.record)
         except OSError as ex:
@@ -188,10 +190,10 @@ class Jobs:
             attempt = self.attempts.get(e.record.name)
             if attempt is not None:
                 if attempt.failure is None and not attempt.stopped:
-                    attempt.failure = report.Failed(why, EXIT_FAILED, Cause.DISK)
+                    attempt.failure = report.Failed(why, EXIT_FAILED, disk_cause(ex))
                     attempt.failed.set()
-                self._kill(attempt)  # its task frees the workers and records FAILED
-            elif not e.record.state.ended:
+                self._kill(attempt)  # its task frees the workers and records the job's next state
+            elif not e.record.state.ended and disk_cause(ex) != Cause.SPACE:
                 if not e.record.error:
                     e.record.error = why
                 e.record.exit_code = 1

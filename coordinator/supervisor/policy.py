@@ -13,7 +13,9 @@ never its message:
   means the code itself raised (HOPELESS_TWICE).
 - Anything else restarts from the last good checkpoint, `max_restarts` times,
   backing off (0 s, then 1, 2, 4 ... up to BACKOFF_CAP_S); past that the job
-  fails.
+  fails. A full disk (Cause.SPACE: ENOSPC, EDQUOT) is such a failure, as
+  room may be made (old outputs deleted, a volume grown): its restarts wait
+  at least SPACE_WAIT_S each.
 - A job whose ranks stay away past `restart_timeout_s` shrinks onto the
   workers that remain if it is elastic, else fails (a preempted job waits on).
   An elastic job preempted for a job of higher priority shrinks onto the idle
@@ -34,6 +36,7 @@ from gpipe.coordinator.spec.job import JobSpec
 from gpipe.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
+SPACE_WAIT_S = 5.0  # a restart after a full disk waits at least this long for room to be made
 # What a restart cannot fix: the job fails at once, saying why.
 FAIL_FAST = {Cause.DISK: "a disk error: a restart would meet the same disk",
              Cause.IMPORT: "the workers cannot import the job's code",
@@ -85,7 +88,8 @@ def after_failure(failure: report.Failed, bad: bool, last: StageError | None, re
     if why is not None:
         return Decision(Action.FAIL, EXIT_FAILED, why)
     if restarts < max_restarts:
-        return Decision(Action.RESTART, delay_s=backoff_s(restarts + 1))
+        delay = backoff_s(restarts + 1)
+        return Decision(Action.RESTART, delay_s=max(delay, SPACE_WAIT_S) if failure.cause == Cause.SPACE else delay)
     return Decision(Action.FAIL, EXIT_FAILED)
 
 

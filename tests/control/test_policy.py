@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpipe.contract import Cause, StageError
+from gpipe.contract import Cause, StageError, disk_cause
 from gpipe.coordinator.attempt import report
 from gpipe.coordinator.supervisor.policy import (
+    SPACE_WAIT_S,
     Action,
     after_failure,
     backoff_s,
@@ -42,6 +43,16 @@ def test_what_a_restart_cannot_fix_fails_at_once_saying_why(cause):
     d = after_failure(failed(cause), False, None, 0, 5)
     assert d.action == Action.FAIL and d.exit_code == EXIT_FAILED and d.hopeless
     assert hopeless(failed(cause), 1)
+
+
+def test_a_full_disk_restarts_after_a_wait_for_room_other_disk_errors_fail_at_once():
+    assert disk_cause(OSError(errno.ENOSPC, "full")) == Cause.SPACE == disk_cause(OSError(errno.EDQUOT, "quota"))
+    assert disk_cause(OSError(errno.EROFS, "read-only")) == Cause.DISK == disk_cause(OSError(errno.EIO, "io"))
+    first, later = after_failure(failed(Cause.SPACE), False, None, 0, 5), after_failure(failed(Cause.SPACE), False,
+                                                                                        None, 4, 5)
+    assert first.action == later.action == Action.RESTART and not hopeless(failed(Cause.SPACE), 1)
+    assert first.delay_s == SPACE_WAIT_S and later.delay_s == backoff_s(5) > SPACE_WAIT_S
+    assert after_failure(failed(Cause.SPACE), False, None, 5, 5).action == Action.FAIL  # the restarts ran out
 
 
 def test_the_same_error_at_the_same_step_twice_is_hopeless_a_peer_lost_twice_is_not():

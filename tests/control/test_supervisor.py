@@ -9,6 +9,8 @@ stop, resume, bad input.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from gpipe.contract import Cause
 from gpipe.coordinator.attempt import report
 from gpipe.coordinator.supervisor.jobs import STOP_CHECKPOINT_S
-from gpipe.coordinator.supervisor.policy import backoff_s
+from gpipe.coordinator.supervisor.policy import SPACE_WAIT_S, backoff_s
 from gpipe.coordinator.supervisor.registry import RankTaken
 from gpipe.service.job_records import Abort, JobRecord, JobState, Join
 from tests.support.harness import FakeAttempt, Harness
@@ -299,16 +301,16 @@ async def test_a_lost_worker_is_blamed_by_rank_stage_and_replica(h):
 
 
 class FullDisk:
-    def __init__(self) -> None:
-        self.full = False
+    def __init__(self, code: int = errno.ENOSPC) -> None:
+        self.full, self.code = False, code
 
     def save(self, job: JobRecord) -> None:
         if self.full:
-            raise OSError(28, "No space left on device", f"{job.output_dir}/job.json")
+            raise OSError(self.code, os.strerror(self.code), f"{job.output_dir}/job.json")
 
 
-async def test_a_record_that_cannot_be_saved_fails_its_job_frees_the_workers_and_resumes_once_there_is_room(h):
-    h.sup.store = disk = FullDisk()
+async def test_a_record_that_cannot_be_saved_fails_its_job_frees_the_workers_and_resumes_once_it_can(h):
+    h.sup.store = disk = FullDisk(errno.EIO)
     job = h.submit()
     h.register(0, 1)
     await h.settle()
@@ -317,7 +319,7 @@ async def test_a_record_that_cannot_be_saved_fails_its_job_frees_the_workers_and
     a.queue.put_nowait(report.Checkpoint(2, "/x/step-2", 10, 0.1, 0.0))  # saving the record fails
     await h.settle()
     assert a.killed and job.state == JobState.FAILED and job.restarts == 0
-    assert "job.json" in job.error and "ENOSPC" in job.error
+    assert "job.json" in job.error and "EIO" in job.error
     assert all(w.attempt_id is None for w in h.workers.values())
     other = h.submit("other", stages=1)  # the workers serve the next job
     await h.settle()
@@ -328,6 +330,30 @@ async def test_a_record_that_cannot_be_saved_fails_its_job_frees_the_workers_and
     h.beat(0, 1)
     await h.settle()
     assert job.state == JobState.RUNNING and len(h.attempts) == 2
+
+
+async def test_a_full_disk_restarts_the_job_after_a_wait_and_it_resumes_by_itself_once_there_is_room(h):
+    h.sup.store = disk = FullDisk(errno.ENOSPC)
+    job = h.submit(max_restarts=5)
+    h.register(0, 1)
+    await h.settle()
+    a = h.attempts[0]
+    disk.full = True
+    a.queue.put_nowait(report.Checkpoint(2, "/x/step-2", 10, 0.1, 0.0))  # saving the record fails
+    await h.settle()
+    # Restarting, in memory (the record cannot be written): never FAILED, its workers freed.
+    assert a.killed and job.state == JobState.RESTARTING and job.restarts == 1
+    assert "ENOSPC" in job.history[-1].message and "job.json" in job.history[-1].message
+    assert all(w.attempt_id is None for w in h.workers.values())
+    h.clock.advance(SPACE_WAIT_S - 0.5)
+    h.beat(0, 1)
+    await h.settle()
+    assert len(h.attempts) == 1  # it waits for room to be made
+    disk.full = False
+    h.clock.advance(1.0)
+    h.beat(0, 1)
+    await h.settle()
+    assert job.state == JobState.RUNNING and len(h.attempts) == 2 and job.restarts == 1
 
 
 async def test_a_job_whose_bookkeeping_raises_fails_alone_and_the_scheduler_goes_on(h):

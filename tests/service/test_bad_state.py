@@ -47,21 +47,22 @@ def fill(path: Path) -> Path:
 
 
 @pytest.mark.multiprocess
-def test_run_on_a_full_disk_fails_once_naming_the_path_and_errno(cli):
+def test_run_on_a_full_disk_fails_naming_the_path_and_errno_once_its_restarts_are_spent(cli):
     with tmpfs(cli.tmp / "small", "1m") as state:
         spec = job(SERVICE, name="full", model={"factory": "mlp", "args": {"width": 256, "depth": 4}},
                    data={"factory": "random_regression", "args": {"n": 16, "in_features": 256, "out_features": 256},
                          "batch_size": 8},
-                   steps=3, checkpoint_every=1, max_restarts=3, balance="by_params")
+                   steps=3, checkpoint_every=1, max_restarts=1, balance="by_params")
         r = cli.run("run", str(cli.write(spec)), "--state-dir", str(state), "--no-progress")
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert "ENOSPC" in last and str(state) in last and "not restarted" in last, r.stderr
-    assert "restart 1 of" not in r.stderr and "Traceback" not in r.stderr
+    # A full disk may be given room while the job waits (policy.SPACE_WAIT_S): restarted, then failed.
+    assert "ENOSPC" in last and str(state) in last and "gave up after 1 restart" in last, r.stderr
+    assert "restart 1 of 1" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.multiprocess
-def test_serve_on_a_full_disk_fails_the_job_frees_its_workers_and_resumes_once_there_is_room(cli):
+def test_serve_on_a_full_disk_restarts_the_job_which_resumes_by_itself_once_there_is_room(cli):
     s = Service(cli)
     with tmpfs(s.state, "16m"):
         try:
@@ -69,20 +70,18 @@ def test_serve_on_a_full_disk_fails_the_job_frees_its_workers_and_resumes_once_t
             s.start_worker(0)
             s.start_worker(1)
             spec = job(SERVICE, name="full", model=slow_mlp(16, 0.03),
-                       steps=40, checkpoint_every=5, max_restarts=3)
+                       steps=40, checkpoint_every=5, max_restarts=10)
             assert s.client("submit", str(cli.write(spec))).returncode == 0
             ck = s.state / "full" / "checkpoints" / "step-5" / "MANIFEST.json"
             s.wait_for(ck.exists, "checkpoint step-5", 90)
             filler = fill(s.state)
-            r = s.client("logs", "full", "--follow", timeout=120)
-            assert r.returncode == 1, r.stderr
+            s.wait_for(lambda: "ENOSPC" in s.client("status", "full").stdout, "the job to meet the full disk", 90)
             status = s.client("status", "full").stdout
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line and line[0] != " ")
-            assert fields["state"].strip() == "FAILED" and "restarts 0 of" in fields["attempts"], status
+            assert fields["state"].strip() in ("RESTARTING", "RUNNING"), status  # never FAILED: room may be made
             assert "ENOSPC" in fields["error"] and str(s.state / "full") in fields["error"], status
-            # The workers are free, and nothing half-written is taken as good: with room again, it resumes.
+            # Nothing half-written is taken as good: with room again, it resumes by itself.
             filler.unlink()
-            assert s.client("submit", "--resume", "full").returncode == 0
             r = s.client("logs", "full", "--follow", timeout=180)
             assert r.returncode == 0, r.stderr
             got = load_file(s.state / "full" / "model.safetensors")
