@@ -10,7 +10,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-fast lint typecheck protos clean gpu-check gpu-wheels
+.PHONY: setup demo test test-all test-fast lint typecheck protos clean gpu-check gpu-wheels soak
 
 # worker/dataplane/_ring.c: the install builds it (an editable install does not rebuild it by itself).
 $(STAMP): pyproject.toml worker/dataplane/_ring.c
@@ -54,6 +54,14 @@ test-all: lint
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not multiprocess" -n $(TEST_WORKERS) --dist loadgroup
+
+# An hour of mixed faults on four jobs in one pool (bench/soak.py; root: network namespaces and a tmpfs).
+# SOAK_MINUTES, SOAK_FAULTS, SOAK_SEED change it; tests/service/test_soak.py is its five-minute version.
+SOAK_MINUTES ?= 60
+SOAK_FAULTS ?= 100
+SOAK_SEED ?= 1
+soak: setup
+	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES) --faults $(SOAK_FAULTS) --seed $(SOAK_SEED)
 
 # On a GPU host, from the repository root: the CUDA checks (bench/gpu-check.sh), on the host's own CUDA torch,
 # with the other packages from .gpucheck/whl, which `make gpu-wheels` fills where a package index answers.

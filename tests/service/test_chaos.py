@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from tests.support.cli import Cli
 from tests.support.service import ENDED, Service, with_suppress
+from tests.support.soak import descendants
 from tests.support.spec import SERVICE, job, slow_mlp
 
 SEED = int(os.environ.get("GPIPE_CHAOS_SEED", "1126"))
@@ -54,18 +55,6 @@ def faults(rng: random.Random) -> list[tuple[str, int, int, float]]:
     kinds = [*KINDS, rng.choice(KINDS)]
     rng.shuffle(kinds)
     return [(kind, rng.randrange(2), rng.randint(1, 2), round(rng.uniform(1.0, 4.0), 1)) for kind in kinds]
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process under it (a worker daemon, its zygote, its attempt processes)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    tree = {pid}
-    while more := {p for p, pp in parent.items() if pp in tree} - tree:
-        tree |= more
-    return sorted(tree)
 
 
 def strike(s: Service, kind: str, rank: int, freeze_s: float) -> str:
