@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,14 +35,15 @@ def main() -> int:
     if a.faults < len(soak.KINDS) or not 1 <= a.minutes <= 24 * 60:
         p.error(f"--faults must be {len(soak.KINDS)} or more and --minutes 1-1440")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    with tempfile.TemporaryDirectory(prefix="gpipe-soak-") as root:
-        try:
-            report = soak.soak(Path(root), dict(os.environ), seed=a.seed, count=a.faults, span_s=a.minutes * 60,
-                               steps=a.steps, seconds=0.02, hold_s=(1.0, 10.0), cut_s=20.0,
-                               say=lambda line: print(line, flush=True))
-        except soak.SoakFailure as e:
-            print(f"soak FAILED (started {started}): {e}", flush=True)
-            return 1
+    root = Path(tempfile.mkdtemp(prefix="gpipe-soak-"))
+    try:
+        report = soak.soak(root, dict(os.environ), seed=a.seed, count=a.faults, span_s=a.minutes * 60,
+                           steps=a.steps, seconds=0.02, hold_s=(1.0, 10.0), cut_s=20.0,
+                           say=lambda line: print(line, flush=True))
+    except soak.SoakFailure as e:
+        print(f"soak FAILED (started {started}): {e}\nits logs and the jobs' records: {root}", flush=True)
+        return 1
+    shutil.rmtree(root, ignore_errors=True)
     print(f"soak (started {started}, seed {a.seed}):")
     print("\n".join(f"  {line}" for line in report.lines()))
     return 0

@@ -52,7 +52,6 @@ from gpipe.coordinator.spec.job import JobSpec, load_spec
 from gpipe.errors import (
     EXIT_FAILED,
     GpipeError,
-    JobFailed,
     SpecError,
     describe_os_error,
     disk_error,
@@ -316,10 +315,19 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     return None
 
 
+class AttemptEnded(BaseException):
+    """SIGTERM from the supervisor, raised wherever this process is: a BaseException, as KeyboardInterrupt is, so
+    that no handler of the job's own code's errors (`except Exception`: a probe naming the layer that raised)
+    takes it for the model's failure; an end decided by the supervisor is never the model's, nor its repeat."""
+
+
+ENDED_BY_SUPERVISOR = "the supervisor ended this attempt"
+
+
 def _stopped(signum: int, frame: object) -> None:
     """SIGTERM from the supervisor (a worker of this attempt was lost): fail, committing the snapshots taken."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the commit that follows must not be cut short
-    raise JobFailed("the supervisor ended this attempt")
+    raise AttemptEnded(ENDED_BY_SUPERVISOR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     except GpipeError as e:
         tell(report.Failed.of(e))
         return e.exit_code
+    except AttemptEnded:
+        tell(report.Failed(ENDED_BY_SUPERVISOR, EXIT_FAILED))
+        return EXIT_FAILED
     except OSError as e:
         if not disk_error(e):
             traceback.print_exc()

@@ -53,6 +53,11 @@ class Registry(Jobs):
         now = self.clock.monotonic()
         w = Worker(uuid.uuid4().hex, rank, host, device or "cpu", hostname, list(cores or []), max(1, threads),
                    now, registered=now, gpu=gpu)
+        # An attempt that held this rank is failing (its worker was replaced or dropped) but may not have ended:
+        # it committing within its grace, its processes on this device may still be leaving. The rank stays its
+        # until it has ended (it frees its workers as it ends, with an Abort), never another job's meanwhile.
+        if (holding := next((a for a in self.attempts.values() if rank in a.ranks), None)) is not None:
+            w.attempt_id = holding.id
         self.workers[rank] = w
         on = f"{w.device}: {gpu.describe()}" if gpu is not None else w.device
         self.say(f"worker for rank {rank} registered from {hostname or host} ({on})")

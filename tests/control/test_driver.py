@@ -174,3 +174,39 @@ def test_a_model_chunk_that_raises_fails_the_run_naming_it_not_the_chunk_beside_
     e = failed.value.error
     assert e is not None and e.cause is Cause.RAISED and (e.stage, e.rank, e.step) == (2, 0, 0)
     assert "model chunk 2 (layer 2) on stage 0 failed at step 1: ValueError: boom after 4 forwards" in str(failed.value)
+
+
+def test_the_supervisor_s_sigterm_in_a_layer_s_backward_ends_the_attempt_and_is_never_the_model_s_error():
+    """SIGTERM lands wherever the attempt process is; in the probe's backward of the job's own layer, `except
+    Exception` there named it the model's error (a SpecError: bad input, the job failed for good)."""
+    import os
+    import signal
+
+    from torch import nn
+
+    from gpipe.coordinator.attempt import process
+    from gpipe.memory.probe import probe
+
+    class Term(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            os.kill(os.getpid(), signal.SIGTERM)  # the supervisor ends the attempt now
+            for _ in range(1000):  # the handler runs at the next bytecode of this thread
+                g = g + 0
+            return g
+
+    class Layer(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Term.apply(x)
+
+    old = signal.signal(signal.SIGTERM, process._stopped)
+    try:
+        with pytest.raises(process.AttemptEnded):
+            probe(nn.Sequential(nn.Linear(4, 4), Layer(), nn.Linear(4, 4)), torch.randn(4, 4), torch.randn(4, 4),
+                  nn.functional.mse_loss)
+    finally:
+        signal.signal(signal.SIGTERM, old)

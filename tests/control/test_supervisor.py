@@ -332,6 +332,25 @@ async def test_a_record_that_cannot_be_saved_fails_its_job_frees_the_workers_and
     assert job.state == JobState.RUNNING and len(h.attempts) == 2
 
 
+async def test_a_worker_that_replaces_one_of_an_ending_attempt_is_kept_for_it_until_it_has_ended(h):
+    h.submit("a", stages=2)
+    h.register(0, 1, 2)
+    await h.settle()
+    first = h.attempts[0]
+    first.kill = lambda grace_s=0.0: None  # it commits its checkpoint within the grace: not ended yet
+    h.submit("b", stages=2)
+    h.clock.advance(h.sup.heartbeat_timeout + 1)
+    h.beat(0, 2)
+    h.register(1)  # rank 1's worker came back as a new process: the old one is replaced, attempt a fails
+    await h.settle()
+    assert first.launch.job == "a" and len(h.attempts) == 1  # b does not take the new rank 1 (nor rank 2 with it)
+    assert h.workers[1].attempt_id is not None and h.sup.attempts["a"].id == h.workers[1].attempt_id
+    first.end(-9)
+    await h.settle()
+    assert any(isinstance(c, Abort) for c in h.commands(1))  # freed with an Abort of a's attempt
+    assert len(h.attempts) == 2  # and only now does the next attempt take it
+
+
 async def test_a_full_disk_restarts_the_job_after_a_wait_and_it_resumes_by_itself_once_there_is_room(h):
     h.sup.store = disk = FullDisk(errno.ENOSPC)
     job = h.submit(max_restarts=5)
