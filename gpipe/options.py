@@ -3,7 +3,8 @@
 Both the service's spec (gpipe.coordinator.spec.job) and the in-process pipeline ask
 `violation`, so a combination one refuses the other refuses too, with the same
 message naming the field. The names of the schedules are gpipe.schedule's table
-(`schedule.Name`), of the checkpointing modes `Checkpoint`'s.
+(`schedule.Name`), or a table of actions (gpipe.schedule.table: checked whole, gpipe.measured.check), of the
+checkpointing modes `Checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def violation(schedule: str, stages: int, virtual_stages: int, chunks: int,
         return f"schedule: {schedule!r} is not one of {', '.join(schedules.names())}"
     if type(virtual_stages) is not int or virtual_stages < 1:
         return f"virtual_stages: must be a positive int, got {virtual_stages!r}"
+    if schedules.is_table(schedule):  # a table of actions (gpipe.measured): whole, and of this shape
+        from gpipe import measured  # here: it asks this module about the fixed schedules
+
+        if why := measured.problem(schedule, stages, virtual_stages, chunks):
+            return why
     record = schedules.REGISTRY[schedule]  # its own rules
     if virtual_stages > 1 and record.model_chunks == (1,):
         return (f"virtual_stages: {virtual_stages} model chunks per worker need schedule "

@@ -79,9 +79,11 @@ nothing waits on it there.)
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from gpipe import dualpipev as _dualpipev
 from gpipe import vshape
@@ -209,6 +211,17 @@ def v_min(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     return [Action(*s) for s in vshape.steps("min", stage, stages, chunks)]
 
 
+def measured_unit(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    """`measured` without a job's costs (gpipe.Pipeline, the simulator's tables): gpipe.measured's order built
+    at the cost model's lengths (`cost`), with no memory budget. A job's own is built before it starts, from
+    its measured costs, and runs as a table (`table`)."""
+    from gpipe import measured  # here: gpipe.measured builds on this module
+
+    if virtual not in (1, 2):
+        raise ValueError(f"virtual_stages: measured holds 1 or 2 model chunks per worker, not {virtual}")
+    return list(measured.unit(stages, chunks, virtual)[stage])
+
+
 def dualpipev(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
     """DualPipeV (gpipe/dualpipev.py): DeepSeek's forward and backward pairs on zbv's V, a pair run one after the
     other; `chunks` at least 2*stages (ValueError below that)."""
@@ -234,7 +247,47 @@ class Record:
     searched_with: int | None = 1  # the model chunks per worker `auto` and `plan` search it with; None: never
 
 
-REGISTRY: dict[str, Record] = {}
+# A schedule given as its table of actions takes a name of its own (gpipe.measured writes and reads them):
+# "table:" and each worker's actions in order (Action's repr: F3, B0.1), workers apart by " / ":
+# "table:F0 F1 B0 W0 B1 W1 / F0 B0 W0 F1 B1 W1". It places model chunks as zbv does with 2 a worker. FILE: a
+# table still to be read from a CSV file (`schedule: {file: order.csv}`), when the job is planned.
+TABLE = "table:"
+FILE = "file:"
+_TOKEN = re.compile(r"([FBW])(\d{1,9})(?:\.(\d))?")
+
+
+def is_table(name: object) -> bool:
+    """Whether `name` is a table's (TABLE)."""
+    return isinstance(name, str) and name.startswith(TABLE)
+
+
+def is_file(name: object) -> bool:
+    """Whether `name` is a table still to be read from its CSV file (FILE)."""
+    return isinstance(name, str) and name.startswith(FILE)
+
+
+class _Registry(dict[str, Record]):
+    """The records by name. A table's name (a schedule given as its actions: `table`, or a CSV file's to read:
+    FILE) finds the tables' record though none is listed under it, so whatever asks the registry about a
+    schedule's name (the placement, the option rules, the spec) asks it of a table too."""
+
+    def __missing__(self, name: str) -> Record:
+        record = _table_record(name) if isinstance(name, str) else None
+        if record is None:
+            raise KeyError(name)
+        return record
+
+    def get(self, name: str, default: Any = None) -> Any:  # tables too
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or is_table(name) or is_file(name)
+
+
+REGISTRY: dict[str, Record] = _Registry()
 
 
 def register(record: Record) -> Record:
@@ -290,11 +343,72 @@ for _record in (
     Record("dualpipev", dualpipev, "dualpipev: DualPipeV's forward and backward pairs on zbv's V, run one "
            "after the other; chunks at least 2*stages.", model_chunks=(2,), v_shape=True, min_rounds=2,
            searched_with=None),
+    Record("measured", measured_unit, "measured: each worker's order built before the job starts from the "
+           "job's own costs (each model chunk's F, B and W, the transfers, measured as plan measures them) and "
+           "its memory budget, by list scheduling (docs/schedules.md); never slower in the simulator than the "
+           "best fixed schedule that fits the same budget; virtual_stages 1, or 2 in zbv's V.",
+           model_chunks=(1, 2), v_shape=True, searched_with=None),
 ):
     register(_record)
 
 # The schedules a job spec may name: the records above (tests/engine/test_schedule.py holds them together).
-Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipev"]
+Name = Literal["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipev", "measured"]
+
+def table(orders: Sequence[Sequence[Action]]) -> str:
+    """The name of the schedule whose worker k runs `orders[k]` (TABLE)."""
+    return TABLE + " / ".join(" ".join(map(repr, row)) for row in orders)
+
+
+@functools.lru_cache(maxsize=64)
+def parse_table(name: str) -> tuple[tuple[Action, ...], ...]:
+    """Each worker's actions of a table's name (TABLE); ValueError naming the first word that is none."""
+    rows = []
+    for k, part in enumerate(name[len(TABLE):].split("/")):
+        row = []
+        for i, word in enumerate(part.split()):
+            m = _TOKEN.fullmatch(word)
+            if m is None:
+                raise ValueError(f"worker {k}'s action {i}: {word[:20]!r} is not F, B or W with a micro-batch "
+                                 "(F3, or B3.1 on the worker's model chunk 1)")
+            row.append(Action(m[1], int(m[2]), int(m[3] or 0)))  # type: ignore[arg-type]  # F, B or W
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def table_shape(orders: Sequence[Sequence[Action]]) -> tuple[int, int, int]:
+    """(workers, micro-batches, model chunks a worker) of a table: its rows, worker 0's forwards on its model
+    chunk 0, and the worker chunks its actions name."""
+    chunks = sum(1 for a in orders[0] if a.kind == "F" and a.worker_chunk == 0) if orders else 0
+    virtual = 1 + max((a.worker_chunk for row in orders for a in row), default=0)
+    return len(orders), chunks, virtual
+
+
+def _table_build(name: str) -> Callable[[int, int, int, int], list[Action]]:
+    def build(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+        orders = parse_table(name)
+        if table_shape(orders) != (stages, chunks, virtual):
+            p, m, v = table_shape(orders)
+            raise ValueError(f"schedule: the table is of {p} worker(s), {m} micro-batch(es) and {v} model "
+                             f"chunk(s) a worker, not {stages}, {chunks} and {virtual}")
+        return list(orders[stage])
+    return build
+
+
+def _file_build(stage: int, stages: int, chunks: int, virtual: int) -> list[Action]:
+    raise ValueError("schedule: a table in a file is read when the job is planned (gpipe.measured.read_csv)")
+
+
+_FILE_RECORD = Record("file", _file_build, "", model_chunks=(1, 2), v_shape=True, searched_with=None)
+
+
+@functools.lru_cache(maxsize=64)
+def _table_record(name: str) -> Record | None:
+    """The record of a table's name (TABLE, FILE): its own builder, zbv's V with 2 model chunks a worker."""
+    if is_file(name):
+        return _FILE_RECORD
+    if not is_table(name):
+        return None
+    return Record(name, _table_build(name), "", model_chunks=(1, 2), v_shape=True, searched_with=None)
 
 
 def build(name: str, stage: int, stages: int, chunks: int, virtual: int = 1) -> list[Action]:
@@ -426,6 +540,12 @@ def _held(actions: list[Action], split: bool) -> int:
         held += 1 if a.kind == "F" else -1 if a.kind == end else 0
         peak = max(peak, held)
     return peak
+
+
+def dependency(name: str, k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:
+    """The action of another worker (or the worker's own forward) that `a` on worker k waits for; None for a
+    W (after its own B, earlier in the worker's order) and the first model chunk's forwards."""
+    return _dependency(name, k, a, stages, virtual)
 
 
 def _dependency(name: str, k: int, a: Action, stages: int, virtual: int) -> tuple[int, Action] | None:

@@ -14,17 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 from torch.utils.data import Dataset
 
-from gpipe import balance, batchnorm, cuts, optim, optim_check, schedule, weight_init
+from gpipe import balance, batchnorm, cuts, measured, optim, optim_check, schedule, weight_init
 from gpipe.capture import graph as capture
 from gpipe.capture import skeleton
 from gpipe.coordinator.plan.data import DataStream, EvalStream
 from gpipe.coordinator.plan.pretrained import Pretrained, match, open_weights
-from gpipe.coordinator.spec.job import JobSpec
+from gpipe.coordinator.spec.job import JobSpec, format_validation_error
 from gpipe.data.tokens import TokenWindows, vocabulary
-from gpipe.errors import SpecError
+from gpipe.errors import SpecError, describe_os_error
 from gpipe.eval_schedule import EvalSchedule
 from gpipe.factory import add_import_paths, resolve
 from gpipe.memory import footprint
@@ -212,6 +213,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     """
     if why := unsupported(spec.precision, spec.device):
         raise SpecError(f"precision: {why}")
+    spec = table_from_file(spec, job_dir)
     pretrained = _open_weights(spec, job_dir)  # a file that cannot be read is refused before the model is built
     import_paths = [str(job_dir.resolve())]
     add_import_paths(import_paths)
@@ -294,6 +296,34 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if spec.eval is not None:
         _plan_eval(plan, loss_fn)
     return plan
+
+
+def table_from_file(spec: JobSpec, job_dir: Path) -> JobSpec:
+    """`schedule: {file: PATH}`: the spec with that file's table of actions as its schedule (gpipe.measured.read_table:
+    a CSV, or a measured job's plan.json; checked whole, then against the job's stages, virtual_stages and
+    chunks), the path relative to `job_dir`; SpecError naming the row. Any other spec as it is."""
+    if not schedule.is_file(spec.schedule):
+        return spec
+    given = spec.schedule[len(schedule.FILE):]
+    try:
+        with (job_dir / given).open("rb") as f:
+            raw = f.read(measured.MAX_CSV_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"schedule: {describe_os_error(e, 'reading')}") from None
+    if len(raw) > measured.MAX_CSV_BYTES:
+        raise SpecError(f"schedule: {given}: over the {measured.MAX_CSV_BYTES >> 20} MiB a table may have")
+    try:
+        orders = measured.read_table(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecError(f"schedule: {given}: not UTF-8 text (byte {e.start})") from None
+    except measured.TableError as e:
+        raise SpecError(f"schedule: {given}: {e}") from None
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    data["schedule"] = schedule.table(orders)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{format_validation_error(e)} (schedule: {given})") from None
 
 
 def _targets_into(spec: JobSpec, model: nn.Module) -> tuple[str, str] | None:

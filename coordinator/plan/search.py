@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -47,7 +47,7 @@ import torch
 from pydantic import ValidationError
 
 from gpipe import balance as balancing
-from gpipe import cuts, optim, schedule
+from gpipe import cuts, measured, optim, schedule
 from gpipe.coordinator.plan import baseline, prediction
 from gpipe.coordinator.plan.job import Plan, make_plan, optimizer_slots, step_waits
 from gpipe.coordinator.spec.job import JobSpec
@@ -56,7 +56,7 @@ from gpipe.memory import costs, costs_together
 from gpipe.memory.costs import LayerCosts
 from gpipe.memory.costs_together import Collectives
 from gpipe.memory.footprint import Layers, Line
-from gpipe.memory.model import checkpointing
+from gpipe.memory.model import Prediction, checkpointing
 from gpipe.memory.zero import BUCKET_BYTES, GATHER_BYTES
 from gpipe.show import one_line
 from gpipe.topology import model_chunk
@@ -105,7 +105,7 @@ class Config:
     def describe(self) -> str:
         v = f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""
         shard = ", shard" if self.shard else ""
-        return (f"{self.stages} stage(s) x {self.replicas} replica(s), {self.schedule}{v}, {self.chunks} chunks, "
+        return (f"{self.stages} stage(s) x {self.replicas} replica(s), {shown(self.schedule)}{v}, {self.chunks} chunks, "
                 f"checkpoint {self.activation_checkpoint}{shard}")
 
     def overrides(self) -> dict[str, Any]:
@@ -122,6 +122,7 @@ class Candidate:
     step_s: float  # predicted, steps in a row
     bubble: float  # the workers' idle share at that period
     peaks: list[int] = field(default_factory=list)  # predicted peak bytes per worker (rank order)
+    built: measured.Built | None = None  # schedule measured: what gpipe.measured chose, against the fixed ones
 
     @property
     def peak(self) -> int:
@@ -211,6 +212,19 @@ def balance_for(m: Measured, c: Config, n: int) -> list[int]:
 def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int]] = ()) -> tuple[float, float]:
     """(seconds a step, bubble) of configuration `c` (with its balance; `spec`: the job under it, `tied`: each
     tied weight's holders), steps in a row (the module's doc)."""
+    splits = [schedule.splits_backward(schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages))
+              for k in range(c.stages)]
+    ends = [schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages)[-1] for k in range(c.stages)]
+    length = action_lengths(m, c, splits, ends)
+    waits = step_waits(spec, tied)
+    period, bubble = schedule.steady(c.schedule, c.stages, c.chunks, c.virtual_stages, length, waits=waits)
+    return period, max(0.0, bubble)
+
+
+def action_lengths(m: Measured, c: Config, splits: Sequence[bool],
+                   ends: Sequence[schedule.Action | None]) -> Callable[[int, schedule.Action], float]:
+    """Each action's seconds under `c` (the module's doc): worker k's backward split or not (`splits[k]`), its
+    step's last action `ends[k]` (None: none) carrying its optimizer step and the replicas' collectives."""
     link = LINKS[m.device]
     sizes = _sizes(m.plan.spec.data.batch_size, c.replicas, c.chunks)
     bounds = cuts.bounds(list(c.balance))
@@ -220,9 +234,6 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
     def chunk_of(k: int, a: schedule.Action) -> int:
         return model_chunk(c.schedule, k, a.worker_chunk, c.stages)
 
-    splits = [schedule.splits_backward(schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages))
-              for k in range(c.stages)]
-    ends = [schedule.build(c.schedule, k, c.stages, c.chunks, c.virtual_stages)[-1] for k in range(c.stages)]
     end_work = []
     for k in range(c.stages):
         held = [model_chunk(c.schedule, k, j, c.stages) for j in range(c.virtual_stages)]
@@ -260,9 +271,7 @@ def step_time(m: Measured, c: Config, spec: JobSpec, tied: Sequence[Sequence[int
             t += end_work[k]
         return t
 
-    waits = step_waits(spec, tied)
-    period, bubble = schedule.steady(c.schedule, c.stages, c.chunks, c.virtual_stages, length, waits=waits)
-    return period, max(0.0, bubble)
+    return length
 
 
 def _ring(replicas: int) -> float:
@@ -305,6 +314,70 @@ def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
     return None if got is None else [p.peak for p in got]
 
 
+def _predicted(m: Measured, c: Config, spec: JobSpec) -> list[Prediction] | None:
+    plan = dataclasses.replace(m.plan, spec=spec, balance=list(c.balance))
+    device = "cuda:0" if m.device == "cuda" else "cpu"
+    return prediction.predictions(plan, [device] * spec.topology.world, lambda _d: m.baseline_bytes)
+
+
+def build_measured(m: Measured, c: Config, spec: JobSpec, budget: int,
+                   tied: Sequence[Sequence[int]] = ()) -> Candidate:
+    """`schedule: measured` under configuration `c` (`spec`: the job under it): each worker's order built from the
+    measured costs (gpipe.measured.build: the actions' lengths as `step_time` counts them, a step's end work
+    left to the simulation that scores each order), each worker's activations held within what `budget` leaves
+    beside its weights, gradients, optimizer state, buffers and runtime (the memory model's parts, replica 0's
+    workers), scored by `step_time`. The memory model then predicts the order's peak; where it is over the
+    budget's HEADROOM share, the limits shrink by the excess and the order is built again (three times at most).
+    The candidate runs the table (c.schedule its name); `built` says where its order comes from."""
+    p, v, n = c.stages, c.virtual_stages, c.chunks
+    fixed_spec = _spec_of(spec, dataclasses.replace(c, schedule="zbv" if v == 2 else "1f1b"))
+    plan = dataclasses.replace(m.plan, spec=spec, balance=list(c.balance))
+    fp = plan.footprint
+    assert fp is not None and fixed_spec is not None  # measure() refuses a job without its footprint
+    memory = [prediction.chunk_memory(plan, fp, g) for g in range(p * v)]
+    sizes = _sizes(spec.data.batch_size, c.replicas, n)
+    ckpt = checkpointing(c.activation_checkpoint, n)
+
+    def held(k: int, a: schedule.Action) -> float:
+        cm = memory[model_chunk(measured.NAME, k, a.worker_chunk, p)]
+        size = sizes[a.micro_batch]
+        return float(cm.inputs.at(size) if ckpt(a.micro_batch) else cm.held.at(size))
+
+    beside = [sum(x.parts[part] for part in ("params", "optimizer", "buffers", "allocator", "baseline"))
+              + sum(memory[model_chunk(measured.NAME, k, j, p)].trainable for j in range(v))
+              for k, x in enumerate((_predicted(m, c, fixed_spec) or [])[:p])]
+    limits = [budget * HEADROOM - b for b in beside] if beside else None
+    lengths = {split: action_lengths(m, c, [split] * p, [None] * p) for split in (True, False)}
+
+    def score(name: str) -> float:
+        return step_time(m, dataclasses.replace(c, schedule=name), spec, tied)[0]
+
+    built = None
+    for _ in range(3):
+        try:
+            built = measured.build(p, n, v, lambda k, a, split: lengths[split](k, a), held, limits, score)
+        except ValueError:  # not even one micro-batch within the limits: the least memory the fixed ones hold
+            built = measured.build(p, n, v, lambda k, a, split: lengths[split](k, a), held, None, score)
+            break
+        table_spec = _spec_of(spec, dataclasses.replace(c, schedule=built.name))
+        got = _predicted(m, dataclasses.replace(c, schedule=built.name), table_spec) if table_spec else None
+        over = [x.peak - budget * HEADROOM for x in (got or [])[:p]]
+        if limits is None or max(over, default=0) <= 0:
+            break
+        limits = [lim - max(0.0, o) for lim, o in zip(limits, over, strict=True)]
+    assert built is not None
+    c = dataclasses.replace(c, schedule=built.name)
+    step, bubble = step_time(m, c, spec, tied)
+    table_spec = _spec_of(spec, c)
+    got = peaks(m, c, table_spec) if table_spec is not None else None
+    return Candidate(c, step, max(0.0, bubble), got or [], built)
+
+
+def shown(name: str) -> str:
+    """A schedule's name as the plan's lines show it: a table (a measured job's order) as `measured`."""
+    return measured.NAME if schedule.is_table(name) else name
+
+
 def search(m: Measured, workers: int, budget: int) -> tuple[list[Candidate], list[Candidate]]:
     """(the configurations that fit `budget` bytes a worker, fastest first; those that do not, smallest peak
     first)."""
@@ -331,9 +404,11 @@ def evaluate(m: Measured, configs: Iterable[Config], budget: int,
             continue
         tied = [stages for _, stages in dataclasses.replace(m.plan, spec=candidate_spec,
                                                             balance=list(c.balance)).tied_stages()]
-        step, bubble = step_time(m, c, candidate_spec, tied)
-        got = peaks(m, c, candidate_spec) or []
-        cand = Candidate(c, step, bubble, got)
+        if c.schedule == measured.NAME:
+            cand = build_measured(m, c, candidate_spec, budget, tied)
+        else:
+            step, bubble = step_time(m, c, candidate_spec, tied)
+            cand = Candidate(c, step, bubble, peaks(m, c, candidate_spec) or [])
         (fits if cand.peak <= budget * HEADROOM else over).append(cand)
     fits.sort(key=lambda x: (x.step_s, x.peak))
     over.sort(key=lambda x: (x.peak, x.step_s))
@@ -350,13 +425,15 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
     m = measure(spec, job_dir, workers, threads, on)
     auto = set(spec.auto)
     search = schedule.searched()
-    names = tuple(search) if "schedule" in auto else (spec.schedule,)
+    built = spec.schedule == measured.NAME  # its order built from the costs (build_measured), as `auto` chooses
+    choose = "schedule" in auto and not built  # among the schedules `plan` searches
+    names = tuple(search) if choose else (spec.schedule,)
     checkpoints = CHECKPOINTS if "activation_checkpoint" in auto else (spec.activation_checkpoint,)
 
     def configs() -> Iterator[Config]:
         for name in names:
-            virtual = search[name] if "schedule" in auto else spec.virtual_stages
-            if spec.stages * virtual > len(m.layers) or (spec.stages == 1 and name != "gpipe" and "schedule" in auto):
+            virtual = search[name] if choose else spec.virtual_stages
+            if spec.stages * virtual > len(m.layers) or (spec.stages == 1 and name != "gpipe" and choose):
                 continue
             chunks = chunk_choices(spec.data.batch_size, spec.replicas, spec.stages) if "chunks" in auto \
                 else [spec.chunks]
@@ -367,9 +444,9 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
                     yield Config(spec.stages, spec.replicas, name, virtual, n, ckpt, spec.optimizer.shard)
 
     given = spec.balance if isinstance(spec.balance, list) else None
-    fits, over = evaluate(m, configs(), budget, given if given and "schedule" not in auto else None)
+    fits, over = evaluate(m, configs(), budget, given if given and not choose else None)
     if not fits:
-        raise SpecError(refusal(over, budget, "auto"))
+        raise SpecError(refusal(over, budget, "schedule" if built and not auto - {"schedule"} else "auto"))
     best = fits[0]
     c = best.config
     data = spec.model_dump(mode="json", exclude_unset=True)
@@ -386,16 +463,24 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
               "predicted_peak_bytes": best.peak, "budget_bytes": budget, "workers": workers,
               "why": why_best(fits, budget) if len(fits) > 1 else "the one configuration that fits",
               "candidates": len(fits) + len(over)}
+    if built and best.built is not None:
+        picked["schedule"] = measured.NAME  # and the order itself, a row per action:
+        record["schedule_table"] = {"from": best.built.source, "columns": list(measured.COLUMNS),
+                                    "rows": [list(r) for r in measured.rows(best.built.orders)]}
+        record["why"] = why_measured(best, budget)
     return resolved, record
 
 
 def chosen(spec: JobSpec, record: dict[str, Any]) -> JobSpec:
     """`spec` with the choice an earlier attempt recorded (plan.json's `auto`): a restarted or resumed job keeps
-    its micro-batches, so its steps stay the same."""
+    its micro-batches, so its steps stay the same; a measured job, its order (`schedule_table`). ValueError
+    where the record does not fit the job (another shape: an elastic re-plan builds its order again)."""
     data = spec.model_dump(mode="json", exclude_unset=True)
     data.pop("auto", None)
     data.update(record["chosen"])
     data["balance"] = record["balance"]
+    if spec.schedule == measured.NAME:
+        data["schedule"] = schedule.table(measured.from_rows(record["schedule_table"]["rows"]))
     return JobSpec.model_validate(data)
 
 
@@ -499,19 +584,36 @@ def table(fits: Sequence[Candidate], batch: int, top: int) -> list[str]:
     for i, x in enumerate(fits[:top], 1):
         c = x.config
         v = f" x{c.virtual_stages}" if c.virtual_stages > 1 else ""
-        lines.append(f"| {i} | {c.workers} | {c.stages} x {c.replicas} | {c.schedule}{v} | {c.chunks} | "
+        lines.append(f"| {i} | {c.workers} | {c.stages} x {c.replicas} | {shown(c.schedule)}{v} | {c.chunks} | "
                      f"{c.activation_checkpoint} | {'yes' if c.shard else 'no'} | {list(c.balance)} | "
                      f"{x.step_s * 1e3:.1f} | {batch / x.step_s:.1f} | {x.bubble:.0%} | {_gib(x.peak)} |")
     return lines
 
 
+def why_measured(best: Candidate, budget: int) -> str:
+    """Why a measured job runs its order: its simulated step against each fixed schedule's that fits the same
+    memory (gpipe.measured.build), and the memory it leaves."""
+    b = best.built
+    assert b is not None
+    fits = {n: t for n, t in b.fixed.items() if t is not None}
+    line = (f"measured: {b.step * 1e3:.1f} ms a step, bubble {best.bubble:.0%}, "
+            + ("its own order" if b.source == measured.NAME else f"{b.source}'s order: no built one was faster"))
+    if fits:
+        name = min(fits, key=lambda n: fits[n])
+        line += f"; the best fixed schedule within the memory, {name}: {fits[name] * 1e3:.1f} ms " \
+                f"({fits[name] / b.step:.2f}x)"
+    if over := [n for n, t in b.fixed.items() if t is None]:
+        line += f"; over the memory: {', '.join(over)}"
+    return f"{line}; fits in {_gib(best.peak)} of {_gib(budget)} GiB"
+
+
 def why_best(fits: Sequence[Candidate], budget: int) -> str:
     """Why the first of `fits` wins: against the fastest of another schedule, and the memory it leaves."""
     best = fits[0]
-    other = next((x for x in fits if x.config.schedule != best.config.schedule), None)
-    line = f"{best.config.schedule}: {best.step_s * 1e3:.1f} ms a step, bubble {best.bubble:.0%}"
+    other = next((x for x in fits if shown(x.config.schedule) != shown(best.config.schedule)), None)
+    line = f"{shown(best.config.schedule)}: {best.step_s * 1e3:.1f} ms a step, bubble {best.bubble:.0%}"
     if other is not None:
-        line += (f" vs {other.config.schedule}'s {other.bubble:.0%} at best ({other.step_s * 1e3:.1f} ms, "
+        line += (f" vs {shown(other.config.schedule)}'s {other.bubble:.0%} at best ({other.step_s * 1e3:.1f} ms, "
                  f"{other.step_s / best.step_s:.2f}x)")
     return f"{line}; fits in {_gib(best.peak)} of {_gib(budget)} GiB"
 

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     GetCoreSchemaHandler,
@@ -165,19 +166,45 @@ def _check_module_name(v: str) -> str:
 ModuleName = Annotated[str, Field(min_length=1, max_length=MAX_FACTORY_CHARS), AfterValidator(_check_module_name)]
 
 
+MAX_SCHEDULE_NAME = 64
+MAX_SCHEDULE_PATH = 4096
+
+
+def _schedule_file(v: Any) -> Any:
+    """`{file: order.csv}`: a table of actions read from that CSV file when the job is planned (its path
+    relative to the job's folder), held meanwhile as gpipe.schedule.FILE's name."""
+    if not isinstance(v, dict):
+        return v
+    path = v.get("file")
+    if set(v) != {"file"} or not isinstance(path, str) or not path.strip():
+        raise ValueError("a schedule's mapping is {file: PATH}: a CSV table of actions (docs/schedules.md)")
+    if len(path) > MAX_SCHEDULE_PATH or not path.isprintable():
+        raise ValueError(f"file: a path of at most {MAX_SCHEDULE_PATH} printable characters")
+    return schedules.FILE + path
+
+
 def _check_schedule(v: str) -> str:
-    """A registered schedule (gpipe.schedule.REGISTRY: the five below, and any registered since)."""
-    if v not in schedules.REGISTRY:
-        near = difflib.get_close_matches(v.lower(), schedules.names(), n=1, cutoff=0.6)
+    """A registered schedule (gpipe.schedule.REGISTRY: the records below, and any registered since); a table of
+    actions (gpipe.schedule.table: what `measured` and a CSV file become, as plan.json's spec keeps it),
+    checked whole with the job's shape (gpipe.options.violation); or a CSV file's, still to be read."""
+    if schedules.is_table(v) or schedules.is_file(v):
+        if schedules.is_table(v):
+            schedules.parse_table(v)  # ValueError names the first word that is no action
+        return v
+    if v not in schedules.REGISTRY or len(v) > MAX_SCHEDULE_NAME:
+        near = difflib.get_close_matches(v[:MAX_SCHEDULE_NAME].lower(), schedules.names(), n=1, cutoff=0.6)
         hint = f" (did you mean {near[0]}?)" if near else ""
-        raise ValueError(f"{v!r} is not one of {', '.join(schedules.names())}{hint}")
+        raise ValueError(f"{short(v)} is not one of {', '.join(schedules.names())} or {{file: PATH}}{hint}")
     return v
 
 
 # The schedules a job may name, checked against the registry when the spec is read; the reference lists those
-# gpipe ships (schedules.Name).
-ScheduleName = Annotated[str, Field(max_length=64), AfterValidator(_check_schedule),
-                         WithJsonSchema({"enum": list(get_args(schedules.Name)), "type": "string"})]
+# gpipe ships (schedules.Name), and `{file: PATH}`. A table's name is as long as its actions (measured.MAX_ACTIONS).
+ScheduleName = Annotated[
+    str, BeforeValidator(_schedule_file), Field(max_length=MAX_SPEC_BYTES), AfterValidator(_check_schedule),
+    WithJsonSchema({"anyOf": [{"enum": list(get_args(schedules.Name)), "type": "string"},
+                              {"type": "object", "properties": {"file": {"type": "string"}}, "required": ["file"],
+                               "additionalProperties": False}]})]
 
 
 class ModelSpec(_Spec):
@@ -517,7 +544,11 @@ class JobSpec(_Spec):
     )
     schedule: ScheduleName = Field(
         default="gpipe",
-        description=f"{schedules.reference()} auto: chosen before the job starts (see auto).",
+        description=f"{schedules.reference()} {{file: PATH}}: a table of actions read from that CSV file "
+        "(relative to the job's folder) when the job is planned, one row per action (worker,order,kind,"
+        "micro_batch,chunk: plan.json's auto.schedule_table of a measured job) or torch.distributed.pipelining's "
+        "compute-only CSV, checked whole; it fixes stages, virtual_stages and chunks. auto: chosen before the job "
+        "starts (see auto).",
     )
     virtual_stages: Annotated[StrictInt, Range(1, MAX_VIRTUAL_STAGES)] = Field(
         default=1,
@@ -739,18 +770,27 @@ class JobSpec(_Spec):
         if not isinstance(data, dict):
             return data
         autos = [k for k in AUTO_FIELDS if data.get(k) == "auto"]
-        if not autos:
+        measured = data.get("schedule") == "measured"  # built from the job's costs before it starts, as auto is
+        if not autos and not measured:
             return data
         if data.get("auto"):
             raise ValueError("auto: write `auto` as the value of schedule, chunks or activation_checkpoint, "
                              "not this list")
+        if isinstance(data.get("schedule"), dict) and autos:
+            raise ValueError(f"{autos[0]}: auto with a schedule from a file: the table fixes the micro-batches; "
+                             "give chunks and activation_checkpoint")
         if isinstance(data.get("model"), dict) and data["model"].get("split_points"):
+            if measured:
+                raise ValueError("schedule: measured measures the model at its blocks: leave model.split_points "
+                                 "out, give stages (and a balance, if you want one)")
             raise ValueError(f"{autos[0]}: auto plans the cut too (the balance by measured time): leave "
                              "model.split_points out, give stages")
         stages, virtual = data.get("stages", 1), data.get("virtual_stages", 1)
         meanwhile = {"schedule": "gpipe" if virtual == 1 else "interleaved-1f1b",
                      "chunks": stages if type(stages) is int and stages >= 1 else 1,
                      "activation_checkpoint": "never"}
+        if measured:  # `schedule: measured` is planned as an auto schedule is (gpipe.coordinator.plan.search.resolve)
+            return {**data, **{k: meanwhile[k] for k in autos}, "auto": ["schedule", *autos]}
         return {**data, **{k: meanwhile[k] for k in autos}, "auto": autos}
 
     @model_validator(mode="before")
@@ -781,6 +821,9 @@ class JobSpec(_Spec):
                 raise ValueError(f"trace_step: step {self.trace_step} is past the last step {self.steps}")
             if (self.trace_step - 1) % self.log_every and self.trace_step != self.steps:
                 raise ValueError(f"trace_step: step {self.trace_step} is not logged (log_every {self.log_every})")
+        if self.schedule == "measured" and "schedule" in self.auto and not self.probe:
+            raise ValueError("schedule: measured measures the model's layers and memory (the probe): leave probe "
+                             "on, or name a schedule")
         if self.init_hook is not None and self.init != "per_layer":
             raise ValueError("init_hook: applies to init per_layer only")
         if self.init == "per_layer" and self.probe:
@@ -801,6 +844,9 @@ class JobSpec(_Spec):
             raise ValueError("optimizer.shard: shards the optimizer state across replicas, and this job has one "
                              "replica; set replicas > 1 or leave shard out")
         if self.elastic is not None:
+            if schedules.is_table(self.schedule) or schedules.is_file(self.schedule):
+                raise ValueError("elastic: a schedule given as a table runs on its own stages and micro-batches "
+                                 "only; leave elastic out, or use schedule: measured (built again for each shape)")
             if self.elastic.min_stages > self.stages:
                 raise ValueError(f"elastic.min_stages: {self.elastic.min_stages} is more than stages "
                                  f"{self.stages}")

@@ -31,7 +31,7 @@ BAD = [
     ({"balance": [1] * 65}, "balance: List should have at most 64 items"),
     ({"trace_step": 3}, "trace_step: step 3 is past the last step 2"),
     ({"schedule": "zigzag"}, "schedule: 'zigzag' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv"),
-    ({"schedule": "1f1c"}, "schedule: '1f1c' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv, v-half, v-min, dualpipev (did you mean 1f1b?)"),
+    ({"schedule": "1f1c"}, "schedule: '1f1c' is not one of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv, v-half, v-min, dualpipev, measured or {file: PATH} (did you mean 1f1b?)"),
     ({"schedule": "dualpipev", "virtual_stages": 2, "chunks": 3},
      "chunks: dualpipev takes at least 2 rounds of the 2 workers' micro-batches: 4 or more, not 3"),
     # several model chunks per worker: the schedules that hold them, and the balance over all of them

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import random
 import threading
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import gpipe
-from gpipe import skip
+from gpipe import measured, schedule, skip
 from gpipe.rng import seeded_forward
 from gpipe.schedule import Action, build
 from gpipe.topology import model_chunk
@@ -210,7 +211,7 @@ def test_interleaved_1f1b_with_every_feature_equals_one_device(name, spec, balan
     compare({**spec, "schedule": "interleaved-1f1b"}, balance)
 
 
-V_SCHEDULES = ["zbv", "v-half", "v-min", "dualpipev"]  # zbv's V: worker k holds model chunks k and 2P-1-k
+V_SCHEDULES = ["zbv", "v-half", "v-min", "dualpipev", "measured"]  # zbv's V: worker k holds model chunks k and 2P-1-k
 
 
 def v_chunks(schedule: str, m: int, workers: int) -> int:
@@ -258,6 +259,61 @@ def test_v_half_and_v_min_hold_fewer_activations_than_zbv():
     zbv, half, least = peaks("zbv"), peaks("v-half"), peaks("v-min")
     assert all(a < b < c for a, b, c in zip(least, half, zbv, strict=True))
     assert max(least) <= 0.8 * max(zbv) and max(half) <= 0.9 * max(zbv)
+
+
+def measured_order(workers: int, m: int, virtual: int, seed: int) -> str:
+    """gpipe.measured's order (a table's schedule name) for a random cost table of uneven model chunks, a random
+    memory limit of two to four micro-batches a worker."""
+    rng = random.Random(seed)
+    g = workers * virtual
+    costs = measured.Costs(*([rng.uniform(0.2, 3.0) for _ in range(g)] for _ in range(3)),
+                           send=[rng.uniform(0.0, 0.5) for _ in range(g)], held=[1.0] * g)
+    limits = [float(virtual * rng.randint(2, 4)) for _ in range(workers)]
+    return measured.build(workers, m, virtual, costs.length(workers), costs.held_by(workers), limits).name
+
+
+MEASURED_CASES = [([4, 6], 1, 4), ([1, 8, 1], 1, 5), ([3, 2, 2, 3], 1, 8), ([2, 3, 2, 3], 2, 4),
+                  ([1, 2, 3, 1, 2, 1], 2, 5)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("balance", "virtual", "m"), MEASURED_CASES, ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("checkpointing", ["never", "except_last", "always"])
+def test_measured_orders_from_cost_tables_equal_one_device(checkpointing, balance, virtual, m, seed):
+    """Orders built from uneven cost tables within memory limits (gpipe.measured), one model chunk a worker or
+    the V: bit for bit, each model chunk's backwards and W's in micro-batch order as one device's."""
+    order = measured_order(len(balance) // virtual, m, virtual, seed)
+    worst = compare(job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=m, schedule=order, virtual_stages=virtual,
+                        activation_checkpoint=checkpointing, data={**REGRESSION, "batch_size": 2 * m + 1}), balance,
+                    tolerance=1e-6)
+    assert worst == 0.0
+
+
+def test_a_table_whose_w_s_go_backwards_equals_one_device_within_1e_6():
+    """A table read back with its W's in reverse micro-batch order: each weight's gradient summed in another
+    order than one device's, so within 1e-6, not bit for bit."""
+    rows = [[a for a in schedule.build("zb-h1", k, 3, 4) if a.kind != "W"] + [Action("W", i) for i in (3, 2, 1, 0)]
+            for k in range(3)]
+    order = schedule.table(measured.read_csv(measured.write_csv(rows)))
+    compare(job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=4, schedule=order,
+                data={**REGRESSION, "batch_size": 9}), [3, 4, 3], tolerance=1e-6)
+
+
+@pytest.mark.parametrize(("name", "spec", "balance"), [
+    ("skips-always", job(TWO_STAGES, PIPELINE, model=SKIPS, chunks=3, activation_checkpoint="always"), [1, 2, 3]),
+    ("batch-norm-deferred", job(TWO_STAGES, PIPELINE, model=BN, data=BN_DATA, chunks=3, deferred_batch_norm=True,
+                                optimizer={"name": "sgd", "lr": 0.1}), [4, 5, 3]),
+    ("replicas-2x2", job(TWO_STAGES, PIPELINE, model=DROPOUT, replicas=2, chunks=3, data={**REGRESSION, "batch_size": 13}),
+     [5, 5]),
+    ("adam-clip", job(TWO_STAGES, PIPELINE, chunks=3, data={**REGRESSION, "batch_size": 10}, clip_grad_norm=0.5,
+                      optimizer={"name": "adam", "lr": 0.01}), [2, 1, 3]),
+    ("bf16", job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=4, precision="bf16"), [5, 5]),
+    ("fp16", job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=4, precision="fp16"), [5, 5]),
+])
+def test_measured_with_every_feature_equals_one_device(name, spec, balance):
+    """`measured` on one model chunk a worker (gpipe.Pipeline builds it at the cost model's lengths); the V's
+    cases run with the other V schedules."""
+    compare({**spec, "schedule": "measured"}, balance)
 
 
 def test_interleaved_micro_batches_go_in_rounds_of_the_workers():
