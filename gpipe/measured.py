@@ -177,8 +177,7 @@ def policies(stages: int, chunks: int, virtual: int) -> list[Policy]:
     fills = (0.0, 0.5, 1.0)
     deep = (False, True) if virtual > 1 else (False,)
     out = [Policy(True, d, ff, fill, dp) for d in depths for ff in (False, True) for fill in fills for dp in deep]
-    if virtual == 1:
-        out += [Policy(False, d, ff, 0.0, False) for d in depths for ff in (False, True)]
+    out += [Policy(False, d, ff, 0.0, dp) for d in depths for ff in (False, True) for dp in deep]
     if stages * chunks * virtual * 3 > MANY:
         out = [p for p in out if p.fill == 0.0 and not p.forward_first and p.depth in ((1, 0), (2, -1), (0, stages))]
     return out

@@ -289,6 +289,20 @@ def test_measured_orders_from_cost_tables_equal_one_device(checkpointing, balanc
     assert worst == 0.0
 
 
+@pytest.mark.parametrize("checkpointing", ["never", "always"])
+def test_a_measured_v_order_of_whole_backwards_equals_one_device(checkpointing):
+    """Where a whole backward costs less than its B and W apart, the V's order runs whole backwards (no W)."""
+    rng = random.Random(0)
+    costs = measured.Costs(*([rng.uniform(0.2, 3.0) for _ in range(4)] for _ in range(3)),
+                           whole=[rng.uniform(0.2, 2.0) for _ in range(4)])
+    order = measured.build(2, 4, 2, costs.length(2)).name
+    assert "W" not in order
+    worst = compare(job(TWO_STAGES, PIPELINE, model=DROPOUT, chunks=4, schedule=order, virtual_stages=2,
+                        activation_checkpoint=checkpointing, data={**REGRESSION, "batch_size": 9}), [2, 3, 2, 3],
+                    tolerance=1e-6)
+    assert worst == 0.0
+
+
 def test_a_table_whose_w_s_go_backwards_equals_one_device_within_1e_6():
     """A table read back with its W's in reverse micro-batch order: each weight's gradient summed in another
     order than one device's, so within 1e-6, not bit for bit."""
