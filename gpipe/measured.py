@@ -23,7 +23,8 @@ forward), a W after its B; each model chunk's forwards, B's and W's in micro-bat
 
 The policies (how deep the warm-up, a forward or a B first, how much of a gap a W fills, split backwards or
 whole, on the V which model chunk's forward first) each give an order; each is simulated (gpipe.schedule.steady:
-steps in a row, as the service runs them, or the caller's `score`), and the fastest kept. The fixed schedules
+steps in a row, as the service runs them, or the caller's `score`), and the fastest kept (of two as fast, the
+one that holds less). The fixed schedules
 of the same placement (gpipe, 1f1b and zb-h1; on the V zbv, v-half, v-min and dualpipev) whose activations
 stay within the same limits are simulated too, and where none of the built orders is faster, the fastest of
 them is the answer: measured is never slower in the simulator than the best fixed schedule within the budget.
@@ -196,15 +197,18 @@ def build(stages: int, chunks: int, virtual: int, length: Length, held: Held | N
     caps = list(limits) if limits is not None else [math.inf] * stages
     score = score or steady_score(stages, chunks, virtual, length)
     fixed: dict[str, float | None] = {}
-    best: tuple[float, int, str, str] | None = None  # (step, 1 for a fixed one: built orders win ties, name, source)
+    # (step, the most a worker holds, 1 for a fixed one, name, source): of two as fast, the one holding less,
+    # and of two that hold as much, the built one
+    best: tuple[float, float, int, str, str] | None = None
     for name in fixed_names(stages, chunks, virtual):
         orders = [schedule.build(name, k, stages, chunks, virtual) for k in range(stages)]
-        if any(h > c * (1 + 1e-9) for h, c in zip(held_peaks(orders, held), caps, strict=True)):
+        peaks = held_peaks(orders, held)
+        if any(h > c * (1 + 1e-9) for h, c in zip(peaks, caps, strict=True)):
             fixed[name] = None
             continue
         fixed[name] = step = score(name)
-        if best is None or (step, 1) < best[:2]:
-            best = (step, 1, schedule.table(orders), name)
+        if best is None or (step, max(peaks), 1) < best[:3]:
+            best = (step, max(peaks), 1, schedule.table(orders), name)
     seen: set[str] = set()
     for policy in policies(stages, chunks, virtual):
         built = list_schedule(stages, chunks, virtual, length, held, caps, policy)
@@ -214,13 +218,13 @@ def build(stages: int, chunks: int, virtual: int, length: Length, held: Held | N
         if name in seen:
             continue
         seen.add(name)
-        step = score(name)
-        if best is None or (step, 0) < best[:2]:
-            best = (step, 0, name, NAME)
+        step, peak = score(name), max(held_peaks(built, held))
+        if best is None or (step, peak, 0) < best[:3]:
+            best = (step, peak, 0, name, NAME)
     if best is None:
         raise ValueError(f"no order of {chunks} micro-batches keeps each worker within its memory limit "
                          f"({', '.join(f'{c:.3g}' for c in caps)} bytes of activations): not even one micro-batch fits")
-    return Built(best[2], best[3], best[0], fixed)
+    return Built(best[3], best[4], best[0], fixed)
 
 
 def list_schedule(stages: int, chunks: int, virtual: int, length: Length, held: Held, limits: Sequence[float],
