@@ -356,12 +356,14 @@ def build_measured(m: Measured, c: Config, spec: JobSpec, budget: int,
     for _ in range(3):
         try:
             built = measured.build(p, n, v, lambda k, a, split: lengths[split](k, a), held, limits, score)
-        except ValueError:  # not even one micro-batch within the limits: the least memory the fixed ones hold
-            built = measured.build(p, n, v, lambda k, a, split: lengths[split](k, a), held, None, score)
+        except ValueError:  # not one micro-batch fits: the order that holds the least, one at a time (over)
+            least = [max(sum(held(k, schedule.Action("F", i, j)) for j in range(v)) for i in range(n))
+                     for k in range(p)]
+            built = measured.build(p, n, v, lambda k, a, split: lengths[split](k, a), held, least, score)
             break
         table_spec = _spec_of(spec, dataclasses.replace(c, schedule=built.name))
-        got = _predicted(m, dataclasses.replace(c, schedule=built.name), table_spec) if table_spec else None
-        over = [x.peak - budget * HEADROOM for x in (got or [])[:p]]
+        predicted = _predicted(m, dataclasses.replace(c, schedule=built.name), table_spec) if table_spec else None
+        over = [x.peak - budget * HEADROOM for x in (predicted or [])[:p]]
         if limits is None or max(over, default=0) <= 0:
             break
         limits = [lim - max(0.0, o) for lim, o in zip(limits, over, strict=True)]

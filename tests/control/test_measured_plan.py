@@ -68,6 +68,9 @@ def test_resolve_records_the_order_as_rows_and_a_resumed_job_gets_it_back(tmp_pa
                                 stages=2, chunks=4, schedule="measured", virtual_stages=2))
     with pytest.raises(ValueError, match="chunks: the table runs 8"):  # another shape: built again
         planner.chosen(other, record)
+    with pytest.raises(SpecError, match=r"^schedule: no configuration fits 0.00 GiB a worker .* the smallest "
+                                        r"predicted peak is .* measured x2, 8 chunks"):
+        planner.resolve(spec, tmp_path, 2, 1, 1)
 
 
 def test_a_budget_that_binds_gives_an_order_within_it(tmp_path, free):
