@@ -527,11 +527,13 @@ class Soak:
                     raise SoakFailure(f"rank {a[3]} in two attempts at once: {a[2]} and {b[2]}")
 
     def processes(self, report: Report) -> None:
-        """Each process's first and last sample, for those sampled over a minute or more."""
+        """Each process's first and last sample, for those sampled over a minute or more: first, the sample of its
+        first half holding the most descriptors (its start-up over, however slow under load; a leak grows past
+        it in the second half)."""
         for (key, pid), rows in sorted(self.samples.rows.items()):
             if rows[-1][0] - rows[0][0] < 60:
                 continue
-            (_, r0, f0), (_, r1, f1) = rows[min(2, len(rows) - 1)], rows[-1]  # past its first 10 s: warmed up
+            (_, r0, f0), (_, r1, f1) = max(rows[:max(1, len(rows) // 2)], key=lambda r: r[2]), rows[-1]
             report.processes.append(f"{key} (pid {pid}, {rows[-1][0] - rows[0][0]:.0f} s): RSS {r0 / 2**20:.0f} -> "
                                     f"{r1 / 2**20:.0f} MiB, fds {f0} -> {f1}")
 
