@@ -14,11 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gpipe.capture.graph import CaptureError
 from gpipe.factory import FactoryError
-from gpipe.structure import StructureError
 from gpipe.topology import place
-from gpipe.turns import TurnAborted
 
 
 def _loss_scale_defaults() -> tuple[float, int]:
@@ -179,6 +176,12 @@ class Cause(StrEnum):
 
 def classify(e: BaseException) -> Cause:
     """The cause of an exception raised in a stage, by its type (never its message)."""
+    # Where the stage raised them, torch is loaded: imported here, they cost nothing there, and the supervisor
+    # (`run`'s own process, serve) that reads this module never loads torch.
+    from gpipe.capture.graph import CaptureError
+    from gpipe.structure import StructureError
+    from gpipe.turns import TurnAborted
+
     if isinstance(e, TurnAborted):
         return Cause.ABORTED
     if isinstance(e, ImportError | FactoryError):  # the job's code is missing or broken where it runs
