@@ -48,11 +48,12 @@ WORKER_PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attemp
 
 
 def worker_template(env: dict[str, str], threads: int, hidden: tuple[str, ...] = (),
-                    preload: Iterable[str] = WORKER_PRELOAD) -> Template:
+                    preload: Iterable[str] = WORKER_PRELOAD, parent: Template | None = None) -> Template:
     """The template a worker's attempt processes fork from (gpipe.service.zygote), started with what they start with:
     glibc's malloc settings and the worker's threads (numpy's BLAS sizes its pool from them at import).
-    `preload`: what its forks import (`run`'s template also forks the coordinator's attempt)."""
-    return Template(dict(env, **MALLOC_ENV, OMP_NUM_THREADS=str(threads)), preload=preload, hidden=hidden)
+    `preload`: what its forks import; `parent`: a template it is forked from (`run`'s coordinator's)."""
+    return Template(dict(env, **MALLOC_ENV, OMP_NUM_THREADS=str(threads)), preload=preload, hidden=hidden,
+                    parent=parent)
 
 
 class Agent:
@@ -70,6 +71,7 @@ class Agent:
         self.attempt_id = ""
         self.exit_code: int | None = None  # the child's, once it ended by itself
         self.log: Path | None = None
+        self._warming = asyncio.Lock()  # one spare at a time: a join while it starts waits for it
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
@@ -80,14 +82,16 @@ class Agent:
         return child_env(env, self.cores)
 
     async def prestart(self) -> None:
-        """Have a spare attempt process importing torch, ready for the next join."""
-        if self.spare is None or self.spare.returncode is not None:
-            if self.template is not None:
-                self.spare = await self.template.spawn("gpipe.worker", [], self._env(), stdin=True)
-            else:
-                self.spare = await asyncio.create_subprocess_exec(
-                    sys.executable, "-P", "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
+        """Have a spare attempt process importing torch, ready for the next join (started once: a join that comes
+        while it starts waits for it)."""
+        async with self._warming:
+            if self.spare is None or self.spare.returncode is not None:
+                if self.template is not None:
+                    self.spare = await self.template.spawn("gpipe.worker", [], self._env(), stdin=True)
+                else:
+                    self.spare = await asyncio.create_subprocess_exec(
+                        sys.executable, "-P", "-m", "gpipe.worker", stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.DEVNULL, start_new_session=True, env=self._env())
 
     async def join(self, j: Join, log: Path, code_dir: Path | None = None) -> None:
         """Start rank `j.rank` of attempt `j.attempt_id` (ending any attempt this worker was in); its stage

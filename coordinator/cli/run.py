@@ -39,13 +39,13 @@ from gpipe.coordinator.outputs.folder import recorded_spec, running
 from gpipe.coordinator.spec.job import JobSpec
 from gpipe.coordinator.supervisor import pool
 from gpipe.coordinator.supervisor.core import Supervisor
-from gpipe.coordinator.supervisor.launcher import COORDINATOR_PRELOAD, ProcessLauncher
+from gpipe.coordinator.supervisor.launcher import PLANNER_PRELOAD, ProcessLauncher
 from gpipe.coordinator.supervisor.local_workers import LocalWorker
 from gpipe.coordinator.supervisor.records import final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.service import grpcutil
 from gpipe.service.job_records import JobRecord, JobState
-from gpipe.worker.agent import WORKER_PRELOAD, worker_template
+from gpipe.worker.agent import worker_template
 from gpipe.worker.cores import split_cores, threads_for
 from gpipe.worker.device import VISIBLE_ENV, Gpu, Gpus, probe
 
@@ -140,10 +140,13 @@ async def _train(spec: JobSpec, spec_path: Path, code_dir: Path, state_dir: Path
     logs = out / "logs" / "eval" if evaluate else out / "logs"
     extra = ["--evaluate", str(evaluate)] if evaluate else []
     threads = min(threads_for(c) for c in core_sets)
-    # The job's attempt processes fork from it: the workers' and the coordinator's.
-    template = worker_template(dict(os.environ), threads, preload=dict.fromkeys(WORKER_PRELOAD + COORDINATOR_PRELOAD))
-    await template.start()
-    launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, template)
+    # The coordinator's attempt processes fork from a template that imports torch alone; the workers' from a fork
+    # of it that imports what they add (torch._dynamo above all, half their start). So the coordinator plans while
+    # the workers' template is still importing, torch imported once.
+    planner = worker_template(dict(os.environ), threads, preload=PLANNER_PRELOAD)
+    template = worker_template(dict(os.environ), threads, parent=planner)
+    await planner.start()
+    launcher = ProcessLauncher(state_dir, HOST, lambda name: logs / "coordinator.log", extra, planner)
     sup = Supervisor(launcher, say=lambda line: None, limits=pool.Limits(max_workers=len(core_sets)))
     # On a GPU, worker k's attempt processes see their GPU alone, as cuda:0: a stage's .cuda() lands there.
     device = "cuda:0" if spec.device == "cuda" else "cpu"
@@ -197,7 +200,7 @@ async def _train(spec: JobSpec, spec_path: Path, code_dir: Path, state_dir: Path
             t.cancel()
         await asyncio.gather(*tasks, *sup.tasks, return_exceptions=True)
         await launcher.reap()
-        await template.close()
+        await asyncio.gather(template.close(), planner.close())
     return job, evals
 
 

@@ -26,6 +26,10 @@ from gpipe.service.zygote import Child, Template
 # not torch._dynamo (the workers' half of a template's start).
 COORDINATOR_PRELOAD = ("torch.distributed.rpc", "gpipe.coordinator.attempt.process", "gpipe.coordinator.attempt.driver",
                        "gpipe.coordinator.attempt.board")
+# What `run`'s coordinator template imports (gpipe.coordinator.cli.run): torch alone, so that the workers' template, a
+# fork of it, starts importing what they add as early as it can; an attempt process imports its own modules (a
+# few tenths of a second), while the workers' template imports.
+PLANNER_PRELOAD = ("torch",)
 REPORT_LINE_LIMIT = 64 << 20  # a metrics report carries every stage's timeline
 
 

@@ -38,7 +38,10 @@ class LocalWorker:
             self.worker_id = ""
 
     async def run(self) -> None:
-        await self.agent.prestart()
+        # Registered at once, its spare still starting: the job's coordinator plans meanwhile, and a join waits
+        # for the spare (gpipe.worker.agent).
+        warm = asyncio.ensure_future(self.agent.prestart())
+        warm.add_done_callback(lambda t: t.cancelled() or t.exception())  # one that failed: the join starts anew
         beats = asyncio.ensure_future(self._heartbeats())
         try:
             while True:  # registered again whenever the supervisor drops this worker
@@ -53,6 +56,7 @@ class LocalWorker:
                 await self.agent.abort(self.agent.attempt_id)
         finally:
             beats.cancel()
+            warm.cancel()
             self.agent.kill_now()
 
     async def _heartbeats(self) -> None:

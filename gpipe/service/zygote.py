@@ -23,7 +23,7 @@ a fresh interpreter that imported the same modules. A forked process:
   template's default) and glibc's malloc thresholds (MALLOC_*_);
 - runs MODULE as __main__, and exits as that interpreter would.
 Its name (comm: what top and `ps -o comm` show) is "gpipe:" and its part
-(process_name: gpipe:attempt, gpipe:worker, gpipe:cli); its command line
+(process_name: gpipe:attempt, gpipe:worker, gpipe:cli, gpipe:template); its command line
 stays the template's.
 
 The owner (an agent or a launcher) talks to the template over a socketpair:
@@ -33,6 +33,13 @@ once imported, `{"pid"}` per request in order (or `{"error"}`), and
 `{"exit", "code"}` when a process it forked ends (it is their parent, so it
 reaps them). If the template cannot start or dies, the owner falls back to
 starting the process as before.
+
+A template may itself be a fork of another (Template's `parent`): it starts
+once the parent is ready, as `python -m gpipe.service.zygote 0 MODULE...` with
+its end of the socketpair as its stdin, and imports only what it adds to what
+the parent imported. `run` so imports torch once for both its templates, and
+the coordinator's attempt, forked from the parent, plans while the workers'
+template is still importing torch._dynamo.
 
 A template may also be shared by several owners: `python -m gpipe.service.zygote
 --listen PATH MODULE...` accepts owners on a Unix socket at PATH, and an owner
@@ -76,8 +83,12 @@ COOL_OFF_S = 60.0  # after a template failed to start or answer, processes start
 EXIT_REPORT_S = 2.0  # a fork that ended (its pidfd says so) whose exit the template does not report: -SIGKILL
 MAX_REQUEST = 1 << 20  # one request: the module, its arguments, its environment
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's names for MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_
-_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": _M_TRIM_THRESHOLD, "MALLOC_MMAP_THRESHOLD_": _M_MMAP_THRESHOLD}
+# mallopt's names for MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, MALLOC_MMAP_THRESHOLD_: every one the workers set
+# (gpipe.worker.agent.MALLOC_ENV), so that a fork of a template started without them (a shared one, or one forked
+# from another template) has them all; a top pad left at glibc's 128 KiB re-faults a heap's top step after step
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": _M_TRIM_THRESHOLD, "MALLOC_TOP_PAD_": _M_TOP_PAD,
+            "MALLOC_MMAP_THRESHOLD_": _M_MMAP_THRESHOLD}
 
 SHARED_ENV = "GPIPE_TEMPLATE_SOCKET"  # the socket of a shared template (`--listen`) to fork from, if set
 
@@ -130,22 +141,32 @@ Child = asyncio.subprocess.Process | Forked
 class Template:
     """One template process and the processes forked from it; `start` it before `spawn`, `close` it after."""
 
-    def __init__(self, env: Mapping[str, str], preload: Iterable[str], hidden: Iterable[str] = ()):
-        """`env`: the template's environment, less `hidden` (secrets its forks must not inherit)."""
+    def __init__(self, env: Mapping[str, str], preload: Iterable[str], hidden: Iterable[str] = (),
+                 parent: Template | None = None):
+        """`env`: the template's environment, less `hidden` (secrets its forks must not inherit). With `parent`,
+        this template is itself forked from that one once it is ready, and imports `preload` on top of what the
+        parent imported (torch, say): the two import at once, and the parent's forks start before this one's
+        imports end."""
         self.env = {k: v for k, v in env.items() if k not in set(hidden) and k not in (PARENT_ENV, CORES_ENV)}
         self.shared = env.get(SHARED_ENV) or None  # a shared template's socket: connect, start none
         self.preload = list(preload)
-        self.proc: asyncio.subprocess.Process | None = None
+        self.parent = parent
+        self.proc: Child | None = None
         self.sock: socket.socket | None = None
         self.pending: deque[asyncio.Future[Forked]] = deque()
         self.children: dict[int, Forked] = {}
         self.ready: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.not_before = float("-inf")  # monotonic time before which processes start anew (a failed template)
+        self._starting = asyncio.Lock()  # one start at a time: two owners' first spawns start one template
 
     async def start(self) -> None:
-        """Start the template importing (returns at once; `spawn` waits until it is ready). One that cannot
-        start leaves processes to start anew, for COOL_OFF_S."""
+        """Start the template importing (returns at once, or once the parent is ready and has forked it; `spawn`
+        waits until it is ready). One that cannot start leaves processes to start anew, for COOL_OFF_S."""
+        async with self._starting:
+            await self._start()
+
+    async def _start(self) -> None:
         # A template whose answers ended (self.sock gone) is ending, reaped or not yet: start anew.
         alive = self.proc is not None and self.proc.returncode is None and self.sock is not None
         if alive or time.monotonic() < self.not_before:
@@ -156,11 +177,16 @@ class Template:
                 return
             self.shared = None  # in namespaces of its own: this owner starts a template of its own, below
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = child_env(dict(self.env, PYTHONUNBUFFERED="1"))
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-P", "-m", "gpipe.service.zygote", str(theirs.fileno()), *self.preload,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
-                pass_fds=(theirs.fileno(),), env=child_env(dict(self.env, PYTHONUNBUFFERED="1")))
+            if self.parent is not None:  # a fork of the parent, its end of the socketpair as its stdin
+                self.proc = await self.parent.spawn("gpipe.service.zygote", ["0", *self.preload], env,
+                                                    stdin=theirs.fileno(), stdout=True)
+            else:
+                self.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-P", "-m", "gpipe.service.zygote", str(theirs.fileno()), *self.preload,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+                    pass_fds=(theirs.fileno(),), env=env)
         except OSError:
             ours.close()
             self.not_before = time.monotonic() + COOL_OFF_S
@@ -235,11 +261,12 @@ class Template:
                 sock.close()
                 self.sock = None
 
-    async def spawn(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool = False,
+    async def spawn(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool | int = False,
                     stdout: bool = False, limit: int = 1 << 16, stderr: int = 2) -> Child:
         """`python -m module *args` with `env`: forked from the template when it runs, else started anew.
-        `stdin`, `stdout`: a pipe to write to, from which to read (else /dev/null); `stderr`: a descriptor
-        of this process's to write to (default: this process's stderr)."""
+        `stdin`, `stdout`: a pipe to write to, from which to read (else /dev/null); `stdin` may also be a
+        descriptor of this process's that the child reads as its stdin; `stderr`: a descriptor of this
+        process's to write to (default: this process's stderr)."""
         if time.monotonic() >= self.not_before:
             try:
                 await self.start()
@@ -252,17 +279,20 @@ class Template:
                 self.kill_now()
                 self.not_before = time.monotonic() + COOL_OFF_S
         pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
+        given = null if stdin is False else pipe if stdin is True else stdin
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-P", "-m", module, *args, stdin=pipe if stdin else null, stdout=pipe if stdout else null,
+            sys.executable, "-P", "-m", module, *args, stdin=given, stdout=pipe if stdout else null,
             stderr=None if stderr == 2 else stderr, start_new_session=True, env=dict(env), limit=limit)
 
-    async def _fork(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool, stdout: bool,
+    async def _fork(self, module: str, args: list[str], env: Mapping[str, str], stdin: bool | int, stdout: bool,
                     limit: int, stderr: int) -> Forked:
         loop = asyncio.get_running_loop()
         close, keep = [], []  # the child's ends, sent and closed here; ours
         try:
             for wanted, writes in ((stdin, False), (stdout, True)):
-                if wanted:  # a pipe: the child's end reads (stdin) or writes (stdout)
+                if wanted is not True and wanted is not False:  # the caller's descriptor, as it is
+                    close.append(os.dup(wanted))
+                elif wanted:  # a pipe: the child's end reads (stdin) or writes (stdout)
                     r, w = os.pipe()
                     close.append(w if writes else r)
                     keep.append(r if writes else w)
@@ -290,7 +320,7 @@ class Template:
             for fd in keep:
                 os.close(fd)
             raise
-        if stdin:
+        if stdin is True:
             transport, protocol = await loop.connect_write_pipe(
                 asyncio.streams.FlowControlMixin, os.fdopen(keep.pop(0), "wb", 0))
             child.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
@@ -330,8 +360,10 @@ class Template:
 
 def process_name(module: str) -> str:
     """A fork's name (comm, at most 15 bytes): "gpipe:" and its part, the room after gpipe's layer for our own
-    modules (gpipe.coordinator.attempt.process: gpipe:attempt; gpipe.worker: gpipe:worker), else the module's
-    last name."""
+    modules (gpipe.coordinator.attempt.process: gpipe:attempt; gpipe.worker: gpipe:worker; a template:
+    gpipe:template), else the module's last name."""
+    if module == "gpipe.service.zygote":  # a template forked from another (Template's `parent`)
+        return "gpipe:template"
     parts = module.split(".")
     if parts[0] == "gpipe" and len(parts) > 1:
         parts = parts[2:] if parts[1] in ("coordinator", "worker") and len(parts) > 2 else parts[1:]

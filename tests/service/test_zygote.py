@@ -103,7 +103,8 @@ async def test_without_a_template_processes_start_as_before(tmp_path: Path):
 
 
 def test_a_run_forks_its_attempt_processes(cli):
-    """`run`: the coordinator's attempt process and both workers' come from one template, which ends with it."""
+    """`run`: the coordinator's attempt process comes from its template, both workers' from the workers' template,
+    a fork of it; all end with the run."""
     path = cli.write(job(name="z", model=slow_mlp(8, 0.05), balance=[2, 2], steps=40, checkpoint_every=20,
                          data=regression(8, 8, 4)))
 
@@ -114,8 +115,9 @@ def test_a_run_forks_its_attempt_processes(cli):
                 names.append(Path(f"/proc/{pid}/comm").read_text().strip())
         return sorted(n for n in names if n.startswith("gpipe:"))
 
+    template = [] if "GPIPE_TEMPLATE_SOCKET" in cli.env else ["gpipe:template"]  # a shared one forks it none
     with cli.running("run", str(path), "--state-dir", str(cli.tmp / "state"), "--no-progress") as p:
-        wait_for(lambda: forked() == ["gpipe:attempt", "gpipe:worker", "gpipe:worker"], 120,
+        wait_for(lambda: forked() == ["gpipe:attempt", *template, "gpipe:worker", "gpipe:worker"], 120,
                  "the attempt processes, forked")
         _, err = p.communicate(timeout=180)
     assert p.returncode == 0, err
