@@ -174,6 +174,8 @@ def write_plan(out: Path, plan: Plan, placement: list[dict[str, Any]],
         **({"auto": plan.auto} if plan.auto else {}),
         "predicted_step_s": None if plan.predicted_step_s is None else round(plan.predicted_step_s, 6),
         **({"predicted_step_missing": plan.predicted_step_missing} if plan.predicted_step_missing else {}),
+        # the probes' answers kept from an earlier plan of the unchanged job, by name (gpipe.coordinator.plan.probe_cache)
+        **({"probes_kept": plan.probes.reused} if plan.probes.reused else {}),
     })
 
 

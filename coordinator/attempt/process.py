@@ -128,8 +128,9 @@ def _predict_step(plan: Plan, threads: int) -> None:
         return
     from gpipe.coordinator.plan import search as planner
 
-    try:
-        plan.predicted_step_s, plan.predicted_step_missing = planner.predict_step(plan, threads)
+    try:  # the layers measured: kept for the unchanged job's next plan too (gpipe.coordinator.plan.probe_cache)
+        plan.predicted_step_s, plan.predicted_step_missing = plan.probes.answer(
+            "step", lambda: planner.predict_step(plan, threads), tuple[float | None, str])
     except Exception as e:
         plan.predicted_step_missing = f"{type(e).__name__}: {e}"
 
@@ -229,6 +230,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     from gpipe.coordinator.outputs.folder import prepare_output
     from gpipe.coordinator.plan import prediction
     from gpipe.coordinator.plan.job import make_plan
+    from gpipe.coordinator.plan.probe_cache import Probes
     from gpipe.memory.meter import map_apart, resident_peak_bytes
 
     resume = None
@@ -247,15 +249,20 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     # Planned on this process's CPU: the coordinator never touches a GPU (its pod has none); by_time measures
     # the layers there, a stand-in for the workers' devices.
     plan = make_plan(spec, Path(a.job_dir), "cpu", placement[0].threads,
-                     balance_of=resume.meta.get("balance") if resume else None)
+                     balance_of=resume.meta.get("balance") if resume else None,
+                     probes=Probes.of(out, spec, Path(a.job_dir), placement[0].threads))
     plan.auto = auto
     if resume is not None:
         resume_parts(plan, resume)  # the checkpoint fits this job's model and data, or nothing starts
     _predict_step(plan, placement[0].threads)
     # The plan holds: only now is anything written (a fresh start drops an earlier run's outputs).
     prepare_output(spec.name, Path(a.state_dir), fresh=not a.resume)
+    plan.probes.save()
     if a.log:
         _redirect_stderr(a.log)
+    if plan.probes.reused:
+        print(f"gpipe: attempt {a.attempt}: the probes as an earlier plan of this model, spec and code measured them "
+              f"({', '.join(plan.probes.reused)}: {plan.probes.path})", file=sys.stderr, flush=True)
     print(f"gpipe: attempt {a.attempt}: rendezvous store on {a.host}:{port}", file=sys.stderr, flush=True)
     torch.set_num_threads(1)  # the cores belong to the stages
     map_apart()  # state passes through here in pieces: each goes back to the system once written or sent

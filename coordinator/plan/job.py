@@ -23,6 +23,7 @@ from gpipe.capture import graph as capture
 from gpipe.capture import skeleton
 from gpipe.coordinator.plan.data import DataStream, EvalStream
 from gpipe.coordinator.plan.pretrained import Pretrained, match, open_weights
+from gpipe.coordinator.plan.probe_cache import Probes
 from gpipe.coordinator.spec.job import JobSpec, format_validation_error
 from gpipe.data.tokens import TokenWindows, vocabulary
 from gpipe.errors import SpecError, describe_os_error
@@ -70,6 +71,8 @@ class Plan:
     footprint: footprint.Footprint | None = None
     footprint_missing: str = ""
     state_slots: int = 0  # the optimizer's state tensors per parameter (gpipe.optim_check measures one by import path)
+    # The probes' answers: measured, or kept from an earlier plan of the unchanged job (gpipe.coordinator.plan.probe_cache).
+    probes: Probes = field(default_factory=Probes.off)
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -199,7 +202,7 @@ def optimizer_slots(spec: JobSpec) -> int:
 
 
 def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 1,
-              balance_of: list[int] | None = None, meta: bool | None = None) -> Plan:
+              balance_of: list[int] | None = None, meta: bool | None = None, probes: Probes | None = None) -> Plan:
     """Build the model and the data, check them against the spec, and choose the balance.
 
     `device` and `threads` are those of the stages: by_time measures layers there.
@@ -210,7 +213,11 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     With model.weights or init per_layer, the model is built and captured on the meta device (`meta`: None);
     no weights are made here. A model that needs what that cannot give (an nn.Sequential the probe runs, a
     captured forward that makes a tensor constant) is built whole instead, with model.weights (meta false).
+
+    `probes`: the answers an earlier plan of the unchanged job kept (the probe, the footprint, the balance's
+    costs), taken instead of running the model again; none by default.
     """
+    probes = probes or Probes.off()
     if why := unsupported(spec.precision, spec.device):
         raise SpecError(f"precision: {why}")
     spec = table_from_file(spec, job_dir)
@@ -252,7 +259,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
                                                        "output": spec.model_output, "sample": sample})
         except (capture.CaptureError, ValueError, TypeError) as e:
             if buffers is not None:  # on the meta device (a plain tensor the model keeps): as the stages do, whole
-                return make_plan(spec, job_dir, device, threads, balance_of, meta=False)
+                return make_plan(spec, job_dir, device, threads, balance_of, meta=False, probes=probes)
             raise SpecError(str(e) if isinstance(e, capture.CaptureError) else f"model: {first_line(e)}") from None
         model = captured.pieces
         if spec.init == "per_layer" and spec.init_hook is None:
@@ -262,7 +269,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
             if spec.init == "per_layer":
                 raise SpecError(f"init: per_layer: the captured forward makes a tensor constant ({gap}) that a "
                                 "model built on the meta device does not hold; use init exact")
-            return make_plan(spec, job_dir, device, threads, balance_of, meta=False)  # model.weights: built whole
+            return make_plan(spec, job_dir, device, threads, balance_of, meta=False, probes=probes)  # model.weights: built whole
     layers = len(model)
     what = "layers" if captured is None else f"blocks ({captured.blocks})" if captured.blocks else "pieces"
     cut = f"{spec.stages} stages" if spec.virtual_stages == 1 else \
@@ -270,19 +277,23 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     if why := cuts.shortfall(spec.model_chunks, layers, cut, what):
         raise SpecError(why)
     backend = backend_of(spec.device)  # what carries the cuts: their dtypes are checked against it
-    skips = probe(model, xs[0], ys[0], loss_fn, backend) if spec.probe and captured is None else {}
+    probes.bind((xs[0], ys[0]), spec, buffers is not None)
+    skips = probes.answer("skips", lambda: probe(model, xs[0], ys[0], loss_fn, backend), dict[str, tuple[int, int]]) \
+        if spec.probe and captured is None else {}
     if captured is not None and spec.probe:
-        _probe_captured(model, xs[0], ys[0], loss_fn, backend, captured.modules)
+        probes.answer("pieces", lambda: _passes(_probe_captured, model, xs[0], ys[0], loss_fn, backend, captured.modules))
     fits = balance_of is not None and len(balance_of) == spec.model_chunks and sum(balance_of) == layers
     # Also without the probe on the meta device (init per_layer, model.weights), where it costs no memory.
-    fp, missing = _footprint(spec, model, xs[0], ys[0], loss_fn) \
+    fp, missing = probes.answer("footprint", lambda: _footprint(spec, model, xs[0], ys[0], loss_fn),
+                                tuple[footprint.Footprint | None, str], keep=lambda got: got[0] is not None) \
         if spec.probe or spec.balance == "by_memory" or buffers is not None else (None, "probe: false")
     if captured is not None and spec.model.split_points:
         balance, costs, by = capture.balance_of_cuts(captured.cuts, layers), None, "spec"
     elif isinstance(spec.balance, str) and fits:
         balance, costs, by = list(balance_of), None, "checkpoint"  # type: ignore[arg-type]  # balance_by names the spec's choices, and this one
     else:
-        balance, costs = _balance(spec, model, xs[0], torch.device(device), threads, fp, slots)
+        balance, costs = probes.answer("balance", lambda: _balance(spec, model, xs[0], torch.device(device), threads,
+                                                                   fp, slots), tuple[list[int], list[float] | None])
         by = spec.balance if isinstance(spec.balance, str) else "spec"
     shared = _shared_parameters(model, balance) if captured is None else None
     if shared:
@@ -290,7 +301,7 @@ def make_plan(spec: JobSpec, job_dir: Path, device: str = "cpu", threads: int = 
     plan = Plan(spec, model, balance, dataset, import_paths, costs, by, collate, skips,
                 captured=captured, sample=sample, original=original, buffers=buffers or {},
                 on_meta=buffers is not None, footprint=fp, footprint_missing=missing, state_slots=slots,
-                targets_into=into)
+                targets_into=into, probes=probes)
     if pretrained is not None:
         _match_weights(plan, pretrained)
     if spec.eval is not None:
@@ -324,6 +335,12 @@ def table_from_file(spec: JobSpec, job_dir: Path) -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as e:
         raise SpecError(f"{format_validation_error(e)} (schedule: {given})") from None
+
+
+def _passes(check: Callable[..., None], *args: Any) -> bool:
+    """True once `check(*args)` returned (a probe that raises when the job fails it): the answer probes.json keeps."""
+    check(*args)
+    return True
 
 
 def _targets_into(spec: JobSpec, model: nn.Module) -> tuple[str, str] | None:
@@ -480,7 +497,7 @@ def _plan_eval(plan: Plan, loss_fn: Callable[[Any, Any], Any]) -> None:
             from gpipe import structure
 
             xs[0], ys[0] = (structure.map_tensors(v, lambda t: t.to("meta")) for v in (xs[0], ys[0]))
-        probe_eval(plan.model, xs[0], ys[0], loss_fn)
+        plan.probes.answer("eval", lambda: _passes(probe_eval, plan.model, xs[0], ys[0], loss_fn))
 
 
 def _build_model(spec: JobSpec, meta: bool | None = None) -> tuple[Any, dict[str, torch.Tensor] | None]:
