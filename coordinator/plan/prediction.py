@@ -16,7 +16,7 @@ from torch import nn
 from gpipe import grad_in_place, schedule, structure
 from gpipe.coordinator.plan import baseline
 from gpipe.coordinator.plan.job import Plan
-from gpipe.memory.footprint import Footprint, Line
+from gpipe.memory.footprint import Footprint, Line, LossLines
 from gpipe.memory.model import ChunkMemory, Prediction, Setting, checkpointing, predict
 from gpipe.topology import model_chunk
 from gpipe.worker.agent import MALLOC_ENV
@@ -50,7 +50,7 @@ def chunk_memory(plan: Plan, fp: Footprint, chunk: int) -> ChunkMemory:
         kept=fp.line(lambda m: m.kept_for_weights(start, end)),
         inputs=fp.line(lambda m: m.input_bytes(start)) if start else Line(),  # the first's: the data's (buffers)
         outputs=fp.line(lambda m: m.output_bytes(end)) if end < len(plan.model) else Line(),
-        heaped=heaped,
+        heaped=heaped, loss=fp.loss() if end == len(plan.model) else LossLines(),
     )
 
 
@@ -68,6 +68,8 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
     chunks = [chunk_memory(plan, fp, g) for g in range(len(plan.bounds))]
     shards = plan.stream().shards(0)  # per replica: its micro-batches, their sizes
     last_chunk = spec.model_chunks - 1
+    e = spec.eval.data.batch_size if spec.eval is not None else 0  # an eval batch's micro-batches, the largest
+    eval_sizes = [-(-e // min(spec.chunks, e))] if e else []
     out = []
     for rank in top.ranks():
         k, replica = top.stage_of(rank), top.replica_of(rank)
@@ -84,7 +86,7 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
             # The steps' data waits in the host's memory (a micro-batch goes to the GPU at its forward).
             data=0 if cuda else (_bytes(xs) if first else 0) + (_bytes(ys) if last else 0),
             steps_ahead=spec.data.read_ahead,
-            baseline=runtime(devices[rank]), heap_slack=0.0 if cuda else CPU_HEAP_SLACK,
+            baseline=runtime(devices[rank]), heap_slack=0.0 if cuda else CPU_HEAP_SLACK, eval_sizes=eval_sizes,
         )
         out.append(predict(actions, [chunks[g] for g in held], setting))
     return out

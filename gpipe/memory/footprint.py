@@ -11,6 +11,13 @@ the stage). The backward is split as the zero-bubble schedules split it
 (gpipe.split_backward): B, whose releasing shows what a micro-batch keeps for
 its W (which is not run: its gradients are not wanted).
 
+The loss, on the last layer, is measured apart too (`Loss`): what it makes
+for a while and lets go of, which no layer saves, counted by storage as torch
+makes and frees it (gpipe.memory.meter.Made): the output beside the loss's
+forward, and the loss's backward down to the output's gradient, run once with
+the graph kept. On a language model these are its logits and their copies,
+the largest tensors of the last stage.
+
 Measured at 2 and at 4 samples of the first micro-batch (SAMPLES), each figure
 is a line in the micro-batch's size (`Line`): what grows with it, and what does
 not (a mask or a table made in each forward). So the cost is two forwards and
@@ -22,14 +29,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe import skip, structure
-from gpipe.memory.meter import ActivationMeter, storage_key
+from gpipe.memory.meter import ActivationMeter, Made, storage_key
 from gpipe.split_backward import backward_input
 
 LossFn = Callable[[Any, Any], Any]
@@ -61,6 +68,33 @@ class Line:
 Storages = dict[int, int]  # storage (gpipe.memory.meter.storage_key) -> its bytes
 
 
+@dataclass(frozen=True)
+class Loss:
+    """The loss's own memory, measured on the last layer at one size (bytes), beyond what the layer saves for its
+    backward: what the stage makes for a while at the loss and lets go of (gpipe.stage: F computes the loss of
+    the output, B starts from it; a checkpointed micro-batch takes the output's gradients in F)."""
+
+    forward: int  # the most the loss's forward made at once (a cross entropy's log-softmax of the logits)
+    keeps: int  # what of it the forward keeps: its saved tensors and the loss (in `held` already)
+    output: int = 0  # the layer's output (the logits) that nothing saved: alive while the loss runs, then freed
+    whole: int = 0  # the layer's output, all of it (a checkpointed or an evaluation forward saves nothing)
+    backward: int = 0  # the most the loss's backward makes at once, down to the output's gradient (the
+    # log-softmax's gradient and the logits'), what the forward kept still held
+    grad: int = 0  # the output's gradient (a checkpointed micro-batch keeps it from its F to its B)
+
+
+@dataclass(frozen=True)
+class LossLines:
+    """The loss's memory (`Loss`) as what a last stage holds beyond its other figures at each of its moments,
+    lines in the micro-batch's size (all flat at 0 on any other stage)."""
+
+    forward: Line = Line()  # during F, beyond `held`: the output and what the loss's forward has made
+    backward: Line = Line()  # during B, beyond `held`: the gradients the loss's backward makes
+    grad: Line = Line()  # from a checkpointed F to its B, beyond its input: the output's gradient
+    alone: Line = Line()  # during a checkpointed F, beyond its input: the output, the loss and its backward
+    eval: Line = Line()  # during an evaluation's F, beyond its input: the output and the loss's forward
+
+
 def _union(*parts: Storages) -> int:
     seen: Storages = {}
     for p in parts:
@@ -80,6 +114,7 @@ class Layers:
     outputs: list[Storages]
     kept: list[Storages]
     wants_grad: list[bool]  # per layer: whether its input wants a gradient (as a stage's first layer's would)
+    loss: Loss | None = None  # the loss's own memory (on the last layer; None without a loss)
 
     def held(self, start: int, end: int) -> int:
         """What a stage of layers [start, end) holds of a micro-batch from its forward to its backward: its
@@ -116,6 +151,15 @@ class Footprint:
     @property
     def layers(self) -> int:
         return len(self.one.saved)
+
+    def loss(self) -> LossLines:
+        """The loss's memory at each moment of the last stage (LossLines; flat at 0 without a loss)."""
+        def of(figure: Callable[[Loss], int]) -> Line:
+            return self.line(lambda m: figure(m.loss) if m.loss is not None else 0)
+
+        return LossLines(forward=of(lambda x: x.output + x.forward - x.keeps), backward=of(lambda x: x.backward),
+                         grad=of(lambda x: x.grad), alone=of(lambda x: x.whole + max(x.forward, x.keeps + x.backward)),
+                         eval=of(lambda x: x.whole + x.forward))
 
 
 class _Keeper(ActivationMeter):
@@ -183,9 +227,17 @@ def measure_layers(model: nn.Sequential, x: Any, target: Any = None, loss_fn: Lo
     with _left_as_it_was(model):
         for i, layer in enumerate(model):
             meter = _Keeper(params, alive)
-            with meter.hooks(), autocast():
-                y = layer(x)
-                end = loss_fn(y, target) if i == len(model) - 1 and loss_fn is not None else y
+            with meter.hooks():
+                with autocast():
+                    y = layer(x)
+                    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+                if i == len(model) - 1 and loss_fn is not None:
+                    made = Made()
+                    with made:  # as the stage takes it: outside autocast, its output cast up to float32
+                        end = loss_fn(_for_loss(y, low), target)
+                    out.loss = Loss(forward=made.peak, keeps=made.now)
+                else:
+                    end = y
             alive += structure.tensors((x, y, end))
             out.saved.append(meter.held())
             out.inputs.append(_storages(x))
@@ -193,6 +245,8 @@ def measure_layers(model: nn.Sequential, x: Any, target: Any = None, loss_fn: Lo
             ins = [t for t in structure.tensors(x) if t.requires_grad]
             out.wants_grad.append(bool(ins))
             roots = [t for t in structure.tensors(end) if t.requires_grad]
+            if out.loss is not None and i == len(model) - 1:
+                out.loss = _loss_backward(out.loss, y, roots, out.inputs[i] | out.saved[i] | out.outputs[i])
             w = backward_input(roots, [torch.ones_like(t) for t in roots], ins,
                                [p for p in layer.parameters() if p.requires_grad], meter.releasing)
             kept = [g for group in w.groups for grads in group.kept.values() for g in grads if g is not None]
@@ -202,6 +256,27 @@ def measure_layers(model: nn.Sequential, x: Any, target: Any = None, loss_fn: Lo
             x = structure.map_tensors(y, lambda t: t.detach().requires_grad_(t.is_floating_point() and
                                                                               t.requires_grad))
     return out
+
+
+def _for_loss(y: Any, low: torch.dtype | None) -> Any:
+    """The output as the loss takes it (gpipe.precision.for_loss): the autocast dtype's tensors cast up."""
+    return structure.map_tensors(y, lambda t: t.float() if t.dtype == low else t)
+
+
+def _loss_backward(loss: Loss, y: Any, roots: list[torch.Tensor], held: Storages) -> Loss:
+    """`loss` with the figures of its output `y` and of its backward from `roots` down to `y`'s gradient, run
+    once more than the layer's own (the graph retained), with `held` (what the layer holds) alive."""
+    ys = _storages(y)
+    loss = replace(loss, output=sum(n for k, n in ys.items() if k not in held), whole=sum(ys.values()))
+    outs = [t for t in structure.tensors(y) if t.requires_grad]
+    if not outs or not roots:
+        return loss
+    made = Made()
+    with made:
+        got = torch.autograd.grad(roots, outs, [torch.ones_like(t) for t in roots], retain_graph=True,
+                                  allow_unused=True)
+    grad = _union(_storages([g for g in got if g is not None]))
+    return replace(loss, backward=made.peak, grad=grad)
 
 
 def measure(model: nn.Sequential, x: Any, target: Any = None, loss_fn: LossFn | None = None,

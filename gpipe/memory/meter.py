@@ -20,6 +20,10 @@ saved-tensor hook turns off: a saved tensor changed in place before its
 backward fails it, as on one device, but for `exempt` storages (the stage's
 buffers: BatchNorm's running statistics, which the next micro-batch's forward
 updates under an earlier one's graph, and which its backward does not read).
+
+What an action makes for a while and lets go of (a loss's copies of its
+logits, the gradients its backward makes) is not saved for a backward: `Made`
+counts every storage torch makes while it is on, until it is freed.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class ActivationMeter:
@@ -207,6 +215,41 @@ def storage_key(t: torch.Tensor) -> int:
     storage = t.untyped_storage()
     ptr: int = storage.data_ptr()
     return ptr if ptr or t.device.type != "meta" else int(storage._cdata)
+
+
+class Made(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's mode is unannotated)
+    """What torch makes while it is on, on this thread, counted by storage until it is freed: `now`, the bytes
+    made and still alive, and `peak`, the most at once. A storage an op returns is made there unless an input
+    has it (a view, an operation in place); what exists before counts not at all. So the work of an action (a
+    loss's log-softmax and the gradients its backward makes, on any device, the meta device too) is torch's own
+    tensors, not a process's resident memory. An op's temporaries inside its kernel are not seen. `meta`: whether
+    tensors on the meta device count (a model measured there: gpipe.memory.footprint), or not (they hold no
+    memory: a checkpoint's shapes)."""
+
+    def __init__(self, meta: bool = True) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._live: dict[int, int] = {}
+        self.now = 0
+        self.peak = 0
+        self.meta = meta
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and (self.meta or not t.is_meta)]
+        if made:
+            given = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            for t in made:
+                key = storage_key(t)
+                if key and key not in given and key not in self._live:
+                    storage = t.untyped_storage()
+                    self._live[key] = n = storage.nbytes()
+                    self.now += n
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, key)
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.now -= self._live.pop(key, 0)
 
 
 def resident_peak_bytes(pid: int | str = "self") -> int:

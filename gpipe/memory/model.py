@@ -25,11 +25,19 @@ activation checkpointing, from F to B, its input alone, and during B the whole
 recomputed forward; with a split backward (zb-h1, zbv), from B to W what W
 needs (`kept`; everything on the first stage, whose B does nothing). The
 gradients of a model chunk appear at its first backward that reaches its
-weights (B, or W when split). The other moment a step has is its optimizer
-step: every gradient, no activation. Between two actions nothing else is
-alive, so the peak is the largest of those sums; the work of an action itself
-(a layer's temporaries, the gradient flowing back) is left out, but for what
-the CPU's heap keeps of it (`allocator`).
+weights (B, or W when split). The last stage's loss adds moments of its own
+(ChunkMemory.loss, measured by gpipe.memory.footprint): during its F, the
+output beside what the loss's forward makes (the logits and their
+log-softmax); during its B, the gradients the loss's backward makes (the
+log-softmax's and the logits'); a checkpointed micro-batch takes the loss and
+its backward in F, then keeps the output's gradient until its B. The other
+moments are the optimizer step (every gradient, no activation) and an
+evaluation between steps (every gradient of the step before, one micro-batch
+forward at a time without autograd: its input, its output, the loss's
+forward). Between two actions nothing else is alive, so the peak is the
+largest of those sums; the work of a layer itself (its temporaries, the
+gradient flowing back) is left out, but for what the CPU's heap keeps of it
+(`allocator`).
 
 Pure arithmetic over numbers: the footprints come from gpipe.memory.footprint, the
 spec's choices from the caller.
@@ -41,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpipe.memory import zero
-from gpipe.memory.footprint import Line
+from gpipe.memory.footprint import Line, LossLines
 from gpipe.schedule import Action
 
 PARTS = ("params", "grads", "optimizer", "activations", "buffers", "allocator", "baseline")  # a prediction's sum
@@ -62,6 +70,7 @@ class ChunkMemory:
     # bytes of the gradients its backward makes anew at every micro-batch in the CPU's heaps (the `allocator`
     # part): not those computed into .grad (gpipe.grad_in_place), nor blocks glibc maps on their own
     heaped: int = 0
+    loss: LossLines = LossLines()  # the last stage's: what its loss makes for a while (0 on any other)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class Setting:
     # (measured when each chunk's thread could run a step; gpipe.turns now runs a worker's step on one thread,
     # and bench/README.md (w)'s last addendum still measured two-chunk workers at 0.87-1.00 of the prediction).
     heap_slack: float = 0.0
+    eval_sizes: Sequence[int] = ()  # samples per micro-batch of an evaluation batch (none: the job does not evaluate)
 
 
 @dataclass
@@ -90,7 +100,7 @@ class Prediction:
     """A worker's predicted peak, by part (PARTS), and the moment it is at."""
 
     parts: dict[str, int] = field(default_factory=dict)
-    moment: str = ""  # "after F3" / "during B2.1" / "the optimizer step"
+    moment: str = ""  # "after F3" / "during B2.1" / "the optimizer step" / "an evaluation"
 
     @property
     def peak(self) -> int:
@@ -125,14 +135,24 @@ def walk(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting) -
 
     for a in actions:
         c, mb = a.worker_chunk, a.micro_batch
-        chunk, n = chunks[c], s.sizes[mb]
+        chunk, n, loss = chunks[c], s.sizes[mb], chunks[c].loss
         ckpt = s.checkpointed(mb)
         if a.kind == "F":
-            held[(c, mb)] = chunk.inputs.at(n) if ckpt else chunk.held.at(n)
+            if ckpt:  # the input alone; on the last stage the output's gradient too, taken in F (gpipe.stage)
+                during, after = chunk.inputs.at(n) + loss.alone.at(n), chunk.inputs.at(n) + loss.grad.at(n)
+            else:
+                during, after = chunk.held.at(n) + loss.forward.at(n), chunk.held.at(n)
+            if during > after:  # the last stage's loss: its output and what the loss makes, for a while
+                held[(c, mb)] = during
+                note(f"during {a!r}")
+            held[(c, mb)] = after
             note(f"after {a!r}")
         elif a.kind == "B":
-            if ckpt:  # the forward recomputed: its activations, whole, for the backward
-                held[(c, mb)] = chunk.held.at(n)
+            if ckpt:  # the forward recomputed: its activations, whole, for the backward (and the loss's gradient)
+                held[(c, mb)] = chunk.held.at(n) + loss.grad.at(n)
+                note(f"during {a!r}")
+            elif loss.backward.at(n):  # the last stage's loss: the gradients its backward makes
+                held[(c, mb)] += loss.backward.at(n)
                 note(f"during {a!r}")
             if s.split:
                 held[(c, mb)] = chunk.kept.at(n)
@@ -169,6 +189,15 @@ def predict(actions: Sequence[Action], chunks: Sequence[ChunkMemory], s: Setting
     data = s.data * s.steps_ahead
     step = _step_buffers(chunks, s, share)
     kept = round(s.heap_slack * sum(c.heaped for c in chunks) * len(chunks))
+    # An evaluation between steps: every gradient of the step before (freed at the next step's start), and one
+    # micro-batch's forward at a time, without autograd: its input and output, on the last stage the loss's.
+    e = max(s.eval_sizes, default=0)
+    evaluating = max((c.inputs.at(e) + max(c.outputs.at(e), c.loss.eval.at(e)) for c in chunks), default=0) \
+        if e else 0
+    if e and trainable + evaluating > max(trainable + step, moment.activations + moment.grads):
+        return Prediction({"params": params, "grads": trainable, "optimizer": optimizer,
+                           "activations": evaluating, "buffers": ahead + data, "allocator": kept,
+                           "baseline": s.baseline}, "an evaluation")
     if trainable + step > moment.activations + moment.grads:  # the optimizer step is the fullest moment
         return Prediction({"params": params, "grads": trainable, "optimizer": optimizer, "activations": 0,
                            "buffers": ahead + data + step, "allocator": kept, "baseline": s.baseline},
