@@ -88,7 +88,7 @@ def load_weights(model: M, path: str | os.PathLike[str]) -> M:
             also = f" (nor under its tied name{'s' if len(names) > 2 else ''} {', '.join(names[1:])})" \
                 if len(names) > 1 else ""
             raise ValueError(f"{where} does not fit the model: it has no {names[0]}{also} "
-                             f"({_kind(t.dtype, t.shape)})")
+                             f"({_kind(t.dtype, t.shape)}){_renamed(model, stored)}")
         for n in held:
             s = stored[n]
             if s.dtype != t.dtype or s.shape != tuple(t.shape):
@@ -116,15 +116,39 @@ def load_weights(model: M, path: str | os.PathLike[str]) -> M:
 
 
 def _tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """The model's state dict as (its names, the tensor), one entry per tensor object: a tied weight's several
-    names in one entry, in the state dict's order (the first: the name our files store it under)."""
+    """The model's own tensors, its parameters and persistent buffers, as (its names, the tensor), one entry per
+    tensor object: a tied weight's several names in one entry, in the state dict's order (the first: the name
+    our files store it under, as the job's captured pieces name it).
+
+    Read from the module tree, not from state_dict(): a state dict hook may rename a tensor and hand back a copy
+    (torchtitan's FusedQKVLinear saves its `wqkv` as fresh `wq`, `wk`, `wv` tensors), and copying a file's
+    values into such a copy would change nothing in the model."""
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor):  # a module's get_extra_state(): no file of ours holds one
-            raise ValueError(f"the model's state dict holds {name}, which is no tensor: load_weights sets tensors "
-                             f"only (use load_state_dict)")
-        by_id.setdefault(id(t), ([], t))[0].append(name)
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        if type(m).get_extra_state is not nn.Module.get_extra_state:  # no file of ours holds extra state
+            where = f"{prefix}." if prefix else ""
+            raise ValueError(f"the model's state dict holds {where}_extra_state ({type(m).__name__}), which is no "
+                             f"tensor: load_weights sets tensors only (use load_state_dict)")
+        own = [*m._parameters.items(),
+               *((n, b) for n, b in m._buffers.items() if n not in m._non_persistent_buffers_set)]
+        for n, t in own:
+            if t is not None:
+                by_id.setdefault(id(t), ([], t))[0].append(f"{prefix}.{n}" if prefix else n)
     return list(by_id.values())
+
+
+def _renamed(model: nn.Module, stored: dict[str, Stored]) -> str:
+    """" (its state_dict() renames them ...)" when the file holds the names the model's state dict hooks give
+    (a file saved with model.state_dict(), and load_state_dict's hooks would take it), else ""."""
+    try:
+        keys = set(model.state_dict().keys())
+    except Exception:  # a hook that fails outside its trainer: no advice
+        return ""
+    own = {n for names, _ in _tensors(model) for n in names}
+    if keys != own and keys <= set(stored):
+        return " (the file holds the names the model's state_dict() gives through its hooks: load it with " \
+               "model.load_state_dict)"
+    return ""
 
 
 def _kind(dtype: torch.dtype, shape: Any) -> str:

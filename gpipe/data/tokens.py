@@ -51,9 +51,9 @@ class _File:
     def __init__(self, path: Path):
         self.fd = os.open(path, os.O_RDONLY)  # not inherited by a program the process starts
 
-    def __del__(self) -> None:
+    def __del__(self, _close=os.close) -> None:  # os.close bound now: at interpreter exit `os` may be gone
         if hasattr(self, "fd"):  # the open succeeded
-            os.close(self.fd)
+            _close(self.fd)
 
 
 class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -279,3 +279,55 @@ def test_a_truncated_or_garbled_safetensors_file_is_refused(tmp_path, saved):
                       ("head", "a header of 1000000000 bytes")):
         with pytest.raises(ValueError, match=f"not a safetensors file \\({why}"):
             gpipe.load_weights(nano_gpt(), tmp_path / f"{name}.safetensors")
+
+
+class Fused(nn.Module):
+    """torchtitan's FusedQKVLinear's state dict hooks, on one weight: `wqkv` saved as `wq`, `wk` (copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(4, 8, bias=False)
+        self.register_state_dict_post_hook(self._split)
+        self.register_load_state_dict_pre_hook(self._merge)
+
+    @staticmethod
+    def _split(module, state_dict, prefix, local_metadata):
+        w = state_dict.pop(f"{prefix}wqkv.weight")
+        state_dict[f"{prefix}wq.weight"] = w[:4].contiguous()
+        state_dict[f"{prefix}wk.weight"] = w[4:].contiguous()
+
+    @staticmethod
+    def _merge(module, state_dict, prefix, *args):
+        if f"{prefix}wq.weight" in state_dict:
+            state_dict[f"{prefix}wqkv.weight"] = torch.cat(
+                [state_dict.pop(f"{prefix}wq.weight"), state_dict.pop(f"{prefix}wk.weight")])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wqkv(x)
+
+
+def fused_model() -> nn.Sequential:
+    return nn.Sequential(Fused(), nn.Linear(8, 2))
+
+
+def test_a_weight_a_state_dict_hook_renames_loads_by_its_parameter_name(tmp_path):
+    trained = fused_model()
+    own = {n: p.detach() + 1 for n, p in trained.named_parameters()}  # as the job's model.safetensors names them
+    save_file(own, tmp_path / "model.safetensors")
+    fresh = gpipe.load_weights(fused_model(), tmp_path)
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, own[n]), n
+
+
+def test_a_file_of_the_hooks_names_is_refused_not_loaded_into_their_copies(tmp_path):
+    trained = fused_model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1)
+    save_file(trained.state_dict(), tmp_path / "sd.safetensors")  # 0.wq.weight, 0.wk.weight: the hooks' names
+    fresh = fused_model()
+    before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+    with pytest.raises(ValueError, match=r"has no 0\.wqkv\.weight .*load it with model\.load_state_dict"):
+        gpipe.load_weights(fresh, tmp_path / "sd.safetensors")
+    for n, p in fresh.named_parameters():  # nothing changed
+        assert torch.equal(p, before[n]), n
