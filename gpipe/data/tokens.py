@@ -31,7 +31,7 @@ from __future__ import annotations
 import glob
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class _File:
     def __init__(self, path: Path):
         self.fd = os.open(path, os.O_RDONLY)  # not inherited by a program the process starts
 
-    def __del__(self, _close=os.close) -> None:  # os.close bound now: at interpreter exit `os` may be gone
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:  # bound now: `os` may be gone at exit
         if hasattr(self, "fd"):  # the open succeeded
             _close(self.fd)
 
