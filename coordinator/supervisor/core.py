@@ -19,7 +19,9 @@ decision; the supervisor carries it out:
   (gpipe.coordinator.plan.elastic). With `elastic`, a rank still lost past
   `restart_timeout_s` re-plans the job onto fewer workers (fewer replicas,
   then fewer stages) instead of failing it, and the job grows back to its
-  spec's shape at the first checkpoint after enough workers are back. What a
+  spec's shape at the first checkpoint after enough workers are back (both
+  as the pool decides, with its starts, preemptions and refusals:
+  gpipe.coordinator.supervisor.pool.decide; `schedule` carries them out). What a
   restart cannot fix fails the job at once (gpipe.coordinator.supervisor.policy). Past that
   the job is FAILED, naming the first failure.
 - Preemption (a worker's SIGTERM: `preempt_worker`; serve's or run's:
@@ -49,10 +51,11 @@ import contextlib
 import sys
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 
 from gpipe.contract import Cause
 from gpipe.coordinator.attempt import report
+from gpipe.coordinator.plan import elastic
 from gpipe.coordinator.supervisor import policy, pool
 from gpipe.coordinator.supervisor.lifecycle import Lifecycle
 from gpipe.coordinator.supervisor.records import (
@@ -125,20 +128,21 @@ class Supervisor(Lifecycle):
             with self._own_trouble(e):
                 spec = e.job_spec
                 waited = self.clock.time() - job.history[-1].time_unix
-                for action in policy.when_away(spec, job.state == JobState.PREEMPTED, waited, bool(e.yielded_to)):
-                    if action == policy.Action.SHRINK and self._replan(e, waited):
-                        break
-                    if action == policy.Action.FAIL:
-                        missing = [r for r in spec.topology.ranks() if r not in self.workers]
-                        if len(self.workers) >= e.topology.world and any(
-                                w.attempt_id is not None for w in self.workers.values()):
-                            continue  # the pool's workers are there, busy with other jobs: it waits its turn
-                        who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
-                               else "its workers stayed busy")
-                        first = f"; the first failure: {job.error}" if job.error else ""
-                        job.exit_code = 1
-                        self._set_state(e, JobState.FAILED,
-                                        f"{who} within restart_timeout_s ({spec.restart_timeout_s:.0f}s){first}")
+                away = policy.when_away(spec, job.state == JobState.PREEMPTED, waited, bool(e.yielded_to))
+                if policy.Action.FAIL not in away:
+                    continue  # it waits; an elastic one the pool may start on fewer workers (`schedule`)
+                if policy.Action.SHRINK in away and self._shrinkable(e):
+                    continue  # the pool re-plans it onto the workers that remain, at its turn (`schedule`)
+                missing = [r for r in spec.topology.ranks() if r not in self.workers]
+                if len(self.workers) >= e.topology.world and any(
+                        w.attempt_id is not None for w in self.workers.values()):
+                    continue  # the pool's workers are there, busy with other jobs: it waits its turn
+                who = (f"rank(s) {', '.join(map(str, missing))} did not come back" if missing
+                       else "its workers stayed busy")
+                first = f"; the first failure: {job.error}" if job.error else ""
+                job.exit_code = 1
+                self._set_state(e, JobState.FAILED,
+                                f"{who} within restart_timeout_s ({spec.restart_timeout_s:.0f}s){first}")
         self.wake.set()
 
     @contextlib.contextmanager
@@ -155,93 +159,58 @@ class Supervisor(Lifecycle):
                     self._set_state(e, JobState.FAILED, f"internal error: {type(ex).__name__}: {ex}")
 
     def schedule(self) -> None:
-        """Start the waiting jobs that the pool's policy places, and preempt the running ones it asks to stop
-        (gpipe.coordinator.supervisor.pool: gang placement on idle workers, priorities, backfill)."""
-        now = self.clock.monotonic()
+        """Carry out the pool's decision (gpipe.coordinator.supervisor.pool: gang placement on idle workers,
+        priorities, backfill, elastic sizes): fail the jobs it refuses, preempt the running ones it asks to stop,
+        and start the waiting ones it places, re-planned onto the size it gives them."""
         if self.draining:
             return
-        seq = {name: i for i, name in enumerate(self.jobs)}
-        waiting: dict[str, Entry] = {}
-        for e in list(self.jobs.values()):
-            job = e.record
-            if job.state in (JobState.PENDING, JobState.RESTARTING, JobState.PREEMPTED) and \
-                    job.name not in self.attempts and now >= e.not_before:
-                with self._own_trouble(e):
-                    e.job_spec  # noqa: B018  # a record that no longer parses fails here, alone
-                    waiting[job.name] = e
+        waiting = self._waiting()
+        for e in [e for e in waiting.values() if e.spec is None]:
+            del waiting[e.record.name]
+            with self._own_trouble(e):
+                e.job_spec  # noqa: B018  # a record that no longer parses fails here, alone
         if not waiting:
             return
+        _, d = self._decide(waiting)
+        for name, why in d.refuses.items():
+            e = waiting.pop(name)
+            with self._own_trouble(e):
+                e.record.exit_code, e.record.error = EXIT_BAD_INPUT, why
+                self._set_state(e, JobState.FAILED, why)
         self._note_waits(waiting)
-        if not waiting:
-            return
-        idle = {r: w for r, w in self.workers.items() if w.attempt_id is None and not w.leaving}
-        running = [pool.Running(a.job, self._priority(a.job), seq.get(a.job, 0), tuple(a.ranks), bool(a.preempt))
-                   for a in self.attempts.values()]
-        wall = self.clock.time()
-        asks = [pool.Waiting(name, e.job_spec.priority, seq[name], e.topology.world,
-                             wall - e.record.history[-1].time_unix if e.record.history else 0.0)
-                for name, e in waiting.items()]
-
-        def fits(ask: pool.Waiting, left: Mapping[int, Worker]) -> dict[int, Worker]:
-            e = waiting[ask.name]
-            cuda = e.job_spec.device == "cuda"
-            return {r: w for r, w in left.items() if w.last_seen > e.failed_at and w.device.startswith("cuda") == cuda}
-
-        def prefer(ask: pool.Waiting) -> list[int]:
-            e = waiting[ask.name]
-            return e.last_ranks or list(e.job_spec.topology.ranks())
-
-        d = pool.decide(asks, idle, running, prefer, fits, lambda w: w.host, self.workers,
-                        self.limits.starve_after_s)
         for victim, by in d.preempts.items():
             if (attempt := self.attempts.get(victim)) is not None:
                 self.jobs[victim].yielded_to = by
                 self.preempt(attempt, f"preempted by job {by} (priority {self._priority(by)})", pool.PREEMPT_GRACE_S)
-        # A shrunk job grows back only onto the workers this round's decision left free: those it placed other
-        # jobs on are theirs, though none of them has started yet.
-        placed = {r for ranks in d.starts.values() for r in ranks}
-        free = {r: w for r, w in idle.items() if r not in placed}
+        wall = self.clock.time()
         for name, ranks in d.starts.items():
             e = waiting[name]
             with self._own_trouble(e):
-                self._start(e, [self.workers[r] for r in ranks], free)
+                if name in d.shrinks:
+                    self._shrink(e, d.shrinks[name], wall - e.record.history[-1].time_unix)
+                self._start(e, [self.workers[r] for r in ranks])
 
     def _note_waits(self, waiting: dict[str, Entry]) -> None:
-        """Fail (and drop from `waiting`) a job that can never fit this pool's known size (a serve restarted
-        with a smaller --max-workers); note, and log once, why a job waits that needs more workers than are
-        registered of its device (gpipe.coordinator.supervisor.pool.short_of: the pool may grow)."""
+        """Note, and log once, why a job waits that needs more workers than are registered of its device
+        (gpipe.coordinator.supervisor.pool.short_of: the pool may grow)."""
         cuda = sum(w.device.startswith("cuda") for w in self.workers.values())
-        for name, e in list(waiting.items()):
+        for e in waiting.values():
             with self._own_trouble(e):
-                slots = e.topology.world
-                if (why := pool.never_fits(name, slots, self.limits)) is not None:
-                    del waiting[name]
-                    e.record.exit_code, e.record.error = EXIT_BAD_INPUT, why
-                    self._set_state(e, JobState.FAILED, why)
-                    continue
                 registered = cuda if e.job_spec.device == "cuda" else len(self.workers) - cuda
-                note = pool.short_of(slots, registered, self.limits)
+                note = pool.short_of(e.topology.world, registered, self.limits)
                 if note != e.waiting:
                     e.waiting = note
                     if note:
                         self._log(e, note)
 
-    def _priority(self, name: str) -> int:
-        e = self.jobs.get(name)
-        return e.job_spec.priority if e is not None and e.spec is not None else 0
-
-    def _start(self, e: Entry, placed: list[Worker], free: Mapping[int, Worker]) -> None:
-        """An attempt of `e` on `placed` (by slot); a re-planned job grows back to its spec's shape where the
-        `free` workers allow it (gpipe.coordinator.plan.elastic): idle ones, of its device, no other job's."""
+    def _start(self, e: Entry, placed: list[Worker]) -> None:
+        """An attempt of `e` on `placed` (by slot), at the shape of their count: the one it waited at, a smaller
+        one the pool shrank it to (`_shrink`), or its spec's, grown back onto workers the pool left free."""
         job = e.record
-        top = e.topology
         spec_top = e.job_spec.topology
-        if top != spec_top:
-            cuda = e.job_spec.device == "cuda"
-            more = [w for r, w in sorted(free.items()) if w.attempt_id is None and w not in placed
-                    and w.last_seen > e.failed_at and w.device.startswith("cuda") == cuda][:spec_top.world - len(placed)]
-            if len(placed) + len(more) == spec_top.world:
-                placed, top = placed + more, spec_top
+        top = elastic.shape_for(e.job_spec, len(placed))
+        if top is None or top.world != len(placed):
+            raise ValueError(f"job {job.name!r} has no shape of {len(placed)} workers")
         if e.job_spec.device == "cuda" and (why := shared_gpu(placed)):
             job.exit_code, job.error = EXIT_BAD_INPUT, why  # no attempt could start: never waits
             self._set_state(e, JobState.FAILED, why)

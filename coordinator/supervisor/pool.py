@@ -1,5 +1,6 @@
-"""The shared pool's policy: which waiting jobs start, on which workers, and which running jobs a waiting one
-preempts. The one place that decides; the supervisor (gpipe.coordinator.supervisor.core) carries it out.
+"""The shared pool's policy: which waiting jobs start, on which workers and at which size, which running jobs a
+waiting one preempts, which shrunk ones grow back, and which jobs the pool refuses. The one place that decides;
+the supervisor (gpipe.coordinator.supervisor.core) carries it out.
 
 - **Gang placement.** A job starts when the pool has an idle worker for every one of its slots (stages x
   replicas) at once, never a part of them; two jobs never share a worker. It takes the workers it ran on
@@ -14,12 +15,20 @@ preempts. The one place that decides; the supervisor (gpipe.coordinator.supervis
   workers, with the idle ones, make it fit (`victims`): largest first, then the lowest priority, then the
   newest. They checkpoint at their next step boundary, as on SIGTERM, wait PREEMPTED (no restart counted)
   and start again, by the same rules, once workers are free. Workers being freed that way are counted for
-  the job they were freed for: it preempts no more than it needs, and nothing after it takes them. An elastic
-  victim resumes at once on the idle workers left, on fewer stages (gpipe.coordinator.supervisor.policy.when_away).
+  the job they were freed for: it preempts no more than it needs, and nothing after it takes them.
+- **Elastic sizes.** An elastic job may run at several sizes (`Waiting.sizes`: the world sizes of its shapes,
+  gpipe.coordinator.plan.elastic.shapes, largest first). One that may shrink now (`Waiting.shrink`: it waited
+  restart_timeout_s for lost ranks, or it was preempted for a job of higher priority, which holds its workers;
+  gpipe.coordinator.supervisor.policy.when_away) and does not fit starts at the largest smaller size the idle
+  workers carry (`shrink_to`) rather than wait. A shrunk job grows back to its largest size only onto the
+  workers this round left free (none another job was given, none kept for a job that holds the rest back):
+  one starting now takes them at once; one running ends at its next checkpoint to start again at that size
+  (`Decision.grows`).
 - **A job that can never fit.** With the pool's size known (`serve --max-workers N`: its workers are ranks
-  0 .. N-1), a job needing more workers than that is refused at submit (`never_fits`). Without it the pool may
-  grow (workers join at any time), so such a job waits, saying how many workers it needs and how many are
-  registered (`short_of`), and holds nothing back.
+  0 .. N-1), a job needing more workers than that, at the least size it may start at, is refused
+  (`never_fits`: at submit, and here for one queued before serve was restarted with a smaller N). Without it
+  the pool may grow (workers join at any time), so such a job waits, saying how many workers it needs and how
+  many are registered (`short_of`), and holds nothing back.
 
 Pure: numbers and names in, decisions out; the tests drive it with a fake clock's waits.
 """
@@ -53,8 +62,14 @@ class Waiting:
     name: str
     priority: int
     seq: int  # its place in submission order
-    slots: int  # workers it needs at once
-    waited_s: float
+    slots: int  # workers it needs at once, at the size it waits at
+    waited_s: float  # since it began waiting (the starvation bound counts this)
+    sizes: tuple[int, ...] = ()  # the sizes it may run at (elastic), largest first; (): `slots` only
+    shrink: bool = False  # it may start at a size below `slots` now (gpipe.coordinator.supervisor.policy.when_away)
+
+    def least(self) -> int:
+        """The fewest workers it may start on now."""
+        return min((s for s in self.sizes if s < self.slots), default=self.slots) if self.shrink else self.slots
 
 
 @dataclass(frozen=True)
@@ -64,15 +79,21 @@ class Running:
     seq: int
     ranks: tuple[int, ...]
     preempting: bool = False  # asked to stop already: its workers are on their way back
+    sizes: tuple[int, ...] = ()  # as Waiting's: one running on fewer workers than the largest may grow back
 
 
 @dataclass
 class Decision:
-    """What `decide` asks for: jobs to start (name -> the ranks of its workers, by slot) and jobs to preempt
-    (victim -> the job it makes room for)."""
+    """What `decide` asks for: jobs to start (name -> the ranks of its workers, by slot: its size is their
+    count), of those the ones started shrunk (name -> size, below the size it waited at); jobs to preempt
+    (victim -> the job it makes room for); running jobs to grow back (name -> size: end the attempt at its next
+    checkpoint, to start again at that size); and jobs refused (name -> why, one line: never_fits)."""
 
     starts: dict[str, list[int]] = field(default_factory=dict)
+    shrinks: dict[str, int] = field(default_factory=dict)
     preempts: dict[str, str] = field(default_factory=dict)
+    grows: dict[str, int] = field(default_factory=dict)
+    refuses: dict[str, str] = field(default_factory=dict)
     blocked_by: str | None = None  # the job that keeps the rest waiting (starved, or preempting for)
 
 
@@ -143,21 +164,34 @@ def short_of(slots: int, registered: int, limits: Limits) -> str:
     return f"needs {slots} workers at once, {registered} registered: waiting for more to join"
 
 
+def shrink_to(sizes: Sequence[int], slots: int, available: int) -> int | None:
+    """The largest of `sizes` below `slots` that `available` workers carry, or None (none is: it waits)."""
+    return next((s for s in sizes if s < slots and s <= available), None)
+
+
 def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[Running],
-           prefer: Callable[[Waiting], Sequence[int]], fits: Callable[[Waiting, Mapping[int, W]], Mapping[int, W]],
-           host: Callable[[W], str], registered: Mapping[int, W],
-           starve_after_s: float = STARVE_AFTER_S) -> Decision:
+           prefer: Callable[[Waiting], Sequence[int]],
+           fits: Callable[[Waiting | Running, Mapping[int, W]], Mapping[int, W]],
+           host: Callable[[W], str], registered: Mapping[int, W], limits: Limits | None = None) -> Decision:
     """The round's decision (the module's doc). `fits(job, workers)`: those of `workers` that may take `job`
     (its device's, heard from since its last failure); `prefer(job)`: the ranks it would rather have, by slot;
     `registered`: every worker registered, busy or not. A job preempts only jobs holding workers it can use,
     and holds the rest back past the starvation bound only when there are enough of those for it (one that
-    needs more waits without holding anything back)."""
+    needs more waits without holding anything back); the idle workers it could use are then kept for it."""
+    limits = limits or Limits()
     d = Decision()
     left = dict(idle)
     running = list(running)
-    for job in order(waiting):
+    kept: set[int] = set()  # idle workers kept for the job that holds the rest back
+    for job in waiting:  # every one, the jobs after one that holds the rest back too
+        if (why := never_fits(job.name, job.least(), limits)) is not None:
+            d.refuses[job.name] = why
+    for job in order([w for w in waiting if w.name not in d.refuses]):
         mine = fits(job, left)
         ranks = place(job.slots, mine, prefer(job), host)
+        if ranks is None and job.shrink and (size := shrink_to(job.sizes, job.slots, len(mine))) is not None:
+            ranks = place(size, mine, prefer(job), host)
+            d.shrinks[job.name] = size
         if ranks is not None:
             d.starts[job.name] = ranks
             for r in ranks:
@@ -168,11 +202,35 @@ def decide(waiting: Sequence[Waiting], idle: Mapping[int, W], running: Sequence[
         if chosen is not None:  # it will fit once they are stopped: the idle ones stay for it
             for name in chosen:
                 d.preempts[name] = job.name
-            running = [r if r.name not in chosen else Running(r.name, r.priority, r.seq, r.ranks, True)
+            running = [r if r.name not in chosen else Running(r.name, r.priority, r.seq, r.ranks, True, r.sizes)
                        for r in running]
-            d.blocked_by = job.name
+            d.blocked_by, kept = job.name, set(mine)
             break
-        if job.waited_s >= starve_after_s and job.slots <= len(usable):
-            d.blocked_by = job.name
+        if job.waited_s >= limits.starve_after_s and job.slots <= len(usable):
+            d.blocked_by, kept = job.name, set(mine)
             break
+    _grow(d, waiting, running, {r: w for r, w in left.items() if r not in kept}, fits, host)
     return d
+
+
+def _grow(d: Decision, waiting: Sequence[Waiting], running: Sequence[Running], free: Mapping[int, W],
+          fits: Callable[[Waiting | Running, Mapping[int, W]], Mapping[int, W]], host: Callable[[W], str]) -> None:
+    """Shrunk jobs back at their largest size, in the pool's order, onto the `free` workers (those the round
+    left, none kept for a job that holds the rest back): one started this round (not shrunk in it) takes them
+    now; one running (not being preempted) is told to grow at its next checkpoint, and they are counted for it."""
+    free = dict(free)
+    shrunk: list[Waiting | Running] = [w for w in waiting if w.name in d.starts and w.name not in d.shrinks]
+    shrunk += [r for r in running if not r.preempting and r.name not in d.preempts]
+    for job in sorted(shrunk, key=lambda j: (-j.priority, j.seq)):
+        have = d.starts[job.name] if isinstance(job, Waiting) else list(job.ranks)
+        if not job.sizes or len(have) >= job.sizes[0]:
+            continue
+        more = place(job.sizes[0] - len(have), fits(job, free), [], host)
+        if more is None:
+            continue
+        for r in more:
+            del free[r]
+        if isinstance(job, Waiting):
+            d.starts[job.name] = have + more
+        else:
+            d.grows[job.name] = job.sizes[0]

@@ -1,5 +1,5 @@
 """The shared pool, in process: gpipe.coordinator.supervisor.pool's policy on its own (placement, order, backfill, starvation,
-victims), then the supervisor carrying it out on a fake clock (tests.support.harness): two jobs at once on four
+victims, refusals, the size an elastic job starts at, growing back), then the supervisor carrying it out on a fake clock (tests.support.harness): two jobs at once on four
 workers, backfill, a priority job preempting a running one, and the preempted job resuming without a restart
 counted (an elastic one at once, on fewer stages); a job larger than the pool, refused or waiting. Through real serve and worker processes: tests/service/test_pool.py."""
 
@@ -15,7 +15,7 @@ def _decide(waiting, idle, running=(), prefer=None, starve=pool.STARVE_AFTER_S):
     hosts = idle if isinstance(idle, dict) else {r: "h" for r in idle}
     registered = {**hosts, **{k: "h" for r in running for k in r.ranks}}
     return pool.decide(waiting, hosts, running, prefer or (lambda w: []), lambda w, left: left,
-                       lambda h: h, registered, starve)
+                       lambda h: h, registered, pool.Limits(starve_after_s=starve))
 
 
 def test_placement_takes_the_preferred_ranks_then_one_host_s_workers_together():
@@ -46,6 +46,48 @@ def test_a_job_waiting_past_the_bound_stops_backfill_and_one_that_can_never_fit_
     assert d.starts == {} and d.blocked_by == "big"
     d = _decide([Waiting("huge", 0, 0, 9, 601.0), Waiting("small", 0, 1, 1, 0)], [2, 3], running)
     assert d.starts == {"small": [2]}  # 9 workers: more than the pool has, it holds nothing back
+
+
+def test_the_pool_refuses_a_job_that_can_never_fit_its_known_size_and_it_holds_nothing_back():
+    waiting = [Waiting("big", 5, 0, 8, 601.0), Waiting("small", 0, 1, 1, 0.0)]
+    d = pool.decide(waiting, {0: "h", 1: "h"}, [], lambda w: [], lambda w, left: left, lambda h: h,
+                    {0: "h", 1: "h"}, pool.Limits(max_workers=4))
+    assert d.refuses == {"big": pool.never_fits("big", 8, pool.Limits(max_workers=4))}
+    assert d.starts == {"small": [0]} and d.blocked_by is None
+    # An elastic job that may start smaller now is refused only when not even its least size fits.
+    flex = Waiting("flex", 0, 2, 8, 0.0, (8, 4, 2), shrink=True)
+    d = pool.decide([flex], {0: "h", 1: "h", 2: "h"}, [], lambda w: [], lambda w, left: left, lambda h: h,
+                    {0: "h", 1: "h", 2: "h"}, pool.Limits(max_workers=4))
+    assert d.refuses == {} and d.starts == {"flex": [0, 1]} and d.shrinks == {"flex": 2}
+
+
+def test_an_elastic_job_starts_smaller_only_once_it_may_shrink_and_at_the_largest_size_that_fits():
+    sizes = (6, 3, 2)
+    d = _decide([Waiting("flex", 0, 0, 6, 100.0, sizes)], [0, 1, 2, 3, 4])
+    assert d.starts == {} and d.shrinks == {}  # not yet: it waits for its lost ranks
+    d = _decide([Waiting("flex", 0, 0, 6, 100.0, sizes, shrink=True)], [0, 1, 2, 3, 4])
+    assert d.starts == {"flex": [0, 1, 2]} and d.shrinks == {"flex": 3}
+    # A higher-ordered job takes its workers first: the size is what is left.
+    d = _decide([Waiting("first", 1, 1, 2, 0.0), Waiting("flex", 0, 0, 6, 100.0, sizes, shrink=True)],
+                [0, 1, 2, 3, 4])
+    assert d.starts == {"first": [0, 1], "flex": [2, 3, 4]} and d.shrinks == {"flex": 3}
+
+
+def test_a_shrunk_job_grows_back_only_onto_workers_the_round_left_free():
+    shrunk = Running("flex", 0, 0, (0, 1), sizes=(4, 2))
+    d = _decide([], [2, 3], [shrunk])
+    assert d.grows == {"flex": 4}
+    # A waiting job takes one of the idle workers: too few are left to grow onto.
+    d = _decide([Waiting("other", 0, 1, 1, 0.0)], [2, 3], [shrunk])
+    assert d.starts == {"other": [2]} and d.grows == {}
+    # A starved job that fits the pool keeps the idle workers for itself: nothing grows onto them.
+    d = _decide([Waiting("big", 0, 1, 4, 601.0)], [2, 3], [shrunk])
+    assert d.blocked_by == "big" and d.grows == {}
+    # One being preempted does not grow; one starting shrunk grows at once onto what the others left.
+    d = _decide([], [2, 3], [Running("flex", 0, 0, (0, 1), preempting=True, sizes=(4, 2))])
+    assert d.grows == {}
+    d = _decide([Waiting("flex", 0, 0, 2, 0.0, (4, 2)), Waiting("other", 0, 1, 1, 0.0)], [0, 1, 2, 3, 4])
+    assert d.starts == {"flex": [0, 1, 3, 4], "other": [2]}
 
 
 def test_a_higher_priority_job_preempts_the_fewest_lower_ones_and_no_more_while_they_stop():
