@@ -9,6 +9,7 @@ checkpoint's optimizer state here (`restore`), and so does that check, to see th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
@@ -41,6 +42,22 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
     cls: type[torch.optim.Optimizer] = getattr(torch.optim, _TABLE[name][0])
     return cls
+
+
+def build(name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer `name` over `params`. On a CPU its every step begins and ends by handing the heaps' free
+    memory back (gpipe.memory.meter.give_back, as a sharded step's does: gpipe.memory.zero). Before: what the
+    forwards and backwards freed below glibc's mmap threshold, still resident, would sit under the step's
+    temporaries, the moment a worker's peak often is. After: what the step freed would stay resident, and the
+    next pattern of allocations (an evaluation's, a checkpoint's, the optimizer's first state) would grow the
+    heaps past it, the worker's peak with them, step after step (docs/memory.md, a peak that climbs)."""
+    opt = optimizer_class(name)(params, **kwargs)
+    if params and params[0].device.type == "cpu":
+        from gpipe.memory import meter
+
+        opt.register_step_pre_hook(lambda *_: meter.give_back())
+        opt.register_step_post_hook(lambda *_: meter.give_back())
+    return opt
 
 
 def saved_groups(live: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -286,7 +286,7 @@ class Stage:
                                               self.param_names, cfg.replicas, cfg.replica, transport.gather_copies)
             self.optimizer.waiting = lambda what: self._doing("waiting", what)
         elif params and optimizer:
-            self.optimizer = optim.optimizer_class(cfg.optimizer)(params, **cfg.optimizer_args)
+            self.optimizer = optim.build(cfg.optimizer, params, cfg.optimizer_args)
         self.precision = Precision(cfg.precision, self.device, resume.loss_scale if resume is not None else None,
                                    *cfg.loss_scale)
         if resume is not None:

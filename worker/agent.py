@@ -26,19 +26,30 @@ from gpipe.service.zygote import Child, Template
 # A stage allocates activation-sized buffers every micro-batch (received tensors,
 # outputs, gradients). glibc serves large ones with fresh mmaps and hands freed
 # memory back to the OS, so each one page-faults anew: 8 MiB transfers reached
-# 0.69 of raw gloo that way, 0.85 with these (bench/transfer.py). A worker owns
-# its machine's memory, so keep it: the heap serves what a thread's arena can
-# hold (heaps of 64 MiB) and is not trimmed. Bigger blocks are mapped on their
-# own whatever the thread's arena: the main arena's heap has no such limit, and a
+# 0.69 of raw gloo that way, 0.85 with these (bench/transfer.py). So the heap
+# serves blocks under 16 MiB, and a step's own churn there is reused; the heap
+# is not trimmed as it goes, but around each optimizer step and after an
+# evaluation batch or a checkpoint (gpipe.optim.build, gpipe.memory.zero,
+# gpipe.worker.stage_server), so what one freed does not stay resident under
+# the next one's peak. Bigger blocks are mapped on
+# their own when the heap has no free room for them (glibc serves any request
+# from free heap first: the threshold decides only how the heap grows). A thread's
+# arena is heaps of 64 MiB, and blocks of a good share of one (a vocabulary's
+# rows: a GPT-2's 24.5 MiB embedding gradient, adam's temporaries of it, a
+# micro-batch's logits) left holes that the next pattern of blocks (an
+# evaluation's, a checkpoint's) did not fit: at a threshold of 64 MiB a GPT-2
+# token job's last worker grew from 818 to 974 MiB over 40 steps, twice its
+# prediction (bench/README.md (ah)); under 16 MiB, a heap holds four of
+# its largest blocks at least. The main arena's heap has no 64 MiB limit, and a
 # stage thread that shares it (threads outnumber a core's 8 arenas, and which
 # one a thread gets is a matter of timing) kept a whole set of gradients freed
 # at zero_grad beside the next step's: one stage of the scale run 1.9 GB above
-# the others. A thread's arena is heaps of 64 MiB, and glibc unmaps a heap once
-# it is all free, or shrinks its top, whatever the trim threshold: when a step's
-# allocations moved across a heap's edge, a stage re-faulted 7 MiB a step (1,800
-# minor faults, bench/README.md (s)). A top pad of a whole heap keeps both from
-# happening (each heap growth asks for it; pages cost memory once touched only).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+# the others. glibc unmaps a thread's heap once it is all free, or shrinks its
+# top, whatever the trim threshold: when a step's allocations moved across a
+# heap's edge, a stage re-faulted 7 MiB a step (1,800 minor faults,
+# bench/README.md (s)). A top pad of a whole heap keeps both from happening
+# (each heap growth asks for it; pages cost memory once touched only).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
               "MALLOC_TOP_PAD_": str(64 << 20)}
 
 

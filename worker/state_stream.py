@@ -102,15 +102,17 @@ class Incoming:
         return StageState(self.others, json_state)
 
 
-IN_MEMORY_BYTES = 256 << 20  # a stage's state up to this is copied into memory; more goes to a local file
+IN_MEMORY_BYTES = 4 << 20  # a stage's state up to this is copied into memory; more goes to a local file
 
 
 class Outgoing:
     """One checkpoint's copy of a stage's state, handed out piece by piece.
 
     Up to IN_MEMORY_BYTES, the copy-out is a copy in memory: the shortest
-    pause, for the price of a copy held until the pieces are pulled (within
-    the 0.5 GB a stage is allowed beyond its share). Past it, the live tensors
+    pause, for the price of a copy held until the pieces are pulled, while
+    the next steps run: it adds to the worker's peak (a GPT-2 token job's
+    worker, its 78 MiB state copied so, peaked 33 MiB higher from the first
+    checkpoint on, docs/memory.md), so only a few MiB go that way. Past it, the live tensors
     (a GPU's one at a time through the host) are written into a local file
     with no name (it goes with the process), in the page cache: the stage's
     resident memory does not grow by a copy of its state, however long the

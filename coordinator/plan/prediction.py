@@ -22,7 +22,7 @@ from gpipe.topology import model_chunk
 from gpipe.worker.agent import MALLOC_ENV
 
 # On the CPU a worker's peak is its process's resident peak, and glibc's heaps keep what a step frees (a worker
-# never trims them: gpipe.worker.agent's MALLOC_TRIM_THRESHOLD_); each micro-batch's backward makes its weights'
+# trims them only around its optimizer step: gpipe.worker.agent's MALLOC_ENV); each micro-batch's backward makes its weights'
 # gradients before adding them into .grad, and those blocks, freed between the activations' smaller ones, leave
 # the heap larger than what is alive. bench/memory_model.py measured it at 2 to 4 times the gradients' bytes
 # on the one thread that runs a worker's actions (gpipe.turns; the same in a plain torch loop); this is the middle.

@@ -224,6 +224,8 @@ class ShardedOptimizer:
             g = self.params[pc.param].grad
             piece.grad = None if g is None else g.detach().view(-1)[pc.lo + at:pc.lo + at + piece.numel()]
         if self.slices:
+            if self.slices[0].device.type == "cpu":  # what the backwards freed, not under the step's temporaries
+                meter.give_back()
             self.inner.step()
         for piece in self.slices:
             piece.grad = None
