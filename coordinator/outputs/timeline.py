@@ -10,6 +10,7 @@ the progress bar counts).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +73,27 @@ def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def draw_png(step: dict[str, Any], path: Path) -> None:
-    """Stages against time; forwards blue, backwards orange, weight gradients (W) green, micro-batches
-    labelled, bubbles white."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def preload() -> threading.Thread:
+    """Import matplotlib in a thread of its own (0.5-1 s of CPU): an attempt starts it while it waits for its
+    workers, so that the drawing at the job's end does not wait for the import."""
+    t = threading.Thread(target=_pyplot, name="timeline-import", daemon=True)
+    t.start()
+    return t
+
+
+def draw_png(step: dict[str, Any], path: Path) -> None:
+    """Stages against time; forwards blue, backwards orange, weight gradients (W) green, micro-batches
+    labelled, bubbles white."""
+    plt = _pyplot()
 
     actions = _actions(step)
     labels = _labels(step)

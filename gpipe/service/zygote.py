@@ -104,6 +104,8 @@ class Forked:
         # Its end, seen here too: the template reports the exit code, but one that cannot (dead or stopped)
         # must not leave a wait without an end.
         self._pidfd: int | None = None
+        self._killed = False  # by its owner: once gone, its end is known without the template's report
+        self._went = False  # its pidfd said it is gone
         try:
             self._pidfd = os.pidfd_open(pid)
             self._loop.add_reader(self._pidfd, self._gone)
@@ -112,7 +114,11 @@ class Forked:
 
     def _gone(self) -> None:
         self._close_pidfd()
-        self._loop.call_later(EXIT_REPORT_S, self._end, -signal.SIGKILL)
+        self._went = True
+        if self._killed:  # SIGKILL sent here: no code to wait for (a template closed with its parent's)
+            self._end(-signal.SIGKILL)
+        else:
+            self._loop.call_later(EXIT_REPORT_S, self._end, -signal.SIGKILL)
 
     def _close_pidfd(self) -> None:
         if self._pidfd is not None:
@@ -131,8 +137,11 @@ class Forked:
 
     def kill(self) -> None:
         if self.returncode is None:
+            self._killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, signal.SIGKILL)
+            if self._went:  # gone already, its report awaited: it will not come from a template killed too
+                self._end(-signal.SIGKILL)
 
 
 Child = asyncio.subprocess.Process | Forked
@@ -334,7 +343,10 @@ class Template:
         """End the template (a shared one: this owner's connection), and with it every process it forked."""
         self._hang_up()
         proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
+        if isinstance(proc, Forked):  # a template forked from another: its end is known once it is gone
+            proc.kill()
+            await proc.wait()
+        elif proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpipe.proc import child_env
-from gpipe.service.zygote import Forked, Template
+from gpipe.service.zygote import EXIT_REPORT_S, Forked, Template
 from tests.support.cli import tagged_pids, wait_for
 from tests.support.spec import job, regression, slow_mlp
 
@@ -88,6 +88,25 @@ async def test_a_fork_is_killed_by_process_group_and_ends_with_the_template(tmp_
         assert await asyncio.wait_for(again.wait(), 60) == 5
     finally:
         await t.close()
+
+
+async def test_templates_closed_together_end_at_once(tmp_path: Path):
+    """run closes its two templates at once (the workers' is a fork of the planner's): the fork, killed by its
+    owner, ends as soon as it is gone, not after the wait for an exit code its dead parent cannot report
+    (zygote.EXIT_REPORT_S, 2 s on every `run` before)."""
+    env = _probe(tmp_path)
+    parent = Template(os.environ, preload=["torch"])
+    child = Template(os.environ, preload=["json"], parent=parent)
+    try:
+        c = await child.spawn("zprobe", ["0"], env, stdin=True)  # the child template is ready
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(parent.close(), 60)  # as it may come first in run's gather
+        await asyncio.wait_for(child.close(), 60)
+        assert loop.time() - t0 < EXIT_REPORT_S
+        assert await asyncio.wait_for(c.wait(), 10) == -signal.SIGKILL
+    finally:
+        await asyncio.gather(child.close(), parent.close())
 
 
 async def test_without_a_template_processes_start_as_before(tmp_path: Path):
