@@ -337,12 +337,12 @@ for _record in (
            v_shape=True, searched_with=2),
     Record("v-half", v_half, "v-half (Pipeline Parallelism with Controllable Memory): zbv's V and split "
            "backward, at most (stages+2)//2 stages' worth of activations on a worker (about half of 1f1b's), "
-           "any chunks.", model_chunks=(2,), v_shape=True, searched_with=None),
+           "any chunks.", model_chunks=(2,), v_shape=True, searched_with=2),
     Record("v-min", v_min, "v-min: as v-half, at most (stages+4)//3 stages' worth (about a third of 1f1b's), "
-           "for more bubble; any chunks.", model_chunks=(2,), v_shape=True, searched_with=None),
+           "for more bubble; any chunks.", model_chunks=(2,), v_shape=True, searched_with=2),
     Record("dualpipev", dualpipev, "dualpipev: DualPipeV's forward and backward pairs on zbv's V, run one "
            "after the other; chunks at least 2*stages.", model_chunks=(2,), v_shape=True, min_rounds=2,
-           searched_with=None),
+           searched_with=2),
     Record("measured", measured_unit, "measured: each worker's order built before the job starts from the "
            "job's own costs (each model chunk's F, B and W, the transfers, measured as plan measures them) and "
            "its memory budget, by list scheduling (docs/schedules.md); never slower in the simulator than the "

@@ -65,6 +65,7 @@ CHECKPOINTS = ("never", "except_last", "always")
 MAX_WORKERS = 64
 MAX_CHUNKS = 64
 MAX_CANDIDATES = 20_000  # configurations simulated at most: past it, one line saying so
+MEASURED_FROM = 3  # `measured` is built for the shapes of this many leading candidates (with_measured)
 # A configuration fits when its predicted peak is at most this share of the budget: the memory model ran up to
 # 15% under the measured peaks (bench/README.md (u), (w): 0.85-1.02 of them, lowest with 2 model chunks a worker).
 HEADROOM = 0.85
@@ -109,8 +110,9 @@ class Config:
                 f"checkpoint {self.activation_checkpoint}{shard}")
 
     def overrides(self) -> dict[str, Any]:
-        """The spec's fields this configuration sets."""
-        return {"stages": self.stages, "replicas": self.replicas, "schedule": self.schedule,
+        """The spec's fields this configuration sets (a built order as `measured`: the job builds it again from
+        the costs it measures at its start)."""
+        return {"stages": self.stages, "replicas": self.replicas, "schedule": shown(self.schedule),
                 "virtual_stages": self.virtual_stages, "chunks": self.chunks,
                 "activation_checkpoint": self.activation_checkpoint, "balance": list(self.balance),
                 "optimizer.shard": self.shard}
@@ -168,6 +170,8 @@ def configurations(layers: int, batch: int, workers: int, has_state: bool) -> It
                 if stages * virtual > layers or (stages == 1 and name != "gpipe"):
                     continue
                 for chunks in chunk_choices(batch, replicas, stages):
+                    if chunks < schedule.REGISTRY[name].min_rounds * stages:  # dualpipev's 2 x workers at least
+                        continue
                     for ckpt in CHECKPOINTS:
                         if ckpt == "except_last" and chunks == 1:  # its one micro-batch is the last: never
                             continue
@@ -382,10 +386,35 @@ def shown(name: str) -> str:
 
 def search(m: Measured, workers: int, budget: int) -> tuple[list[Candidate], list[Candidate]]:
     """(the configurations that fit `budget` bytes a worker, fastest first; those that do not, smallest peak
-    first)."""
+    first): every searched schedule's, then `measured` built for the shapes of the leading ones (with_measured)."""
     spec = m.plan.spec
     has_state = optimizer_slots(spec) > 0 and not spec.optimizer.by_path  # (shard takes the short names only)
-    return evaluate(m, configurations(len(m.layers), spec.data.batch_size, workers, has_state), budget)
+    return with_measured(m, *evaluate(m, configurations(len(m.layers), spec.data.batch_size, workers, has_state),
+                                      budget), budget)
+
+
+def with_measured(m: Measured, fits: list[Candidate], over: list[Candidate],
+                  budget: int) -> tuple[list[Candidate], list[Candidate]]:
+    """`fits` and `over` with `schedule: measured` built for the shapes (stages, replicas, chunks, checkpointing,
+    sharding; 1 model chunk a worker or 2 in a V) of the MEASURED_FROM fastest that fit, or where none fits
+    the MEASURED_FROM smallest: its order is built within the budget, so it may fit where no fixed schedule
+    does, and it is never slower in the simulator than the fixed one it starts from. Building it for every
+    shape of the search would multiply its time by the builder's policies."""
+    shapes: dict[Config, None] = {}
+    for x in fits or over:  # in order: the fastest (or smallest) first
+        c = x.config
+        if schedule.is_table(c.schedule) or c.stages < 2:  # one stage: no order to build
+            continue
+        v = 2 if c.virtual_stages > 1 and 2 * c.stages <= len(m.layers) else 1
+        shapes.setdefault(dataclasses.replace(c, schedule=measured.NAME, virtual_stages=v, balance=()))
+        if len(shapes) == MEASURED_FROM:
+            break
+    if not shapes:
+        return fits, over
+    more_fits, more_over = evaluate(m, shapes, budget)
+    fits = sorted(fits + more_fits, key=lambda x: (x.step_s, x.peak))
+    over = sorted(over + more_over, key=lambda x: (x.peak, x.step_s))
+    return fits, over
 
 
 def evaluate(m: Measured, configs: Iterable[Config], budget: int,
@@ -440,6 +469,8 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
             chunks = chunk_choices(spec.data.batch_size, spec.replicas, spec.stages) if "chunks" in auto \
                 else [spec.chunks]
             for n in chunks:
+                if name in schedule.REGISTRY and n < schedule.REGISTRY[name].min_rounds * spec.stages:
+                    continue
                 for ckpt in checkpoints:
                     if ckpt == "except_last" and n == 1 and "activation_checkpoint" in auto:
                         continue
@@ -447,6 +478,8 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
 
     given = spec.balance if isinstance(spec.balance, list) else None
     fits, over = evaluate(m, configs(), budget, given if given and not choose else None)
+    if choose and spec.stages > 1:  # `schedule: auto` chooses among the built orders too
+        fits, over = with_measured(m, fits, over, budget)
     if not fits:
         raise SpecError(refusal(over, budget, "schedule" if built and not auto - {"schedule"} else "auto"))
     best = fits[0]
@@ -465,7 +498,7 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
               "predicted_peak_bytes": best.peak, "budget_bytes": budget, "workers": workers,
               "why": why_best(fits, budget) if len(fits) > 1 else "the one configuration that fits",
               "candidates": len(fits) + len(over)}
-    if built and best.built is not None:
+    if best.built is not None:  # schedule measured, or auto choosing it
         picked["schedule"] = measured.NAME  # and the order itself, a row per action:
         record["schedule_table"] = {"from": best.built.source, "columns": list(measured.COLUMNS),
                                     "rows": [list(r) for r in measured.rows(best.built.orders)]}
@@ -481,7 +514,7 @@ def chosen(spec: JobSpec, record: dict[str, Any]) -> JobSpec:
     data.pop("auto", None)
     data.update(record["chosen"])
     data["balance"] = record["balance"]
-    if spec.schedule == measured.NAME:
+    if "schedule_table" in record:  # schedule measured, or auto that chose it
         data["schedule"] = schedule.table(measured.from_rows(record["schedule_table"]["rows"]))
     return JobSpec.model_validate(data)
 

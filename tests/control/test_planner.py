@@ -138,7 +138,9 @@ def test_the_search_ranks_what_fits_fastest_first_and_a_budget_leaves_out_the_re
     assert [x.step_s for x in fits] == sorted(x.step_s for x in fits)
     shapes = {(x.config.stages, x.config.replicas) for x in fits}
     assert shapes == {(1, 1), (1, 2), (2, 1)}  # at most 2 workers
-    assert {x.config.schedule for x in fits} == set(schedule.searched())
+    # Every searched schedule, and measured built for the leading shapes (search.with_measured).
+    assert {planner.shown(x.config.schedule) for x in fits} == set(schedule.searched()) | {"measured"}
+    assert {"v-half", "v-min", "dualpipev"} <= set(schedule.searched())
     assert any(x.config.shard for x in fits) and all(x.config.replicas > 1 for x in fits if x.config.shard)
     assert all(sum(x.config.balance) == 4 and len(x.config.balance) == x.config.stages * x.config.virtual_stages
                for x in fits)
@@ -148,7 +150,8 @@ def test_the_search_ranks_what_fits_fastest_first_and_a_budget_leaves_out_the_re
     kept, left = planner.search(m, 2, budget)
     limit = budget * planner.HEADROOM  # the prediction's margin
     assert kept and left and all(x.peak <= limit for x in kept) and all(x.peak > limit for x in left)
-    assert len(kept) + len(left) == len(fits)
+    fixed = [x for x in fits if x.built is None]  # measured is built for the leading shapes under each budget
+    assert len([x for x in kept + left if x.built is None]) == len(fixed)
     assert [x.peak for x in left] == sorted(x.peak for x in left)  # the smallest first, for the refusal
 
 
@@ -244,3 +247,35 @@ def test_a_schedule_registered_in_one_place_is_searched_checked_and_placed(tmp_p
     assert violation("toy-v", 2, 2, 4) is None
     assert place("toy-v", 3, 2) == (0, 1) and model_chunk("toy-v", 0, 1, 2) == 3  # the V
     assert "toy-v" in schedule.reference()
+
+
+def test_measured_is_searched_for_the_leading_shapes_and_never_slower_than_a_fixed_schedule_there(tmp_path, free):
+    """plan's search and `schedule: auto` build `measured` for the shapes of the fastest candidates: each built
+    order is at most as slow as the fastest fixed schedule of its shape, and it is written back as `measured`."""
+    m = measured(tmp_path, [1e-3, 4e-3, 1e-3, 1e-3, 1e-3, 1e-3], w=[2e-4] * 6)  # an uneven stage, cheap W
+    fits, _ = planner.search(m, 2, 1 << 40)
+    built = [x for x in fits if x.built is not None]
+    assert built and all(x.config.stages >= 2 for x in built)
+    for x in built:  # its placement's fixed schedules (one model chunk a worker, or the V's), as searched
+        c = x.config
+        same = {y.config.schedule: y.step_s for y in fits if y.built is None and (
+            y.config.stages, y.config.replicas, y.config.chunks, y.config.activation_checkpoint, y.config.shard,
+            y.config.virtual_stages) == (c.stages, c.replicas, c.chunks, c.activation_checkpoint, c.shard,
+                                         c.virtual_stages) and y.config.schedule in x.built.fixed}
+        assert same and x.step_s <= min(same.values()) * 1.0001
+        assert x.config.overrides()["schedule"] == "measured"
+    assert any(x.config.virtual_stages == 1 for x in built)  # the fastest multi-stage shape: one chunk a worker
+
+
+def test_a_budget_that_1f1b_exceeds_is_met_by_a_lighter_schedule(tmp_path, free):
+    """Under a memory budget that 1f1b's prediction is over, the search keeps what fits below it: a schedule
+    that holds fewer micro-batches (or checkpoints), never one predicted over it."""
+    m = measured(tmp_path, [1e-3] * 8)
+    fits, _ = planner.search(m, 4, 1 << 40)
+    one = min(x.peak for x in fits if x.config.schedule == "1f1b" and x.config.stages == 4
+              and x.config.activation_checkpoint == "never" and x.config.replicas == 1 and x.config.chunks == 8)
+    budget = int(one * 0.97 / planner.HEADROOM)  # 1f1b at 4 stages, 8 chunks, no checkpointing: over
+    kept, left = planner.search(m, 4, budget)
+    assert kept and all(x.peak <= budget * planner.HEADROOM for x in kept)
+    assert any(x.config.schedule == "1f1b" and x.config.stages == 4 and x.config.chunks == 8
+               and x.config.activation_checkpoint == "never" and x.config.replicas == 1 for x in left)
