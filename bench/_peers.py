@@ -49,6 +49,7 @@ PEER_SCHEDULES = {  # ours: (the peer's class name, its placement of 4 model chu
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop"),
     "interleaved-zb": ("ScheduleInterleavedZeroBubble", "loop"),
     "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
 }
 
 

@@ -6,7 +6,7 @@ The model is 8 x (Linear(1024)+ReLU), batch 256 in 8 (or --chunks)
 micro-batches, 2 stages, one thread per stage (each process pinned to its own
 core). gpipe runs its schedules gpipe, 1f1b and zb-h1 (the backward split into
 B and W), and on 4 model chunks of 2 layers (2 per worker) interleaved-1f1b and
-zbv, and reports each one's measured bubble (the workers' idle share of the
+zbv (and the V's v-half, v-min and dualpipev), and reports each one's measured bubble (the workers' idle share of the
 step, from metrics.jsonl) beside the bubble its schedule leaves at the costs
 its actions measured (gpipe.schedule.steady: each stage's median F, B and W,
 steps in a row as the service runs them, with no transfer or step overhead);
@@ -15,7 +15,7 @@ bubble and the run's own busy time: what the schedule would take with no
 overhead but its actions' own. The
 peer runs its ScheduleGPipe, Schedule1F1B, and, on 4 chunks of 2 layers (2 per
 rank), ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and
-ScheduleZBVZeroBubble. Each round runs every contender once, interleaved, and the figures are
+ScheduleZBVZeroBubble and ScheduleDualPipeV. Each round runs every contender once, interleaved, and the figures are
 medians over rounds of each run's median step time, since absolute times on
 these machines drift twofold between runs. Ratios are speed-ups over one
 process doing the same micro-batched work; the ideal is P*M/(M+P-1).
@@ -40,11 +40,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH, DEPTH, BATCH, CHUNKS, STAGES = 1024, 8, 256, 8, 2
-VIRTUAL = ("interleaved-1f1b", "zbv")  # gpipe's schedules of 2 model chunks per worker
+VIRTUAL = ("interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipev")  # gpipe's schedules of 2 model chunks a worker
 PEER_NAMES = {  # each of our schedules: the peer's same schedule (zb-h1 has none: its nearest is 1F1B)
     "gpipe": "torch.pipelining ScheduleGPipe", "1f1b": "torch.pipelining Schedule1F1B",
     "zb-h1": "torch.pipelining Schedule1F1B", "interleaved-1f1b": "torch.pipelining ScheduleInterleaved1F1B",
-    "zbv": "torch.pipelining ScheduleZBVZeroBubble",
+    "zbv": "torch.pipelining ScheduleZBVZeroBubble", "dualpipev": "torch.pipelining ScheduleDualPipeV",
 }
 
 
@@ -170,11 +170,15 @@ def main() -> None:
         "gpipe zb-h1": ours("zb-h1"),
         "gpipe interleaved-1f1b": ours("interleaved-1f1b"),
         "gpipe zbv": ours("zbv"),
+        "gpipe v-half": ours("v-half"),
+        "gpipe v-min": ours("v-min"),
+        "gpipe dualpipev": ours("dualpipev"),
         "torch.pipelining ScheduleGPipe": lambda tmp: run_pipelining("gpipe", a.steps, m),
         "torch.pipelining Schedule1F1B": lambda tmp: run_pipelining("1f1b", a.steps, m),
         "torch.pipelining ScheduleInterleaved1F1B": lambda tmp: run_pipelining("interleaved-1f1b", a.steps, m),
         "torch.pipelining ScheduleInterleavedZeroBubble": lambda tmp: run_pipelining("interleaved-zb", a.steps, m),
         "torch.pipelining ScheduleZBVZeroBubble": lambda tmp: run_pipelining("zbv", a.steps, m),
+        "torch.pipelining ScheduleDualPipeV": lambda tmp: run_pipelining("dualpipev", a.steps, m),
     }
     if a.before is not None:  # each of ours, then its before
         paired: dict[str, Callable[[Path], float]] = {}
@@ -184,7 +188,7 @@ def main() -> None:
                 paired[f"before {name[6:]}"] = ours(name[6:], a.before)
         contenders = paired
     if a.only:
-        keep = {PEER_NAMES[x] for x in a.only.split(",")} | {f"{who} {x}" for x in a.only.split(",")
+        keep = {PEER_NAMES[x] for x in a.only.split(",") if x in PEER_NAMES} | {f"{who} {x}" for x in a.only.split(",")
                                                               for who in ("gpipe", "before")}
         contenders = {k: v for k, v in contenders.items() if k == "one process" or k in keep}
     times: dict[str, list[float]] = {k: [] for k in contenders}
