@@ -65,7 +65,9 @@ CHECKPOINTS = ("never", "except_last", "always")
 MAX_WORKERS = 64
 MAX_CHUNKS = 64
 MAX_CANDIDATES = 20_000  # configurations simulated at most: past it, one line saying so
-MEASURED_FROM = 3  # `measured` is built for the shapes of this many leading candidates (with_measured)
+# `measured` is built for the shapes of this many leading candidates (with_measured): by plan, and by a job's
+# `schedule: auto` before it starts (each build is 1-1.5 s of CPU, more than the fixed schedules' whole search).
+MEASURED_FROM, MEASURED_FROM_AUTO = 2, 1
 # A configuration fits when its predicted peak is at most this share of the budget: the memory model ran up to
 # 15% under the measured peaks (bench/README.md (u), (w): 0.85-1.02 of them, lowest with 2 model chunks a worker).
 HEADROOM = 0.85
@@ -393,11 +395,11 @@ def search(m: Measured, workers: int, budget: int) -> tuple[list[Candidate], lis
                                       budget), budget)
 
 
-def with_measured(m: Measured, fits: list[Candidate], over: list[Candidate],
-                  budget: int) -> tuple[list[Candidate], list[Candidate]]:
+def with_measured(m: Measured, fits: list[Candidate], over: list[Candidate], budget: int,
+                  count: int = MEASURED_FROM) -> tuple[list[Candidate], list[Candidate]]:
     """`fits` and `over` with `schedule: measured` built for the shapes (stages, replicas, chunks, checkpointing,
-    sharding; 1 model chunk a worker or 2 in a V) of the MEASURED_FROM fastest that fit, or where none fits
-    the MEASURED_FROM smallest: its order is built within the budget, so it may fit where no fixed schedule
+    sharding; 1 model chunk a worker or 2 in a V) of the `count` fastest that fit, or where none fits
+    the `count` smallest: its order is built within the budget, so it may fit where no fixed schedule
     does, and it is never slower in the simulator than the fixed one it starts from. Building it for every
     shape of the search would multiply its time by the builder's policies."""
     shapes: dict[Config, None] = {}
@@ -407,7 +409,7 @@ def with_measured(m: Measured, fits: list[Candidate], over: list[Candidate],
             continue
         v = 2 if c.virtual_stages > 1 and 2 * c.stages <= len(m.layers) else 1
         shapes.setdefault(dataclasses.replace(c, schedule=measured.NAME, virtual_stages=v, balance=()))
-        if len(shapes) == MEASURED_FROM:
+        if len(shapes) == count:
             break
     if not shapes:
         return fits, over
@@ -479,7 +481,7 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
     given = spec.balance if isinstance(spec.balance, list) else None
     fits, over = evaluate(m, configs(), budget, given if given and not choose else None)
     if choose and spec.stages > 1:  # `schedule: auto` chooses among the built orders too
-        fits, over = with_measured(m, fits, over, budget)
+        fits, over = with_measured(m, fits, over, budget, MEASURED_FROM_AUTO)
     if not fits:
         raise SpecError(refusal(over, budget, "schedule" if built and not auto - {"schedule"} else "auto"))
     best = fits[0]
