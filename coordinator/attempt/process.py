@@ -226,7 +226,7 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     from gpipe.coordinator.attempt.eval_weights import BEST, Best
     from gpipe.coordinator.attempt.metrics import EvalMetrics, MetricsLog, StepMetrics, write_plan
     from gpipe.coordinator.attempt.resume import resume_parts
-    from gpipe.coordinator.outputs import checkpoint, timeline
+    from gpipe.coordinator.outputs import checkpoint
     from gpipe.coordinator.outputs.folder import prepare_output
     from gpipe.coordinator.plan import prediction
     from gpipe.coordinator.plan.job import make_plan
@@ -267,7 +267,6 @@ def attempt(a: argparse.Namespace, tell: report.Reporter) -> int | None:
     torch.set_num_threads(1)  # the cores belong to the stages
     map_apart()  # state passes through here in pieces: each goes back to the system once written or sent
     tell(report.Master(f"{a.host}:{port}", secret))
-    timeline.preload()  # while the workers start: the end's drawing then does not wait for matplotlib's import
     threads = sorted({p.threads for p in placement})
     copies = f"{spec.replicas} replicas x " if spec.replicas > 1 else ""
     virtual = f" x {spec.virtual_stages} model chunks" if spec.virtual_stages > 1 else ""

@@ -219,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", help="delete `run`'s job NAME in this state dir instead of serve's")
 
     corpus.add_parser(sub)
-    tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.png")
+    tl = sub.add_parser("timeline", help="draw a logged step: <job dir>/trace.json and timeline.svg")
     tl.add_argument("job_dir", help="the job's output directory, <state-dir>/<name>")
     tl.add_argument("--step", type=int, default=None, help="the step to draw, counted from 1 as the progress bar counts (default: the last logged)")
     return p

@@ -1,4 +1,4 @@
-"""A step's timeline: a Chrome trace (opens in Perfetto) and a PNG pipeline diagram.
+"""A step's timeline: a Chrome trace (opens in Perfetto) and an SVG pipeline diagram (opens in a browser).
 
 Both are drawn from one line of metrics.jsonl, where each stage reports when
 each of its actions ran (forwards, backwards, and the weight-gradient passes
@@ -10,9 +10,10 @@ the progress bar counts).
 from __future__ import annotations
 
 import json
-import threading
+import math
 from pathlib import Path
 from typing import Any
+from xml.sax.saxutils import escape
 
 from gpipe.errors import SpecError
 
@@ -73,46 +74,62 @@ def chrome_trace(step: dict[str, Any]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+# The diagram's geometry, in pixels: a row per worker, the time axis across.
+_ROW, _BAR, _LEFT, _TOP, _RIGHT, _BOTTOM = 34, 26, 150, 46, 20, 44
+_CHAR = 6.2  # a label character's width at the diagram's 11 px sans-serif
 
 
-def preload() -> threading.Thread:
-    """Import matplotlib in a thread of its own (0.5-1 s of CPU): an attempt starts it while it waits for its
-    workers, so that the drawing at the job's end does not wait for the import."""
-    t = threading.Thread(target=_pyplot, name="timeline-import", daemon=True)
-    t.start()
-    return t
+def _ticks(end_ms: float) -> list[float]:
+    """The time axis's ticks: 1, 2 or 5 times a power of ten, some 5 to 10 of them."""
+    raw = end_ms / 8 if end_ms > 0 else 1.0
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(k * power for k in (1, 2, 5, 10) if k * power >= raw)
+    return [i * step for i in range(int(end_ms / step) + 1)]
 
 
-def draw_png(step: dict[str, Any], path: Path) -> None:
-    """Stages against time; forwards blue, backwards orange, weight gradients (W) green, micro-batches
-    labelled, bubbles white."""
-    plt = _pyplot()
+def svg(step: dict[str, Any]) -> str:
+    """Stages against time as an SVG: forwards blue, backwards orange, weight gradients (W) green, each action
+    named (F3, and with virtual stages its model chunk, F3c2) where its bar has room, bubbles white; each bar's
+    title (a tooltip) gives its times. Written directly: no plotting library to import at the job's end."""
+    actions, labels = _actions(step), _labels(step)
+    end = max((b for *_, b in actions), default=0.0) or 1.0
+    width = max(900.0, min(2400.0, 28.0 * len(actions)))
+    plot = width - _LEFT - _RIGHT
+    height = _TOP + _ROW * len(labels) + _BOTTOM
 
-    actions = _actions(step)
-    labels = _labels(step)
-    end = max(b for *_, b in actions) if actions else 1.0
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(actions) * 0.25)), 0.6 * len(labels) + 1.4))
+    def x(t: float) -> float:
+        return _LEFT + t / end * plot
+
+    title = (f"step {step['step'] + 1}: bubble {step['bubble_fraction']:.1%} "
+             "(blue forward, orange backward, green W, white idle)")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
+           f'viewBox="0 0 {width:.0f} {height}" font-family="sans-serif" font-size="11">',
+           '<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2:.1f}" y="24" text-anchor="middle" font-size="13">{escape(title)}</text>']
+    for row, label in enumerate(labels):
+        y = _TOP + row * _ROW + _ROW / 2
+        out.append(f'<text x="{_LEFT - 8}" y="{y:.1f}" text-anchor="end" dominant-baseline="middle">'
+                   f'{escape(label)}</text>')
+    axis = _TOP + _ROW * len(labels)
+    for t in _ticks(end * 1e3):
+        tx = x(t / 1e3)
+        out.append(f'<line x1="{tx:.1f}" y1="{_TOP}" x2="{tx:.1f}" y2="{axis + 4}" stroke="#DDDDDD"/>')
+        out.append(f'<text x="{tx:.1f}" y="{axis + 17}" text-anchor="middle">{t:g}</text>')
+    out.append(f'<text x="{_LEFT + plot / 2:.1f}" y="{height - 8}" text-anchor="middle">'
+               "ms since the step started</text>")
     for row, name, a, b in actions:
+        left, right = x(a), x(b)
+        top = _TOP + row * _ROW + (_ROW - _BAR) / 2
         color = COLOR.get(name[0], "#8C8C8C")
-        ax.barh(row, (b - a) * 1e3, left=a * 1e3, height=0.8, color=color, edgecolor="black", linewidth=0.4)
-        if (b - a) / end > 0.012:
-            ax.text((a + b) / 2 * 1e3, row, name, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(len(labels)), labels)
-    ax.invert_yaxis()
-    ax.set_xlim(0, end * 1e3)
-    ax.set_xlabel("ms since the step started")
-    ax.set_title(f"step {step['step'] + 1}: bubble {step['bubble_fraction']:.1%} "
-                 "(blue forward, orange backward, green W, white idle)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        out.append(f'<rect x="{left:.2f}" y="{top:.1f}" width="{max(right - left, 0.5):.2f}" height="{_BAR}" '
+                   f'fill="{color}" stroke="black" stroke-width="0.4"><title>{escape(name)}: '
+                   f'{a * 1e3:.2f}-{b * 1e3:.2f} ms</title></rect>')
+        if right - left > _CHAR * len(name) + 4:
+            out.append(f'<text x="{(left + right) / 2:.2f}" y="{top + _BAR / 2:.1f}" text-anchor="middle" '
+                       f'dominant-baseline="middle" fill="white">{escape(name)}</text>')
+    out.append(f'<line x1="{_LEFT}" y1="{axis}" x2="{_LEFT + plot:.1f}" y2="{axis}" stroke="black"/>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
 
 
 def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
@@ -143,9 +160,9 @@ def find_step(metrics: Path, step: int | None) -> dict[str, Any]:
 
 
 def write(job_dir: Path, step: int | None) -> tuple[Path, Path]:
-    """Write trace.json and timeline.png for `step` into the job's directory."""
+    """Write trace.json and timeline.svg for `step` into the job's directory."""
     line = find_step(job_dir / "metrics.jsonl", step)
-    trace, png = job_dir / "trace.json", job_dir / "timeline.png"
+    trace, picture = job_dir / "trace.json", job_dir / "timeline.svg"
     trace.write_text(json.dumps(chrome_trace(line)))
-    draw_png(line, png)
-    return trace, png
+    picture.write_text(svg(line))
+    return trace, picture

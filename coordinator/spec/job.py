@@ -616,7 +616,7 @@ class JobSpec(_Spec):
         "count's handles anyway). 1: every step; none: each attempt's first step and the last.",
     )
     trace_step: Annotated[StrictInt, Range(1, MAX_STEPS)] | None = Field(
-        default=None, description="The step drawn in trace.json and timeline.png, counted from 1 as the "
+        default=None, description="The step drawn in trace.json and timeline.svg, counted from 1 as the "
         "progress bar counts; none: the last.",
     )
     checkpoint_every: Steps | None = Field(

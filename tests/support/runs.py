@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import torch
 from safetensors.torch import load_file
@@ -32,7 +33,7 @@ def check_steady(schedule: dict[str, Any], spec: dict[str, Any]) -> None:
 
 def check_timeline(out, stages: int, chunks: int, step: int, more: str = "") -> None:
     """trace.json holds each stage's forwards and backwards of step number `step` (counted from 1, as the
-    progress bar counts), and the actions of kinds `more` (W); timeline.png is a PNG."""
+    progress bar counts), and the actions of kinds `more` (W); timeline.svg draws a bar for each of them."""
     trace = json.loads((out / "trace.json").read_text())
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert trace["traceEvents"][0]["args"]["name"] == f"step {step}"
@@ -40,7 +41,9 @@ def check_timeline(out, stages: int, chunks: int, step: int, more: str = "") -> 
         names = sorted(e["name"] for e in slices if e["tid"] == k)
         assert names == sorted(f"{kind}{i}" for kind in "FB" + more for i in range(chunks))
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
-    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = ElementTree.parse(out / "timeline.svg").getroot()
+    bars = [r.find("{http://www.w3.org/2000/svg}title") for r in svg.iter("{http://www.w3.org/2000/svg}rect")]
+    assert sorted(t.text.split(":")[0] for t in bars if t is not None) == sorted(e["name"] for e in slices)
 
 
 def train_and_compare(cli, name: str, spec: dict) -> list[dict]:
