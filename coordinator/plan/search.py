@@ -133,8 +133,11 @@ class Candidate:
         return max(self.peaks, default=0)
 
     def as_json(self, batch: int) -> dict[str, Any]:
+        """plan --json's entry (a built order as `measured`, `measured_from` saying whose order it runs)."""
         c = self.config
-        return {"stages": c.stages, "replicas": c.replicas, "balance": list(c.balance), "schedule": c.schedule,
+        built = {} if self.built is None else {"measured_from": self.built.source}
+        return {**built, "stages": c.stages, "replicas": c.replicas, "balance": list(c.balance),
+                "schedule": shown(c.schedule),
                 "virtual_stages": c.virtual_stages, "chunks": c.chunks,
                 "activation_checkpoint": c.activation_checkpoint, "shard": c.shard,
                 "predicted_step_s": round(self.step_s, 6), "samples_per_s": round(batch / self.step_s, 2),
