@@ -45,13 +45,19 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 def build(name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """The optimizer `name` over `params`, torch's own. Its step does not hand the heaps back on a CPU: the
-    workers map blocks of 16 MiB and more apart (gpipe.worker.agent.MALLOC_ENV), which is what holds a long
-    run's peak flat, and a trim around every step cost small jobs a fifth of their step (the freed pages faulted
-    back in by the next step) while the peak it held down early was reached later all the same (bench/README.md
-    (aj)). The sharded optimizer trims around its slices (gpipe.memory.zero), the stage after an evaluation or
-    a checkpoint (gpipe.worker.stage_server): patterns that come back seldom."""
-    return optimizer_class(name)(params, **kwargs)
+    """The optimizer `name` over `params`. On a CPU its every step begins and ends by handing the heaps' free
+    memory back (gpipe.memory.meter.give_back, as a sharded step's does: gpipe.memory.zero). Before: what the
+    forwards and backwards freed below glibc's mmap threshold, still resident, would sit under the step's
+    temporaries, the moment a worker's peak often is. After: what the step freed would stay resident, and the
+    next pattern of allocations (an evaluation's, a checkpoint's, the optimizer's first state) would grow the
+    heaps past it, the worker's peak with them, step after step (docs/memory.md, a peak that climbs)."""
+    opt = optimizer_class(name)(params, **kwargs)
+    if params and params[0].device.type == "cpu":
+        from gpipe.memory import meter
+
+        opt.register_step_pre_hook(lambda *_: meter.give_back())
+        opt.register_step_post_hook(lambda *_: meter.give_back())
+    return opt
 
 
 def saved_groups(live: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:

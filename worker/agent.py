@@ -28,10 +28,10 @@ from gpipe.service.zygote import Child, Template
 # memory back to the OS, so each one page-faults anew: 8 MiB transfers reached
 # 0.69 of raw gloo that way, 0.85 with these (bench/transfer.py). So the heap
 # serves blocks under 16 MiB, and a step's own churn there is reused; the heap
-# is not trimmed as it goes, but after an evaluation batch or a checkpoint and
-# around a sharded optimizer's step (gpipe.worker.stage_server, gpipe.memory.zero),
-# so what one freed does not stay resident under the next one's peak (a trim
-# around every step cost small jobs a fifth of their step: gpipe.optim.build). Bigger blocks are mapped on
+# is not trimmed as it goes, but around each optimizer step and after an
+# evaluation batch or a checkpoint (gpipe.optim.build, gpipe.memory.zero,
+# gpipe.worker.stage_server), so what one freed does not stay resident under
+# the next one's peak. Bigger blocks are mapped on
 # their own when the heap has no free room for them (glibc serves any request
 # from free heap first: the threshold decides only how the heap grows). A thread's
 # arena is heaps of 64 MiB, and blocks of a good share of one (a vocabulary's

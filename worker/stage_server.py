@@ -283,8 +283,8 @@ class StageServer:
         return result
 
     def _give_back(self) -> None:
-        """On a CPU, after an evaluation batch or a checkpoint's copy: the heaps' free memory back to the system
-        (not after every optimizer step: gpipe.optim.build says why). What they freed (an evaluation's logits, a sharded
+        """On a CPU, after an evaluation batch or a checkpoint's copy: the heaps' free memory back to the system,
+        as after each optimizer step (gpipe.optim.build). What they freed (an evaluation's logits, a sharded
         checkpoint's rounds) otherwise stayed resident under the next step's peak, in blocks the step's own did
         not fit: a GPT-2 token job's first worker peaked 12 MiB higher after each of its first checkpoints
         (bench/memory_flat.py)."""
