@@ -50,7 +50,9 @@ def build(name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> 
     forwards and backwards freed below glibc's mmap threshold, still resident, would sit under the step's
     temporaries, the moment a worker's peak often is. After: what the step freed would stay resident, and the
     next pattern of allocations (an evaluation's, a checkpoint's, the optimizer's first state) would grow the
-    heaps past it, the worker's peak with them, step after step (docs/memory.md, a peak that climbs)."""
+    heaps past it, the worker's peak with them, step after step (docs/memory.md, a peak that climbs). The price:
+    the freed pages are faulted in again by the next step, up to a fifth of a small job's step (charlm 1f1b: 159
+    against 130 ms); without it, a GPT-2 token job's first worker climbed 8% in 300 steps (bench/README.md (aj))."""
     opt = optimizer_class(name)(params, **kwargs)
     if params and params[0].device.type == "cpu":
         from gpipe.memory import meter
