@@ -58,6 +58,7 @@ from gpipe.memory.costs_together import Collectives
 from gpipe.memory.footprint import Layers, Line
 from gpipe.memory.model import Prediction, checkpointing
 from gpipe.memory.zero import BUCKET_BYTES, GATHER_BYTES
+from gpipe.options import violation
 from gpipe.show import one_line
 from gpipe.topology import model_chunk
 
@@ -175,8 +176,6 @@ def configurations(layers: int, batch: int, workers: int, has_state: bool) -> It
                 if stages * virtual > layers or (stages == 1 and name != "gpipe"):
                     continue
                 for chunks in chunk_choices(batch, replicas, stages):
-                    if chunks < schedule.REGISTRY[name].min_rounds * stages:  # dualpipev's 2 x workers at least
-                        continue
                     for ckpt in CHECKPOINTS:
                         if ckpt == "except_last" and chunks == 1:  # its one micro-batch is the last: never
                             continue
@@ -432,6 +431,8 @@ def evaluate(m: Measured, configs: Iterable[Config], budget: int,
     for seen, c in enumerate(configs, 1):
         if seen > MAX_CANDIDATES:
             raise SpecError(f"--workers: more than {MAX_CANDIDATES} configurations to simulate; give fewer workers")
+        if violation(c.schedule, c.stages, c.virtual_stages, c.chunks, c.activation_checkpoint) is not None:
+            continue  # the spec's own rule (dualpipev's 2 x stages chunks at least): nothing to balance or build
         n = max(_sizes(batch, c.replicas, c.chunks))
         chosen = list(balance) if balance is not None else balance_for(m, c, n)
         c = dataclasses.replace(c, balance=tuple(chosen))
@@ -474,8 +475,6 @@ def resolve(spec: JobSpec, job_dir: Path, workers: int, threads: int, budget: in
             chunks = chunk_choices(spec.data.batch_size, spec.replicas, spec.stages) if "chunks" in auto \
                 else [spec.chunks]
             for n in chunks:
-                if name in schedule.REGISTRY and n < schedule.REGISTRY[name].min_rounds * spec.stages:
-                    continue
                 for ckpt in checkpoints:
                     if ckpt == "except_last" and n == 1 and "activation_checkpoint" in auto:
                         continue
