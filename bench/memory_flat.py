@@ -151,13 +151,16 @@ class Service:
             time.sleep(0.2)
 
     def start(self, ranks: int) -> None:
-        """serve, then a worker per rank on the cores `run` would give that rank; back once all are registered."""
+        """serve, then a worker per rank on the cores `run` would give that rank; back once all are registered
+        (`ranks` 0: serve alone, back once it listens)."""
         from gpipe.worker.cores import split_cores  # type: ignore[import-not-found]  # worker/, by package-dir
 
         # --host: with tokens, serve would listen on every interface.
         self.spawn("serve", [*CLI, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--state-dir",
                              str(self.state), *self.client_auth, *self.worker_auth])
         self.wait(lambda: "coordinator serving on" in self.log("serve"), "serve to start", START_TIMEOUT_S)
+        if not ranks:
+            return
         for rank, cores in enumerate(split_cores(ranks)):
             self.spawn(f"worker{rank}", [sys.executable, "-m", "gpipe.worker.daemon", "--rank", str(rank),
                                          "--coordinator", self.address, "--cores", ",".join(map(str, cores)),

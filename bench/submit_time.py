@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_flat import CLI, START_TIMEOUT_S, Service  # noqa: E402
+from memory_flat import Service  # noqa: E402
 from start_time import COORDINATOR, JOBS, MODELS, env  # noqa: E402
 
 KINDS = ("seq", "gpt2")
@@ -69,14 +69,6 @@ def prepare(folder: Path, kinds: list[str]) -> dict[str, Path]:
         (d / "job.yaml").write_text(yaml.safe_dump(JOBS[kind]))
         out[kind] = d
     return out
-
-
-def serve(service: Service) -> None:
-    """Service.start's serve and no workers: back once serve listens."""
-    # --host: with tokens, serve would listen on every interface.
-    service.spawn("serve", [*CLI, "serve", "--host", "127.0.0.1", "--port", str(service.port),
-                            "--state-dir", str(service.state), *service.client_auth, *service.worker_auth])
-    service.wait(lambda: "coordinator serving on" in service.log("serve"), "serve to start", START_TIMEOUT_S)
 
 
 def timed(argv: list[str], job: Path, what: str) -> tuple[float, str]:
@@ -139,7 +131,7 @@ def main() -> None:
     took: dict[str, list[float]] = {}
     try:
         jobs = prepare(folder, wanted)
-        serve(service)
+        service.start(0)  # serve alone: a submitted job is queued, no worker runs it
         contenders: list[tuple[str, Callable[[int], float]]] = []
         for kind in wanted:
             contenders += [(f"validate {kind}", validating(jobs[kind])),
