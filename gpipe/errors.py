@@ -58,7 +58,8 @@ def describe_os_error(e: OSError, doing: str = "writing") -> str:
     return f"{doing}{where}: {e.strerror or e} ({name})"
 
 
-# Errors of the disk the job's outputs are on, not of an attempt: a restart cannot fix them.
+# Errors of the disk the job's outputs are on, not bugs of an attempt. Whether a restart may help is
+# gpipe.contract.disk_cause's to say: a full disk (ENOSPC, EDQUOT) can be made room on, the others cannot.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES})
 
 

@@ -28,13 +28,10 @@ multiple of S is passed over too.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypeVar
 
 from gpipe import schedule as schedules
 from gpipe.coordinator.spec.job import MAX_CHUNKS, JobSpec
 from gpipe.topology import Topology
-
-W = TypeVar("W")
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -75,19 +72,6 @@ def shapes(spec: JobSpec) -> Iterator[Topology]:
 def shape_for(spec: JobSpec, workers: int) -> Topology | None:
     """The best shape of `spec` that `workers` workers can carry; None: not even min_stages'."""
     return next((t for t in shapes(spec) if t.world <= workers), None)
-
-
-def place(slots: int, ready: dict[int, W]) -> list[W] | None:
-    """A worker for each of `slots` slots, from the ready ones by rank: the one whose rank is the slot, else a
-    spare (a ready worker whose rank is no slot of this attempt), lowest rank first. None: too few."""
-    spares = iter(sorted(r for r in ready if r >= slots))
-    out: list[W] = []
-    for slot in range(slots):
-        rank = slot if slot in ready else next(spares, None)
-        if rank is None:
-            return None
-        out.append(ready[rank])
-    return out
 
 
 def describe(t: Topology) -> str:

@@ -15,6 +15,7 @@ from torch import nn
 
 from gpipe import grad_in_place, schedule, structure
 from gpipe.coordinator.plan import baseline
+from gpipe.coordinator.plan.elastic import micro_batch_sizes
 from gpipe.coordinator.plan.job import Plan
 from gpipe.memory.footprint import Footprint, Line, LossLines
 from gpipe.memory.model import ChunkMemory, Prediction, Setting, checkpointing, predict
@@ -69,7 +70,7 @@ def predictions(plan: Plan, devices: Sequence[str], runtime: Callable[[str], int
     shards = plan.stream().shards(0)  # per replica: its micro-batches, their sizes
     last_chunk = spec.model_chunks - 1
     e = spec.eval.data.batch_size if spec.eval is not None else 0  # an eval batch's micro-batches, the largest
-    eval_sizes = [-(-e // min(spec.chunks, e))] if e else []
+    eval_sizes = [max(micro_batch_sizes(e, 1, min(spec.chunks, e)))] if e else []  # as EvalStream cuts it
     out = []
     for rank in top.ranks():
         k, replica = top.stage_of(rank), top.replica_of(rank)

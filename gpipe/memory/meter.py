@@ -29,6 +29,7 @@ counts every storage torch makes while it is on, until it is freed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import weakref
@@ -292,9 +293,16 @@ def map_apart(threshold: int = 1 << 20) -> None:
 def give_back() -> None:
     """Hand the free memory of every malloc arena back to the system (glibc's malloc_trim): the stages' heaps
     are never trimmed on their own (gpipe.worker.agent's MALLOC_TRIM_THRESHOLD_). No effect elsewhere than glibc."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, looked up once (a worker trims a few times a step); None elsewhere than glibc."""
     import ctypes
 
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None

@@ -104,13 +104,6 @@ def test_a_bad_elastic_section_is_one_line_naming_the_field(bad, field):
     assert field in str(e.value) and "\n" not in str(e.value).strip()
 
 
-def test_place_prefers_each_rank_s_own_slot_then_spares_lowest_first():
-    assert elastic.place(3, {0: "a", 1: "b", 2: "c", 5: "s"}) == ["a", "b", "c"]
-    assert elastic.place(3, {0: "a", 2: "c", 5: "s", 4: "t"}) == ["a", "t", "c"]
-    assert elastic.place(2, {0: "a", 2: "c"}) == ["a", "c"]  # a rank past the slots is a spare
-    assert elastic.place(3, {0: "a", 2: "c"}) is None
-
-
 async def lose_rank_1(h: Harness, **kw: object) -> JobRecord:
     """A 3-stage job running on ranks 0-2, then rank 1's worker gone: RESTARTING."""
     text = spec_text(**kw)
