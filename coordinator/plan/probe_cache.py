@@ -10,7 +10,8 @@ a key that hashes everything they depend on:
 
 - the spec, less the fields read only after the plan (its name, steps, logging,
   checkpoints, timeouts, restarts, priority);
-- the job's code: every Python file of its folder, by content, and the files
+- the job's code: every Python file its code archive holds (no virtualenv,
+  cache or state folder, nor the spec's `exclude`), by content, and the files
   of the modules its factories, loss, optimizer and init hook come from;
 - the versions of the libraries models are made of (torch, transformers ...:
   LIBRARIES) and of those the references come from, gpipe's version and the
@@ -43,6 +44,7 @@ from typing import Any, TypeVar
 
 from gpipe.coordinator.spec.job import JobSpec
 from gpipe.files import atomic_write_json
+from gpipe.service import code_archive
 
 T = TypeVar("T")
 
@@ -61,7 +63,6 @@ MEASURED_BY = ("gpipe.memory.probe", "gpipe.memory.footprint", "gpipe.memory.met
 # The libraries whose versions are part of the key, where loaded (with those the job's references come from).
 LIBRARIES = ("torch", "numpy", "transformers", "tokenizers", "datasets", "safetensors", "accelerate", "peft", "timm",
              "torchvision", "torchtitan")
-SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "venv"})  # and hidden folders
 MAX_ENTRIES = 1000  # a data folder: its entries' sizes and times, at most these
 
 
@@ -85,7 +86,7 @@ class Probes:
     def of(cls, job_folder: Path, spec: JobSpec, code_dir: Path, threads: int) -> Probes:
         """The probes of `spec` planned with its code in `code_dir` for stages of `threads` threads, kept in
         `job_folder`/probes.json."""
-        code = _code(code_dir)
+        code = _code(code_dir, spec.exclude)
         if code is None:
             return cls.off()
         return cls(job_folder / FILE, {
@@ -197,27 +198,21 @@ def _list(value: Any) -> list[Any]:
     return value
 
 
-def _walk(root: Path) -> Iterator[Path]:
-    """The Python files under `root`, hidden folders and SKIP_DIRS left out, in a stable order."""
-    for here, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
-        for f in sorted(files):
-            if f.endswith(".py"):
-                yield Path(here) / f
-
-
-def _code(code_dir: Path) -> str | None:
-    """A hash of the job's Python files, by their paths and contents; None for a folder beyond MAX_FILES or
-    MAX_BYTES (or unreadable)."""
+def _code(code_dir: Path, exclude: list[str]) -> str | None:
+    """A hash of the job's Python files, those its code archive holds (gpipe.service.code_archive.files_of:
+    no virtualenv, cache or state folder, the spec's `exclude` left out), by their paths and contents; None for
+    a folder beyond MAX_FILES or MAX_BYTES (or unreadable)."""
     h = hashlib.sha256()
     files = size = 0
     try:
-        for p in _walk(code_dir):
+        for rel, p in code_archive.files_of(code_dir, exclude):
+            if not rel.endswith(".py"):
+                continue
             data = p.read_bytes()
             files, size = files + 1, size + len(data)
             if files > MAX_FILES or size > MAX_BYTES:
                 return None
-            h.update(str(p.relative_to(code_dir)).encode() + b"\0" + hashlib.sha256(data).digest())
+            h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
     except OSError:
         return None
     return h.hexdigest()

@@ -129,3 +129,22 @@ def test_nothing_is_kept_without_a_place_for_it(folder, runs):
         p = make_plan(spec, folder)  # validate's plan: measured every time
         p.probes.save()
     assert runs == {"probe": 2, "footprint": 2} and list((folder / "out").iterdir()) == []
+
+
+def test_the_code_key_is_the_code_archive_s_python_files(tmp_path):
+    """What submit would pack of the job's folder: a virtualenv, a state folder or an excluded path inside it
+    changes nothing, a Python file of the job does."""
+    from gpipe.coordinator.plan.probe_cache import _code
+
+    (tmp_path / "model.py").write_text("x = 1\n")
+    (tmp_path / "env").mkdir()
+    (tmp_path / "env" / "pyvenv.cfg").write_text("home = /usr\n")
+    (tmp_path / "env" / "lib.py").write_text("y = 1\n")
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "notes.py").write_text("z = 1\n")
+    before = _code(tmp_path, ["scratch"])
+    (tmp_path / "env" / "lib.py").write_text("y = 2\n")
+    (tmp_path / "scratch" / "notes.py").write_text("z = 2\n")
+    assert before is not None and _code(tmp_path, ["scratch"]) == before
+    (tmp_path / "model.py").write_text("x = 2\n")
+    assert _code(tmp_path, ["scratch"]) != before
