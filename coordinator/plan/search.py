@@ -316,13 +316,12 @@ def gather(link: Link, nbytes: int, replicas: int, measured: Collectives | None 
 
 def peaks(m: Measured, c: Config, spec: JobSpec) -> list[int] | None:
     """Each worker's predicted peak bytes under `c` (gpipe.coordinator.plan.prediction); None without a footprint."""
-    plan = dataclasses.replace(m.plan, spec=spec, balance=list(c.balance))
-    device = "cuda:0" if m.device == "cuda" else "cpu"
-    got = prediction.predictions(plan, [device] * spec.topology.world, lambda _d: m.baseline_bytes)
+    got = _predicted(m, c, spec)
     return None if got is None else [p.peak for p in got]
 
 
 def _predicted(m: Measured, c: Config, spec: JobSpec) -> list[Prediction] | None:
+    """Each worker's prediction under `c`, its parts with it; None without a footprint."""
     plan = dataclasses.replace(m.plan, spec=spec, balance=list(c.balance))
     device = "cuda:0" if m.device == "cuda" else "cpu"
     return prediction.predictions(plan, [device] * spec.topology.world, lambda _d: m.baseline_bytes)
