@@ -381,8 +381,8 @@ def test_each_layers_own_mode_is_kept_by_the_first_call_and_by_an_eval_call():
 
 
 def test_a_failing_stage_stops_the_others_before_their_next_micro_batch():
-    """Stage 2 holds its second micro-batch until stage 3 has failed: it then sends nothing more, and computes no
-    third micro-batch."""
+    """Stage 3 fails while stage 2 computes its second micro-batch, which stage 2 holds until the failure is known: it
+    then sends nothing more, and computes no third micro-batch."""
     calls: list[int] = []
     running: list[gpipe.Pipeline] = []
 
@@ -403,6 +403,9 @@ def test_a_failing_stage_stops_the_others_before_their_next_micro_batch():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.training and torch.is_grad_enabled():
+                deadline = time.monotonic() + 30
+                while len(calls) < 2 and time.monotonic() < deadline:  # fails once stage 2 is inside micro-batch 1
+                    time.sleep(0.01)
                 raise RuntimeError("this stage fails")
             return x
 
