@@ -79,6 +79,9 @@ class StageConfig:
     # A model that is not an nn.Sequential (gpipe.capture.graph): what the stage captures it with (split_points,
     # output, and the first micro-batch's skeleton: gpipe.capture.graph.sample_signature); None for an nn.Sequential.
     capture: dict[str, Any] | None = None
+    # Then: the coordinator's capture of this model chunk's pieces, without weights (gpipe.capture.skeleton.pack), which
+    # the stage builds from instead of capturing the model again; None: the stage captures it (`capture`).
+    pieces: bytes | None = None
     # Tied weights (gpipe.capture.graph.tied_groups): per group, its parameter keys and the stages that hold a copy.
     tied: list[tuple[list[str], list[int]]] = field(default_factory=list)
 

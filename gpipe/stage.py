@@ -16,6 +16,7 @@ import contextlib
 import copy
 import json
 import resource
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -62,28 +63,55 @@ _EPOCH_PERF = time.perf_counter()
 _NOTHING = contextlib.nullcontext()  # reusable: it keeps no state
 _EPOCH_UNIX = time.time()
 
-# A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton and
-# its capture (torch.export, seconds for a language model) are made once in a process, and every model chunk takes a
-# copy of its own pieces from them. One model at a time: an attempt process serves one job.
-_skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor], nn.Sequential]] = {}
+# A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton is made
+# once in a process; each model chunk's pieces come from the coordinator's capture (StageConfig.pieces), or, where
+# it sent none that load, from the process's own (torch.export, seconds for a language model), made once and copied
+# by every model chunk. One model at a time: an attempt process serves one job.
+_skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor], nn.Sequential | None]] = {}
 _skeletons_lock = threading.Lock()
 
 
 def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[nn.Module, dict[str, torch.Tensor],
                                                                                nn.Sequential]:
-    """(the model on the meta device, its buffers' built values, its pieces on the meta device), made once for
-    this process's model; read, never written (build_layers copies the pieces it takes)."""
+    """(the model on the meta device, its buffers' built values, this model chunk's pieces on the meta device,
+    under their indices in the whole capture). The model is built once for this process's model, and captured
+    once where the coordinator sent no pieces (StageConfig.pieces), or sent pieces that do not load here;
+    read, never written (build_layers copies the pieces it takes)."""
     args = cfg.capture
     assert args is not None
+    shipped = _shipped(cfg)
     key = json.dumps([cfg.model_factory, cfg.model_args, args], sort_keys=True, default=repr)
     with _skeletons_lock:
         hit = _skeletons.get(key)
         if hit is None:
             model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
-            pieces = skeleton.capture_pieces(model, args).pieces
             _skeletons.clear()
-            _skeletons[key] = hit = (model, buffers, pieces)
-        return hit
+            _skeletons[key] = hit = (model, buffers, None)
+        model, buffers, pieces = hit
+        if shipped is not None:
+            return model, buffers, shipped
+        if pieces is None:
+            pieces = skeleton.capture_pieces(model, args).pieces
+            _skeletons[key] = (model, buffers, pieces)
+    return model, buffers, nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(cfg.start, cfg.end)))
+
+
+def _shipped(cfg: StageConfig) -> nn.Sequential | None:
+    """The pieces the coordinator sent for this model chunk (StageConfig.pieces); None without, or when they do
+    not load here (another torch, say: the stage then captures the model itself, and its log says why)."""
+    if cfg.pieces is None:
+        return None
+    try:
+        pieces = skeleton.unpack(cfg.pieces)
+    except Exception as e:
+        print(f"stage {cfg.model_chunk}: the coordinator's capture did not load here ({type(e).__name__}: {e}); "
+              "capturing the model here", file=sys.stderr, flush=True)
+        return None
+    if [name for name, _ in pieces.named_children()] != [str(i) for i in range(cfg.start, cfg.end)]:
+        print(f"stage {cfg.model_chunk}: the coordinator's capture is not of pieces {cfg.start}..{cfg.end - 1}; "
+              "capturing the model here", file=sys.stderr, flush=True)
+        return None
+    return pieces
 
 
 def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device: torch.device) -> nn.Sequential:
@@ -113,7 +141,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         if cfg.capture is not None:  # its buffers' values kept aside (gpipe.capture.skeleton)
             model, buffers, pieces = _captured_skeleton(cfg, factory)
             # A copy: a tied weight stays one tensor within it (deepcopy's memo), the cached pieces stay as made.
-            layers = copy.deepcopy(nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(cfg.start, cfg.end))))
+            layers = copy.deepcopy(pieces)
         else:
             with torch.device("meta"):
                 layers = sliced(factory(**cfg.model_args))

@@ -4,11 +4,12 @@ A worker's peak on the CPU is its process's resident peak, which starts at
 this: Python, torch and gpipe's modules (gpipe.worker.agent.WORKER_PRELOAD), and what
 the job's model brings before it holds any weight: the modules its factory
 imports (transformers: some 50 MiB) and, for a model that is not an
-nn.Sequential, its capture (gpipe.capture.graph: the graphs, some 40 MiB for a
-4-block GPT-2). So it is measured as a worker would get there: a fresh Python,
-with the worker's malloc settings, imports those modules, builds the model on
-the meta device (gpipe.capture.skeleton), captures it as the plan does, and reports its
-peak resident memory (VmHWM). Building on the meta device takes no weights;
+nn.Sequential, its captured pieces (gpipe.capture.graph: the graphs), which a
+worker loads from the plan's capture (gpipe.capture.skeleton.pack). So it is
+measured as a worker would get there: a fresh Python, with the worker's malloc
+settings, imports those modules, builds the model on the meta device
+(gpipe.capture.skeleton), loads the plan's pieces (all of them: a worker holds
+its own stage's), and reports its peak resident memory (VmHWM). Building on the meta device takes no weights;
 where it fails, the figure is that of the imports alone.
 
 It costs a few seconds (an import of torch, and of the model's own modules), so
@@ -21,6 +22,7 @@ allocator's peak counts tensors only: the baseline there is 0.
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -30,10 +32,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpipe.capture import skeleton
 from gpipe.coordinator.plan.job import Plan
 from gpipe.files import atomic_write_json
 
-TIMEOUT_S = 180.0  # importing torch and the model's modules, and capturing it, on a loaded machine
+TIMEOUT_S = 180.0  # importing torch and the model's modules, and loading its pieces, on a loaded machine
 
 # The measuring process: stdin is the request (the worker's modules, the model's factory and its capture).
 _CHILD = """
@@ -44,13 +47,14 @@ req = json.loads(sys.stdin.read())
 for m in req["preload"]:
     importlib.import_module(m)
 try:
-    from gpipe import skeleton
+    from gpipe.capture import skeleton
     from gpipe.factory import add_import_paths, resolve
     add_import_paths(req["import_paths"])
     build = resolve(req["factory"])
     model, _ = skeleton.skeleton(lambda: build(**req["args"]))
-    if req["capture"] is not None:
-        skeleton.capture_pieces(model, req["capture"])
+    if req["pieces"]:
+        import base64
+        skeleton.unpack(base64.b64decode(req["pieces"]))
 except Exception as e:
     print(f"the model on the meta device: {type(e).__name__}: {e}", file=sys.stderr)
 from gpipe.memory.meter import resident_peak_bytes
@@ -67,8 +71,9 @@ def _request(plan: Plan) -> dict[str, Any]:
     from gpipe.worker.agent import WORKER_PRELOAD
 
     m = plan.spec.model
+    pieces = "" if plan.captured is None else base64.b64encode(skeleton.pack(plan.model, 0, len(plan.model))).decode()
     return {"preload": list(WORKER_PRELOAD), "import_paths": plan.import_paths, "factory": m.factory,
-            "args": m.args, "capture": plan.capture_args()}
+            "args": m.args, "capture": plan.capture_args(), "pieces": pieces}
 
 
 @functools.cache
@@ -88,7 +93,9 @@ def _software() -> list[str]:
 
 def _key(req: dict[str, Any]) -> str:
     # An nn.Sequential's arguments change its weights, not what the process imports.
-    model = {k: req[k] for k in ("factory", "args", "capture")} if req["capture"] is not None else req["factory"]
+    # (the pieces: what a captured model's capture arguments make; "loaded": as a worker now gets them)
+    model = {**{k: req[k] for k in ("factory", "args", "capture")}, "pieces": "loaded"} \
+        if req["capture"] is not None else req["factory"]
     return json.dumps([*_software(), req["preload"], model], sort_keys=True)
 
 

@@ -56,7 +56,7 @@ def stage_config(plan: Plan, model_chunk: int, replica: int, device: str, store_
         # on logged steps only: every activation_meter_every-th rounded up to a multiple of log_every
         "activation_meter_every": None if spec.activation_meter_every is None
         else math.lcm(spec.activation_meter_every, spec.log_every),
-        "capture": plan.capture_args(), "tied": plan.tied_stages(),
+        "capture": plan.capture_args(), "pieces": plan.stage_pieces(model_chunk), "tied": plan.tied_stages(),
         "model_chunks": spec.model_chunks,  # a Stage per model chunk; virtual_stages of them on each worker
     }
     if unset := {f.name for f in fields(StageConfig)} - set(values):

@@ -73,6 +73,7 @@ class Plan:
     state_slots: int = 0  # the optimizer's state tensors per parameter (gpipe.optim_check measures one by import path)
     # The probes' answers: measured, or kept from an earlier plan of the unchanged job (gpipe.coordinator.plan.probe_cache).
     probes: Probes = field(default_factory=Probes.off)
+    _packed: dict[int, bytes] = field(default_factory=dict, repr=False)  # stage_pieces, by model chunk
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -80,6 +81,17 @@ class Plan:
             return None
         m = self.spec.model
         return {"split_points": list(m.split_points or []), "output": self.spec.model_output, "sample": self.sample}
+
+    def stage_pieces(self, model_chunk: int) -> bytes | None:
+        """The captured pieces of model chunk `model_chunk`, without weights, for its stages to build from
+        (StageConfig.pieces, gpipe.capture.skeleton.pack; made once, every replica's stage takes them); None for an
+        nn.Sequential."""
+        if self.captured is None:
+            return None
+        if model_chunk not in self._packed:
+            start, end = self.bounds[model_chunk]
+            self._packed[model_chunk] = skeleton.pack(self.model, start, end)
+        return self._packed[model_chunk]
 
     def weight_name(self, key: str) -> str:
         """A weight's name in checkpoints and model.safetensors: the model's own (a captured model's pieces

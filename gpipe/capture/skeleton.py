@@ -16,12 +16,23 @@ build or the capture fails on the meta device; a stage's slice that keeps a
 tensor that is no parameter or buffer (`plain_tensor`) is built whole, and so
 is the plan's model when its captured forward makes a constant the build does
 not hold (`unknown_constant`: a stage then gets that constant with its weights).
+
+The coordinator's plan captures the model once; a stage takes its own pieces from that capture (`pack`,
+StageConfig.pieces) rather than capturing the model again (seconds of torch.export for a language model, in
+every worker). They come without weights, every tensor on the meta device as a stage's own capture of a
+skeleton would hold it, and the stage goes on from them as from its own. They are pickled: they cross torch
+RPC alone, which pickles everything it carries (its ports are the cluster's own, behind the NetworkPolicy);
+nothing is read from disk so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,3 +115,28 @@ def unknown_constant(pieces: nn.Module, built: dict[str, torch.Tensor]) -> str |
         if key not in saved and capture.model_name(key) not in built:
             return capture.model_name(key)
     return None
+
+
+def pack(pieces: nn.Sequential, start: int, end: int) -> bytes:
+    """Pieces [start, end) of a capture, pickled without their values: every parameter, buffer and plain tensor on
+    the meta device (a tied weight still one tensor), as a stage's own capture of a skeleton holds them; the
+    graphs as they are. What StageConfig.pieces carries to the stage (see the module's doc)."""
+    part = nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(start, end)))
+    memo: dict[int, Any] = {}
+    for p in part.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for m in part.modules():
+        for v in [*m._buffers.values(), *vars(m).values()]:
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in memo:
+                memo[id(v)] = torch.empty_like(v, device="meta")
+    return pickle.dumps(copy.deepcopy(part, memo), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes) -> nn.Sequential:
+    """What `pack` made: the pieces under their indices in the whole capture ("3", "4", ...)."""
+    with warnings.catch_warnings():  # a tree spec's leaves come back through torch's deprecated LeafSpec
+        warnings.simplefilter("ignore", FutureWarning)
+        layers = pickle.loads(data)  # noqa: S301 - from the coordinator over torch RPC (see the module's doc)
+    if not isinstance(layers, nn.Sequential):
+        raise TypeError(f"expected the stage's pieces, got a {type(layers).__name__}")
+    return layers

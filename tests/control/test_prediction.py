@@ -100,3 +100,26 @@ def test_the_heap_slack_leaves_out_the_gradients_computed_into_grad(tmp_path):
         heaped = sum(q.numel() * 4 for q in params if id(q) not in in_place)
         assert p.parts["allocator"] == round(CPU_HEAP_SLACK * heaped)
         assert p.parts["grads"] == sum(q.numel() * 4 for q in params) > heaped
+
+
+def test_the_baseline_process_builds_the_model_and_loads_the_plans_pieces(tmp_path):
+    """The measuring process gets as far as a worker does (its modules, the model on the meta device, the plan's
+    captured pieces) and says nothing went wrong: a failure there would leave the figure at the imports alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpipe.coordinator.plan import baseline
+    from tests.support.spec import GPT2, job
+
+    pytest.importorskip("transformers")
+    plan = make_plan(parse_spec(job_yaml(job(GPT2, stages=2))), tmp_path)
+    req = baseline._request(plan)
+    assert req["pieces"] and req["capture"] is not None
+    r = subprocess.run([sys.executable, "-P", "-c", baseline._CHILD + "\nprint('transformers' in sys.modules)"],
+                       input=json.dumps(req), capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))  # tests.support
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    peak, imported = r.stdout.split()
+    assert int(peak) > 100 << 20 and imported == "True"

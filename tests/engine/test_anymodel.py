@@ -324,3 +324,53 @@ def test_two_threads_capturing_at_once_both_get_their_pieces_and_another_threads
     err = capfd.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("still here")]
     assert len(lines) >= 3 and lines == [f"still here {i}" for i in range(len(lines))]
+
+
+@pytest.mark.parametrize("init", ["exact", "per_layer"])
+def test_a_stage_builds_from_the_coordinator_s_capture_without_capturing_again(tmp_path, monkeypatch, capfd, init):
+    """StageConfig.pieces: the plan's pieces of the model chunk, without weights; the stage's layers from them hold
+    the plan's weights (exact) or the per-layer init of its own capture (per_layer), and run as the plan's pieces
+    do. Pieces that do not load: the stage captures the model itself, and says so."""
+    from gpipe import stage
+    from gpipe.capture import skeleton
+    from gpipe.coordinator.plan.configs import stage_config
+    from gpipe.coordinator.plan.job import make_plan
+    from gpipe.coordinator.spec.job import JobSpec
+
+    hook = {"init_hook": "tests.support.models:hf_init"} if init == "per_layer" else {}
+    spec = JobSpec.model_validate(job(GPT2, init=init, model__split_points=["transformer.h.1", "transformer.h.3"],
+                                      **hook))
+    plan = make_plan(spec, tmp_path)
+    monkeypatch.setattr(stage, "_skeletons", {})
+    built = []
+
+    def layers(k: int, cfg_changes: dict | None = None) -> torch.nn.Sequential:
+        cfg = stage_config(plan, k, 0, "cpu", "", 0)
+        for name, value in (cfg_changes or {}).items():
+            setattr(cfg, name, value)
+        return stage.build_layers(cfg, plan.stage_state(k) if init == "exact" else None, torch.device("cpu"))
+
+    real_capture = skeleton.capture_pieces
+    monkeypatch.setattr(skeleton, "capture_pieces", lambda *a: built.append(a) or real_capture(*a))
+    stages = [layers(k) for k in range(3)]
+    assert built == []  # no stage captured the model
+    assert all(isinstance(plan.stage_pieces(k), bytes) for k in range(3))
+    if init == "exact":
+        x = torch.randint(0, 97, (3, 6))
+        want, got = x, x
+        for k, (start, end) in enumerate(plan.bounds):
+            for i in range(start, end):
+                want = plan.model[i](want)
+            got = stages[k](got)
+        assert torch.equal(got, want)
+    else:  # as the stages of a job that sends no pieces (an older coordinator's) build them, capturing
+        monkeypatch.setattr(stage, "_skeletons", {})
+        own = [layers(k, {"pieces": None}) for k in range(3)]
+        assert len(built) == 1  # captured once in the process, for every stage
+        for a, b in zip(stages, own, strict=True):
+            assert a.state_dict().keys() == b.state_dict().keys()
+            assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    built.clear()
+    monkeypatch.setattr(stage, "_skeletons", {})
+    layers(1, {"pieces": b"not a pickle"})
+    assert len(built) == 1 and "the coordinator's capture did not load here" in capfd.readouterr().err
