@@ -42,7 +42,7 @@ from gpipe import state as layout
 from gpipe.capture import graph as capture
 from gpipe.capture import skeleton
 from gpipe.contract import EvalResult, StageConfig, StepResult
-from gpipe.factory import add_import_paths, resolve
+from gpipe.factory import add_import_paths, resolve, use_job_code
 from gpipe.memory.meter import ActivationMeter, resident_bytes, storage_key
 from gpipe.memory.zero import ShardedOptimizer
 from gpipe.precision import Precision
@@ -64,11 +64,38 @@ _NOTHING = contextlib.nullcontext()  # reusable: it keeps no state
 _EPOCH_UNIX = time.time()
 
 # A worker builds each of its model chunks (virtual stages) from the same model: a captured model's skeleton is made
-# once in a process; each model chunk's pieces come from the coordinator's capture (StageConfig.pieces), or, where
-# it sent none that load, from the process's own (torch.export, seconds for a language model), made once and copied
-# by every model chunk. One model at a time: an attempt process serves one job.
-_skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor], nn.Sequential | None]] = {}
+# once in a process (or before its join: `warm`); each model chunk's pieces come from the coordinator's capture
+# (StageConfig.pieces), or, where it sent none that load, from the process's own (torch.export, seconds for a
+# language model), made once and copied by every model chunk. One model at a time: an attempt process serves one job.
+_skeletons: dict[str, tuple[nn.Module, dict[str, torch.Tensor]]] = {}  # by the model's factory and arguments
+_captures: dict[str, nn.Sequential] = {}  # by those and the capture's arguments
 _skeletons_lock = threading.Lock()
+
+
+def _skeleton_of(model_factory: str, model_args: dict[str, Any],
+                 factory: Callable[..., Any]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """(the model on the meta device, its buffers' built values), built once in this process."""
+    key = json.dumps([model_factory, model_args], sort_keys=True, default=repr)
+    with _skeletons_lock:
+        hit = _skeletons.get(key)
+        if hit is None:
+            hit = skeleton.skeleton(lambda: factory(**model_args))
+            _skeletons.clear()
+            _captures.clear()
+            _skeletons[key] = hit
+        return hit
+
+
+def warm(model_factory: str, model_args: dict[str, Any], code_dir: str) -> None:
+    """Build the model's skeleton before the stage's config comes, in the job's folder `code_dir` as the stage
+    will (`run`'s attempt processes waiting for their join, while the coordinator plans): the modules its factory
+    imports (transformers: seconds) and the skeleton, which build_layers then takes. Whatever fails is left for
+    the stage's own build to meet and report."""
+    try:
+        use_job_code(code_dir)
+        _skeleton_of(model_factory, model_args, resolve(model_factory))
+    except Exception:
+        pass
 
 
 def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[nn.Module, dict[str, torch.Tensor],
@@ -80,19 +107,14 @@ def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[n
     args = cfg.capture
     assert args is not None
     shipped = _shipped(cfg)
+    model, buffers = _skeleton_of(cfg.model_factory, cfg.model_args, factory)
+    if shipped is not None:
+        return model, buffers, shipped
     key = json.dumps([cfg.model_factory, cfg.model_args, args], sort_keys=True, default=repr)
     with _skeletons_lock:
-        hit = _skeletons.get(key)
-        if hit is None:
-            model, buffers = skeleton.skeleton(lambda: factory(**cfg.model_args))
-            _skeletons.clear()
-            _skeletons[key] = hit = (model, buffers, None)
-        model, buffers, pieces = hit
-        if shipped is not None:
-            return model, buffers, shipped
+        pieces = _captures.get(key)
         if pieces is None:
-            pieces = skeleton.capture_pieces(model, args).pieces
-            _skeletons[key] = (model, buffers, pieces)
+            pieces = _captures[key] = skeleton.capture_pieces(model, args).pieces
     return model, buffers, nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(cfg.start, cfg.end)))
 
 

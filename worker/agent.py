@@ -53,6 +53,10 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_":
               "MALLOC_TOP_PAD_": str(64 << 20)}
 
 
+# `run`'s attempt processes' environment: the job's model as JSON ({"model_factory", "model_args", "code_dir"}), which
+# they build while waiting for their join (gpipe.stage.warm; run knows the job before any plan).
+WARM_ENV = "GPIPE_WARM_MODEL"
+
 # What a worker's attempt processes import (gpipe.service.zygote's template imports it once). Its optimizer imports
 # torch._dynamo: half the template's start, 1.2 of 2.5 CPU-s.
 WORKER_PRELOAD = ("torch._dynamo", "torch.distributed.rpc", "gpipe.worker.attempt")

@@ -45,7 +45,7 @@ from gpipe.coordinator.supervisor.records import final_loss
 from gpipe.errors import EXIT_BAD_INPUT, JobFailed, Preempted, SpecError
 from gpipe.service import grpcutil
 from gpipe.service.job_records import JobRecord, JobState
-from gpipe.worker.agent import worker_template
+from gpipe.worker.agent import WARM_ENV, worker_template
 from gpipe.worker.cores import split_cores, threads_for
 from gpipe.worker.device import VISIBLE_ENV, Gpu, Gpus, probe
 
@@ -150,7 +150,11 @@ async def _train(spec: JobSpec, spec_path: Path, code_dir: Path, state_dir: Path
     sup = Supervisor(launcher, say=lambda line: None, limits=pool.Limits(max_workers=len(core_sets)))
     # On a GPU, worker k's attempt processes see their GPU alone, as cuda:0: a stage's .cuda() lands there.
     device = "cuda:0" if spec.device == "cuda" else "cpu"
-    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template, gpu, env)
+    # Their attempt processes build the job's model (on the meta device) while the coordinator plans.
+    warm = {WARM_ENV: json.dumps({"model_factory": spec.model.factory, "model_args": spec.model.args,
+                                  "code_dir": str(code_dir)})}
+    workers = [LocalWorker(sup, k, HOST, device, cores, threads, logs / spec.topology.log_name(k), template, gpu,
+                           {**env, **warm})
                for k, (cores, (gpu, env)) in enumerate(zip(core_sets, gpus, strict=True))]
     tasks = [asyncio.ensure_future(w.run()) for w in workers]
     tasks.append(asyncio.ensure_future(sup.serve_forever()))
