@@ -81,7 +81,7 @@ class StageConfig:
     capture: dict[str, Any] | None = None
     # Then: the coordinator's capture of this model chunk's pieces, without weights (gpipe.capture.skeleton.pack), which
     # the stage builds from instead of capturing the model again; None: the stage captures it (`capture`).
-    pieces: bytes | None = None
+    pieces: bytes | None = field(default=None, repr=False)
     # Tied weights (gpipe.capture.graph.tied_groups): per group, its parameter keys and the stages that hold a copy.
     tied: list[tuple[list[str], list[int]]] = field(default_factory=list)
 

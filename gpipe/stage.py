@@ -94,28 +94,29 @@ def warm(model_factory: str, model_args: dict[str, Any], code_dir: str) -> None:
     try:
         use_job_code(code_dir)
         _skeleton_of(model_factory, model_args, resolve(model_factory))
-    except Exception:
+    except BaseException:  # noqa: S110 - one that exits (argparse, sys.exit) too: the stage's build says so
         pass
 
 
 def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[nn.Module, dict[str, torch.Tensor],
                                                                                nn.Sequential]:
     """(the model on the meta device, its buffers' built values, this model chunk's pieces on the meta device,
-    under their indices in the whole capture). The model is built once for this process's model, and captured
-    once where the coordinator sent no pieces (StageConfig.pieces), or sent pieces that do not load here;
-    read, never written (build_layers copies the pieces it takes)."""
+    under their indices in the whole capture: the stage's own, to build its layers from). The model is built once
+    for this process's model, and captured once where the coordinator sent no pieces (StageConfig.pieces), or
+    sent pieces that do not load here (each model chunk then copies its own pieces from that capture)."""
     args = cfg.capture
     assert args is not None
-    shipped = _shipped(cfg)
     model, buffers = _skeleton_of(cfg.model_factory, cfg.model_args, factory)
-    if shipped is not None:
-        return model, buffers, shipped
-    key = json.dumps([cfg.model_factory, cfg.model_args, args], sort_keys=True, default=repr)
-    with _skeletons_lock:
+    with _skeletons_lock:  # unpickling a graph, as capturing one, patches torch.nn.Module for the process a while
+        if (shipped := _shipped(cfg)) is not None:
+            return model, buffers, shipped
+        key = json.dumps([cfg.model_factory, cfg.model_args, args], sort_keys=True, default=repr)
         pieces = _captures.get(key)
         if pieces is None:
             pieces = _captures[key] = skeleton.capture_pieces(model, args).pieces
-    return model, buffers, nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(cfg.start, cfg.end)))
+    # A copy: a tied weight stays one tensor within it (deepcopy's memo), the cached pieces stay as made.
+    return model, buffers, copy.deepcopy(nn.Sequential(OrderedDict((str(i), pieces[i])
+                                                                   for i in range(cfg.start, cfg.end))))
 
 
 def _shipped(cfg: StageConfig) -> nn.Sequential | None:
@@ -161,9 +162,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
     layers = None
     try:
         if cfg.capture is not None:  # its buffers' values kept aside (gpipe.capture.skeleton)
-            model, buffers, pieces = _captured_skeleton(cfg, factory)
-            # A copy: a tied weight stays one tensor within it (deepcopy's memo), the cached pieces stay as made.
-            layers = copy.deepcopy(pieces)
+            model, buffers, layers = _captured_skeleton(cfg, factory)
         else:
             with torch.device("meta"):
                 layers = sliced(factory(**cfg.model_args))

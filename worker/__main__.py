@@ -32,11 +32,15 @@ if warm := os.environ.pop(WARM_ENV, ""):  # `run`'s: the model built while the c
     from gpipe.stage import warm as build_ahead
 
     said = tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
     kept = os.dup(1), os.dup(2)
     os.dup2(said.fileno(), 1)
     os.dup2(said.fileno(), 2)
     try:
         build_ahead(**json.loads(warm))
+    except BaseException:  # noqa: S110 - a factory that exits or raises: the stage's own build meets it, logged
+        pass
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -47,7 +51,7 @@ line = sys.stdin.readline()
 if not line:  # the agent went away before a join
     proc.exit_now(0)
 j = json.loads(line)
-fd = os.open(j["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # before the job's folder is entered
+fd = os.open(j["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # an absolute path: the agent's
 os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)

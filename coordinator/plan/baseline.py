@@ -71,9 +71,19 @@ def _request(plan: Plan) -> dict[str, Any]:
     from gpipe.worker.agent import WORKER_PRELOAD
 
     m = plan.spec.model
-    pieces = "" if plan.captured is None else base64.b64encode(skeleton.pack(plan.model, 0, len(plan.model))).decode()
     return {"preload": list(WORKER_PRELOAD), "import_paths": plan.import_paths, "factory": m.factory,
-            "args": m.args, "capture": plan.capture_args(), "pieces": pieces}
+            "args": m.args, "capture": plan.capture_args(), "pieces": ""}
+
+
+def _with_pieces(req: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """`req` with the plan's captured pieces, as a worker loads them (all of them); as it is where they do not
+    pickle (the stages then capture the model themselves)."""
+    if plan.captured is None:
+        return req
+    try:
+        return {**req, "pieces": base64.b64encode(skeleton.pack(plan.model, 0, len(plan.model))).decode()}
+    except Exception:
+        return req
 
 
 @functools.cache
@@ -138,7 +148,7 @@ def runtime_bytes(plan: Plan, device: str = "cpu") -> int:
         return got
     req = _request(plan)
     key = _key(req)
-    got = _seen[key] = measure(req)
+    got = _seen[key] = measure(_with_pieces(req, plan))
     if got:
         try:
             path = cache_file()

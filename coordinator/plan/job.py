@@ -73,7 +73,8 @@ class Plan:
     state_slots: int = 0  # the optimizer's state tensors per parameter (gpipe.optim_check measures one by import path)
     # The probes' answers: measured, or kept from an earlier plan of the unchanged job (gpipe.coordinator.plan.probe_cache).
     probes: Probes = field(default_factory=Probes.off)
-    _packed: dict[int, bytes] = field(default_factory=dict, repr=False)  # stage_pieces, by model chunk
+    _packed: dict[tuple[int, int], bytes | None] = field(default_factory=dict, init=False, repr=False,
+                                                         compare=False)  # stage_pieces, by pieces' range
 
     def capture_args(self) -> dict[str, Any] | None:
         """What a stage captures the model with (StageConfig.capture); None for an nn.Sequential."""
@@ -84,14 +85,19 @@ class Plan:
 
     def stage_pieces(self, model_chunk: int) -> bytes | None:
         """The captured pieces of model chunk `model_chunk`, without weights, for its stages to build from
-        (StageConfig.pieces, gpipe.capture.skeleton.pack; made once, every replica's stage takes them); None for an
-        nn.Sequential."""
-        if self.captured is None:
+        (StageConfig.pieces, gpipe.capture.skeleton.pack; made once, every replica's stage takes them). None, and
+        the stages capture the model themselves: for an nn.Sequential; with init per_layer on a model built whole
+        here (one the meta device could not stand for: a constant its forward makes would come to no stage, which
+        gets no weights); where the pieces do not pickle."""
+        if self.captured is None or (self.spec.init == "per_layer" and not self.on_meta):
             return None
-        if model_chunk not in self._packed:
-            start, end = self.bounds[model_chunk]
-            self._packed[model_chunk] = skeleton.pack(self.model, start, end)
-        return self._packed[model_chunk]
+        bounds = self.bounds[model_chunk]
+        if bounds not in self._packed:
+            try:
+                self._packed[bounds] = skeleton.pack(self.model, *bounds)
+            except Exception:
+                self._packed[bounds] = None
+        return self._packed[bounds]
 
     def weight_name(self, key: str) -> str:
         """A weight's name in checkpoints and model.safetensors: the model's own (a captured model's pieces

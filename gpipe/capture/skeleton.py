@@ -21,8 +21,9 @@ The coordinator's plan captures the model once; a stage takes its own pieces fro
 StageConfig.pieces) rather than capturing the model again (seconds of torch.export for a language model, in
 every worker). They come without weights, every tensor on the meta device as a stage's own capture of a
 skeleton would hold it, and the stage goes on from them as from its own. They are pickled: they cross torch
-RPC alone, which pickles everything it carries (its ports are the cluster's own, behind the NetworkPolicy);
-nothing is read from disk so.
+RPC, which pickles everything it carries (its ports are the cluster's own, behind the NetworkPolicy), or go to
+a process the plan starts itself (gpipe.coordinator.plan.baseline), or stay in the process (gpipe.Pipeline's
+and the tests' stages); nothing is read from disk so.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_the_baseline_process_builds_the_model_and_loads_the_plans_pieces(tmp_pa
 
     pytest.importorskip("transformers")
     plan = make_plan(parse_spec(job_yaml(job(GPT2, stages=2))), tmp_path)
-    req = baseline._request(plan)
+    req = baseline._with_pieces(baseline._request(plan), plan)
     assert req["pieces"] and req["capture"] is not None
     r = subprocess.run([sys.executable, "-P", "-c", baseline._CHILD + "\nprint('transformers' in sys.modules)"],
                        input=json.dumps(req), capture_output=True, text=True, timeout=120,

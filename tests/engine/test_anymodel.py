@@ -342,6 +342,7 @@ def test_a_stage_builds_from_the_coordinator_s_capture_without_capturing_again(t
                                       **hook))
     plan = make_plan(spec, tmp_path)
     monkeypatch.setattr(stage, "_skeletons", {})
+    monkeypatch.setattr(stage, "_captures", {})
     built = []
 
     def layers(k: int, cfg_changes: dict | None = None) -> torch.nn.Sequential:
@@ -365,6 +366,7 @@ def test_a_stage_builds_from_the_coordinator_s_capture_without_capturing_again(t
         assert torch.equal(got, want)
     else:  # as the stages of a job that sends no pieces (an older coordinator's) build them, capturing
         monkeypatch.setattr(stage, "_skeletons", {})
+        monkeypatch.setattr(stage, "_captures", {})
         own = [layers(k, {"pieces": None}) for k in range(3)]
         assert len(built) == 1  # captured once in the process, for every stage
         for a, b in zip(stages, own, strict=True):
@@ -372,5 +374,6 @@ def test_a_stage_builds_from_the_coordinator_s_capture_without_capturing_again(t
             assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
     built.clear()
     monkeypatch.setattr(stage, "_skeletons", {})
+    monkeypatch.setattr(stage, "_captures", {})
     layers(1, {"pieces": b"not a pickle"})
     assert len(built) == 1 and "the coordinator's capture did not load here" in capfd.readouterr().err

@@ -81,3 +81,27 @@ def test_a_skeleton_holds_no_weights_and_keeps_its_buffers_values_and_other_thre
     want = models.llama().model.rotary_emb.inv_freq
     assert torch.equal(buffers["model.rotary_emb.inv_freq"], want)  # as the model builds it
     assert not torch.nn.Linear(2, 2).weight.is_meta  # nothing left patched
+
+
+def test_per_layer_on_a_model_built_whole_sends_no_pieces_and_its_stages_build_as_one_device(tmp_path):
+    """A model the meta device cannot stand for (a plain tensor) is planned whole: its stages get no pieces of the
+    plan's capture, whose constants no stage would receive under per_layer, and capture it themselves; what they
+    build is per_module's init of the model."""
+    from gpipe.coordinator.plan.configs import stage_config
+    from gpipe.coordinator.plan.job import make_plan
+    from gpipe.coordinator.spec.job import JobSpec
+    from gpipe.stage import build_layers
+    from gpipe.weight_init import per_module
+    from tests.support.spec import THREE_STAGES
+
+    spec = job(THREE_STAGES, model={"factory": "tests.support.models:scaled_blocks", "args": {}}, stages=3,
+               balance=[1, 1, 1], init="per_layer")
+    plan = make_plan(JobSpec.model_validate(spec), tmp_path)
+    assert not plan.on_meta and all(plan.stage_pieces(k) is None for k in range(3))
+    stages = [build_layers(stage_config(plan, k, 0, "cpu", "", 0), None, torch.device("cpu")) for k in range(3)]
+    model = per_module(models.scaled_blocks(), plan.spec.seed, None)
+    x = torch.randn(4, 16)
+    y = x
+    for layers in stages:
+        y = layers(y)
+    assert torch.equal(y, model(x))  # its weights, and the constant its forward multiplies by
