@@ -10,6 +10,10 @@ the stages holding a copy of a tied weight, follow from that.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch only where a model is cut: the supervisor and the client read this module too
+    from torch import nn
 
 Route = tuple[str, int, int]  # a skip connection between stages: name, stashing stage, popping stage
 
@@ -21,6 +25,16 @@ def bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
         out.append((start, start + n))
         start += n
     return out
+
+
+def layers(model: nn.Sequential, start: int, end: int) -> nn.Sequential:
+    """Layers [start, end) of `model` (a captured model's pieces too), under their indices in the whole ("3", "4",
+    ...): the names their parameters have in checkpoints and in the coordinator's weights."""
+    from collections import OrderedDict
+
+    from torch import nn
+
+    return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(start, end)))
 
 
 def stage_of(balance: Sequence[int], layer: int) -> int:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -246,7 +245,7 @@ class Pipeline:
                         if first_holder[id(p)] != k:
                             grad_in_place.exclude(p)
             for k, (start, end) in enumerate(self.bounds):
-                layers = nn.Sequential(OrderedDict((str(i), own[i]) for i in range(start, end)))
+                layers = cuts.layers(own, start, end)
                 layers = layers.to(self._device(k))  # in place: the model's own parameters, on the stage's device
                 capture.to_device(layers, self._device(k))  # a captured piece's graph names the device it was traced on
                 grad_in_place.fuse(layers)  # large linears: weight gradients into .grad, deferred to W when split

@@ -19,7 +19,6 @@ import resource
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,6 +28,7 @@ from torch import nn
 
 from gpipe import (
     batchnorm,
+    cuts,
     determinism,
     eval_schedule,
     grad_in_place,
@@ -115,8 +115,7 @@ def _captured_skeleton(cfg: StageConfig, factory: Callable[..., Any]) -> tuple[n
         if pieces is None:
             pieces = _captures[key] = skeleton.capture_pieces(model, args).pieces
     # A copy: a tied weight stays one tensor within it (deepcopy's memo), the cached pieces stay as made.
-    return model, buffers, copy.deepcopy(nn.Sequential(OrderedDict((str(i), pieces[i])
-                                                                   for i in range(cfg.start, cfg.end))))
+    return model, buffers, copy.deepcopy(cuts.layers(pieces, cfg.start, cfg.end))
 
 
 def _shipped(cfg: StageConfig) -> nn.Sequential | None:
@@ -157,7 +156,7 @@ def build_layers(cfg: StageConfig, state: dict[str, torch.Tensor] | None, device
         if cfg.capture is not None:
             model = skeleton.capture_pieces(model, cfg.capture).pieces
         assert isinstance(model, nn.Sequential)
-        return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cfg.start, cfg.end)))
+        return cuts.layers(model, cfg.start, cfg.end)
 
     layers = None
     try:

@@ -33,13 +33,13 @@ import copy
 import pickle
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from gpipe import cuts
 from gpipe.capture import graph as capture
 
 _lock = threading.Lock()  # the patch below is process-wide: one build at a time
@@ -122,7 +122,7 @@ def pack(pieces: nn.Sequential, start: int, end: int) -> bytes:
     """Pieces [start, end) of a capture, pickled without their values: every parameter, buffer and plain tensor on
     the meta device (a tied weight still one tensor), as a stage's own capture of a skeleton holds them; the
     graphs as they are. What StageConfig.pieces carries to the stage (see the module's doc)."""
-    part = nn.Sequential(OrderedDict((str(i), pieces[i]) for i in range(start, end)))
+    part = cuts.layers(pieces, start, end)
     memo: dict[int, Any] = {}
     for p in part.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
